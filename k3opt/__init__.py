@@ -1,0 +1,28 @@
+"""k3opt: a graph-optimization compiler for ONNX transformer models headed for Ascend NPUs."""
+from __future__ import annotations
+
+from .errors import (
+    CompileError,
+    InputError,
+    K3optError,
+    OutputError,
+    PluginError,
+    UsageError,
+    VerificationError,
+)
+from .passes.base import Pass, PassContext, register_pass
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompileError",
+    "InputError",
+    "K3optError",
+    "OutputError",
+    "Pass",
+    "PassContext",
+    "PluginError",
+    "UsageError",
+    "VerificationError",
+    "register_pass",
+]

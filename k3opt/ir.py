@@ -1,0 +1,136 @@
+"""Small helpers over onnx-graphsurgeon's graph, shared by every pass.
+
+onnx-graphsurgeon (``gs``) is k3opt's in-memory graph (see docs/design.md).
+It keeps producer/consumer links on every tensor (``tensor.inputs`` are the
+producing nodes, ``tensor.outputs`` the consuming ones), so passes never
+rescan the graph to find uses.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+Tensor = gs.Tensor
+Node = gs.Node
+Graph = gs.Graph
+
+
+def producer(t: Tensor) -> Optional[Node]:
+    """The node computing ``t``, or None for graph inputs and constants."""
+    return t.inputs[0] if t.inputs else None
+
+
+def consumers(t: Tensor) -> list[Node]:
+    """Nodes reading ``t`` (in this graph and in subgraphs that see it)."""
+    return list(t.outputs)
+
+
+def is_graph_output(graph: Graph, t: Tensor) -> bool:
+    """True when ``t`` is one of the graph's outputs (compared by identity)."""
+    return any(o is t for o in graph.outputs)
+
+
+def const_value(t: Optional[Tensor]) -> Optional[np.ndarray]:
+    """The value of ``t`` when it is a constant (initializer or Constant node), else None.
+
+    Reads lazily-loaded (external) weights, so call it only when the value
+    matters to the rewrite; use :func:`const_shape` to look at sizes.
+    """
+    if t is None:
+        return None
+    if isinstance(t, gs.Constant):
+        return t.values
+    p = producer(t)
+    if p is not None and p.op == "Constant" and len(p.outputs) == 1:
+        attr = p.attrs.get("value")
+        if isinstance(attr, gs.Constant):
+            return attr.values
+        for key, dtype in (("value_float", np.float32), ("value_int", np.int64)):
+            if key in p.attrs:
+                return np.array(p.attrs[key], dtype=dtype)
+        for key, dtype in (("value_floats", np.float32), ("value_ints", np.int64)):
+            if key in p.attrs:
+                return np.array(p.attrs[key], dtype=dtype)
+    return None
+
+
+def is_const(t: Optional[Tensor]) -> bool:
+    """True when ``t`` has a value known at optimization time (without loading it)."""
+    if t is None:
+        return False
+    if isinstance(t, gs.Constant):
+        return True
+    p = producer(t)
+    return p is not None and p.op == "Constant"
+
+
+def const_shape(t: Tensor) -> Optional[tuple]:
+    """Static shape of ``t`` when every dim is a known int, else None (never loads data)."""
+    shape = t.shape
+    if shape is None or any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+def rank(t: Tensor) -> Optional[int]:
+    """Rank of ``t`` when known."""
+    return None if t.shape is None else len(t.shape)
+
+
+class NameScope:
+    """Deterministic fresh names: ``base``, ``base_1``, ``base_2``... never clashing.
+
+    One scope per graph optimization run, seeded with every tensor and node
+    name in the graph, so the same input always yields the same names.
+    """
+
+    def __init__(self, graph: Graph):
+        self._used: set[str] = set()
+        for g in _graphs(graph):
+            self._used.update(g.tensors().keys())
+            self._used.update(n.name for n in g.nodes if n.name)
+        self._next: dict[str, int] = {}
+
+    def fresh(self, base: str) -> str:
+        base = base or "k3opt"
+        if base not in self._used:
+            self._used.add(base)
+            return base
+        i = self._next.get(base, 1)
+        while f"{base}_{i}" in self._used:
+            i += 1
+        self._next[base] = i + 1
+        name = f"{base}_{i}"
+        self._used.add(name)
+        return name
+
+
+def _graphs(graph: Graph) -> Iterable[Graph]:
+    yield graph
+    for node in graph.nodes:
+        for sub in node.subgraphs(recursive=False) if hasattr(node, "subgraphs") else ():
+            yield from _graphs(sub)
+
+
+def replace_uses(graph: Graph, old: Tensor, new: Tensor) -> None:
+    """Make every consumer of ``old`` (and the graph outputs) read ``new`` instead.
+
+    When ``old`` is a graph output, ``new`` takes over its name so the model's
+    interface is unchanged.
+    """
+    for node in list(old.outputs):
+        for i, inp in enumerate(node.inputs):
+            if inp is old:
+                node.inputs[i] = new
+    for i, out in enumerate(graph.outputs):
+        if out is old:
+            name = old.name
+            old.name = name + "__k3opt_replaced"
+            new.name = name
+            if new.dtype is None:
+                new.dtype = old.dtype
+            if new.shape is None:
+                new.shape = old.shape
+            graph.outputs[i] = new

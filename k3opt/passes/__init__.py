@@ -1,0 +1,26 @@
+"""Built-in rewrite passes. Each module registers its passes with
+:func:`k3opt.passes.base.register_pass`; every module in this package whose
+name does not start with ``_`` is imported by :func:`load_builtin_passes`, so
+adding a pass is adding a module.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from .base import Pass, PassContext, build_pipeline, get_pass, register_pass, registered_passes
+
+__all__ = ["Pass", "PassContext", "build_pipeline", "get_pass", "register_pass", "registered_passes"]
+
+_LOADED = False
+
+
+def load_builtin_passes() -> None:
+    """Import every pass module once (idempotent)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if not info.name.startswith("_") and info.name not in ("base", "manager"):
+            importlib.import_module(f"{__name__}.{info.name}")

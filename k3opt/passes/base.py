@@ -1,0 +1,150 @@
+"""The Pass abstraction, the context passes run in, and the pass registry.
+
+One pass, one job (LLVM/MLIR style). A pass declares what it needs (shapes,
+a minimum opset, a target); the pass manager honours that and keeps the
+statistics. Built-in passes and plugins register through the same
+:func:`register_pass`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional, Type
+
+from ..errors import UsageError
+from ..ir import Graph, NameScope
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass may know about the run: opset, target, options, and a place for notes.
+
+    ``notes`` end up in the report ("skipped X because ..."): a pass that
+    declines work for a reason a user would want to know records it here.
+    """
+
+    opset: int
+    target: str = "onnx"
+    shapes_available: bool = False
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    names: Optional[NameScope] = None
+    # Free-form per-pass counters beyond "rewrites" (e.g. rmsnorm_found).
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def note(self, message: str) -> None:
+        """Record a report note once (passes run repeatedly to a fixed point)."""
+        if message not in self.notes:
+            self.notes.append(message)
+
+    def fresh_name(self, base: str) -> str:
+        """A deterministic tensor/node name not yet used in the graph."""
+        assert self.names is not None, "PassContext.names is set by the pass manager"
+        return self.names.fresh(base)
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+
+class Pass:
+    """A graph transformation. Subclasses set the class attributes and implement :meth:`run`.
+
+    ``run`` mutates the graph in place and returns how many rewrites it made
+    (0 means "nothing to do": the pass manager's fixed point is reached when
+    a whole round returns 0 everywhere).
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    #: Position in the default pipeline (lower runs first); plugins default to the end.
+    order: ClassVar[float] = 1000.0
+    #: Run shape inference before this pass if the graph changed since the last one.
+    needs_shapes: ClassVar[bool] = False
+    #: The pass is skipped (with a note) below this default-domain opset.
+    min_opset: ClassVar[int] = 1
+    #: Targets the pass applies to; None means every target.
+    targets: ClassVar[Optional[tuple[str, ...]]] = None
+    #: In the default pipeline? (False: only when selected with --passes.)
+    default: ClassVar[bool] = True
+    #: Name of the plugin that registered the pass, None for built-ins.
+    plugin: ClassVar[Optional[str]] = None
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, Type[Pass]] = {}
+
+
+def register_pass(
+    cls: Type[Pass],
+    *,
+    before: Optional[str] = None,
+    after: Optional[str] = None,
+    plugin: Optional[str] = None,
+    replace: bool = False,
+) -> Type[Pass]:
+    """Add a pass class to the registry (usable as a class decorator).
+
+    ``before``/``after`` name a registered pass; the new pass's ``order`` is
+    set just before/after it. ``plugin`` marks who registered it (shown by
+    ``k3opt passes``). Re-registering a name is an error unless ``replace``.
+    """
+    if not cls.name:
+        raise UsageError(f"pass class {cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls and not replace:
+        raise UsageError(f"a pass named '{cls.name}' is already registered")
+    anchor = before or after
+    if anchor is not None:
+        if anchor not in _REGISTRY:
+            raise UsageError(f"pass '{cls.name}' asks to run next to unknown pass '{anchor}'")
+        base = _REGISTRY[anchor].order
+        siblings = [p.order for p in _REGISTRY.values() if p is not cls]
+        if before:
+            lower = max([o for o in siblings if o < base], default=base - 1)
+            cls.order = (lower + base) / 2
+        else:
+            upper = min([o for o in siblings if o > base], default=base + 1)
+            cls.order = (base + upper) / 2
+    if plugin is not None:
+        cls.plugin = plugin
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def unregister_pass(name: str) -> None:
+    """Remove a pass from the registry (tests and plugin reloads)."""
+    _REGISTRY.pop(name, None)
+
+
+def registered_passes() -> dict[str, Type[Pass]]:
+    """Every registered pass by name, in pipeline order (built-ins loaded first)."""
+    from . import load_builtin_passes
+
+    load_builtin_passes()
+    return dict(sorted(_REGISTRY.items(), key=lambda kv: (kv[1].order, kv[0])))
+
+
+def get_pass(name: str) -> Type[Pass]:
+    passes = registered_passes()
+    if name not in passes:
+        raise UsageError(f"unknown pass '{name}'; known passes: {', '.join(passes)}")
+    return passes[name]
+
+
+def build_pipeline(
+    passes: Optional[list[str]] = None, skip: tuple[str, ...] | list[str] = (), target: str = "onnx"
+) -> list[Pass]:
+    """Instances for ``passes`` (exactly those, in the order given) or the default pipeline less ``skip``."""
+    known = registered_passes()
+    for name in list(passes or []) + list(skip):
+        if name not in known:
+            raise UsageError(f"unknown pass '{name}'; known passes: {', '.join(known)}")
+    if passes is not None:
+        chosen = [known[n] for n in passes if n not in skip]
+    else:
+        chosen = [
+            cls
+            for cls in known.values()
+            if cls.default and cls.name not in skip and (cls.targets is None or target in cls.targets)
+        ]
+    return [cls() for cls in chosen]

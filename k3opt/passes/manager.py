@@ -1,0 +1,133 @@
+"""The pass manager: runs a pipeline to a fixed point and keeps statistics.
+
+A round runs every pass once in order; rounds repeat until one makes no
+rewrite (or ``max_rounds`` is reached). Each pass execution is a "step";
+``max_steps`` stops after that many steps, which is how verification
+bisects to the first pass whose output diverges.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional
+
+from ..errors import K3optError, PluginError
+from ..ir import Graph, NameScope
+from .base import Pass, PassContext
+
+
+@dataclasses.dataclass
+class PassStats:
+    """What one pass did over the whole run."""
+
+    name: str
+    runs: int = 0
+    rewrites: int = 0
+    time_s: float = 0.0
+    nodes_before: Optional[int] = None
+    nodes_after: Optional[int] = None
+    skipped: Optional[str] = None
+    plugin: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Step:
+    """One pass execution: which round, which pass, how many rewrites."""
+
+    round: int
+    name: str
+    rewrites: int
+
+
+class PassManager:
+    """Runs passes over a graph to a fixed point.
+
+    ``shape_inference`` is a callable ``(graph) -> bool`` that refreshes the
+    tensors' shapes in place and returns False when inference failed; the
+    manager calls it before a pass that ``needs_shapes`` whenever the graph
+    changed since the last call.
+    """
+
+    def __init__(
+        self,
+        passes: list[Pass],
+        *,
+        max_rounds: int = 8,
+        shape_inference: Optional[Callable[[Graph], bool]] = None,
+        progress: Optional[Callable[[str], None]] = None,
+    ):
+        self.passes = passes
+        self.max_rounds = max_rounds
+        self.shape_inference = shape_inference
+        self.progress = progress
+        self.stats: dict[str, PassStats] = {
+            p.name: PassStats(p.name, plugin=p.plugin) for p in passes
+        }
+        self.steps: list[Step] = []
+        self.rounds = 0
+
+    def run(self, graph: Graph, ctx: PassContext, max_steps: Optional[int] = None) -> int:
+        """Run to a fixed point (or ``max_steps`` pass executions); returns total rewrites."""
+        if ctx.names is None:
+            ctx.names = NameScope(graph)
+        runnable = [p for p in self.passes if self._applicable(p, ctx)]
+        shapes_fresh = ctx.shapes_available
+        total = 0
+        for rnd in range(1, self.max_rounds + 1):
+            self.rounds = rnd
+            round_rewrites = 0
+            for p in runnable:
+                if max_steps is not None and len(self.steps) >= max_steps:
+                    return total
+                if p.needs_shapes and not shapes_fresh and self.shape_inference is not None:
+                    ctx.shapes_available = self.shape_inference(graph)
+                    shapes_fresh = True
+                if self.progress is not None:
+                    self.progress(f"round {rnd}: {p.name}")
+                n = self._run_one(p, graph, ctx)
+                self.steps.append(Step(rnd, p.name, n))
+                if n:
+                    shapes_fresh = False
+                round_rewrites += n
+            total += round_rewrites
+            if round_rewrites == 0:
+                break
+        return total
+
+    def _applicable(self, p: Pass, ctx: PassContext) -> bool:
+        reason = None
+        if ctx.opset < p.min_opset:
+            reason = f"needs opset {p.min_opset}, model has {ctx.opset}"
+        elif p.targets is not None and ctx.target not in p.targets:
+            reason = f"applies to target(s) {', '.join(p.targets)} only"
+        if reason:
+            self.stats[p.name].skipped = reason
+            ctx.note(f"pass {p.name} skipped: {reason}")
+            return False
+        return True
+
+    def _run_one(self, p: Pass, graph: Graph, ctx: PassContext) -> int:
+        st = self.stats[p.name]
+        before = len(graph.nodes)
+        if st.nodes_before is None:
+            st.nodes_before = before
+        t0 = time.perf_counter()
+        try:
+            n = int(p.run(graph, ctx) or 0)
+        except K3optError:
+            raise
+        except Exception as exc:  # a pass bug must name the pass (and plugin)
+            if p.plugin:
+                raise PluginError(
+                    f"plugin '{p.plugin}', pass '{p.name}' failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            raise
+        finally:
+            st.time_s += time.perf_counter() - t0
+        st.runs += 1
+        st.rewrites += n
+        st.nodes_after = len(graph.nodes)
+        return n
