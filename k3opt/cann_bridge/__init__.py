@@ -1,0 +1,1 @@
+"""k3opt.cann_bridge (see docs/design.md)."""

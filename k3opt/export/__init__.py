@@ -1,0 +1,1 @@
+"""k3opt.export (see docs/design.md)."""
