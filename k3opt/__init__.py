@@ -11,6 +11,7 @@ from .errors import (
     VerificationError,
 )
 from .passes.base import Pass, PassContext, register_pass
+from .api import optimize, optimize_file
 
 __version__ = "0.1.0"
 
@@ -24,5 +25,7 @@ __all__ = [
     "PluginError",
     "UsageError",
     "VerificationError",
+    "optimize",
+    "optimize_file",
     "register_pass",
 ]

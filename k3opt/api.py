@@ -1,0 +1,283 @@
+"""The library entry points: ``optimize`` (proto or path in, proto out) and ``optimize_file``.
+
+Both run the pipeline of docs/design.md: load (weights stay on disk) ->
+opset conversion -> --input-shape -> gs import -> passes to a fixed point
+-> cleanup/toposort -> export -> verification -> [cann lowering] -> save.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from . import io, opset as opsets, shapes, verify as verifier
+from .errors import UsageError, VerificationError
+from .passes.base import PassContext, build_pipeline
+from .passes.manager import PassManager
+from .report import ModelSummary, Report
+
+ModelLike = Union[onnx.ModelProto, str, os.PathLike]
+Progress = Optional[Callable[[str], None]]
+TARGETS = ("onnx", "cann")
+
+
+def optimize(
+    model: ModelLike,
+    *,
+    passes: Optional[Sequence[str]] = None,
+    skip: Sequence[str] = (),
+    target: str = "onnx",
+    opset: Optional[int] = None,
+    input_shapes: Optional[shapes.InputShapes] = None,
+    plugins: Sequence[Any] = (),
+    verify: bool = False,
+    **options: Any,
+) -> onnx.ModelProto:
+    """Optimize ``model`` (a ModelProto, never mutated, or a path) and return the new ModelProto.
+
+    ``options`` also takes ``rtol``, ``atol``, ``input_data`` (verification),
+    ``progress`` (a callable receiving step messages) and ``report`` (a
+    Report to fill in); anything else is handed to the passes in
+    ``PassContext.options``. Raises a :class:`k3opt.K3optError` subclass.
+    """
+    report = options.pop("report", None) or Report()
+    return _Run(report, **options).optimize(
+        model, passes=passes, skip=skip, target=target, opset=opset, input_shapes=input_shapes,
+        plugins=plugins, verify=verify,
+    )
+
+
+def optimize_file(
+    src: Union[str, os.PathLike],
+    dst: Optional[Union[str, os.PathLike]] = None,
+    *,
+    overwrite: bool = False,
+    external_data: Optional[bool] = None,
+    **kwargs: Any,
+) -> Report:
+    """Optimize the model file ``src`` into ``dst`` (default ``SRC.k3opt.onnx``); returns the Report.
+
+    Weights stay on disk and are streamed into ``DST.data`` when external
+    data is used (see :func:`k3opt.io.save`). Takes the keyword arguments of
+    :func:`optimize`. Nothing is written when verification fails.
+    """
+    out = Path(dst) if dst is not None else default_output(src)
+    io.check_output_path(out, src, overwrite)
+    report = kwargs.pop("report", None) or Report()
+    pipeline_args = _pipeline_args(kwargs)
+    run = _Run(report, **kwargs)
+    model = run.optimize(src, **pipeline_args)
+    with run.step("saving", "save"):
+        written = io.save(model, out, external_data=external_data)
+    report.output = str(out)
+    report.files = [str(p) for p in written]
+    report.after.size_bytes = sum(p.stat().st_size for p in written)
+    return report
+
+
+def default_output(src: Union[str, os.PathLike]) -> Path:
+    """``model.onnx`` -> ``model.k3opt.onnx`` next to it."""
+    p = Path(src)
+    stem = p.name[: -len(".onnx")] if p.name.endswith(".onnx") else p.name
+    return p.with_name(stem + ".k3opt.onnx")
+
+
+_PIPELINE_KEYS = ("passes", "skip", "target", "opset", "input_shapes", "plugins", "verify")
+
+
+def _pipeline_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: kwargs.pop(k) for k in _PIPELINE_KEYS if k in kwargs}
+
+
+class _Run:
+    """One optimization run: its report, progress sink and verification settings."""
+
+    def __init__(
+        self, report: Report, *, progress: Progress = None, rtol: Optional[float] = None,
+        atol: Optional[float] = None, input_data: Any = None, seed: int = 0, **pass_options: Any,
+    ):
+        self.report = report
+        self.progress = progress
+        self.rtol, self.atol, self.input_data, self.seed = rtol, atol, input_data, seed
+        self.pass_options = pass_options
+
+    @contextlib.contextmanager
+    def step(self, message: str, key: str) -> Iterator[None]:
+        """Time a step into the report and announce it to the progress sink."""
+        if self.progress is not None:
+            self.progress(message)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.report.timings[key] = self.report.timings.get(key, 0.0) + time.perf_counter() - t0
+
+    def optimize(
+        self, model: ModelLike, *, passes: Optional[Sequence[str]] = None, skip: Sequence[str] = (),
+        target: str = "onnx", opset: Optional[int] = None, input_shapes: Optional[shapes.InputShapes] = None,
+        plugins: Sequence[Any] = (), verify: bool = False,
+    ) -> onnx.ModelProto:
+        report = self.report
+        if target not in TARGETS:
+            raise UsageError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
+        report.target = target
+        if plugins:
+            from .plugins import load_plugins
+
+            load_plugins(list(plugins))
+        pipeline = build_pipeline(list(passes) if passes is not None else None, tuple(skip), target)
+        with self.step("loading", "load"):
+            model = _load(model, report)
+            opset_before = opsets.model_opset(model)
+            report.before = ModelSummary.of(model, io.proto_size(model), opset_before)
+        with self.step("converting opset", "opset"):
+            model, notes = opsets.convert(model, opset, target=target)
+            report.notes.extend(notes)
+        shapes.fix_inputs(model, input_shapes)
+        original = self._runnable_original(model) if verify else None
+
+        ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options))
+        refresher = shapes.ShapeRefresher()
+        manager = PassManager(pipeline, shape_inference=refresher, progress=self._pass_progress())
+        with self.step("running passes", "passes"):
+            graph = io.import_graph(model)
+            manager.run(graph, ctx)
+            out = export(graph, model)
+        report.passes = [manager.stats[p.name].as_dict() for p in pipeline]
+        report.rounds = manager.rounds
+        report.notes.extend(refresher.notes + [n for n in ctx.notes if n not in report.notes])
+        if original is not None:
+            with self.step("verifying", "verify"):
+                self._verify(original, out, manager, model, pipeline, ctx)
+        if target == "cann":
+            from .cann_bridge import lower
+
+            with self.step("lowering for CANN", "lower"):
+                out, lines = lower(out)
+            report.lowering = list(lines)
+        report.after = ModelSummary.of(out, io.proto_size(out), opsets.model_opset(out))
+        return out
+
+    def _pass_progress(self) -> Progress:
+        if self.progress is None:
+            return None
+        return lambda msg: self.progress(f"passes: {msg}")
+
+    def _runnable_original(self, model: onnx.ModelProto) -> Optional[bytes]:
+        try:
+            return verifier.runnable_bytes(model)
+        except verifier.Unrunnable as exc:
+            self._skip_verification(str(exc))
+            return None
+
+    def _skip_verification(self, reason: str) -> None:
+        self.report.verification = verifier.skipped(reason)
+        self.report.warnings.append(f"verification skipped: {reason}")
+
+    def _verify(self, original: bytes, out: onnx.ModelProto, manager: PassManager, model: onnx.ModelProto,
+                pipeline: list, ctx: PassContext) -> None:
+        """Compare original and optimized; on divergence bisect and raise VerificationError."""
+        proto = onnx.load_from_string(original)
+        feeds = verifier.make_feeds(proto, seed=self.seed, input_data=self.input_data)
+        names = [o.name for o in proto.graph.output]
+        try:
+            expected = verifier.run(verifier.session(original), feeds)
+        except verifier.Unrunnable as exc:
+            return self._skip_verification(f"original model: {exc}")
+        except Exception as exc:  # ORT cannot run the original on our inputs: nothing to compare
+            return self._skip_verification(f"onnxruntime failed on the original model: {_first_line(exc)}")
+
+        def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
+            try:
+                actual = verifier.run(verifier.session(candidate), feeds)
+            except verifier.Unrunnable:
+                raise
+            except Exception as exc:  # the optimized model does not run: that is a failure
+                return {"status": "failed", "outputs": [], "rtol": self.rtol or 0.0, "atol": self.atol or 0.0,
+                        "reason": f"onnxruntime cannot run the optimized model: {_first_line(exc)}"}
+            if [o.name for o in candidate.graph.output] != names:
+                return {"status": "failed", "outputs": [], "rtol": self.rtol or 0.0, "atol": self.atol or 0.0,
+                        "reason": "the optimized model's outputs are not the original's"}
+            return verifier.compare(expected, actual, names, rtol=self.rtol, atol=self.atol)
+
+        try:
+            result = result_of(out)
+        except verifier.Unrunnable as exc:
+            return self._skip_verification(f"optimized model: {exc}")
+        self.report.verification = result
+        if result["status"] == "passed":
+            return None
+        culprit = self._bisect(original, manager, pipeline, ctx, result_of)
+        detail = result.get("reason") or _worst(result)
+        raise VerificationError(f"optimized model differs from the original ({detail}){culprit}")
+
+    def _bisect(self, original: bytes, manager: PassManager, pipeline: list, ctx: PassContext,
+                result_of: Callable[[onnx.ModelProto], dict]) -> str:
+        """Re-run the passes on fresh imports, stopping after k steps, to find the first bad step."""
+        candidates = [i + 1 for i, s in enumerate(manager.steps) if s.rewrites]
+
+        def diverges(k: int) -> bool:
+            model = onnx.load_from_string(original)
+            graph = io.import_graph(model)
+            fresh = PassContext(opset=ctx.opset, target=ctx.target, options=dict(ctx.options))
+            PassManager([type(p)() for p in pipeline], shape_inference=shapes.ShapeRefresher()).run(
+                graph, fresh, max_steps=k)
+            try:
+                return result_of(export(graph, model))["status"] != "passed"
+            except verifier.Unrunnable:
+                return True
+
+        step = verifier.first_diverging_step(candidates, diverges)
+        if step is None:
+            return ""
+        bad = manager.steps[step - 1]
+        self.report.verification["first_diverging_pass"] = bad.name
+        return f"; first diverging pass: {bad.name} (round {bad.round})"
+
+
+def export(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
+    """Clean up, sort and export ``graph`` with ``model``'s metadata and opset imports."""
+    graph.cleanup().toposort()
+    out = gs.export_onnx(graph, do_type_check=False)
+    out.ir_version = model.ir_version
+    for field in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(out, field, getattr(model, field))
+    del out.metadata_props[:]
+    out.metadata_props.extend(model.metadata_props)
+    imports = list(model.opset_import)
+    known = {o.domain for o in imports} | {"ai.onnx"}
+    imports += [o for o in out.opset_import if o.domain not in known and o.domain]
+    del out.opset_import[:]
+    out.opset_import.extend(imports)
+    return out
+
+
+def _load(model: ModelLike, report: Report) -> onnx.ModelProto:
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        io.validate(copy, os.getcwd())
+        return copy
+    if isinstance(model, (str, os.PathLike)):
+        report.input = str(model)
+        return io.load(model)
+    raise UsageError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
+def _worst(result: Mapping[str, Any]) -> str:
+    bad = [o for o in result["outputs"] if not o["passed"]]
+    if not bad:
+        return "output count differs"
+    o = bad[0]
+    return (f"output '{o['name']}': max abs err {o['max_abs']:.3g}, max rel err {o['max_rel']:.3g}, "
+            f"rtol {o['rtol']:g}, atol {o['atol']:g}")

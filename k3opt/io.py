@@ -1,0 +1,412 @@
+"""Reading and writing models without loading their weights.
+
+Inside k3opt every external-data ``location`` is an ABSOLUTE path (see
+docs/design.md, "External data"): :func:`load` resolves the locations of a
+model file against its folder, so a model proto can travel through the
+pipeline (and through temporary spill files) without a base directory.
+:class:`ExternalValues` reads such a tensor lazily for gs, :func:`save`
+streams it into the output's data file chunk by chunk.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from google.protobuf.message import DecodeError
+from onnx import TensorProto
+from onnx.external_data_helper import uses_external_data
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from .errors import InputError, OutputError
+
+PathLike = Union[str, os.PathLike]
+
+#: Protobuf refuses messages of 2 GiB; stay clear of it.
+PROTO_LIMIT = 2**31 - 64 * 2**20
+#: Tensors at least this big go to the data file when saving with external data.
+EXTERNAL_THRESHOLD = 1024
+_CHUNK = 16 * 2**20
+#: Prefix of the spill files k3opt writes to keep merged weights out of memory.
+SPILL_PREFIX = "k3opt-spill-"
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def all_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
+    """Every TensorProto of the model: initializers and tensor attributes, subgraphs included."""
+    def graph_tensors(g: onnx.GraphProto) -> Iterator[TensorProto]:
+        yield from g.initializer
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                if attr.HasField("g"):
+                    yield from graph_tensors(attr.g)
+                for sub in attr.graphs:
+                    yield from graph_tensors(sub)
+
+    yield from graph_tensors(model.graph)
+
+
+def external_info(t: TensorProto) -> dict[str, str]:
+    """The tensor's external_data entries as a dict (location, offset, length...)."""
+    return {e.key: e.value for e in t.external_data}
+
+
+def _set_external(t: TensorProto, location: str, offset: int, length: int) -> None:
+    del t.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    t.data_location = TensorProto.EXTERNAL
+
+
+def tensor_nbytes(t: TensorProto) -> int:
+    """Bytes of the tensor's data as stored in raw/external form."""
+    info = external_info(t)
+    if "length" in info:
+        return int(info["length"])
+    if t.HasField("raw_data"):
+        return len(t.raw_data)
+    count = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
+    if t.data_type == TensorProto.STRING:
+        return sum(len(s) for s in t.string_data)
+    bits = {TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.FLOAT4E2M1: 4}.get(t.data_type)
+    if bits:
+        return (count + 1) // 2
+    return count * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+
+
+def _external_span(t: TensorProto) -> tuple[str, int, int]:
+    info = external_info(t)
+    return info["location"], int(info.get("offset", 0)), tensor_nbytes(t)
+
+
+def read_external_bytes(t: TensorProto) -> bytes:
+    """The raw bytes of a tensor whose (absolute) location k3opt resolved."""
+    location, offset, length = _external_span(t)
+    with open(location, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise InputError(f"external data file {location} is too short for tensor '{t.name}'")
+    return data
+
+
+def inline_copy(t: TensorProto) -> TensorProto:
+    """A copy of ``t`` with its external data read into ``raw_data``."""
+    out = TensorProto()
+    out.CopyFrom(t)
+    if uses_external_data(t):
+        out.raw_data = read_external_bytes(t)
+        del out.external_data[:]
+        out.data_location = TensorProto.DEFAULT
+    return out
+
+
+class ExternalValues(LazyValues):
+    """gs lazy values for a tensor in an external file with an absolute location.
+
+    onnx itself refuses absolute locations; this reads just this tensor's
+    bytes when a pass asks for ``.values``.
+    """
+
+    def load(self) -> np.ndarray:
+        return np.array(onnx.numpy_helper.to_array(inline_copy(self.tensor)))
+
+
+def import_graph(model: onnx.ModelProto) -> gs.Graph:
+    """``gs.import_onnx`` with external weights left on disk until a pass reads them.
+
+    The graph shares TensorProtos with ``model``: import a proto you own.
+    """
+    graph = gs.import_onnx(model)
+    graphs = [graph]
+    for node in graph.nodes:
+        graphs.extend(node.subgraphs(recursive=True))
+    for g in graphs:
+        for t in g.tensors().values():
+            if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues):
+                if uses_external_data(t._values.tensor):
+                    t._values = ExternalValues(t._values.tensor)
+    return graph
+
+
+_SPILL: dict[str, object] = {}
+
+
+def spill_constant(name: str, values: np.ndarray) -> gs.Constant:
+    """A gs Constant whose data is written to this process's spill file instead of memory.
+
+    Passes that create big weights (e.g. merged sibling MatMuls) use this so
+    memory stays flat; :func:`save` copies the bytes into the output's data
+    file, and the spill file is removed when the process exits.
+    """
+    arr = np.ascontiguousarray(values)
+    if "file" not in _SPILL:
+        fd, path = tempfile.mkstemp(prefix=SPILL_PREFIX, suffix=".data")
+        _SPILL["file"] = os.fdopen(fd, "r+b")
+        _SPILL["path"] = path
+        atexit.register(_remove_spill)
+    f = _SPILL["file"]
+    f.seek(0, os.SEEK_END)
+    offset = f.tell()
+    f.write(arr.tobytes())
+    f.flush()
+    tensor = onnx.helper.make_tensor(name, onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape, vals=[])
+    _set_external(tensor, str(_SPILL["path"]), offset, arr.nbytes)
+    return gs.Constant(name, ExternalValues(tensor), data_location=TensorProto.EXTERNAL)
+
+
+def _remove_spill() -> None:
+    f = _SPILL.pop("file", None)
+    if f is not None:
+        f.close()
+        Path(str(_SPILL.pop("path"))).unlink(missing_ok=True)
+
+
+def _is_spill_file(location: str) -> bool:
+    p = Path(location)
+    return p.name.startswith(SPILL_PREFIX) and p.parent == Path(tempfile.gettempdir())
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load(path: PathLike) -> onnx.ModelProto:
+    """Read a model file without its external data, checked enough to optimize.
+
+    Raises InputError (one clear line) for a missing file, a directory, bytes
+    that are not a model, a graph with a cycle or an undefined input, and
+    missing or short external-data files.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file")
+    if p.is_dir():
+        raise InputError(f"{p}: is a directory, not an ONNX model file")
+    if p.stat().st_size == 0:
+        raise InputError(f"{p}: file is empty")
+    try:
+        model = onnx.load(str(p), load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError, OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{p}: not a readable ONNX model (truncated or corrupt: {exc})") from None
+    validate(model, p.parent, source=str(p))
+    return model
+
+
+def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model") -> None:
+    """Check the model's structure and make its external-data locations absolute.
+
+    Relative locations are resolved against ``base_dir`` and must stay
+    inside it; absolute ones are accepted only for k3opt spill files.
+    """
+    if not model.HasField("graph") or not model.opset_import or not model.graph.output:
+        raise InputError(f"{source}: not an ONNX model (no graph, outputs or opset import)")
+    check_graph(model.graph, source)
+    base = Path(os.path.abspath(base_dir))
+    for t in all_tensors(model):
+        if uses_external_data(t):
+            _resolve_location(t, base, source)
+
+
+def _resolve_location(t: TensorProto, base: Path, source: str) -> None:
+    info = external_info(t)
+    location = info.get("location", "")
+    if not location:
+        raise InputError(f"{source}: tensor '{t.name}' has external data without a location")
+    if os.path.isabs(location):
+        if not _is_spill_file(location):
+            raise InputError(f"{source}: tensor '{t.name}' has an absolute external-data path {location}")
+        path = Path(location)
+    else:
+        path = Path(os.path.normpath(base / location))
+        if base not in path.parents:
+            raise InputError(f"{source}: external data of tensor '{t.name}' points outside the model folder")
+    if not path.is_file():
+        raise InputError(f"{source}: missing external-data file {path} (tensor '{t.name}')")
+    try:
+        end = int(info.get("offset", 0)) + tensor_nbytes(t)
+    except ValueError:
+        raise InputError(f"{source}: tensor '{t.name}' has a malformed external-data offset/length") from None
+    if end > path.stat().st_size:
+        raise InputError(f"{source}: external-data file {path} is too short for tensor '{t.name}'")
+    for entry in t.external_data:
+        if entry.key == "location":
+            entry.value = str(path)
+
+
+def check_graph(graph: onnx.GraphProto, source: str = "model", outer: frozenset = frozenset()) -> None:
+    """Every node input is produced somewhere and the nodes form no cycle."""
+    known = set(outer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    known |= {t.name for t in graph.sparse_initializer}
+    produced = {o: n for n in graph.node for o in n.output if o}
+    visible = frozenset(known | set(produced))
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in visible:
+                raise InputError(
+                    f"{source}: input '{name}' of node '{node.name or node.op_type}' is produced by nothing"
+                )
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                check_graph(sub, source, visible)
+    for name in graph.output:
+        if name.name not in visible:
+            raise InputError(f"{source}: graph output '{name.name}' is produced by nothing")
+    _check_acyclic(graph, known, source)
+
+
+def _check_acyclic(graph: onnx.GraphProto, known: set, source: str) -> None:
+    pending = {i: sum(1 for x in n.input if x and x not in known) for i, n in enumerate(graph.node)}
+    users: dict[str, list[int]] = {}
+    for i, n in enumerate(graph.node):
+        for x in n.input:
+            if x and x not in known:
+                users.setdefault(x, []).append(i)
+    ready = [i for i, c in pending.items() if c == 0]
+    done = 0
+    while ready:
+        i = ready.pop()
+        done += 1
+        for out in graph.node[i].output:
+            for j in users.pop(out, ()):
+                pending[j] -= 1
+                if pending[j] == 0:
+                    ready.append(j)
+    if done < len(graph.node):
+        stuck = next(graph.node[i] for i, c in pending.items() if c > 0)
+        raise InputError(f"{source}: the graph has a cycle (through node '{stuck.name or stuck.op_type}')")
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def check_output_path(dst: PathLike, src: Optional[PathLike] = None, overwrite: bool = False) -> Path:
+    """Refuse an output that is the input (unless ``overwrite``) or in an unwritable folder."""
+    out = Path(dst)
+    if src is not None and Path(src).exists() and not overwrite:
+        if os.path.abspath(src) == os.path.abspath(out) or (out.exists() and out.samefile(src)):
+            raise OutputError(f"{out}: output is the input model; pass --overwrite to replace it")
+    if out.is_dir():
+        raise OutputError(f"{out}: is a directory")
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise OutputError(f"{out}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise OutputError(f"{out}: folder {folder} is not writable")
+    return out
+
+
+def data_path(dst: PathLike) -> Path:
+    """Where the external data of output ``dst`` goes: ``DST.data`` next to it."""
+    return Path(str(dst) + ".data")
+
+
+def proto_size(model: onnx.ModelProto) -> int:
+    """Bytes the model would take inline: proto plus external data."""
+    return model.ByteSize() + sum(tensor_nbytes(t) for t in all_tensors(model) if uses_external_data(t))
+
+
+def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool] = None) -> list[Path]:
+    """Write ``model`` to ``dst`` atomically; returns the files written.
+
+    External data is used when asked, when the model already keeps weights
+    outside the proto, or when the proto would pass the 2 GB limit; it goes
+    to ``DST.data``. Weights in source files are streamed, never loaded at
+    once. ``model``'s tensors are rewritten to point at the new file.
+    """
+    out = Path(dst)
+    has_external = any(uses_external_data(t) for t in all_tensors(model))
+    too_big = proto_size(model) > PROTO_LIMIT
+    if external_data is None:
+        external_data = has_external or too_big
+    if not external_data and too_big:
+        raise OutputError(f"{out}: model exceeds 2 GB; it must be saved with external data")
+    temps: list[Path] = []
+    try:
+        if external_data:
+            data_tmp = _temp_in(out.parent, data_path(out).name)
+            temps.append(data_tmp)
+            with open(data_tmp, "wb") as f:
+                _write_external(model, f, data_path(out).name)
+                _sync(f)
+        else:
+            for t in all_tensors(model):
+                if uses_external_data(t):
+                    t.CopyFrom(inline_copy(t))
+        model_tmp = _temp_in(out.parent, out.name)
+        temps.append(model_tmp)
+        with open(model_tmp, "wb") as f:
+            f.write(model.SerializeToString())
+            _sync(f)
+        written = [out]
+        if external_data:
+            os.replace(temps[0], data_path(out))
+            written.append(data_path(out))
+        os.replace(model_tmp, out)
+        return written
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+
+
+def _temp_in(folder: Path, name: str) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder if str(folder) else ".")
+    os.close(fd)
+    return Path(tmp)
+
+
+def _sync(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _write_external(model: onnx.ModelProto, f, location: str) -> None:
+    """Move every big tensor's bytes into ``f`` (streamed from source files) and repoint it."""
+    for t in all_tensors(model):
+        if t.data_type == TensorProto.STRING:
+            continue
+        size = tensor_nbytes(t)
+        if size < EXTERNAL_THRESHOLD and not uses_external_data(t):
+            continue
+        if size >= 2**20:
+            f.write(b"\0" * (-f.tell() % 4096))  # page-aligned big weights can be mmapped
+        offset = f.tell()
+        if uses_external_data(t):
+            src, src_offset, length = _external_span(t)
+            with open(src, "rb") as data:
+                data.seek(src_offset)
+                _copy_exact(data, f, length, src)
+        else:
+            f.write(_raw_bytes(t))
+            for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                t.ClearField(field)
+        _set_external(t, location, offset, size)
+
+
+def _raw_bytes(t: TensorProto) -> bytes:
+    if t.HasField("raw_data"):
+        return t.raw_data
+    return onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t)).raw_data
+
+
+def _copy_exact(src, dst, length: int, name: str) -> None:
+    remaining = length
+    while remaining:
+        chunk = src.read(min(_CHUNK, remaining))
+        if not chunk:
+            raise InputError(f"external-data file {name} ended early")
+        dst.write(chunk)
+        remaining -= len(chunk)
+

@@ -1,0 +1,110 @@
+"""Opset conversion: raise old models to opset 17 (LayerNormalization) or to what the user asks.
+
+The converter runs on a weight-less copy (big tensors' data stripped), and
+the original weights are grafted back by name, so a multi-GB model
+converts without its weights in memory.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import onnx
+from onnx import TensorProto, version_converter
+
+from .errors import UsageError
+from .io import EXTERNAL_THRESHOLD, all_tensors, tensor_nbytes
+
+#: Models below this are raised to it by default; the CANN target needs exactly it.
+DEFAULT_OPSET = 17
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def model_opset(model: onnx.ModelProto) -> int:
+    """The model's default-domain opset version (1 when it imports none)."""
+    versions = [o.version for o in model.opset_import if o.domain in _DEFAULT_DOMAINS]
+    return max(versions, default=1)
+
+
+def convert(
+    model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx"
+) -> tuple[onnx.ModelProto, list[str]]:
+    """Return (model at the wanted opset, report notes).
+
+    No ``opset``: below 17 is raised to 17, otherwise kept; if raising fails
+    the model keeps its opset and a note says so. An explicit ``opset`` or
+    the cann target (exactly 17) must succeed, else UsageError naming the
+    blocking op.
+    """
+    current = model_opset(model)
+    strict = opset is not None or target == "cann"
+    if target == "cann":
+        if opset is not None and opset != DEFAULT_OPSET:
+            raise UsageError(f"--target cann needs opset {DEFAULT_OPSET}, not {opset}")
+        wanted = DEFAULT_OPSET
+    elif opset is not None:
+        wanted = opset
+    else:
+        wanted = max(current, DEFAULT_OPSET)
+    if wanted == current:
+        return _single_default_import(model, current), []
+    try:
+        converted = _convert_weightless(model, wanted)
+    except Exception as exc:  # onnx's converter raises RuntimeError/ValueError/IndexError...
+        reason = _blocking_reason(model, wanted, exc)
+        if strict:
+            raise UsageError(f"cannot convert opset {current} to {wanted}: {reason}") from None
+        return model, [f"opset kept at {current}: conversion to {wanted} failed ({reason})"]
+    return converted, [f"opset converted from {current} to {wanted}"]
+
+
+def _single_default_import(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
+    others = [o for o in model.opset_import if o.domain not in _DEFAULT_DOMAINS]
+    if len(model.opset_import) - len(others) != 1:
+        del model.opset_import[:]
+        model.opset_import.extend([onnx.helper.make_opsetid("", version)] + others)
+    return model
+
+
+def _convert_weightless(model: onnx.ModelProto, wanted: int) -> onnx.ModelProto:
+    light = onnx.ModelProto()
+    light.CopyFrom(model)
+    kept: dict[str, TensorProto] = {}
+    for orig, t in zip(model.graph.initializer, light.graph.initializer):
+        if t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD:
+            kept[t.name] = orig
+            t.ClearField("raw_data")
+            del t.external_data[:]
+            t.ClearField("data_location")
+    converted = version_converter.convert_version(_single_default_import(light, model_opset(light)), wanted)
+    for t in converted.graph.initializer:
+        if t.name in kept:
+            t.CopyFrom(kept[t.name])
+    onnx.checker.check_model(_stripped(converted))
+    return _single_default_import(converted, wanted)
+
+
+def _stripped(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy without tensor data, for the checker (it would read external files)."""
+    light = onnx.ModelProto()
+    light.CopyFrom(model)
+    for t in all_tensors(light):
+        if t.data_location == TensorProto.EXTERNAL:
+            del t.external_data[:]
+            t.ClearField("data_location")
+    return light
+
+
+def _blocking_reason(model: onnx.ModelProto, wanted: int, exc: Exception) -> str:
+    for node in model.graph.node:
+        if node.domain in _DEFAULT_DOMAINS:
+            try:
+                onnx.defs.get_schema(node.op_type, wanted, "")
+            except onnx.defs.SchemaError:
+                where = f" (node '{node.name}')" if node.name else ""
+                return f"op {node.op_type}{where} does not exist at opset {wanted}"
+    text = str(exc)
+    m = re.search(r"No Adapter (From|To) Version \$?(\d+) for (\w+)", text)
+    if m:
+        return f"onnx's version converter cannot convert op {m.group(3)} ({m.group(1).lower()} version {m.group(2)})"
+    return ((text.strip().splitlines() or [type(exc).__name__])[0])[:300]

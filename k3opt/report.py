@@ -1,0 +1,114 @@
+"""What an optimization run did: the Report object, its JSON form and the CLI table."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import onnx
+
+from .errors import OutputError
+
+
+def op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    """Node count per op type in the main graph (``domain::Op`` for non-default domains)."""
+    counts: dict[str, int] = {}
+    for n in model.graph.node:
+        key = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+@dataclasses.dataclass
+class ModelSummary:
+    """Size and op mix of one model."""
+
+    nodes: int
+    ops: dict[str, int]
+    size_bytes: int
+    opset: int
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto, size_bytes: int, opset: int) -> "ModelSummary":
+        return cls(len(model.graph.node), op_counts(model), size_bytes, opset)
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything a run produced besides the model; ``as_dict`` is the --report JSON."""
+
+    input: Optional[str] = None
+    output: Optional[str] = None
+    target: str = "onnx"
+    before: Optional[ModelSummary] = None
+    after: Optional[ModelSummary] = None
+    passes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    rounds: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    verification: Optional[dict[str, Any]] = None
+    lowering: list[str] = dataclasses.field(default_factory=list)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    files: list[str] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def write_json(self, path: str | Path) -> None:
+        """Write ``as_dict`` as JSON (OutputError when the file cannot be written)."""
+        try:
+            Path(path).write_text(json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n")
+        except OSError as exc:
+            raise OutputError(f"{path}: cannot write report ({exc.strerror or exc})") from None
+
+    def table(self) -> str:
+        """The compact before/after summary the CLI prints."""
+        lines: list[str] = []
+        if self.before and self.after:
+            b, a = self.before, self.after
+            lines.append(f"{'':24}{'before':>12}{'after':>12}")
+            lines.append(f"{'nodes':24}{b.nodes:>12}{a.nodes:>12}")
+            lines.append(f"{'size':24}{_size(b.size_bytes):>12}{_size(a.size_bytes):>12}")
+            if b.opset != a.opset:
+                lines.append(f"{'opset':24}{b.opset:>12}{a.opset:>12}")
+            for op in sorted(set(b.ops) | set(a.ops)):
+                if b.ops.get(op, 0) != a.ops.get(op, 0):
+                    lines.append(f"{'  ' + op:24}{b.ops.get(op, 0):>12}{a.ops.get(op, 0):>12}")
+        active = [p for p in self.passes if p["rewrites"] or p["skipped"]]
+        if active:
+            lines.append(f"{'pass':32}{'rewrites':>10}{'time':>10}")
+            for p in active:
+                label = p["name"] + (f" [{p['plugin']}]" if p.get("plugin") else "")
+                if p["skipped"]:
+                    lines.append(f"{label:32}{'skipped':>10}{'':>10}")
+                else:
+                    lines.append(f"{label:32}{p['rewrites']:>10}{p['time_s']:>9.2f}s")
+        if self.verification:
+            lines.append("verification: " + verification_line(self.verification))
+        lines.extend(f"note: {n}" for n in self.notes)
+        lines.extend(f"cann: {n}" for n in self.lowering)
+        if self.output:
+            lines.append(f"wrote {self.output}")
+        return "\n".join(lines)
+
+
+def verification_line(v: dict[str, Any]) -> str:
+    """One line for a verification result dict (see k3opt.verify)."""
+    if v["status"] == "skipped":
+        return f"skipped ({v['reason']})"
+    worst_abs = max((o["max_abs"] for o in v["outputs"]), default=0.0)
+    worst_rel = max((o["max_rel"] for o in v["outputs"]), default=0.0)
+    return (
+        f"{v['status']} ({len(v['outputs'])} outputs, max abs err {worst_abs:.3g}, "
+        f"max rel err {worst_rel:.3g}; rtol {v['rtol']:g}, atol {v['atol']:g})"
+    )
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"

@@ -1,0 +1,231 @@
+"""Verification: run the original and the optimized model in onnxruntime on the same inputs.
+
+Inputs are seeded and dtype/range aware (token ids below the vocabulary size
+when an input indexes an embedding Gather, ones for masks) or come from the
+user's .npz. A model onnxruntime cannot run is skipped with a reason; a
+divergence is reported per output and bisected to the first pass that
+caused it (see :func:`first_diverging_step`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import onnx
+from onnx.external_data_helper import uses_external_data
+
+from .errors import InputError, UsageError
+from .io import PROTO_LIMIT, all_tensors, inline_copy, proto_size
+
+#: Default (rtol, atol) by output element type; other floats use fp32's.
+TOLERANCES = {
+    np.dtype(np.float32): (1e-4, 1e-5),
+    np.dtype(np.float64): (1e-4, 1e-5),
+    np.dtype(np.float16): (1e-2, 1e-3),
+}
+_PASSTHROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"}
+_UNSUPPORTED = ("not a registered function/op", "Could not find an implementation", "NOT_IMPLEMENTED")
+
+
+class Unrunnable(Exception):
+    """onnxruntime cannot run this model (unknown op, too big); verification is skipped."""
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (psutil when installed, else sysconf)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil is a test dependency only
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def runnable_bytes(model: onnx.ModelProto) -> bytes:
+    """The model serialized with its external data inlined, ready for onnxruntime.
+
+    Raises Unrunnable when that would pass the protobuf limit or the free memory.
+    """
+    size = proto_size(model)
+    if size > PROTO_LIMIT:
+        raise Unrunnable(f"model is {size / 2**30:.1f} GB, over what onnxruntime can load from memory")
+    if 3 * size > available_memory():
+        raise Unrunnable(f"model ({size / 2**20:.0f} MB) would not fit in free memory twice")
+    if not any(uses_external_data(t) for t in all_tensors(model)):
+        return model.SerializeToString()
+    inlined = onnx.ModelProto()
+    inlined.CopyFrom(model)
+    for t in all_tensors(inlined):
+        if uses_external_data(t):
+            t.CopyFrom(inline_copy(t))
+    return inlined.SerializeToString()
+
+
+def session(model: Union[bytes, onnx.ModelProto]):
+    """An onnxruntime CPU session with graph optimizations off (we compare our rewrites, not ORT's)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    data = model if isinstance(model, bytes) else runnable_bytes(model)
+    try:
+        return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises its own pybind exception types
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if any(s in str(exc) for s in _UNSUPPORTED):
+            raise Unrunnable(f"onnxruntime cannot run it: {msg[:300]}") from None
+        raise
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def make_feeds(
+    model: onnx.ModelProto, *, seed: int = 0, input_data: Optional[Union[str, os.PathLike, Mapping]] = None,
+    symbolic_dim: int = 2,
+) -> dict[str, np.ndarray]:
+    """One array per graph input: the user's (``input_data``: .npz path or dict) or seeded random ones."""
+    user = _load_input_data(input_data)
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    limits = _index_limits(model.graph)
+    feeds: dict[str, np.ndarray] = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        if vi.name in user:
+            feeds[vi.name] = np.asarray(user[vi.name]).astype(dtype, copy=False)
+            continue
+        shape = [d.dim_value if d.HasField("dim_value") else symbolic_dim for d in tt.shape.dim]
+        feeds[vi.name] = _random_input(vi.name, dtype, shape, limits.get(vi.name), rng)
+    unknown = set(user) - set(feeds)
+    if unknown:
+        raise UsageError(f"--input-data names {', '.join(sorted(unknown))}, which are not graph inputs")
+    return feeds
+
+
+def _load_input_data(input_data: Optional[Union[str, os.PathLike, Mapping]]) -> dict[str, np.ndarray]:
+    if input_data is None:
+        return {}
+    if isinstance(input_data, Mapping):
+        return dict(input_data)
+    try:
+        with np.load(Path(input_data), allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{input_data}: cannot read input data ({exc})") from None
+
+
+def _random_input(name: str, dtype: np.dtype, shape: list[int], limit: Optional[int], rng) -> np.ndarray:
+    if "mask" in name.lower():
+        return np.ones(shape, dtype=dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(0, limit or 8, shape).astype(dtype)
+    if np.issubdtype(dtype, np.floating):
+        return rng.standard_normal(shape).astype(dtype)
+    return np.zeros(shape, dtype=dtype)
+
+
+def _index_limits(graph: onnx.GraphProto) -> dict[str, int]:
+    """For inputs used (maybe through Cast/Reshape...) as Gather indices into a constant: its row count."""
+    consts = {t.name: list(t.dims) for t in graph.initializer}
+    for n in graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].HasField("t"):
+            consts[n.output[0]] = list(n.attribute[0].t.dims)
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for x in n.input:
+            users.setdefault(x, []).append(n)
+    limits: dict[str, int] = {}
+    for vi in graph.input:
+        frontier, seen = [vi.name], set()
+        while frontier:
+            name = frontier.pop()
+            seen.add(name)
+            for n in users.get(name, []):
+                if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == name and n.input[0] in consts:
+                    axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+                    dims = consts[n.input[0]]
+                    if dims:
+                        size = dims[axis]
+                        limits[vi.name] = min(limits.get(vi.name, size), size)
+                elif n.op_type in _PASSTHROUGH and n.input[0] == name and n.output[0] not in seen:
+                    frontier.append(n.output[0])
+    return limits
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def compare(
+    expected: Sequence[np.ndarray], actual: Sequence[np.ndarray], names: Sequence[str], *,
+    rtol: Optional[float] = None, atol: Optional[float] = None,
+) -> dict[str, Any]:
+    """Per-output max abs/rel error; ``status`` is "passed" or "failed"."""
+    outputs = []
+    ok = True
+    for name, a, b in zip(names, expected, actual):
+        a, b = np.asarray(a), np.asarray(b)
+        default_rtol, default_atol = TOLERANCES.get(a.dtype, (1e-4, 1e-5))
+        r = default_rtol if rtol is None else rtol
+        t = default_atol if atol is None else atol
+        entry: dict[str, Any] = {"name": name, "dtype": str(a.dtype), "rtol": r, "atol": t}
+        if a.shape != b.shape:
+            entry.update(max_abs=float("inf"), max_rel=float("inf"), passed=False,
+                         detail=f"shape {list(b.shape)} instead of {list(a.shape)}")
+        elif not np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_:
+            same = bool(np.array_equal(a, b))
+            entry.update(max_abs=0.0 if same else float("inf"), max_rel=0.0 if same else float("inf"), passed=same)
+        else:
+            a64, b64 = a.astype(np.float64), b.astype(np.float64)
+            both_nan = np.isnan(a64) & np.isnan(b64)
+            diff = np.where(both_nan, 0.0, np.abs(a64 - b64))
+            diff = np.where(np.isnan(diff), np.inf, diff)
+            rel = diff / np.maximum(np.abs(a64), np.finfo(np.float64).tiny)
+            entry.update(
+                max_abs=float(diff.max(initial=0.0)),
+                max_rel=float(np.where(diff == 0, 0.0, rel).max(initial=0.0)),
+                passed=bool(np.all(diff <= t + r * np.abs(a64))),
+            )
+        ok = ok and entry["passed"]
+        outputs.append(entry)
+    if len(expected) != len(actual):
+        ok = False
+    used_rtol = max((o["rtol"] for o in outputs), default=rtol or 1e-4)
+    used_atol = max((o["atol"] for o in outputs), default=atol or 1e-5)
+    return {"status": "passed" if ok else "failed", "outputs": outputs, "rtol": used_rtol, "atol": used_atol}
+
+
+def skipped(reason: str) -> dict[str, Any]:
+    """The verification record of a run that could not be verified."""
+    return {"status": "skipped", "reason": reason, "outputs": []}
+
+
+def run(sess, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Outputs of an onnxruntime session, as a list in graph order."""
+    return sess.run(None, dict(feeds))
+
+
+def first_diverging_step(candidates: Sequence[int], diverges: Callable[[int], bool]) -> Optional[int]:
+    """Smallest step count in sorted ``candidates`` whose result ``diverges`` (binary search).
+
+    ``candidates`` are the step counts worth trying (after each step that
+    rewrote something); the last one is assumed to diverge.
+    """
+    lo, hi = 0, len(candidates) - 1
+    if hi < 0:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if diverges(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return candidates[lo]
