@@ -1,0 +1,152 @@
+"""Weights computed from other weights, materialised only when the model is saved.
+
+A merged sibling projection's weight is the concatenation of its siblings'
+weights. Computing it at merge time would hold every merged weight of the
+model in memory at once; a 3.3 GB model must be optimized in a tenth of that.
+:class:`ConcatValues` is an onnx-graphsurgeon ``LazyValues`` that knows its
+shape, dtype and sources. gs's exporter asks a ``LazyValues`` for its
+``.tensor`` (a ``TensorProto``) one constant at a time, so each merged weight
+is built only then:
+
+* when every source is in memory (a model without external data), the
+  result is an ordinary in-memory ``TensorProto``;
+* when a source lives in external data, the concatenation is written into a
+  spill file (``np.memmap``, one source at a time, so nothing but pages of
+  this one weight is held) and the returned ``TensorProto`` is an
+  external-data reference to it by absolute path. Spill files follow
+  ``k3opt.io``'s convention (``k3opt-spill-*`` in the system temp folder), so
+  ``k3opt.io.save`` copies the bytes into the model's own data file.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import tempfile
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+Source = Union[np.ndarray, LazyValues]
+
+#: Sub-byte ONNX types are stored packed: concatenating their rows is not a byte copy.
+PACKED_TYPES = frozenset(
+    getattr(onnx.TensorProto, n)
+    for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+    if hasattr(onnx.TensorProto, n)
+)
+#: Must equal ``k3opt.io.SPILL_PREFIX`` (io accepts absolute locations only for its spill files).
+SPILL_PREFIX = "k3opt-spill-"
+_ALIGN = 4096
+
+
+def onnx_type(dtype) -> int:
+    """The ONNX element type of a gs dtype (a numpy dtype, or already an ONNX enum)."""
+    return dtype_to_onnx(dtype)
+
+
+def is_external(source: Source) -> bool:
+    """True when ``source`` is a not-yet-loaded weight stored in external data."""
+    return isinstance(source, LazyValues) and onnx.external_data_helper.uses_external_data(source.tensor)
+
+
+def read(source: Source) -> np.ndarray:
+    """The array of ``source`` without caching it anywhere (the caller drops it when done)."""
+    return source.load() if isinstance(source, LazyValues) else np.asarray(source)
+
+
+class SpillFile:
+    """This process's append-only scratch file for materialised weights, removed at exit.
+
+    Regions are page-aligned so readers can memory-map them.
+    """
+
+    _current: Optional["SpillFile"] = None
+
+    def __init__(self) -> None:
+        fd, self.path = tempfile.mkstemp(prefix=SPILL_PREFIX, suffix=".data")
+        os.close(fd)
+        self.size = 0
+        atexit.register(self.remove)
+
+    @classmethod
+    def get(cls) -> "SpillFile":
+        """The process's spill file, created on first use."""
+        if cls._current is None or not os.path.exists(cls._current.path):
+            cls._current = cls()
+        return cls._current
+
+    def allocate(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` at the end of the file; returns the region's offset."""
+        offset = -(-self.size // _ALIGN) * _ALIGN
+        self.size = offset + nbytes
+        with open(self.path, "r+b") as f:
+            f.truncate(self.size)
+        return offset
+
+    def remove(self) -> None:
+        if os.path.exists(self.path):
+            os.remove(self.path)
+
+
+class ConcatValues(LazyValues):
+    """The concatenation of 2-D weights on their last axis, computed when first needed.
+
+    Sources are the siblings' own ``LazyValues`` or arrays (never a copy), so
+    merging costs no memory; ``load()`` (a pass reading ``Constant.values``)
+    returns the array, ``tensor`` (gs export) the ``TensorProto``.
+    """
+
+    def __init__(self, sources: Sequence[Source]):
+        shapes = [tuple(int(d) for d in s.shape) for s in sources]
+        if not shapes or any(len(s) != 2 or s[0] != shapes[0][0] for s in shapes):
+            raise ValueError(f"ConcatValues needs 2-D sources with equal rows, got {shapes}")
+        self.sources = list(sources)
+        self.dtype = sources[0].dtype
+        self.shape = (shapes[0][0], sum(s[1] for s in shapes))
+        self._spilled: Optional[onnx.TensorProto] = None
+        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(onnx_type(self.dtype))).itemsize
+        self.nbytes = self.shape[0] * self.shape[1] * itemsize
+
+    def load(self) -> np.ndarray:
+        return np.concatenate([read(s) for s in self.sources], axis=-1)
+
+    @property
+    def tensor(self) -> onnx.TensorProto:
+        """The weight as a ``TensorProto``: in memory, or spilled when a source is external."""
+        if self._spilled is None and any(is_external(s) for s in self.sources):
+            self._spilled = self._spill()
+        if self._spilled is not None:
+            proto = onnx.TensorProto()
+            proto.CopyFrom(self._spilled)
+            return proto
+        return numpy_helper.from_array(self.load())
+
+    def _spill(self) -> onnx.TensorProto:
+        """Write the concatenation into the spill file, one source at a time."""
+        spill = SpillFile.get()
+        offset = spill.allocate(self.nbytes)
+        raw = np.dtype((np.void, self.nbytes // (self.shape[0] * self.shape[1])))
+        out = np.memmap(spill.path, dtype=raw, mode="r+", offset=offset, shape=self.shape)
+        col = 0
+        for source in self.sources:
+            part = np.ascontiguousarray(read(source))
+            out[:, col : col + part.shape[1]] = part.view(raw)
+            col += part.shape[1]
+            del part
+        out.flush()
+        del out
+        proto = onnx.TensorProto()
+        proto.data_type = onnx_type(self.dtype)
+        proto.dims.extend(self.shape)
+        proto.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", spill.path), ("offset", offset), ("length", self.nbytes)):
+            entry = proto.external_data.add()
+            entry.key, entry.value = key, str(value)
+        return proto
+
+    def __str__(self) -> str:
+        return f"ConcatValues (shape={self.shape}, dtype={self.dtype}, sources={len(self.sources)})"

@@ -1,0 +1,303 @@
+"""merge-sibling-matmuls on hand-made graphs: every variant and refusal, with onnxruntime numerics."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto, helper
+
+from k3opt.lazy_values import ConcatValues
+from k3opt.passes.base import PassContext
+from k3opt.passes.manager import PassManager
+from k3opt.passes.sibling_merge import MergeSiblingMatMuls
+from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
+
+F = TensorProto.FLOAT
+RNG = np.random.default_rng(0)
+
+
+def dims(name: str, rank: int) -> list[str]:
+    """A symbolic output shape of the given rank (graph outputs need one)."""
+    return [f"{name}_{i}" for i in range(rank)]
+
+
+def w(*shape, dtype=np.float32) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def projections(sizes, k=8, bias=None, x_shape=("B", "S", 8), opset=17, dtype=F, np_dtype=np.float32,
+                bias_first=False, extra_nodes=(), extra_outputs=()):
+    """x -> one MatMul per size (optionally + bias Add per ``bias`` entry: a shape or None) -> outputs."""
+    nodes, inits, outputs = [], {}, []
+    for i, n in enumerate(sizes):
+        inits[f"W{i}"] = w(k, n, dtype=np_dtype)
+        nodes.append(helper.make_node("MatMul", ["x", f"W{i}"], [f"mm{i}"], name=f"proj{i}"))
+        out = f"mm{i}"
+        if bias is not None and bias[i] is not None:
+            inits[f"b{i}"] = w(*bias[i], dtype=np_dtype)
+            operands = [f"b{i}", out] if bias_first else [out, f"b{i}"]
+            nodes.append(helper.make_node("Add", operands, [f"y{i}"], name=f"bias{i}"))
+            out = f"y{i}"
+        nodes.append(helper.make_node("Relu", [out], [f"out{i}"]))
+        outputs.append((f"out{i}", dtype, dims("o", len(x_shape))))
+    nodes += list(extra_nodes)
+    outputs += list(extra_outputs)
+    return make_model(nodes, [("x", dtype, list(x_shape))], outputs, inits, opset=opset)
+
+
+def merged(model, **kw):
+    out, pm, ctx = run_passes(model, [MergeSiblingMatMuls()], **kw)
+    return out, pm.stats["merge-sibling-matmuls"].rewrites, ctx
+
+
+@pytest.mark.parametrize("sizes", [[8, 8, 8], [16, 4, 4], [12, 20]], ids=["mha", "gqa", "gate-up"])
+def test_merges_projections_without_bias(sizes):
+    model = projections(sizes)
+    out, n, _ = merged(model)
+    assert n == 1
+    assert op_counts(out) == {"MatMul": 1, "Split": 1, "Relu": len(sizes)}
+    assert_equivalent(model, out)
+    split = next(n for n in out.graph.node if n.op_type == "Split")
+    assert list(split.output) == [f"mm{i}" for i in range(len(sizes))]  # siblings' tensors, in node order
+    sizes_init = next(i for i in out.graph.initializer if i.name == split.input[1])
+    assert onnx.numpy_helper.to_array(sizes_init).tolist() == sizes
+
+
+@pytest.mark.parametrize("bias_shape", [lambda n: (n,), lambda n: (1, n), lambda n: (1,), lambda n: ()],
+                         ids=["N", "1xN", "scalar1", "rank0"])
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_merges_bias_adds_into_one(bias_shape, bias_first):
+    sizes = [16, 4, 4]  # GQA with QKV bias (Qwen2)
+    model = projections(sizes, bias=[bias_shape(n) for n in sizes], bias_first=bias_first)
+    out, n, _ = merged(model)
+    assert n == 1
+    assert op_counts(out) == {"MatMul": 1, "Add": 1, "Split": 1, "Relu": 3}
+    add = next(n for n in out.graph.node if n.op_type == "Add")
+    bias = next(i for i in out.graph.initializer if i.name == add.input[1])
+    assert list(bias.dims) == [sum(sizes)]
+    assert_equivalent(model, out)
+
+
+def test_mixed_bias_merges_matmuls_and_leaves_adds():
+    model = projections([8, 4, 4], bias=[(8,), None, (4,)])
+    out, n, _ = merged(model)
+    assert n == 1
+    assert op_counts(out) == {"MatMul": 1, "Add": 2, "Split": 1, "Relu": 3}
+    assert_equivalent(model, out)
+
+
+@pytest.mark.parametrize(
+    "bias_shape,x_shape",
+    [((3, 4), ("B", 3, 8)), ((4, 1), ("B", 4, 8)), ((1, 1, 4), (3, 8)), ((2, 1, 4), ("B", "S", 8)),
+     ((1, 4), ("S", "T", 8))],
+    ids=["SxN", "Mx1", "rank-widening", "batch-broadcast", "1xN-ok"],
+)
+def test_refuses_bias_that_broadcasts_otherwise(bias_shape, x_shape):
+    model = projections([4, 4], bias=[(4,), bias_shape], x_shape=x_shape)
+    out, n, _ = merged(model)
+    assert n == 1  # the MatMuls still merge
+    widening_ok = bias_shape == (1, 4)
+    assert op_counts(out).get("Add") == (1 if widening_ok else 2)
+    assert_equivalent(model, out)
+
+
+def test_bias_add_not_merged_when_matmul_output_escapes():
+    extra = [helper.make_node("Neg", ["mm1"], ["leak"])]
+    model = projections([4, 4], bias=[(4,), (4,)], extra_nodes=extra, extra_outputs=[("leak", F, dims("l", 3))])
+    out, n, _ = merged(model)
+    assert n == 1 and op_counts(out)["Add"] == 2
+    assert_equivalent(model, out)
+
+
+def test_matmul_output_that_is_a_graph_output_keeps_its_name():
+    model = projections([4, 4], bias=[(4,), (4,)], extra_outputs=[("mm0", F, dims("m", 3))])
+    out, n, _ = merged(model)
+    assert n == 1 and op_counts(out)["Add"] == 2
+    assert [o.name for o in out.graph.output] == ["out0", "out1", "mm0"]
+    assert_equivalent(model, out)
+
+
+def test_split_outputs_that_are_graph_outputs():
+    nodes = [helper.make_node("MatMul", ["x", f"W{i}"], [f"y{i}"]) for i in range(3)]
+    model = make_model(nodes, [("x", F, ["B", 8])], [(f"y{i}", F, dims("y", 2)) for i in range(3)],
+                       {f"W{i}": w(8, 4 + i) for i in range(3)})
+    out, n, _ = merged(model)
+    assert n == 1 and [o.name for o in out.graph.output] == ["y0", "y1", "y2"]
+    assert_equivalent(model, out)
+
+
+def test_opset_12_uses_split_attribute():
+    model = projections([8, 4], bias=[(8,), (4,)], opset=12)
+    out, n, _ = merged(model)
+    split = next(n for n in out.graph.node if n.op_type == "Split")
+    assert n == 1 and len(split.input) == 1
+    assert helper.get_attribute_value(split.attribute[1 if split.attribute[0].name == "axis" else 0]) == [8, 4]
+    assert_equivalent(model, out)
+
+
+def test_fp16_weights_keep_their_dtype():
+    model = projections([8, 4], bias=[(8,), (4,)], dtype=TensorProto.FLOAT16, np_dtype=np.float16)
+    out, n, _ = merged(model)
+    assert n == 1
+    assert {i.data_type for i in out.graph.initializer if i.data_type != TensorProto.INT64} == {TensorProto.FLOAT16}
+    assert_equivalent(model, out, rtol=1e-2, atol=1e-2)
+
+
+def test_rank1_and_rank2_activations():
+    for x_shape in ([8], ["B", 8]):
+        model = projections([4, 6], bias=[(4,), (6,)], x_shape=x_shape)
+        out, n, _ = merged(model)
+        assert n == 1 and op_counts(out)["Add"] == 1
+        assert_equivalent(model, out)
+
+
+def test_moe_experts_merge_per_expert():
+    """Each expert's gate/up read that expert's tokens: one merge per expert, none across experts."""
+    experts, nodes, inits, outs = 4, [], {}, []
+    for e in range(experts):
+        inits[f"idx{e}"] = np.array([e % 3, (e + 1) % 3], dtype=np.int64)
+        nodes.append(helper.make_node("Gather", ["x", f"idx{e}"], [f"tok{e}"], axis=0))
+        for p in ("gate", "up"):
+            inits[f"{p}{e}"] = w(8, 12)
+            nodes.append(helper.make_node("MatMul", [f"tok{e}", f"{p}{e}"], [f"{p}_out{e}"]))
+        nodes.append(helper.make_node("Sigmoid", [f"gate_out{e}"], [f"sg{e}"]))
+        nodes.append(helper.make_node("Mul", [f"gate_out{e}", f"sg{e}"], [f"silu{e}"]))
+        nodes.append(helper.make_node("Mul", [f"silu{e}", f"up_out{e}"], [f"h{e}"]))
+        outs.append((f"h{e}", F, dims("h", 2)))
+    model = make_model(nodes, [("x", F, [3, 8])], outs, inits)
+    out, n, ctx = merged(model)
+    assert n == experts and op_counts(out)["MatMul"] == experts and op_counts(out)["Split"] == experts
+    assert ctx.counters["sibling_matmuls_merged"] == 2 * experts
+    assert_equivalent(model, out)
+
+
+def test_single_projection_is_left_alone():
+    model = projections([8])
+    out, n, _ = merged(model)
+    assert n == 0 and op_counts(out)["MatMul"] == 1
+
+
+def test_refuses_non_constant_weights():
+    nodes = [helper.make_node("MatMul", ["x", "W0"], ["y0"]), helper.make_node("MatMul", ["x", "Wdyn"], ["y1"])]
+    model = make_model(nodes, [("x", F, [2, 8]), ("Wdyn", F, [8, 4])], [("y0", F, dims("y", 2)), ("y1", F, dims("y", 2))],
+                       {"W0": w(8, 4)})
+    out, n, _ = merged(model)
+    assert n == 0 and op_counts(out)["MatMul"] == 2
+
+
+def test_refuses_weight_on_the_activation_side():
+    nodes = [helper.make_node("MatMul", [f"W{i}", "x"], [f"y{i}"]) for i in range(2)]
+    model = make_model(nodes, [("x", F, [8, 3])], [("y0", F, dims("y", 2)), ("y1", F, dims("y", 2))],
+                       {"W0": w(4, 8), "W1": w(5, 8)})
+    out, n, _ = merged(model)
+    assert n == 0 and op_counts(out)["MatMul"] == 2
+
+
+def test_refuses_non_2d_weights():
+    nodes = [helper.make_node("MatMul", ["x", f"W{i}"], [f"y{i}"]) for i in range(2)]
+    model = make_model(nodes, [("x", F, [2, 3, 8])], [("y0", F, dims("y", 3)), ("y1", F, dims("y", 3))],
+                       {"W0": w(2, 8, 4), "W1": w(2, 8, 4)})
+    out, n, _ = merged(model)
+    assert n == 0
+
+
+def test_transposed_weight_gemm_is_not_mixed_in():
+    nodes = [helper.make_node("MatMul", ["x", f"W{i}"], [f"y{i}"]) for i in range(2)]
+    nodes.append(helper.make_node("Gemm", ["x", "Wt"], ["y2"], transB=1))
+    model = make_model(nodes, [("x", F, [2, 8])], [(f"y{i}", F, dims("y", 2)) for i in range(3)],
+                       {"W0": w(8, 4), "W1": w(8, 4), "Wt": w(6, 8)})
+    out, n, _ = merged(model)
+    assert n == 1 and op_counts(out) == {"MatMul": 1, "Split": 1, "Gemm": 1}
+    assert_equivalent(model, out)
+
+
+def test_weights_from_constant_nodes():
+    nodes = [helper.make_node("Constant", [], [f"W{i}"], value=onnx.numpy_helper.from_array(w(8, 4), f"c{i}"))
+             for i in range(2)]
+    nodes += [helper.make_node("MatMul", ["x", f"W{i}"], [f"y{i}"]) for i in range(2)]
+    model = make_model(nodes, [("x", F, [2, 8])], [("y0", F, dims("y", 2)), ("y1", F, dims("y", 2))])
+    out, n, _ = merged(model)
+    assert n == 1 and op_counts(out) == {"MatMul": 1, "Split": 1}
+    assert_equivalent(model, out)
+
+
+def _gs_graph(weights: list[np.ndarray], x_dtype=np.float32) -> gs.Graph:
+    x = gs.Variable("x", dtype=x_dtype, shape=[2, weights[0].shape[0]])
+    nodes, outs = [], []
+    for i, wt in enumerate(weights):
+        y = gs.Variable(f"y{i}", dtype=wt.dtype)
+        nodes.append(gs.Node("MatMul", f"mm{i}", inputs=[x, gs.Constant(f"W{i}", wt)], outputs=[y]))
+        outs.append(y)
+    return gs.Graph(nodes=nodes, inputs=[x], outputs=outs, opset=17)
+
+
+@pytest.mark.parametrize("weights", [[w(8, 4), w(8, 4, dtype=np.float16)], [w(8, 4), w(6, 4)]],
+                         ids=["dtypes-differ", "k-differs"])
+def test_refuses_mismatched_weights(weights):
+    """Invalid for onnxruntime, so checked on the graph itself: such weights are never concatenated."""
+    graph = _gs_graph(weights)
+    ctx = PassContext(opset=17)
+    PassManager([MergeSiblingMatMuls()]).run(graph, ctx)
+    assert [n.op for n in graph.nodes] == ["MatMul", "MatMul"]
+
+
+def test_merged_weight_is_lazy_and_sources_are_not_read():
+    graph = _gs_graph([w(8, 4), w(8, 6)])
+    sources = [n.inputs[1] for n in graph.nodes]
+    PassManager([MergeSiblingMatMuls()]).run(graph, PassContext(opset=17))
+    merged_w = graph.nodes[0].inputs[1]
+    assert isinstance(merged_w._values, ConcatValues) and tuple(merged_w.shape) == (8, 10)
+    np.testing.assert_array_equal(merged_w.values, np.concatenate([s.values for s in sources], axis=1))
+
+
+def test_idempotent_and_deterministic():
+    model = projections([16, 4, 4], bias=[(16,), (4,), (4,)])
+    once, n1, _ = merged(model)
+    again, n2, _ = merged(once)
+    assert n1 == 1 and n2 == 0
+    assert once.SerializeToString() == merged(model)[0].SerializeToString()
+
+
+def _external_model(folder, groups: int, k: int) -> tuple[onnx.ModelProto, str]:
+    """``groups`` layers of Q/K/V projections (+ bias) chained by Add, saved with external data."""
+    nodes, inits, h = [], {}, "x"
+    for g in range(groups):
+        for p, n in (("q", k), ("k", k // 2), ("v", k // 2)):
+            inits[f"{p}{g}"] = w(k, n)
+            inits[f"{p}b{g}"] = w(n)
+            nodes.append(helper.make_node("MatMul", [h, f"{p}{g}"], [f"{p}mm{g}"]))
+            nodes.append(helper.make_node("Add", [f"{p}mm{g}", f"{p}b{g}"], [f"{p}out{g}"]))
+        nodes.append(helper.make_node("Concat", [f"kout{g}", f"vout{g}"], [f"kv{g}"], axis=-1))
+        nodes.append(helper.make_node("Add", [f"qout{g}", f"kv{g}"], [f"h{g}"]))
+        h = f"h{g}"
+    model = make_model(nodes, [("x", F, ["B", k])], [(h, F, ["B", k])], inits)
+    path = str(folder / "m.onnx")
+    onnx.save(onnx.ModelProto.FromString(model.SerializeToString()), path, save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    return model, path
+
+
+def test_external_data_model_merges_without_loading_every_weight(tmp_path):
+    import tracemalloc
+
+    from k3opt import io, lazy_values
+
+    assert lazy_values.SPILL_PREFIX == io.SPILL_PREFIX
+
+    groups, k = 12, 256
+    model, path = _external_model(tmp_path, groups, k)
+    graph = io.import_graph(io.load(path))
+    sources = [t for t in graph.tensors().values() if isinstance(t, gs.Constant) and t.shape and len(t.shape) == 2]
+    tracemalloc.start()
+    PassManager([MergeSiblingMatMuls()]).run(graph, PassContext(opset=17))
+    assert all(isinstance(t._values, io.ExternalValues) for t in sources)  # the pass read no weight
+    graph.cleanup()
+    out = gs.export_onnx(graph)
+    io.save(out, tmp_path / "o.onnx")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    merged_weight = k * 2 * k * 4  # bytes of one layer's merged Q/K/V weight; the layers hold 12x that
+    assert peak < 3 * merged_weight, (peak, merged_weight)  # one merged weight at a time
+    optimized = onnx.load(str(tmp_path / "o.onnx"))
+    assert op_counts(optimized)["MatMul"] == groups and op_counts(optimized)["Split"] == groups
+    assert_equivalent(model, optimized)
