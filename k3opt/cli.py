@@ -1,0 +1,127 @@
+"""The ``k3opt`` command line: ``optimize``, ``passes``, plus the commands of the bridge and export packages.
+
+Every error is one line on stderr (a traceback only with --debug). Exit
+codes: 0 success, 1 verification (or compile) failure, 2 usage error or
+unusable input; see k3opt/errors.py.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any, Optional
+
+import click
+
+from . import __version__
+from .api import default_output, optimize_file
+from .cli_options import (
+    STATE,
+    optimize_kwargs,
+    output_options,
+    pipeline_options,
+    progress_for,
+    run_options,
+    verify_options,
+)
+from .errors import K3optError, VerificationError
+from .report import Report
+
+EXIT_USAGE = 2
+
+
+class _Group(click.Group):
+    """A click group whose every failure is one line on stderr and exit 0/1/2."""
+
+    def main(self, args: Any = None, prog_name: Optional[str] = None, **extra: Any) -> Any:
+        extra.pop("standalone_mode", None)
+        try:
+            code = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.exceptions.Exit as exc:
+            code = exc.exit_code
+        except click.ClickException as exc:
+            _fail(exc.format_message(), EXIT_USAGE)
+        except K3optError as exc:
+            _fail(str(exc), exc.exit_code)
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            _fail("interrupted; nothing was written", EXIT_USAGE)
+        except MemoryError:
+            _fail(f"out of memory{_during()}", EXIT_USAGE)
+        except Exception as exc:  # a bug: say where, keep the traceback for --debug
+            _fail(f"internal error{_during()} ({type(exc).__name__}: {exc}); rerun with --debug", EXIT_USAGE)
+        finally:
+            if STATE.progress is not None:
+                STATE.progress.close()
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _during() -> str:
+    step = STATE.progress.current if STATE.progress is not None else None
+    return f" while {step}" if step else ""
+
+
+def _fail(message: str, code: int) -> None:
+    if STATE.debug:
+        traceback.print_exc()
+    click.echo(f"k3opt: error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="k3opt")
+def main() -> None:
+    """k3opt: optimize ONNX transformer models (for Ascend NPUs or any ONNX runtime)."""
+
+
+@main.command("optimize")
+@click.argument("model", type=click.Path())
+@output_options
+@pipeline_options
+@verify_options
+@run_options
+def optimize_cmd(model: str, output: Optional[str], external_data: Optional[bool], overwrite: bool,
+                 report_path: Optional[str], quiet: bool, debug: bool, **params: Any) -> None:
+    """Optimize MODEL (an .onnx file) and write IN.k3opt.onnx (or -o OUT)."""
+    report = Report()
+    try:
+        optimize_file(model, output or default_output(model), overwrite=overwrite, external_data=external_data,
+                      report=report, progress=progress_for({"quiet": quiet}), **optimize_kwargs(params))
+    except VerificationError:
+        if report_path:
+            report.write_json(report_path)
+        if not quiet:
+            click.echo(report.table(), err=True)
+        raise
+    if report_path:
+        report.write_json(report_path)
+    if not quiet:
+        for warning in report.warnings:
+            click.echo(f"k3opt: warning: {warning}", err=True)
+        click.echo(report.table())
+
+
+@main.command("passes")
+@click.option("--plugin", "plugins", multiple=True, metavar="MODULE|FILE.py", help="Also list a plugin's passes.")
+@run_options
+def passes_cmd(plugins: tuple[str, ...], quiet: bool, debug: bool) -> None:
+    """List every pass (built-in and plugin) in pipeline order with its description."""
+    from .passes.base import registered_passes
+
+    if plugins:
+        from .plugins import load_plugins
+
+        load_plugins(list(plugins))
+    for name, cls in registered_passes().items():
+        tags = [t for t in ("" if cls.default else "not default", f"plugin {cls.plugin}" if cls.plugin else "") if t]
+        suffix = f" [{', '.join(tags)}]" if tags else ""
+        click.echo(f"{name:34} {cls.description}{suffix}")
+
+
+def _add_package_commands() -> None:
+    from .cann_bridge.cli import commands as cann_commands
+    from .export.cli import commands as export_commands
+
+    for command in list(cann_commands) + list(export_commands):
+        main.add_command(command)
+
+
+_add_package_commands()

@@ -1,0 +1,126 @@
+"""Click options shared by ``k3opt optimize``, ``k3opt compile`` and ``k3opt export``.
+
+Decorate a command with the groups it needs, then turn the parsed values
+into :func:`k3opt.optimize` keyword arguments with :func:`optimize_kwargs`::
+
+    @click.command()
+    @pipeline_options
+    @verify_options
+    @output_options
+    @run_options
+    def compile(**kw): ...
+        report = k3opt.optimize_file(src, dst, **optimize_kwargs(kw), progress=progress_for(kw))
+
+Errors need no handling in a command: raise a K3optError and the ``k3opt``
+group prints it as one line with its exit code (see k3opt/cli.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, TypeVar
+
+import click
+
+from .api import TARGETS
+from .progress import Progress
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass
+class RunState:
+    """Flags the top-level error handler needs (set while the options are parsed)."""
+
+    debug: bool = False
+    quiet: bool = False
+    progress: Optional[Progress] = None
+
+
+STATE = RunState()
+
+
+def _comma_list(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[list[str]]:
+    if value is None:
+        return None
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _set_flag(name: str) -> Callable[[click.Context, click.Parameter, bool], bool]:
+    def callback(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+        if value:
+            setattr(STATE, name, True)
+        return value
+
+    return callback
+
+
+def _apply(f: F, options: list[Callable[[F], F]]) -> F:
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def pipeline_options(f: F) -> F:
+    """--passes, --skip, --target, --opset, --input-shape, --plugin."""
+    return _apply(f, [
+        click.option("--passes", callback=_comma_list, metavar="A,B", help="Run exactly these passes, in this order."),
+        click.option("--skip", callback=_comma_list, metavar="X,Y", help="Remove passes from the default pipeline."),
+        click.option("--target", type=click.Choice(TARGETS), default="onnx", show_default=True,
+                     help="onnx: standard ONNX; cann: opset 17 and lowering for Ascend ATC."),
+        click.option("--opset", type=click.IntRange(1), help="Output opset (default: raise below 17 to 17)."),
+        click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D1,D2",
+                     help="Fix an input's dimensions, e.g. input_ids:1,128 (repeatable)."),
+        click.option("--plugin", "plugins", multiple=True, metavar="MODULE|FILE.py",
+                     help="Load fusion rules from a plugin (repeatable)."),
+    ])
+
+
+def verify_options(f: F) -> F:
+    """--verify/--no-verify, --input-data, --rtol, --atol."""
+    return _apply(f, [
+        click.option("--verify/--no-verify", default=True, show_default=True,
+                     help="Compare original and optimized outputs in onnxruntime."),
+        click.option("--input-data", type=click.Path(dir_okay=False), metavar="F.npz",
+                     help="Inputs for verification (arrays named like the graph inputs)."),
+        click.option("--rtol", type=click.FloatRange(0), help="Relative tolerance (default 1e-4 fp32, 1e-2 fp16)."),
+        click.option("--atol", type=click.FloatRange(0), help="Absolute tolerance (default 1e-5 fp32, 1e-3 fp16)."),
+    ])
+
+
+def output_options(f: F) -> F:
+    """-o/--output, --external-data, --overwrite, --report."""
+    return _apply(f, [
+        click.option("-o", "--output", type=click.Path(), help="Output model (default: IN.k3opt.onnx)."),
+        click.option("--external-data", is_flag=True, default=None,
+                     help="Save weights to OUT.onnx.data (automatic above 2 GB or when the input has external data)."),
+        click.option("--overwrite", is_flag=True, help="Allow the output to replace the input."),
+        click.option("--report", "report_path", type=click.Path(dir_okay=False), metavar="F.json",
+                     help="Also write the report as JSON."),
+    ])
+
+
+def run_options(f: F) -> F:
+    """-q/--quiet and --debug."""
+    return _apply(f, [
+        click.option("-q", "--quiet", is_flag=True, callback=_set_flag("quiet"), help="Print nothing but errors."),
+        click.option("--debug", is_flag=True, callback=_set_flag("debug"), help="Show tracebacks on errors."),
+    ])
+
+
+def optimize_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for k3opt.optimize/optimize_file from the parsed option values."""
+    keys = ("passes", "target", "opset", "plugins", "verify", "rtol", "atol", "input_data")
+    kwargs = {k: params[k] for k in keys if k in params}
+    if "skip" in params:
+        kwargs["skip"] = tuple(params["skip"] or ())
+    if "input_shapes" in params:
+        kwargs["input_shapes"] = list(params["input_shapes"])
+    if "plugins" in kwargs:
+        kwargs["plugins"] = list(kwargs["plugins"])
+    return kwargs
+
+
+def progress_for(params: dict[str, Any]) -> Progress:
+    """The progress sink for a command run (silent with -q); also kept for error messages."""
+    STATE.progress = Progress(enabled=not params.get("quiet"))
+    return STATE.progress
