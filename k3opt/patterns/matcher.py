@@ -1,0 +1,283 @@
+"""Structural matching of a pattern at one anchor tensor, by backtracking.
+
+The matcher walks from the pattern's output towards its inputs following
+producer links (``tensor.inputs``), so one attempt costs O(pattern size)
+in the usual case. Commutative nodes try both operand orders, but only
+orders whose operands can match structurally (op type of the producer,
+constant-ness), and a sub-pattern that failed at a graph node under the
+same relevant bindings is never retried (failure memo), so operand orders
+do not multiply into 2^k attempts. A step budget bounds pathological cases.
+
+Matches are generated lazily: the caller checks escaping intermediates and
+the rule's check on each, and asks for the next only if those refuse.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from ..ir import Node, Tensor, const_value, is_const, producer
+from .builder import (
+    AnyConstantPattern,
+    ConstantPattern,
+    NodeOutput,
+    NodePattern,
+    OrPattern,
+    Pattern,
+    ValuePattern,
+    Var,
+)
+from .schema import MISSING, attr_value
+
+#: Most pattern-node visits one anchor may cost before the matcher gives up on it.
+STEP_BUDGET = 20000
+
+
+def is_empty(t: Optional[Tensor]) -> bool:
+    """An omitted optional input (gs writes it as a nameless tensor without producer)."""
+    return t is None or (not t.name and not t.inputs and not is_const(t))
+
+
+def node_inputs(n: Node) -> list[Tensor]:
+    """The node's inputs without trailing omitted optional ones."""
+    inputs = list(n.inputs)
+    while inputs and is_empty(inputs[-1]):
+        inputs.pop()
+    return inputs
+
+
+def attr_equal(want: Any, have: Any) -> bool:
+    """Attribute comparison: lists as tuples, floats with float32 rounding tolerance."""
+    if callable(want):
+        return bool(want(have))
+    if have is MISSING:
+        return False
+    if isinstance(have, bytes):
+        have = have.decode()
+    if isinstance(want, tuple):
+        have = tuple(np.asarray(have).ravel().tolist()) if isinstance(have, (list, tuple, np.ndarray)) else None
+        return have is not None and len(have) == len(want) and all(attr_equal(w, h) for w, h in zip(want, have))
+    if isinstance(want, float) or isinstance(have, float):
+        try:
+            return math.isclose(float(want), float(have), rel_tol=1e-6, abs_tol=0.0)
+        except (TypeError, ValueError):
+            return False
+    return want == have
+
+
+class State:
+    """Bindings of one (partial) match: values by key, graph nodes by node pattern."""
+
+    def __init__(self) -> None:
+        self.values: dict[Any, Tensor] = {}
+        self.nodes: dict[int, tuple[NodePattern, Node]] = {}
+        self.used: set[int] = set()
+        self.which: dict[str, int] = {}
+        self.root: Optional[Tensor] = None
+
+    def bound(self, key: Any) -> Any:
+        if isinstance(key, NodePattern):
+            entry = self.nodes.get(id(key))
+            return entry[1] if entry else None
+        return self.values.get(key)
+
+
+class Matcher:
+    """Generates the structural matches of ``pattern`` at a tensor."""
+
+    def __init__(self, pattern: Pattern, opset: int, trace: Optional[Callable[[int, str], None]] = None):
+        self.pattern = pattern
+        self.opset = opset
+        self.trace = trace  # debug: trace(depth, reason) at each refusal
+        self.s = State()
+        self._failed: set = set()
+        self._impure = 0
+        self._steps = 0
+
+    def matches(self, root: Tensor) -> Iterator[State]:
+        """Each full structural match rooted at ``root`` (the pattern's first output)."""
+        self.s = State()
+        self._failed = set()
+        self._steps = 0
+        first, extra = self.pattern.outputs[0], self.pattern.outputs[1:]
+        for _ in self._value(first, root):
+            added = self._bind_extra_outputs(extra)
+            if added is not None:
+                yield self.s
+                for key in added:
+                    del self.s.values[key]
+
+    def _bind_extra_outputs(self, extra: tuple) -> Optional[list]:
+        """Bind the labels of a multi-output pattern's other outputs; None if one is missing."""
+        added = []
+        for p in extra:
+            node = self.s.bound(p.node)
+            if node is None or p.index >= len(node.outputs):
+                for key in added:
+                    del self.s.values[key]
+                self._fail(f"{p.node.op_type} has no output {p.index}")
+                return None
+            if p.key is not None and p.key not in self.s.values:
+                self.s.values[p.key] = node.outputs[p.index]
+                added.append(p.key)
+        return added
+
+    def _fail(self, reason: str) -> bool:
+        if self.trace is not None:
+            self.trace(len(self.s.nodes), reason)
+        return False
+
+    # -- one generator per kind of value pattern; each binds before yielding and unbinds after.
+
+    def _value(self, p: Optional[ValuePattern], t: Tensor) -> Iterator[None]:
+        self._steps += 1
+        if self._steps > STEP_BUDGET:
+            self._fail("search budget exhausted")
+            return
+        if p is None:
+            if is_empty(t):
+                yield
+            else:
+                self._fail(f"expected an omitted input, got '{t.name}'")
+            return
+        key = p.key
+        if key is not None and key in self.s.values:
+            if self.s.values[key] is t:
+                yield
+            else:
+                self._fail(f"'{key[1]}' is bound to '{self.s.values[key].name}', here it would be '{t.name}'")
+            return
+        if isinstance(p, NodeOutput):
+            inner = self._node_output(p, t)
+        elif isinstance(p, Var):
+            inner = iter((None,))
+        elif isinstance(p, ConstantPattern):
+            inner = self._constant(p, t)
+        elif isinstance(p, AnyConstantPattern):
+            inner = iter((None,)) if is_const(t) else self._refuse(f"'{t.name}' is not a constant")
+        else:
+            assert isinstance(p, OrPattern)
+            inner = self._or(p, t)
+        for _ in inner:
+            if key is not None:
+                self.s.values[key] = t
+            yield
+            if key is not None:
+                del self.s.values[key]
+
+    def _refuse(self, reason: str) -> Iterator[None]:
+        self._fail(reason)
+        return iter(())
+
+    def _constant(self, p: ConstantPattern, t: Tensor) -> Iterator[None]:
+        value = const_value(t) if is_const(t) else None
+        if value is None:
+            self._fail(f"'{t.name}' is not a constant (expected {p.value.tolist()})")
+        elif not p.accepts(value):
+            shown = value.tolist() if value.size <= 8 else f"shape {value.shape}"
+            self._fail(f"constant '{t.name}' is {shown}, expected {p.value.tolist()}")
+        else:
+            yield
+
+    def _or(self, p: OrPattern, t: Tensor) -> Iterator[None]:
+        for i, alt in enumerate(p.alternatives):
+            for _ in self._value(alt, t):
+                if p.name:
+                    self.s.which[p.name] = i
+                yield
+
+    def _node_output(self, p: NodeOutput, t: Tensor) -> Iterator[None]:
+        np_ = p.node
+        n = producer(t)
+        if n is None:
+            self._fail(f"'{t.name}' is not computed by a node (expected {np_.op_type})")
+            return
+        bound = self.s.bound(np_)
+        if bound is not None:
+            if bound is n and p.index < len(n.outputs) and n.outputs[p.index] is t:
+                yield
+            else:
+                self._fail(f"{np_.op_type} pattern node is already matched to '{bound.name}', not '{n.name}'")
+            return
+        if p.index >= len(n.outputs) or n.outputs[p.index] is not t:
+            self._fail(f"'{t.name}' is not output {p.index} of '{n.name}'")
+            return
+        if id(n) in self.s.used:
+            self._impure += 1
+            self._fail(f"node '{n.name}' is already matched by another pattern node")
+            return
+        memo = (id(np_), id(n), tuple(id(self.s.bound(k)) for k in np_.closure))
+        if memo in self._failed:
+            return
+        impure_before, found = self._impure, False
+        if self._header(np_, n):
+            inputs = node_inputs(n)
+            self.s.nodes[id(np_)] = (np_, n)
+            self.s.used.add(id(n))
+            for order in self._orders(np_, inputs):
+                pairs = [(np_.inputs[i], inputs[j]) for i, j in enumerate(order)]
+                for _ in self._inputs(pairs, 0):
+                    found = True
+                    yield
+            del self.s.nodes[id(np_)]
+            self.s.used.discard(id(n))
+        if not found and self._impure == impure_before:
+            self._failed.add(memo)
+
+    def _inputs(self, pairs: list, i: int) -> Iterator[None]:
+        if i == len(pairs):
+            yield
+            return
+        p, t = pairs[i]
+        for _ in self._value(p, t):
+            yield from self._inputs(pairs, i + 1)
+
+    def _header(self, p: NodePattern, n: Node) -> bool:
+        """Op type, domain, arity and attributes (with schema defaults)."""
+        where = f"node '{n.name}' ({n.op})"
+        if n.op != p.op_type:
+            return self._fail(f"{where}: expected op {p.op_type}")
+        domain = "" if n.domain in (None, "ai.onnx") else n.domain
+        if domain != p.domain:
+            return self._fail(f"{where}: domain '{domain}', expected '{p.domain}'")
+        n_in = len(node_inputs(n))
+        if n_in != len(p.inputs) and not (p.allow_other_inputs and n_in >= len(p.inputs)):
+            return self._fail(f"{where}: has {n_in} inputs, pattern has {len(p.inputs)}")
+        if len(n.outputs) < p.n_outputs:
+            return self._fail(f"{where}: has {len(n.outputs)} outputs, pattern needs {p.n_outputs}")
+        for name, want in p.attrs.items():
+            have = attr_value(n.attrs, n.op, domain, self.opset, name)
+            if not attr_equal(want, have):
+                shown = "a predicate" if callable(want) else repr(want)
+                return self._fail(f"{where}: attribute {name}={have!r}, expected {shown}")
+        return True
+
+    def _orders(self, p: NodePattern, inputs: list[Tensor]) -> list[tuple[int, ...]]:
+        """Operand orders worth trying: identity, plus for commutative ops those that fit structurally."""
+        k = len(p.inputs)
+        if not p.commutative or k < 2 or k > 4 or len(inputs) != k:
+            return [tuple(range(len(p.inputs)))]
+        orders, seen = [], set()
+        for perm in itertools.permutations(range(k)):
+            operands = tuple(id(inputs[j]) for j in perm)
+            if operands in seen:
+                continue  # the same tensor twice: swapping it gives the same order
+            seen.add(operands)
+            if all(self._may_match(p.inputs[i], inputs[j]) for i, j in enumerate(perm)):
+                orders.append(perm)
+        return orders
+
+    def _may_match(self, p: Optional[ValuePattern], t: Tensor) -> bool:
+        """Cheap structural filter: could ``p`` match ``t`` at all?"""
+        if p is None or isinstance(p, Var):
+            return True
+        if isinstance(p, (ConstantPattern, AnyConstantPattern)):
+            return is_const(t)
+        if isinstance(p, NodeOutput):
+            n = producer(t)
+            return n is not None and n.op == p.node.op_type
+        assert isinstance(p, OrPattern)
+        return any(self._may_match(a, t) for a in p.alternatives)

@@ -1,0 +1,204 @@
+"""A rule (pattern + check + rewrite) and applying one rule set to a graph in one linear sweep."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Optional, Sequence
+
+from ..ir import Graph, Node, Tensor, is_graph_output
+from ..passes.base import PassContext
+from .builder import Pattern, build_pattern
+from .match import Match
+from .matcher import Matcher
+from .rewriter import GraphEditor, RewriteBuilder, RewriteError
+
+log = logging.getLogger("k3opt.patterns")
+
+#: How many full structural matches one anchor may offer the check before the rule gives up there.
+MAX_CANDIDATES_PER_ANCHOR = 16
+
+
+class Rule:
+    """A named fusion rule: ``pattern(op, *vars)``, ``check(m) -> bool``, ``rewrite(op, m) -> value(s)``.
+
+    ``allow_escaping=True`` lets intermediates be used outside the match (they
+    are then kept). ``debug=True`` (or ``K3OPT_DEBUG_RULES=name``) explains,
+    at the closest candidate, why the rule did not match.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        pattern: Callable[..., Any],
+        rewrite: Callable[..., Any],
+        check: Optional[Callable[[Match], Any]] = None,
+        *,
+        description: str = "",
+        allow_escaping: bool = False,
+        debug: bool = False,
+    ):
+        self.name = name
+        self.pattern_fn = pattern
+        self.pattern: Pattern = build_pattern(pattern)
+        self.rewrite = rewrite
+        self.check = check
+        self.description = description or (pattern.__doc__ or "").strip()
+        self.allow_escaping = allow_escaping
+        self.debug = debug
+
+    def __repr__(self) -> str:
+        return f"Rule({self.name!r})"
+
+    def debugging(self) -> bool:
+        """Debug on via the flag or ``K3OPT_DEBUG_RULES`` (comma-separated rule names, or ``all``)."""
+        wanted = {w.strip() for w in os.environ.get("K3OPT_DEBUG_RULES", "").split(",") if w.strip()}
+        return self.debug or self.name in wanted or bool(wanted & {"all", "*", "1"})
+
+
+class RuleError(Exception):
+    """A rule's check or rewrite raised, or its rewrite was invalid; names the rule."""
+
+    def __init__(self, rule: str, message: str):
+        super().__init__(f"rule '{rule}': {message}")
+        self.rule = rule
+
+
+class _Closest:
+    """The deepest refusal seen for one rule (debug mode): depth = pattern nodes matched so far."""
+
+    def __init__(self) -> None:
+        self.depth = -1
+        self.anchor: Optional[Node] = None
+        self.reason = ""
+        self.candidates = 0
+
+    def record(self, anchor: Node, depth: int, reason: str) -> None:
+        if depth > self.depth:
+            self.depth, self.anchor, self.reason = depth, anchor, reason
+
+    def explain(self, rule: Rule) -> str:
+        if self.candidates == 0:
+            return f"rule '{rule.name}': no candidate: no {'/'.join(sorted(rule.pattern.anchors))} node in the graph"
+        n_nodes = sum(1 for _ in rule.pattern.nodes())
+        assert self.anchor is not None
+        return (f"rule '{rule.name}': no match at {self.candidates} candidate(s); closest at node "
+                f"'{self.anchor.name}' ({self.anchor.op}), {min(self.depth, n_nodes)}/{n_nodes} pattern nodes "
+                f"matched: {self.reason}")
+
+
+class RuleApplier:
+    """Applies ``rules`` to one graph: one sweep over the nodes, rules looked up by the anchor's op type."""
+
+    def __init__(self, graph: Graph, ctx: PassContext, rules: Sequence[Rule], dry_run: bool = False):
+        self.graph = graph
+        self.ctx = ctx
+        self.rules = list(rules)
+        self.dry_run = dry_run
+        self.editor = GraphEditor(graph, ctx)
+        self.closest = {r.name: _Closest() for r in self.rules if r.debugging() or dry_run}
+        self.matched: dict[str, int] = {r.name: 0 for r in self.rules}
+        self._by_op: dict[str, list[tuple[Rule, Matcher]]] = {}
+        for r in self.rules:
+            trace = self._tracer(r) if r.name in self.closest else None
+            for op in r.pattern.anchors:
+                self._by_op.setdefault(op, []).append((r, Matcher(r.pattern, ctx.opset, trace)))
+        self._anchor: Optional[Node] = None
+
+    def _tracer(self, rule: Rule) -> Callable[[int, str], None]:
+        closest = self.closest[rule.name]
+        return lambda depth, reason: closest.record(self._anchor, depth, reason)
+
+    def run(self) -> int:
+        """Rewrite every match (first matching rule wins per node); returns the number of rewrites."""
+        rewrites = 0
+        try:
+            for node in list(self.graph.nodes):
+                if id(node) in self.editor.removed:
+                    continue
+                for rule, matcher in self._by_op.get(node.op, ()):
+                    if self._try(rule, matcher, node):
+                        rewrites += 1
+                        break
+        finally:
+            self.editor.flush()
+        for rule in self.rules:
+            if rule.name in self.closest and not self.matched[rule.name] and not self.dry_run:
+                message = self.closest[rule.name].explain(rule)
+                log.warning(message)
+                self.ctx.note(message)
+        return rewrites
+
+    def _try(self, rule: Rule, matcher: Matcher, node: Node) -> bool:
+        self._anchor = node
+        closest = self.closest.get(rule.name)
+        if closest is not None:
+            closest.candidates += 1
+        n_patterns = sum(1 for _ in rule.pattern.nodes())
+        for tried, state in enumerate(self._states(matcher, node)):
+            if tried >= MAX_CANDIDATES_PER_ANCHOR:
+                break
+            outputs = [state.root] + [state.bound(p.node).outputs[p.index] for p in rule.pattern.outputs[1:]]
+            m = Match(state, outputs, self.graph, self.ctx)
+            why = None if rule.allow_escaping else self._escapes(m)
+            if why is None:
+                why = self._check(rule, m)
+            if why is not None:
+                if closest is not None:
+                    closest.record(node, n_patterns + 1, why)
+                continue
+            if self.dry_run or self._rewrite(rule, m, node):
+                self.matched[rule.name] += 1
+                if rule.debugging():
+                    log.warning("rule '%s' matched at node '%s' (%s)", rule.name, node.name, node.op)
+                return True
+            return False
+        return False
+
+    @staticmethod
+    def _states(matcher: Matcher, node: Node):
+        for root in node.outputs:
+            for state in matcher.matches(root):
+                state.root = root
+                yield state
+
+    def _escapes(self, m: Match) -> Optional[str]:
+        """Why an intermediate of the match would be lost (used outside, or a graph output), else None."""
+        inside = {id(n) for n in m.nodes}
+        keep = {id(t) for t in m.outputs}
+        for n in m.nodes:
+            for t in n.outputs:
+                if id(t) in keep:
+                    continue
+                if is_graph_output(self.graph, t):
+                    return f"intermediate '{t.name}' is a graph output"
+                outside = [c for c in t.outputs if id(c) not in inside]
+                if outside:
+                    return f"intermediate '{t.name}' is also used by node '{outside[0].name}' ({outside[0].op})"
+        return None
+
+    def _check(self, rule: Rule, m: Match) -> Optional[str]:
+        if rule.check is None:
+            return None
+        try:
+            ok = rule.check(m)
+        except Exception as exc:
+            raise RuleError(rule.name, f"check raised {type(exc).__name__}: {exc}") from exc
+        if ok:
+            return None
+        return f"check declined: {m.failure}" if m.failure else f"check returned {ok!r}"
+
+    def _rewrite(self, rule: Rule, m: Match, anchor: Node) -> bool:
+        builder = RewriteBuilder(self.ctx, rule.name)
+        try:
+            result = rule.rewrite(builder, m)
+        except Exception as exc:
+            raise RuleError(rule.name, f"rewrite raised {type(exc).__name__}: {exc}") from exc
+        if result is None:
+            return False
+        results: list[Tensor] = list(result) if isinstance(result, (tuple, list)) else [result]
+        try:
+            self.editor.validate(builder.staged, m.outputs, results)
+        except RewriteError as exc:
+            raise RuleError(rule.name, f"invalid rewrite: {exc}") from exc
+        self.editor.commit(anchor, builder.staged, m.outputs, results, m.nodes)
+        return True

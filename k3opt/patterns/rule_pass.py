@@ -1,0 +1,150 @@
+"""Turning rules into passes: :class:`RuleSetPass`, :func:`rules_pass`, :func:`register_rules`, :func:`rule`.
+
+A rule set is one pass, so the pass manager's statistics, fixed-point loop,
+``--skip`` and verification bisection apply to rules like to any pass.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Optional, Sequence, Type, Union
+
+import onnx
+
+from ..errors import PluginError
+from ..ir import Graph, NameScope
+from ..passes.base import Pass, PassContext, register_pass, registered_passes
+from .rule import Rule, RuleApplier, RuleError
+
+
+class RuleSetPass(Pass):
+    """A pass applying ``rules`` (first matching rule wins at each node) until the manager's fixed point.
+
+    Subclass with ``name`` and ``rules`` class attributes, or instantiate
+    directly: ``RuleSetPass([rule], name="my-rules")``.
+    """
+
+    rules: ClassVar[Sequence[Rule]] = ()
+
+    def __init__(self, rules: Optional[Sequence[Rule]] = None, name: Optional[str] = None):
+        if rules is not None:
+            self.rules = list(rules)
+        if name is not None:
+            self.name = name
+        elif not self.name:
+            self.name = "+".join(r.name for r in self.rules)
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        try:
+            return RuleApplier(graph, ctx, self.rules).run()
+        except RuleError as exc:
+            if self.plugin:
+                raise PluginError(f"plugin '{self.plugin}', pass '{self.name}', {exc}") from exc
+            raise
+
+
+def rules_pass(
+    name: str,
+    rules: Sequence[Rule],
+    *,
+    order: Optional[float] = None,
+    description: str = "",
+    before: Optional[str] = None,
+    after: Optional[str] = None,
+    plugin: Optional[str] = None,
+    register: bool = True,
+    **attrs: Any,
+) -> Type[RuleSetPass]:
+    """A :class:`RuleSetPass` subclass named ``name`` (registered unless ``register=False``).
+
+    ``attrs`` set other :class:`~k3opt.passes.base.Pass` class attributes
+    (``needs_shapes``, ``min_opset``, ``targets``, ``default``).
+    """
+    unknown = set(attrs) - {"needs_shapes", "min_opset", "targets", "default"}
+    if unknown:
+        raise TypeError(f"rules_pass got unknown pass attribute(s): {sorted(unknown)}")
+    body = dict(attrs, name=name, rules=list(rules),
+                description=description or "; ".join(r.description or r.name for r in rules))
+    if order is not None:
+        body["order"] = float(order)
+    cls = type(_class_name(name), (RuleSetPass,), body)
+    if register:
+        register_pass(cls, before=before, after=after, plugin=plugin)
+    elif plugin is not None:
+        cls.plugin = plugin
+    return cls
+
+
+def _class_name(name: str) -> str:
+    return "".join(part.capitalize() for part in name.replace("_", "-").split("-") if part) + "Pass"
+
+
+def register_rules(
+    *rules: Rule,
+    name: Optional[str] = None,
+    before: Optional[str] = None,
+    after: Optional[str] = None,
+    order: Optional[float] = None,
+    plugin: Optional[str] = None,
+    description: str = "",
+) -> Type[RuleSetPass]:
+    """Register rules for library users and plugins: one pass named ``name`` (default: the single rule's name).
+
+    Registering into an existing rule-set pass of that name adds the rules to it.
+    """
+    if not rules:
+        raise TypeError("register_rules needs at least one rule")
+    if name is None:
+        if len(rules) > 1:
+            raise TypeError("register_rules with several rules needs name=")
+        name = rules[0].name
+    existing = registered_passes().get(name)
+    if existing is not None and issubclass(existing, RuleSetPass) and before is None and after is None:
+        existing.rules = list(existing.rules) + [r for r in rules if r not in existing.rules]
+        return existing
+    return rules_pass(name, rules, order=order, description=description, before=before, after=after,
+                      plugin=plugin)
+
+
+def rule(
+    name: Optional[str] = None,
+    *,
+    pass_name: Optional[str] = None,
+    before: Optional[str] = None,
+    after: Optional[str] = None,
+    order: Optional[float] = None,
+    allow_escaping: bool = False,
+    debug: bool = False,
+) -> Callable[[type], Rule]:
+    """Class decorator: a class with ``pattern``, ``rewrite`` and optional ``check`` functions becomes a
+    registered :class:`Rule` (in pass ``pass_name``, default the rule's name); the docstring describes it.
+    """
+
+    def decorate(cls: type) -> Rule:
+        rule_name = name or _kebab(cls.__name__)
+        r = Rule(rule_name, cls.pattern, cls.rewrite, getattr(cls, "check", None),
+                 description=(cls.__doc__ or "").strip(), allow_escaping=allow_escaping, debug=debug)
+        register_rules(r, name=pass_name or rule_name, before=before, after=after, order=order)
+        return r
+
+    return decorate
+
+
+def _kebab(name: str) -> str:
+    return "".join("-" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
+def explain(rules: Union[Rule, Sequence[Rule]], model: Union[onnx.ModelProto, Graph], opset: Optional[int] = None
+            ) -> list[str]:
+    """Without changing anything: for each rule, where it matches, or why not at the closest candidate."""
+    import onnx_graphsurgeon as gs
+
+    rules = [rules] if isinstance(rules, Rule) else list(rules)
+    if isinstance(model, onnx.ModelProto):
+        opset = opset or next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+        graph = gs.import_onnx(model)
+    else:
+        graph = model
+    ctx = PassContext(opset=opset or 17, names=NameScope(graph))
+    applier = RuleApplier(graph, ctx, rules, dry_run=True)
+    applier.run()
+    return [f"rule '{r.name}': matches at {applier.matched[r.name]} node(s)" if applier.matched[r.name]
+            else applier.closest[r.name].explain(r) for r in rules]
