@@ -1,6 +1,101 @@
-"""CLI commands contributed by k3opt.cann_bridge; k3opt/cli.py adds every command in ``commands``."""
+"""CLI commands contributed by k3opt.cann_bridge; k3opt/cli.py adds every command in ``commands``.
+
+``k3opt check --target cann MODEL``: what ATC will refuse (exit 0 clean, 1 not).
+``k3opt compile MODEL --soc-version ... -o PREFIX [-- extra ATC flags]``: to ``PREFIX.om``.
+"""
 from __future__ import annotations
 
-import click
+import functools
+import sys
+from typing import Any, Callable
 
-commands: list[click.Command] = []
+import click
+import onnx
+
+from ..errors import InputError, K3optError
+from .atc_command import AtcOptions, parse_input_shape
+from .compat import check_model
+from .compile import compile_model
+
+
+def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """k3opt errors become one line on stderr and their exit code (``--debug`` in the group shows tracebacks)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except K3optError as exc:
+            click.echo(f"k3opt: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+    return wrapper
+
+
+def _dynamic_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    for flag in ("--dynamic-image-size", "--dynamic-batch-size", "--dynamic-dims"):
+        fn = click.option(flag, metavar="PROFILES", help=f"ATC {flag.replace('-', '_')[2:]} (needs -1 dims)")(fn)
+    return click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D1,D2",
+                        help="input shape for ATC (repeatable; -1 for a dynamic dim, a~b for a range)")(fn)
+
+
+@click.command("check")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--target", type=click.Choice(["cann"]), default="cann", show_default=True,
+              help="the compiler to check against")
+@_dynamic_options
+@_one_line_errors
+def check(model: str, target: str, input_shapes: tuple[str, ...], dynamic_dims: str, dynamic_batch_size: str,
+          dynamic_image_size: str) -> None:
+    """List every node ATC will not parse, dynamic inputs without a shape, and rejected input dtypes."""
+    try:
+        proto = onnx.load(model, load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError, OSError... for a bad file
+        raise InputError(f"{model}: not a readable ONNX model ({exc})") from None
+    dynamic = next((f for f, v in (("dynamic_dims", dynamic_dims), ("dynamic_batch_size", dynamic_batch_size),
+                                   ("dynamic_image_size", dynamic_image_size)) if v), None)
+    findings = check_model(proto, [parse_input_shape(s) for s in input_shapes], dynamic)
+    for f in findings:
+        click.echo(str(f))
+    if findings:
+        click.echo(f"{len(findings)} problem(s): ATC ({target}) will refuse {model}", err=True)
+        sys.exit(1)
+    click.echo(f"{model}: ATC can parse every node (opset, inputs and dtypes OK)")
+
+
+@click.command("compile", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- EXTRA_ATC_FLAGS]")
+@click.option("--soc-version", required=True, help="Ascend + chip name from `npu-smi info`, e.g. Ascend910B3")
+@click.option("-o", "--output", required=True, help="output prefix: writes OUTPUT.onnx and OUTPUT.om")
+@_dynamic_options
+@click.option("--precision-mode", help="ATC --precision_mode (force_fp16, allow_mix_precision, ...)")
+@click.option("--precision-mode-v2", help="ATC --precision_mode_v2 (fp16, origin, mixed_float16, ...)")
+@click.option("--fusion-switch-file", help="ATC fusion switch file (turns ATC fusion passes on/off)")
+@click.option("--input-format", default="ND", show_default=True, help="ND for transformers; NCHW, NCDHW")
+@click.option("--log", "log", default="error", show_default=True, help="ATC log level")
+@click.option("--atc", "atc", help="path of the atc executable (default: PATH, then the CANN install)")
+@click.option("--dry-run", is_flag=True, help="optimize and print the ATC command without running ATC")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="check the optimized graph against the original in onnxruntime before lowering")
+@_one_line_errors
+def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, output: str,
+                input_shapes: tuple[str, ...], dynamic_dims: str, dynamic_batch_size: str, dynamic_image_size: str,
+                precision_mode: str, precision_mode_v2: str, fusion_switch_file: str, input_format: str, log: str,
+                atc: str, dry_run: bool, verify: bool) -> None:
+    """Optimize MODEL for Ascend (target cann) and compile it with ATC into OUTPUT.om."""
+    opts = AtcOptions(soc_version=soc_version, input_shapes=input_shapes, input_format=input_format,
+                      precision_mode=precision_mode, precision_mode_v2=precision_mode_v2,
+                      dynamic_dims=dynamic_dims, dynamic_batch_size=dynamic_batch_size,
+                      dynamic_image_size=dynamic_image_size, fusion_switch_file=fusion_switch_file, log=log,
+                      extra_args=extra_args)
+    result = compile_model(model, output, opts, atc=atc, dry_run=dry_run, echo=click.echo, verify=verify)
+    if dry_run:
+        click.echo(f"dry run: optimized model written to {result.onnx_path}; ATC not run")
+        return
+    for line in result.fusion_summary:
+        click.echo(line)
+    click.echo(f"wrote {result.om_path}")
+
+
+commands: list[click.Command] = [check, compile_cmd]

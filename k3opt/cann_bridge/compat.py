@@ -34,12 +34,13 @@ def default_opset(model: onnx.ModelProto) -> Optional[int]:
     return next((o.version for o in model.opset_import if o.domain in _DEFAULT_DOMAINS), None)
 
 
-def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``graph`` and of its subgraphs (If/Loop/Scan bodies), depth first."""
     for node in graph.node:
         yield node
         for attr in node.attribute:
             for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-                yield from _nodes(sub)
+                yield from all_nodes(sub)
 
 
 def _opset_findings(model: onnx.ModelProto) -> list[Finding]:
@@ -58,7 +59,7 @@ def _opset_findings(model: onnx.ModelProto) -> list[Finding]:
 def _op_findings(model: onnx.ModelProto) -> list[Finding]:
     version = default_opset(model)
     by_key: dict[tuple[str, str], list[str]] = {}
-    for node in _nodes(model.graph):
+    for node in all_nodes(model.graph):
         domain = node.domain or "ai.onnx"
         known = ATC_PARSERS.get(node.op_type) if node.domain in _DEFAULT_DOMAINS else None
         if known is None or version not in known:

@@ -1,0 +1,112 @@
+"""``compile_model``: an ONNX model to an Ascend ``.om``: optimize for cann, pre-flight check, run ATC.
+
+The library call behind ``k3opt compile``, for export pipelines. Everything
+ATC would refuse is refused first (options, then the optimized graph), so a
+failure costs seconds, not an ATC run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import onnx
+
+from .. import api, io
+from ..errors import CompileError
+from ..report import Report
+from .atc_command import AtcOptions, build_command, render, validate
+from .atc_locate import find_atc
+from .atc_run import raise_for_result, run_atc, summarize_fusion_result
+from .compat import Finding, check_model
+
+Echo = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class CompileResult:
+    """What a compile produced: the ``.om`` (None on a dry run), the optimized ONNX and the ATC command."""
+
+    om_path: Optional[Path]
+    onnx_path: Path
+    command: list[str]
+    report: Report
+    findings: list[Finding]
+    fusion_summary: list[str]
+
+
+def _optimize(model: Union[str, os.PathLike, onnx.ModelProto], dst: Path, static_shapes: list[str],
+              optimize_options: dict) -> Report:
+    options = dict(optimize_options)
+    options.setdefault("verify", True)
+    shapes = static_shapes or None
+    if isinstance(model, onnx.ModelProto):
+        report = Report()
+        out = api.optimize(model, target="cann", input_shapes=shapes, report=report, **options)
+        report.files = [str(p) for p in io.save(out, dst)]
+        report.output = str(dst)
+        return report
+    return api.optimize_file(model, dst, target="cann", input_shapes=shapes, overwrite=True, **options)
+
+
+def compile_model(
+    model: Union[str, os.PathLike, onnx.ModelProto],
+    output: Union[str, os.PathLike],
+    options: AtcOptions,
+    *,
+    atc: Optional[str] = None,
+    dry_run: bool = False,
+    echo: Optional[Echo] = None,
+    **optimize_options,
+) -> CompileResult:
+    """Optimize ``model`` with the cann target into ``OUTPUT.onnx``, check it, and run ATC into ``OUTPUT.om``.
+
+    ``output`` is ATC's prefix (no ``.om``). ``dry_run`` stops before ATC
+    (pre-flight findings are reported, not raised) and needs no ATC install.
+    ``echo`` receives ATC's output lines as they come. Extra keyword
+    arguments go to :func:`k3opt.optimize` (``verify``, ``rtol``...).
+    Raises UsageError for options ATC would reject, CompileError when the
+    model will not parse or ATC fails (exit status 1).
+    """
+    say = echo or (lambda line: None)
+    shapes = validate(options)
+    prefix = Path(output).absolute()
+    tool = _locate(atc, dry_run)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    onnx_path = prefix.with_name(prefix.name + ".onnx")
+    static = [str(s) for s in shapes if s.static is not None]
+    report = _optimize(model, onnx_path, static, optimize_options)
+    for line in report.lowering:
+        say(f"lowering: {line}")
+    optimized = onnx.load(str(onnx_path), load_external_data=False)
+    findings = check_model(optimized, shapes, options.dynamic_option())
+    cmd = build_command(tool, str(onnx_path), str(prefix), options)
+    if dry_run:
+        for f in findings:
+            say(f"warning: ATC will refuse: {f}")
+        say(render(cmd))
+        return CompileResult(None, onnx_path, cmd, report, findings, [])
+    if findings:
+        raise CompileError("ATC would refuse the optimized model (nothing was run):\n"
+                           + "\n".join(f"  {f}" for f in findings))
+    fusion = prefix.parent / "fusion_result.json"
+    before = fusion.stat().st_mtime_ns if fusion.exists() else None
+    say(render(cmd))
+    result = run_atc(cmd, cwd=prefix.parent, echo=say)
+    raise_for_result(result)
+    om = prefix.with_name(prefix.name + ".om")
+    if not om.is_file():
+        raise CompileError(f"ATC reported success but {om} was not written")
+    written = fusion.exists() and fusion.stat().st_mtime_ns != before
+    summary = summarize_fusion_result(fusion) if written else []
+    return CompileResult(om, onnx_path, cmd, report, findings, summary)
+
+
+def _locate(atc: Optional[str], dry_run: bool) -> str:
+    try:
+        return str(find_atc(atc))
+    except CompileError:
+        if dry_run:
+            return "atc"
+        raise

@@ -1,0 +1,130 @@
+"""``lower``: the NPU lowerings of ``--target cann``, applied after verification, and the target's invariants.
+
+The only lowering: a recognised RMSNorm (``x / sqrt(mean(x^2) + eps) * w``,
+found by :func:`k3opt.passes.rms_norm.rmsnorm_rules`) becomes ``NPURmsNorm``
+when ATC's plugin computes exactly the same thing. Per the plugin sources
+(hicann/ops-nn ``norm/rms_norm``): the ONNX node ``NPURmsNorm(x, gamma) -> (y,
+rstd)`` in the default domain maps to GE ``RmsNorm``; epsilon is hard-coded
+to 1e-6 (the node's attributes are ignored); gamma must have exactly the
+shape of x's trailing normalized dims; y has x's dtype, rstd is float32
+(x's shape with the normalized dims set to 1); (x, gamma) dtypes are one
+of the pairs in :data:`DTYPE_PAIRS`. Anything else stays decomposed and the
+report says why. onnxruntime cannot run the NPU node, which is why the
+lowering comes after verification.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from .. import api, io, shapes
+from ..errors import CompileError
+from ..ir import NameScope, const_shape, const_value
+from ..passes.base import PassContext
+from ..patterns import RuleSetPass
+from .atc_ops import NPU_OPS
+from .compat import all_nodes
+
+CANN_OPSET = 17
+#: ATC's NPURmsNorm plugin ignores the node's attributes and sets this epsilon.
+PLUGIN_EPSILON = 1e-6
+#: (x, gamma) dtypes RmsNorm has kernels for on A2/A3 (310P/910: only the equal pairs).
+DTYPE_PAIRS = frozenset({(np.float16, np.float32), (np.float16, np.float16), (np.float32, np.float32)}
+                        | {("bfloat16", "float32"), ("bfloat16", "bfloat16")})
+
+
+def _dtype_name(dtype: Any) -> str:
+    return "bfloat16" if "bfloat16" in str(dtype) else np.dtype(dtype).name
+
+
+def refusal(epsilon: float, x: gs.Tensor, gamma_shape: Optional[tuple], x_dtype: Any, gamma_dtype: Any,
+            axes: tuple[int, ...]) -> Optional[str]:
+    """Why this RMSNorm cannot become NPURmsNorm exactly, or None when it can."""
+    if np.float32(epsilon) != np.float32(PLUGIN_EPSILON):
+        return f"epsilon {epsilon:g} is not the NPURmsNorm plugin's fixed {PLUGIN_EPSILON:g}"
+    pair = (_dtype_name(x_dtype), _dtype_name(gamma_dtype))
+    if pair not in {(_dtype_name(a), _dtype_name(b)) for a, b in DTYPE_PAIRS}:
+        return f"RmsNorm has no kernel for x {pair[0]} with gamma {pair[1]}"
+    rank = None if x.shape is None else len(x.shape)
+    if rank is None:
+        return "the input's rank is unknown"
+    normalized = sorted(a % rank for a in axes)
+    if normalized != list(range(rank - len(normalized), rank)):
+        return f"normalized axes {list(axes)} are not the trailing axes"
+    if gamma_shape is None:
+        return "the weight's shape is unknown"
+    trailing = tuple(x.shape[rank - len(normalized):])
+    if tuple(gamma_shape) != trailing:
+        return f"weight shape {tuple(gamma_shape)} is not the normalized dims {trailing}"
+    return None
+
+
+def invariant_violations(model: onnx.ModelProto) -> list[str]:
+    """What breaks the cann target's contract: one default-domain opset import, 17; standard ops or NPU ops only."""
+    found = []
+    imports = [(o.domain or "ai.onnx", o.version) for o in model.opset_import]
+    if imports != [("ai.onnx", CANN_OPSET)]:
+        found.append(f"opset imports {imports}, expected exactly [('ai.onnx', {CANN_OPSET})]")
+    if model.functions:
+        found.append(f"{len(model.functions)} model-local function(s): ATC does not parse functions")
+    for node in all_nodes(model.graph):
+        if node.domain not in ("", "ai.onnx"):
+            found.append(f"node '{node.name}' ({node.domain}::{node.op_type}) is not in the default domain")
+        elif node.op_type not in NPU_OPS and not onnx.defs.has(node.op_type, CANN_OPSET, ""):
+            found.append(f"node '{node.name}' ({node.op_type}) is neither a standard opset-{CANN_OPSET} op "
+                         "nor an NPU op ATC registers")
+    return found
+
+
+
+class _RmsNormLowering:
+    """The callback given to the RMSNorm recogniser: emits NPURmsNorm where exact, records why not elsewhere."""
+
+    def __init__(self) -> None:
+        self.lowered: list[str] = []
+        self.kept: list[str] = []
+
+    def emit(self, op: Any, name: str, x: gs.Tensor, gamma: gs.Tensor, epsilon: float, x_dtype: Any,
+             gamma_dtype: Any, axes: tuple[int, ...]) -> Optional[gs.Tensor]:
+        """``NPURmsNorm(x, gamma) -> (y, rstd)``, or None (stays decomposed) with the reason recorded."""
+        value = const_value(gamma) if isinstance(gamma, gs.Constant) else None
+        shape = const_shape(gamma)
+        if value is not None and shape is not None and len(shape) > len(axes) and all(d == 1 for d in shape[:-len(axes)]):
+            gamma = op.const(value.reshape(shape[-len(axes):]), name=f"{gamma.name}_npu")  # drop leading 1s
+            shape = shape[-len(axes):]
+        why = refusal(epsilon, x, shape, x_dtype, gamma_dtype, axes)
+        if why is not None:
+            self.kept.append(f"RMSNorm at '{name}' kept decomposed: {why}")
+            return None
+        y, rstd = op.NPURmsNorm(x, gamma, _outputs=2, _name="NPURmsNorm")
+        rstd.dtype = np.float32
+        self.lowered.append(f"RMSNorm at '{name}' -> NPURmsNorm")
+        return y
+
+    def lines(self) -> list[str]:
+        total = len(self.lowered) + len(self.kept)
+        head = f"NPURmsNorm: {len(self.lowered)} of {total} RMSNorm(s) lowered (ATC's plugin fixes eps at 1e-6)"
+        return [head, *self.lowered, *self.kept] if total else ["NPURmsNorm: no RMSNorm found"]
+
+
+def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """Apply the NPU lowerings to a verified cann-target model; returns (model, one report line per lowering).
+
+    Raises CompileError when the result breaks the target's invariants
+    (:func:`invariant_violations`), which would make ATC refuse it.
+    """
+    from ..passes.rms_norm import rmsnorm_rules  # the norm-fusion pass's recogniser, reused
+
+    graph = io.import_graph(model)
+    shapes.ShapeRefresher()(graph)
+    ctx = PassContext(opset=CANN_OPSET, target="cann", names=NameScope(graph))
+    rms = _RmsNormLowering()
+    RuleSetPass(rmsnorm_rules(rms.rewrite), name="lower-rmsnorm-npu").run(graph, ctx)
+    out = api.export(graph, model)
+    violations = invariant_violations(out)
+    if violations:
+        raise CompileError("the model breaks the cann target's invariants: " + "; ".join(violations[:5]))
+    return out, rms.lines()
