@@ -31,12 +31,15 @@ from .compat import all_nodes
 CANN_OPSET = 17
 #: ATC's NPURmsNorm plugin ignores the node's attributes and sets this epsilon.
 PLUGIN_EPSILON = 1e-6
-#: (x, gamma) dtypes RmsNorm has kernels for on A2/A3 (310P/910: only the equal pairs).
-DTYPE_PAIRS = frozenset({(np.float16, np.float32), (np.float16, np.float16), (np.float32, np.float32)}
-                        | {("bfloat16", "float32"), ("bfloat16", "bfloat16")})
+#: (x, gamma) dtypes RmsNorm has kernels for on Atlas A2/A3 (310P/910: only the equal pairs without bf16).
+DTYPE_PAIRS = frozenset({("float16", "float32"), ("bfloat16", "float32"), ("float16", "float16"),
+                         ("bfloat16", "bfloat16"), ("float32", "float32")})
 
 
 def _dtype_name(dtype: Any) -> str:
+    """numpy-style name of a gs/numpy/ONNX dtype (``bfloat16`` included)."""
+    if isinstance(dtype, int):
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(dtype)
     return "bfloat16" if "bfloat16" in str(dtype) else np.dtype(dtype).name
 
 
@@ -46,7 +49,7 @@ def refusal(epsilon: float, x: gs.Tensor, gamma_shape: Optional[tuple], x_dtype:
     if np.float32(epsilon) != np.float32(PLUGIN_EPSILON):
         return f"epsilon {epsilon:g} is not the NPURmsNorm plugin's fixed {PLUGIN_EPSILON:g}"
     pair = (_dtype_name(x_dtype), _dtype_name(gamma_dtype))
-    if pair not in {(_dtype_name(a), _dtype_name(b)) for a, b in DTYPE_PAIRS}:
+    if pair not in DTYPE_PAIRS:
         return f"RmsNorm has no kernel for x {pair[0]} with gamma {pair[1]}"
     rank = None if x.shape is None else len(x.shape)
     if rank is None:
