@@ -1,0 +1,190 @@
+"""All-or-nothing rewrites, broken rules (raising, invalid), rules as registered passes, and the debug mode."""
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper
+
+from k3opt.errors import PluginError
+from k3opt.passes.base import PassContext, build_pipeline, registered_passes, unregister_pass
+from k3opt.passes.manager import PassManager
+from k3opt.patterns import Rule, RuleError, RuleSetPass, register_rules, rule, rules_pass
+from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
+
+F = TP.FLOAT
+
+
+def relu_chain(n: int = 2) -> onnx.ModelProto:
+    """x -> Neg -> Relu -> Neg -> Relu ... (n Neg/Relu pairs), each pair a match site."""
+    nodes = []
+    for i in range(n):
+        nodes += [helper.make_node("Neg", [f"t{2 * i}"], [f"t{2 * i + 1}"]),
+                  helper.make_node("Relu", [f"t{2 * i + 1}"], [f"t{2 * i + 2}"])]
+    return make_model(nodes, [("t0", F, [4])], [(f"t{2 * n}", F, [4])])
+
+
+def relu_neg(op, x):
+    return op.Relu(op.Neg(x, _name="neg"))
+
+
+def run_graph(model: onnx.ModelProto, p) -> tuple[gs.Graph, PassManager]:
+    graph = gs.import_onnx(model)
+    pm = PassManager([p])
+    pm.run(graph, PassContext(opset=17))
+    return graph, pm
+
+
+def snapshot(graph: gs.Graph) -> list:
+    """Everything a rewrite could disturb: nodes with their inputs/outputs, and every tensor's consumers."""
+    nodes = [(n.name, n.op, [t.name for t in n.inputs], [t.name for t in n.outputs]) for n in graph.nodes]
+    uses = sorted((name, sorted(c.name for c in t.outputs)) for name, t in graph.tensors().items())
+    return [nodes, uses, [t.name for t in graph.outputs]]
+
+
+def _raise_after_staging(op, m):
+    op.Min(m["x"], 0.0)
+    raise ValueError("boom")
+
+
+@pytest.mark.parametrize("rewrite,message", [
+    (_raise_after_staging, "rewrite raised ValueError: boom"),
+    (lambda op, m: op.NotAnOp(m["x"]), "NotAnOp is not an ONNX operator"),
+    (lambda op, m: op.Relu(m["x"], alpha=1.0), "has no attribute 'alpha'"),
+    (lambda op, m: op.Relu(m["x"], m["x"]), "takes 1..1 inputs"),
+    (lambda op, m: (op.Relu(m["x"]), op.Relu(m["x"])), "returned 2 value(s) for 1"),
+    (lambda op, m: "x", "not a tensor"),
+    (lambda op, m: m.outputs[0], "returned the value it replaces"),
+])
+def test_broken_rewrite_names_rule_and_leaves_graph_untouched(rewrite, message):
+    graph = gs.import_onnx(relu_chain(1))
+    before = snapshot(graph)
+    with pytest.raises(RuleError, match="rule 'broken'.*" + re.escape(message)):
+        PassManager([RuleSetPass([Rule("broken", relu_neg, rewrite)], name="p")]).run(graph, PassContext(opset=17))
+    assert snapshot(graph) == before
+
+
+def test_check_that_raises_is_reported():
+    def check(m):
+        raise KeyError("w")
+
+    with pytest.raises(RuleError, match="rule 'c': check raised KeyError"):
+        run_graph(relu_chain(1), RuleSetPass([Rule("c", relu_neg, lambda op, m: op.Neg(m["x"]), check)], name="p"))
+
+
+def test_earlier_rewrites_of_a_failing_run_stay_valid():
+    calls = []
+
+    def rewrite(op, m):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("second site")
+        return op.Neg(op.Min(m["x"], 0.0))  # relu(-x) == -min(x, 0)
+
+    model = relu_chain(2)
+    graph = gs.import_onnx(model)
+    with pytest.raises(RuleError):
+        PassManager([RuleSetPass([Rule("r", relu_neg, rewrite)], name="p")]).run(graph, PassContext(opset=17))
+    graph.cleanup().toposort()
+    out = gs.export_onnx(graph)
+    onnx.checker.check_model(out)
+    assert op_counts(out) == {"Min": 1, "Neg": 2, "Relu": 1}
+    assert_equivalent(model, out)
+
+
+def test_rewrite_returning_none_declines():
+    graph, pm = run_graph(relu_chain(1), RuleSetPass([Rule("n", relu_neg, lambda op, m: None)], name="p"))
+    assert pm.stats["p"].rewrites == 0 and [n.op for n in graph.nodes] == ["Neg", "Relu"]
+
+
+def test_plugin_rule_failure_is_plugin_error_naming_plugin_and_rule():
+    cls = rules_pass("plug-rules", [Rule("bad", relu_neg, _raise_after_staging)], register=False, plugin="acme")
+    with pytest.raises(PluginError, match="plugin 'acme', pass 'plug-rules', rule 'bad'"):
+        run_graph(relu_chain(1), cls())
+
+
+# --- rules registered as passes ----------------------------------------------------------------------
+
+NEG_RELU = Rule("neg-relu", relu_neg, lambda op, m: op.Neg(op.Min(m["x"], 0.0)), description="relu(-x) as -min(x,0)")
+
+
+@pytest.fixture
+def cleanup_registry():
+    before = set(registered_passes())
+    yield
+    for name in set(registered_passes()) - before:
+        unregister_pass(name)
+
+
+def test_rules_pass_registers_and_runs_in_pipeline(cleanup_registry):
+    cls = rules_pass("t-neg-relu", [NEG_RELU], order=1500)
+    assert registered_passes()["t-neg-relu"] is cls and cls.description == "relu(-x) as -min(x,0)"
+    pipeline = build_pipeline(passes=["t-neg-relu"])
+    out, pm, _ = run_passes(relu_chain(3), pipeline)
+    assert pm.stats["t-neg-relu"].rewrites == 3 and "Relu" not in op_counts(out)
+    assert_equivalent(relu_chain(3), out)
+    assert "t-neg-relu" not in [p.name for p in build_pipeline(skip=["t-neg-relu"])]
+
+
+def test_register_rules_and_decorator(cleanup_registry):
+    register_rules(NEG_RELU, name="t-set")
+
+    @rule(pass_name="t-set")
+    class DoubleNeg:
+        """-(-x) is x."""
+
+        def pattern(op, x):
+            return op.Neg(op.Neg(x))
+
+        def rewrite(op, m):
+            return op.Identity(m["x"])
+
+    cls = registered_passes()["t-set"]
+    assert [r.name for r in cls.rules] == ["neg-relu", "double-neg"] and DoubleNeg.description == "-(-x) is x."
+
+    @rule(after="t-set")
+    class ReluRelu:
+        def pattern(op, x):
+            return op.Relu(op.Relu(x))
+
+        def rewrite(op, m):
+            return op.Relu(m["x"])
+
+    names = list(registered_passes())
+    assert names.index("relu-relu") == names.index("t-set") + 1
+
+
+# --- debug mode -----------------------------------------------------------------------------------------
+
+MINUS = Rule("minus", lambda op, x: op.Relu(op.Neg(x, _name="neg"), _name="relu"), lambda op, m: op.Neg(m["x"]),
+             check=lambda m: m.fail("never"))
+
+
+def test_debug_env_var_explains_closest_candidate(monkeypatch, caplog):
+    monkeypatch.setenv("K3OPT_DEBUG_RULES", "other,minus")
+    model = make_model([helper.make_node("Abs", ["x"], ["a"], name="abs0"),
+                        helper.make_node("Relu", ["a"], ["r"], name="relu0"),
+                        helper.make_node("Neg", ["x"], ["n"], name="neg1"),
+                        helper.make_node("Relu", ["n"], ["y"], name="relu1")],
+                       [("x", F, [4])], [("y", F, [4]), ("r", F, [4])])
+    with caplog.at_level(logging.WARNING, logger="k3opt.patterns"):
+        _, _, ctx = run_passes(model, [RuleSetPass([MINUS], name="p")])
+    note = next(n for n in ctx.notes if "minus" in n)
+    assert "closest at node 'relu1' (Relu), 2/2 pattern nodes matched: check declined: never" in note
+    assert note in caplog.text
+
+
+def test_debug_flag_reports_missing_anchor_and_structural_failure():
+    model = make_model([helper.make_node("Abs", ["x"], ["a"], name="abs0"),
+                        helper.make_node("Relu", ["a"], ["y"], name="relu0")], [("x", F, [4])], [("y", F, [4])])
+    rule_ = Rule("dbg", relu_neg, lambda op, m: op.Neg(m["x"]), debug=True)
+    _, _, ctx = run_passes(model, [RuleSetPass([rule_], name="p")])
+    assert any("node 'abs0' (Abs): expected op Neg" in n for n in ctx.notes)
+    no_anchor = Rule("dbg2", lambda op, x: op.Gelu(x), lambda op, m: m["x"], debug=True)
+    _, _, ctx = run_passes(model, [RuleSetPass([no_anchor], name="p")])
+    assert ctx.notes == ["rule 'dbg2': no candidate: no Gelu node in the graph"]
