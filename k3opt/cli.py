@@ -34,6 +34,7 @@ class _Group(click.Group):
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, **extra: Any) -> Any:
         extra.pop("standalone_mode", None)
+        STATE.debug, STATE.quiet, STATE.progress = False, False, None
         try:
             code = super().main(args, prog_name, standalone_mode=False, **extra)
         except click.exceptions.Exit as exc:

@@ -1,0 +1,156 @@
+"""The pass manager and registry: fixed point, statistics, skip/select, opset/target gating, determinism."""
+from __future__ import annotations
+
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto, helper
+
+import k3opt
+from k3opt.errors import PluginError, UsageError
+from k3opt.passes.base import Pass, PassContext, build_pipeline
+from k3opt.passes.manager import PassManager
+from tests.conftest import Crash, DropOneIdentity
+from tests.helpers import assert_equivalent, make_model, op_counts
+
+
+def identity_chain(n: int = 3):
+    """x -> Identity x n -> Relu -> y."""
+    nodes, prev = [], "x"
+    for i in range(n):
+        nodes.append(helper.make_node("Identity", [prev], [f"i{i}"], name=f"id{i}"))
+        prev = f"i{i}"
+    nodes.append(helper.make_node("Relu", [prev], ["y"], name="relu"))
+    return make_model(nodes, [("x", TensorProto.FLOAT, [2, 3])], [("y", TensorProto.FLOAT, [2, 3])])
+
+
+def run(model, passes, **ctx_kwargs):
+    graph = gs.import_onnx(model)
+    ctx = PassContext(opset=17, **ctx_kwargs)
+    pm = PassManager(passes)
+    total = pm.run(graph, ctx)
+    return graph, pm, ctx, total
+
+
+def test_runs_to_fixed_point_and_counts():
+    graph, pm, _, total = run(identity_chain(3), [DropOneIdentity()])
+    assert total == 3
+    assert pm.rounds == 4  # three rounds with a rewrite, one that confirms the fixed point
+    st = pm.stats["test-drop-one-identity"]
+    assert (st.runs, st.rewrites, st.nodes_before, st.nodes_after) == (4, 3, 4, 1)
+    assert st.time_s >= 0
+    assert [s.rewrites for s in pm.steps] == [1, 1, 1, 0]
+    assert [n.op for n in graph.nodes] == ["Relu"]
+
+
+def test_max_rounds_bounds_the_run():
+    graph = gs.import_onnx(identity_chain(5))
+    pm = PassManager([DropOneIdentity()], max_rounds=2)
+    assert pm.run(graph, PassContext(opset=17)) == 2
+    assert pm.rounds == 2
+
+
+def test_max_steps_stops_early():
+    graph = gs.import_onnx(identity_chain(3))
+    pm = PassManager([DropOneIdentity()])
+    assert pm.run(graph, PassContext(opset=17), max_steps=2) == 2
+    assert len(pm.steps) == 2
+
+
+def test_min_opset_and_target_gate_passes_with_a_note():
+    class NeedsNew(DropOneIdentity):
+        name = "test-needs-new"
+        min_opset = 99
+
+    class CannOnly(DropOneIdentity):
+        name = "test-cann-only"
+        targets = ("cann",)
+
+    _, pm, ctx, total = run(identity_chain(1), [NeedsNew(), CannOnly()])
+    assert total == 0
+    assert pm.stats["test-needs-new"].skipped == "needs opset 99, model has 17"
+    assert "cann" in pm.stats["test-cann-only"].skipped
+    assert any("test-needs-new skipped" in n for n in ctx.notes)
+
+
+def test_shapes_refreshed_only_when_graph_changed():
+    calls = []
+
+    class NeedsShapes(Pass):
+        name = "test-needs-shapes"
+        needs_shapes = True
+
+        def run(self, graph, ctx):
+            return 0
+
+    graph = gs.import_onnx(identity_chain(2))
+    pm = PassManager([DropOneIdentity(), NeedsShapes()], shape_inference=lambda g: calls.append(1) or True)
+    pm.run(graph, PassContext(opset=17))
+    # rounds 1 and 2 change the graph (refresh each), round 3 changes nothing (no refresh)
+    assert len(calls) == 2
+
+
+def test_builtin_pass_bug_propagates_plugin_bug_is_plugin_error(register):
+    with pytest.raises(ValueError, match="boom"):
+        run(identity_chain(1), [Crash()])
+
+    class PluginCrash(Crash):
+        name = "test-plugin-crash"
+        plugin = "acme"
+
+    with pytest.raises(PluginError, match="plugin 'acme', pass 'test-plugin-crash'"):
+        run(identity_chain(1), [PluginCrash()])
+
+
+def test_build_pipeline_select_skip_and_unknown(register):
+    register(DropOneIdentity)
+    register(Crash)
+    assert [p.name for p in build_pipeline(["test-crash", "test-drop-one-identity"])] == [
+        "test-crash", "test-drop-one-identity"]
+    assert [p.name for p in build_pipeline(["test-crash", "test-drop-one-identity"], skip=["test-crash"])] == [
+        "test-drop-one-identity"]
+    default = [p.name for p in build_pipeline(None)]
+    assert "test-crash" not in default  # default = False
+    with pytest.raises(UsageError, match="unknown pass 'nope'; known passes: .*test-crash"):
+        build_pipeline(["nope"])
+    with pytest.raises(UsageError, match="unknown pass 'nope2'"):
+        build_pipeline(None, skip=["nope2"])
+
+
+def test_register_before_after_and_duplicates(register):
+    register(DropOneIdentity)
+
+    class Before(Crash):
+        name = "test-before"
+
+    class Clash(Crash):
+        name = "test-drop-one-identity"
+
+    register(Before, before="test-drop-one-identity")
+    names = list(k3opt.passes.registered_passes())
+    assert names.index("test-before") < names.index("test-drop-one-identity")
+    with pytest.raises(UsageError, match="already registered"):
+        register(Clash)
+
+
+def test_select_through_api_is_equivalent_idempotent_and_deterministic(register):
+    register(DropOneIdentity)
+    model = identity_chain(3)
+    once = k3opt.optimize(model, passes=["test-drop-one-identity"], verify=True)
+    assert op_counts(once) == {"Relu": 1}
+    assert_equivalent(model, once)
+    again = k3opt.optimize(model, passes=["test-drop-one-identity"])
+    assert once.SerializeToString() == again.SerializeToString()
+    report = k3opt.report.Report()
+    twice = k3opt.optimize(once, passes=["test-drop-one-identity"], report=report)
+    assert report.passes[0]["rewrites"] == 0
+    assert twice.SerializeToString() == once.SerializeToString()
+
+
+def test_fresh_names_are_deterministic():
+    graph = gs.import_onnx(identity_chain(1))
+    names = []
+    for _ in range(2):
+        ctx = PassContext(opset=17)
+        PassManager([]).run(graph, ctx)
+        names.append([ctx.fresh_name("i0"), ctx.fresh_name("i0"), ctx.fresh_name("new")])
+    assert names[0] == names[1] == ["i0_1", "i0_2", "new"]
