@@ -1,0 +1,119 @@
+"""Run one command in a fresh child process and measure it: wall time, peak RSS, exit status.
+
+Each optimizer and each evaluation runs in its own process, so a crash (onnxoptimizer can abort the
+interpreter), a hang or a memory blow-up is a result, never an abort of the benchmark.
+
+Peak RSS is the kernel's high-water mark of the child's own address space (``VmHWM``), which exec resets.
+``ru_maxrss`` is no use here: Linux carries the parent's peak into a forked child across exec, so every
+child would report at least the harness's own size. The child reports its VmHWM with its result; the
+parent also polls it (a crashed child reports nothing) and keeps the larger.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # children import ``bench`` from here
+
+
+@dataclass
+class ProcResult:
+    """What one child process did: ``status`` is ok, error (non-zero exit), crash (signal) or timeout."""
+
+    status: str
+    returncode: Optional[int]
+    wall_s: float
+    peak_rss_mb: float
+    payload: Optional[dict]
+    error: str
+
+    def to_dict(self) -> dict:
+        """Plain-dict form for the JSON result file."""
+        return asdict(self)
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def run_measured(cmd: Sequence[str], timeout_s: float, env: Optional[dict] = None) -> ProcResult:
+    """Run ``cmd``; its JSON payload is read from the file named by env ``BENCH_RESULT``.
+
+    The child runs in its own session so a timeout kills it and anything it spawned.
+    """
+    with tempfile.TemporaryDirectory(prefix="k3bench-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        err_path = os.path.join(tmp, "stderr.txt")
+        child_env = dict(os.environ if env is None else env)
+        child_env["BENCH_RESULT"] = result_path
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, child_env.get("PYTHONPATH")]))
+        child_env.setdefault("OMP_NUM_THREADS", "1")
+        with open(err_path, "w") as err:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=err, env=child_env,
+                                    start_new_session=True)
+            status, polled_mb, timed_out = _wait(proc.pid, t0 + timeout_s)
+            wall = time.perf_counter() - t0
+        proc.returncode = 0  # reaped by os.waitpid above; keep Popen from waiting again
+        with open(err_path, errors="replace") as f:
+            stderr = f.read()
+        payload = None
+        if os.path.exists(result_path):
+            with open(result_path) as f:
+                payload = json.load(f)
+    peak_mb = max(polled_mb, (payload or {}).pop("vmhwm_mb", 0.0))
+    if timed_out:
+        return ProcResult("timeout", None, wall, peak_mb, payload, f"killed after {timeout_s:.0f} s")
+    if os.WIFSIGNALED(status):
+        sig = signal.Signals(os.WTERMSIG(status)).name
+        return ProcResult("crash", -os.WTERMSIG(status), wall, peak_mb, payload, f"{sig}: {_tail(stderr)}")
+    code = os.WEXITSTATUS(status)
+    if code != 0 or payload is None:
+        return ProcResult("error", code, wall, peak_mb, payload, _tail(stderr) or "no result written")
+    return ProcResult("ok", 0, wall, peak_mb, payload, "")
+
+
+def vmhwm_mb(pid: "int | str" = "self") -> float:
+    """Peak resident set size (MB) of process ``pid`` so far, 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def _wait(pid: int, deadline: float) -> tuple[int, float, bool]:
+    """Reap ``pid`` polling its peak RSS, killing its process group at ``deadline``."""
+    delay, peak = 0.005, 0.0
+    while True:
+        peak = max(peak, vmhwm_mb(pid))
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status, peak, False
+        if time.perf_counter() >= deadline:
+            os.killpg(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            return status, peak, True
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def write_result(payload: dict) -> None:
+    """Child side: hand ``payload`` back to :func:`run_measured`."""
+    with open(os.environ["BENCH_RESULT"], "w") as f:
+        json.dump({**payload, "vmhwm_mb": vmhwm_mb()}, f)
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """Command line running ``python -m module args`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,207 @@
+"""Derived figures (ratios, best peer, goals, scaling) and the markdown tables of a benchmark run.
+
+Everything here is a pure function of the JSON result, so a table can be re-rendered from a saved run
+(``python -m bench.report results.json``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+from .optimizers import SUBJECT
+
+RTOL, ATOL = 1e-4, 1e-5  # "equal outputs": max abs diff within ATOL, or within RTOL of the output's max magnitude
+NOISE_FLOOR = 0.03  # latency differences below 3 % are never called a difference
+LINEAR_LIMIT = 9.0  # 8x the layers may take at most ~9x the time
+
+
+def equal_outputs(row: dict) -> Optional[bool]:
+    """Whether an optimized model's outputs match the original's (None when not measured)."""
+    diff = (row.get("eval") or {}).get("diff")
+    if not diff or diff.get("max_abs") is None:
+        return None if not diff else False
+    return diff["max_abs"] <= ATOL or diff["max_rel"] <= RTOL
+
+
+def _lat(ev: Optional[dict], level: str) -> Optional[dict]:
+    return ((ev or {}).get("latency") or {}).get(level)
+
+
+def _spread(lat: dict) -> float:
+    return (lat["p75_ms"] - lat["p25_ms"]) / lat["median_ms"] if lat["median_ms"] else 0.0
+
+
+def op_changes(before: dict, after: dict, limit: int = 8) -> str:
+    """Op types whose count changed, largest change first: ``MatMul -48, Gemm +48``."""
+    keys = set(before) | set(after)
+    deltas = sorted(((after.get(k, 0) - before.get(k, 0), k) for k in keys), key=lambda d: (-abs(d[0]), d[1]))
+    parts = [f"{k} {d:+d}" for d, k in deltas if d]
+    return ", ".join(parts[:limit]) + (f", ... ({len(parts) - limit} more)" if len(parts) > limit else "")
+
+
+def derive(model: dict) -> None:
+    """Add ``equal``, latency ratios (to the original and to the best peer) and ``ops_changed`` to rows."""
+    orig = model.get("original") or {}
+    rows = model.get("results", [])
+    for row in rows:
+        row["equal"] = equal_outputs(row)
+        ev = row.get("eval")
+        if ev:
+            row["ops_changed"] = op_changes(orig.get("ops", {}), ev.get("ops", {}))
+    model["best_peer"] = {}
+    for level in ("disabled", "basic"):
+        peers = [r for r in rows if r["optimizer"] != SUBJECT and r["equal"] and _lat(r.get("eval"), level)]
+        best = min(peers, key=lambda r: _lat(r["eval"], level)["median_ms"], default=None)
+        model["best_peer"][level] = best["optimizer"] if best else None
+        base = _lat(orig, level)
+        for row in rows:
+            lat = _lat(row.get("eval"), level)
+            if not lat:
+                continue
+            row.setdefault("ratio", {})[level] = {
+                "to_original": lat["median_ms"] / base["median_ms"] if base else None,
+                "to_best_peer": lat["median_ms"] / _lat(best["eval"], level)["median_ms"] if best else None,
+            }
+
+
+def goals(model: dict) -> dict:
+    """The per-model goals for k3opt: fewest nodes, latency (ORT optimizations off) vs best peer, equal outputs."""
+    rows = {r["optimizer"]: r for r in model.get("results", [])}
+    subject = rows.get(SUBJECT)
+    if not subject or not subject.get("eval"):
+        return {"fewest_nodes": None, "latency": None, "equal": None}
+    nodes = subject["eval"]["nodes"]
+    peer_nodes = [r["eval"]["nodes"] for n, r in rows.items() if n != SUBJECT and r.get("eval") and r["equal"]]
+    best = model["best_peer"].get("disabled")
+    latency_ok = None
+    if best:
+        mine, theirs = _lat(subject["eval"], "disabled"), _lat(rows[best]["eval"], "disabled")
+        tolerance = max(_spread(mine), _spread(theirs), NOISE_FLOOR)
+        latency_ok = mine["median_ms"] <= theirs["median_ms"] * (1 + tolerance)
+    return {"fewest_nodes": all(nodes <= p for p in peer_nodes) if peer_nodes else None,
+            "latency": latency_ok, "equal": subject["equal"]}
+
+
+def _mark(flag: Optional[bool]) -> str:
+    return {True: "met", False: "**NOT met**", None: "n/a"}[flag]
+
+
+def _num(value: Optional[float], fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _lat_cell(row: dict, level: str) -> str:
+    lat = _lat(row.get("eval"), level)
+    if not lat:
+        return "-"
+    ratio = row.get("ratio", {}).get(level, {})
+    return (f"{lat['median_ms']:.2f} (x{_num(ratio.get('to_original'))} orig, "
+            f"x{_num(ratio.get('to_best_peer'))} best)")
+
+
+def model_table(model: dict) -> list[str]:
+    """One markdown table: every optimizer on one model."""
+    orig = model.get("original") or {}
+    lines = [f"### {model['model']}", ""]
+    if model.get("error"):
+        return lines + [f"Not measured: {model['error']}", ""]
+    lo, lb = _lat(orig, "disabled"), _lat(orig, "basic")
+    lines += [f"Original: {orig.get('nodes', '-')} nodes, {model.get('mbytes', 0):.1f} MB, checker {orig.get('checker', '-')}, "
+              f"latency {_num(lo and lo['median_ms'])} ms (ORT opts off) / {_num(lb and lb['median_ms'])} ms (basic). "
+              f"Best peer: {model['best_peer'].get('disabled')} (off) / {model['best_peer'].get('basic')} (basic).", "",
+              "| optimizer | status | time s | wall s | peak RSS MB | nodes | equal | max abs | max rel | checker "
+              "| latency off ms | latency basic ms | op types changed |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in model["results"]:
+        ev = row.get("eval") or {}
+        diff = ev.get("diff") or {}
+        status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row['error'][:80]}"
+        status = status.replace("|", "/").replace("\n", " ")
+        lines.append(" | ".join([
+            f"| {row['optimizer']}", status, _num((row.get("payload") or {}).get("time_s")), _num(row.get("wall_s")),
+            _num(row.get("peak_rss_mb"), "{:.0f}"), str(ev.get("nodes", "-")),
+            {True: "yes", False: "**NO**", None: "-"}[row.get("equal")],
+            _num(diff.get("max_abs"), "{:.1e}"), _num(diff.get("max_rel"), "{:.1e}"),
+            (ev.get("checker") or "-")[:60].replace("|", "/"), _lat_cell(row, "disabled"), _lat_cell(row, "basic"),
+            row.get("ops_changed", "-") or "none"]) + " |")
+    return lines + [""]
+
+
+def scaling(run: dict) -> dict:
+    """k3opt's time and memory over the depth series and on the big model, with the goals' verdicts."""
+    by_name = {m["model"]: m for m in run["models"]}
+
+    def opt_row(model: str, name: str) -> Optional[dict]:
+        rows = [r for r in by_name.get(model, {}).get("results", []) if r["optimizer"] == name and r["status"] == "ok"]
+        return rows[0] if rows else None
+
+    out: dict = {"depth": {}, "goals": {}}
+    for name, model in by_name.items():
+        if name.startswith("llama-d"):
+            out["depth"][int(name[len("llama-d"):])] = {
+                r["optimizer"]: {"time_s": (r.get("payload") or {}).get("time_s"), "peak_rss_mb": r.get("peak_rss_mb")}
+                for r in model.get("results", []) if r["status"] == "ok"}
+    t8, t64 = (opt_row(f"llama-d{d}", SUBJECT) for d in (8, 64))
+    if t8 and t64:
+        ratio = t64["payload"]["time_s"] / t8["payload"]["time_s"]
+        out["goals"]["linear 8->64 layers (time ratio <= 9)"] = (ratio <= LINEAR_LIMIT, f"x{ratio:.1f}")
+    if t64:
+        fast = [opt_row("llama-d64", p) for p in ("onnxsim", "onnxslim")]
+        fast = [r["payload"]["time_s"] for r in fast if r]
+        if fast:
+            mine = t64["payload"]["time_s"]
+            out["goals"]["64 layers: faster than fastest of onnxsim/onnxslim"] = (
+                mine < min(fast), f"{mine:.2f} s vs {min(fast):.2f} s")
+    big = by_name.get("llama-3gb")
+    mine = opt_row("llama-3gb", SUBJECT)
+    if big and mine:
+        peers = [r for r in big["results"] if r["optimizer"] != SUBJECT and r["status"] == "ok"]
+        fastest = min((r["payload"]["time_s"] for r in peers), default=None)
+        t = mine["payload"]["time_s"]
+        out["goals"][">2 GB: no slower than the fastest peer"] = (
+            None if fastest is None else t <= fastest, f"{t:.1f} s vs {_num(fastest, '{:.1f}')} s")
+        limit = big["mbytes"] / 10
+        out["goals"][">2 GB: peak RSS <= model size / 10"] = (
+            mine["peak_rss_mb"] <= limit, f"{mine['peak_rss_mb']:.0f} MB vs {limit:.0f} MB")
+        mm = (big.get("original") or {}).get("ops", {}).get("MatMul")
+        after = ((mine.get("eval") or {}).get("ops") or {}).get("MatMul")
+        out["goals"][">2 GB: projections merged (fewer MatMuls)"] = (
+            None if mm is None or after is None else after < mm, f"MatMul {mm} -> {after}")
+    return out
+
+
+def render(run: dict) -> str:
+    """The whole markdown report of a run (goal summary, scaling, then one table per model)."""
+    for model in run["models"]:
+        if not model.get("error"):
+            derive(model)
+    lines = [f"Run {run['date']} on {run['machine']}", "", f"Versions: {run['versions']}", "",
+             "## Goals per model (k3opt)", "", "| model | fewest nodes | latency (ORT opts off) <= best peer | equal outputs |",
+             "|---|---|---|---|"]
+    for model in run["models"]:
+        if model.get("error"):
+            lines.append(f"| {model['model']} | n/a | n/a | n/a |")
+            continue
+        g = goals(model)
+        lines.append(f"| {model['model']} | {_mark(g['fewest_nodes'])} | {_mark(g['latency'])} | {_mark(g['equal'])} |")
+    sc = scaling(run)
+    lines += ["", "## Scaling", "", "| goal | verdict | figures |", "|---|---|---|"]
+    lines += [f"| {k} | {_mark(v)} | {fig} |" for k, (v, fig) in sc["goals"].items()] or ["| (no depth series run) | n/a | |"]
+    if sc["depth"]:
+        names = sorted({n for d in sc["depth"].values() for n in d})
+        lines += ["", "Optimize time s / peak RSS MB over the depth series:", "",
+                  "| layers | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for depth in sorted(sc["depth"]):
+            cells = [sc["depth"][depth].get(n) for n in names]
+            lines.append(f"| {depth} | " + " | ".join(
+                f"{c['time_s']:.2f} / {c['peak_rss_mb']:.0f}" if c else "-" for c in cells) + " |")
+    lines += ["", "## Per model", ""]
+    for model in run["models"]:
+        lines += model_table(model)
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        sys.stdout.write(render(json.load(f)))

@@ -1,0 +1,170 @@
+"""Entry point: ``python -m bench.run [--quick] [--big] [--models GLOB,...] [--optimizers NAME,...]``.
+
+For each model: build (cached), make seeded inputs, evaluate the original in a child process (its
+outputs are the reference), then for each optimizer optimize in a fresh child (timed, peak RSS,
+timeout) and evaluate the result in another child. Failures, crashes and timeouts are recorded as
+results. Writes ``results.json`` and ``results.md`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import onnx
+
+from .models import CACHE, ModelSpec, ensure_built, model_set, select
+from .optimizers import OPTIMIZERS, model_bytes
+from .procs import python_module, run_measured
+from .report import render
+
+_NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.DOUBLE: np.float64,
+       onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_}
+PACKAGES = ("k3opt", "onnx", "onnxruntime", "onnx-graphsurgeon", "onnx-ir", "onnxscript", "onnxsim", "onnxslim",
+            "onnxoptimizer", "torch", "transformers", "numpy")
+
+
+def make_feeds(path: Path, seed: int = 0, batch: int = 1, seq: int = 16) -> dict[str, np.ndarray]:
+    """Seeded inputs: masks of ones, token ids within the embedding table, floats standard normal.
+
+    Symbolic dims: the first is ``batch``, others ``seq``.
+    """
+    graph = onnx.load(str(path), load_external_data=False).graph
+    rows = {i.name: i.dims[0] for i in graph.initializer if i.dims}
+    vocab: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in rows:
+            vocab[node.input[1]] = min(vocab.get(node.input[1], rows[node.input[0]]), rows[node.input[0]])
+    rng = np.random.default_rng(seed)
+    inits = {i.name for i in graph.initializer}
+    feeds = {}
+    for vi in graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else (batch if k == 0 else seq)
+                 for k, d in enumerate(tt.shape.dim)]
+        dtype = _NP[tt.elem_type]
+        if "mask" in vi.name.lower():
+            feeds[vi.name] = np.ones(shape, dtype)
+        elif np.issubdtype(dtype, np.floating):
+            feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype == np.bool_:
+            feeds[vi.name] = rng.integers(0, 2, shape).astype(bool)
+        elif "position" in vi.name.lower():
+            feeds[vi.name] = np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
+        else:
+            feeds[vi.name] = rng.integers(0, vocab.get(vi.name, 2), shape).astype(dtype)
+    return feeds
+
+
+def _evaluate(model: Path, feeds: Path, timeout: float, budget: float, ref: Optional[Path] = None,
+              save: Optional[Path] = None) -> dict:
+    args = [str(model), str(feeds), "--budget", str(budget)]
+    args += ["--ref", str(ref)] if ref else []
+    args += ["--save-outputs", str(save)] if save else []
+    res = run_measured(python_module("bench.evaluate", *args), timeout)
+    if res.status != "ok":
+        return {"error": f"evaluation {res.status}: {res.error}"}
+    return res.payload
+
+
+def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, timeout: float, budget: float) -> dict:
+    """Every optimizer on one model; optimized files are deleted after evaluation (big models)."""
+    path, err = ensure_built(spec)
+    if path is None:
+        return {"model": spec.name, "error": err}
+    work.mkdir(parents=True, exist_ok=True)
+    feeds, ref = work / "feeds.npz", work / "reference.npz"
+    np.savez(feeds, **make_feeds(path))
+    original = _evaluate(path, feeds, timeout, budget, save=ref)
+    entry = {"model": spec.name, "family": spec.family, "path": str(path), "mbytes": model_bytes(path) / 1e6,
+             "original": original, "results": []}
+    if "error" in original:
+        entry["error"] = original["error"]
+        return entry
+    for name in optimizers:
+        out_dir = work / name
+        out_dir.mkdir()
+        dst = out_dir / "model.onnx"
+        res = run_measured(python_module("bench.optimizers", name, str(path), str(dst), spec.ort_model_type), timeout)
+        row = {"optimizer": name, **res.to_dict()}
+        if res.status == "ok":
+            row["eval"] = _evaluate(dst, feeds, timeout, budget, ref=ref)
+            if "error" in row["eval"]:
+                row["status"], row["error"] = "eval-error", row.pop("eval")["error"]
+        entry["results"].append(row)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        print(f"  {spec.name} {name}: {row['status']} {res.wall_s:.1f} s {res.peak_rss_mb:.0f} MB", flush=True)
+    return entry
+
+
+def machine() -> str:
+    """``nproc``, memory and CPU model of this machine."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} CPUs, {mem:.0f} GiB RAM, {cpu}, Python {platform.python_version()}"
+
+
+def versions() -> str:
+    """Installed versions of the tools measured."""
+    found = []
+    for pkg in PACKAGES:
+        try:
+            found.append(f"{pkg} {metadata.version(pkg)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{pkg} (not installed)")
+    return ", ".join(found)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    """Parse options, run the benchmark, write ``results.json`` and ``results.md``; returns the run."""
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="TorchScript exports and depths 8/16 only, short latency runs")
+    ap.add_argument("--big", action="store_true", help="also the 3.3 GB Llama (builds once: ~4 GB disk, minutes)")
+    ap.add_argument("--models", help="comma-separated globs over model names, e.g. 'llama-d*,bert-*'")
+    ap.add_argument("--model-file", action="append", default=[], type=Path, help="benchmark this .onnx too")
+    ap.add_argument("--optimizers", help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per optimize or evaluate process")
+    ap.add_argument("--budget", type=float, help="seconds of timed runs per latency figure (default 2, quick 0.5)")
+    ap.add_argument("--out", type=Path, help="result folder (default ~/.cache/k3opt-bench/results/<time>)")
+    args = ap.parse_args(argv)
+    optimizers = args.optimizers.split(",") if args.optimizers else list(OPTIMIZERS)
+    unknown = [o for o in optimizers if o not in OPTIMIZERS]
+    if unknown:
+        ap.error(f"unknown optimizers {unknown}; known: {', '.join(OPTIMIZERS)}")
+    specs = [] if args.model_file and not args.models else model_set(args.quick, args.big)
+    specs = select(specs, args.models.split(",") if args.models else None)
+    specs += [ModelSpec(p.stem, "user", path=p.resolve()) for p in args.model_file]
+    budget = args.budget if args.budget is not None else (0.5 if args.quick else 2.0)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or CACHE / "results" / stamp
+    out.mkdir(parents=True, exist_ok=True)
+    run = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
+           "versions": versions(), "optimizers": optimizers, "models": []}
+    with tempfile.TemporaryDirectory(prefix="k3bench-work-", dir=CACHE) as work:
+        for spec in specs:
+            print(f"{spec.name}", flush=True)
+            run["models"].append(bench_model(spec, optimizers, Path(work) / spec.name, args.timeout, budget))
+            (out / "results.json").write_text(json.dumps(run, indent=1))
+    (out / "results.md").write_text(render(run))
+    (out / "results.json").write_text(json.dumps(run, indent=1))
+    print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+    return run
+
+
+if __name__ == "__main__":
+    main()

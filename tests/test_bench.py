@@ -1,0 +1,52 @@
+"""The benchmark harness end to end on one tiny model with one cheap optimizer, so it does not rot."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from bench import run as bench_run
+from bench.procs import run_measured
+from bench.report import goals
+from tests.helpers import make_model
+
+
+def _tiny_model() -> onnx.ModelProto:
+    """x @ W + b, then an Identity: something every optimizer can shrink."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Identity", ["a"], ["y"])]
+    rng = np.random.default_rng(0)
+    inits = {"w": rng.standard_normal((8, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
+    return make_model(nodes, [("x", TensorProto.FLOAT, ["batch", 8])], [("y", TensorProto.FLOAT, ["batch", 4])], inits)
+
+
+def test_harness_runs_one_model_with_one_optimizer(tmp_path):
+    path = tmp_path / "tiny.onnx"
+    onnx.save(_tiny_model(), str(path))
+    out = tmp_path / "out"
+    bench_run.main(["--model-file", str(path), "--optimizers", "ort-basic", "--budget", "0.05", "--out", str(out)])
+    run = json.loads((out / "results.json").read_text())
+    (model,) = run["models"]
+    assert model["original"]["nodes"] == 3 and model["original"]["checker"] == "ok"
+    (row,) = model["results"]
+    assert row["optimizer"] == "ort-basic" and row["status"] == "ok", row
+    assert row["eval"]["nodes"] < 3 and row["equal"] is True
+    assert row["eval"]["diff"]["max_abs"] < 1e-5
+    assert row["peak_rss_mb"] > 10 and row["payload"]["time_s"] > 0
+    assert set(row["eval"]["latency"]) == {"disabled", "basic"}
+    assert row["ratio"]["disabled"]["to_best_peer"] == 1.0  # the only peer is the best peer
+    assert goals(model)["equal"] is None  # k3opt was not run: no verdict, not a pass
+    table = (out / "results.md").read_text()
+    assert "| ort-basic | ok |" in table and "tiny" in table
+
+
+def test_crashes_and_timeouts_are_results():
+    crash = run_measured([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGABRT)"], 30)
+    assert crash.status == "crash" and "SIGABRT" in crash.error
+    hang = run_measured([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)
+    assert hang.status == "timeout" and hang.wall_s < 10
+    fail = run_measured([sys.executable, "-c", "raise SystemExit('boom')"], 30)
+    assert fail.status == "error" and "boom" in fail.error
