@@ -16,11 +16,13 @@ _LOADED = False
 
 
 def load_builtin_passes() -> None:
-    """Import every pass module once (idempotent)."""
+    """Import every pass module once (idempotent), then the installed ``k3opt.plugins`` entry points."""
     global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        if not info.name.startswith("_") and info.name not in ("base", "manager"):
-            importlib.import_module(f"{__name__}.{info.name}")
+    if not _LOADED:
+        _LOADED = True
+        for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+            if not info.name.startswith("_") and info.name not in ("base", "manager"):
+                importlib.import_module(f"{__name__}.{info.name}")
+    from ..plugins import load_entry_point_plugins
+
+    load_entry_point_plugins()
