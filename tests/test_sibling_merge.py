@@ -301,3 +301,64 @@ def test_external_data_model_merges_without_loading_every_weight(tmp_path):
     optimized = onnx.load(str(tmp_path / "o.onnx"))
     assert op_counts(optimized)["MatMul"] == groups and op_counts(optimized)["Split"] == groups
     assert_equivalent(model, optimized)
+
+
+def _write_llama_like(folder, layers: int, h: int = 1024, kv: int = 256, inter: int = 2816) -> tuple[str, int]:
+    """Llama-shaped fp16 projection stack (GQA q/k/v, o, gate/up, down) written straight to external data."""
+    rng = np.random.default_rng(0)
+    inits, nodes, x = [], [], "x"
+    with open(folder / "big.onnx.data", "wb") as f:
+        for layer in range(layers):
+            p = f"l{layer}_"
+            for n, shape in (("q", (h, h)), ("k", (h, kv)), ("v", (h, kv)), ("o", (h, h)), ("g", (h, inter)),
+                             ("u", (h, inter)), ("d", (inter, h))):
+                arr = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+                f.write(b"\0" * (-f.tell() % 4096))
+                t = onnx.TensorProto(name=p + n, data_type=TensorProto.FLOAT16, dims=shape,
+                                     data_location=TensorProto.EXTERNAL)
+                for key, value in (("location", "big.onnx.data"), ("offset", f.tell()), ("length", arr.nbytes)):
+                    entry = t.external_data.add()
+                    entry.key, entry.value = key, str(value)
+                f.write(arr.tobytes())
+                inits.append(t)
+            mm = [helper.make_node("MatMul", [x if n in "qkv" else p + "h1", p + n], [p + n + "_y"]) for n in "qkvgu"]
+            nodes += mm[:3] + [
+                helper.make_node("Concat", [p + "k_y", p + "v_y"], [p + "kv"], axis=-1),
+                helper.make_node("ReduceMean", [p + "kv"], [p + "s"], axes=[-1], keepdims=1),
+                helper.make_node("Add", [p + "q_y", p + "s"], [p + "a"]),
+                helper.make_node("MatMul", [p + "a", p + "o"], [p + "o_y"]),
+                helper.make_node("Add", [x, p + "o_y"], [p + "h1"])] + mm[3:] + [
+                helper.make_node("Mul", [p + "g_y", p + "u_y"], [p + "m"]),
+                helper.make_node("MatMul", [p + "m", p + "d"], [p + "d_y"]),
+                helper.make_node("Add", [p + "h1", p + "d_y"], [p + "h2"])]
+            x = p + "h2"
+    io_type = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, ["B", "S", h]) for n in ("x", x)]
+    model = helper.make_model(helper.make_graph(nodes, "big", io_type[:1], io_type[1:], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(folder / "big.onnx"))
+    return str(folder / "big.onnx"), (folder / "big.onnx.data").stat().st_size
+
+
+_RSS_SCRIPT = """
+import resource, sys
+import k3opt.api, onnxruntime
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+k3opt.api.optimize_file(sys.argv[1], sys.argv[2])
+print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_peak_memory_of_merging_a_180mb_model_stays_far_below_its_size(tmp_path):
+    """Issue #7's shape in small: every layer's q/k/v and gate/up merged, peak RSS growth < a fifth of the weights."""
+    import subprocess
+    import sys
+
+    src, size = _write_llama_like(tmp_path, layers=8)
+    run = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, src, str(tmp_path / "out.onnx")],
+                         capture_output=True, text=True, check=True)
+    base, peak = map(int, run.stdout.split()[-2:])
+    assert peak - base < size / 5, (peak - base, size)
+    out = onnx.load(str(tmp_path / "out.onnx"), load_external_data=False)
+    assert op_counts(out)["Split"] == 16 and op_counts(out)["MatMul"] == 8 * 4
