@@ -1,0 +1,288 @@
+"""The plugin hook end to end: entry points, --plugin / plugins=[...] (files, modules, objects), direct
+registration; placement and --skip; every broken-plugin case names the plugin (and rule) and leaves
+nothing half-registered."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto as TP
+from onnx import helper
+
+import k3opt
+from k3opt import plugins
+from k3opt.cli import main as cli
+from k3opt.errors import PluginError
+from k3opt.passes import base, load_builtin_passes
+from k3opt.patterns import Rule, rule
+from tests.helpers import assert_equivalent, make_model, op_counts
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "plugin_example"
+
+# A plugin file: relu(-x) written as -min(x, 0), a pass placed right after fold-constants.
+NEG_RELU_PLUGIN = """
+from k3opt.patterns import Rule, register_rules
+
+def pattern(op, x):
+    return op.Relu(op.Neg(x))
+
+def rewrite(op, m):
+    return op.Neg(op.Min(m["x"], 0.0))
+
+register_rules(Rule("neg-relu", pattern, rewrite), name="{name}", after="fold-constants")
+"""
+
+
+@pytest.fixture(autouse=True)
+def registry(monkeypatch):
+    """Every test starts from the built-in registry and no loaded plugins, and leaves it so."""
+    load_builtin_passes()
+    saved = dict(base._REGISTRY)
+    monkeypatch.setattr(plugins, "_loaded", {})
+    monkeypatch.setattr(plugins, "_loaded_objects", [])
+    yield
+    base._REGISTRY.clear()
+    base._REGISTRY.update(saved)
+
+
+def model() -> onnx.ModelProto:
+    return make_model([helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Relu", ["n"], ["y"])],
+                      [("x", TP.FLOAT, [2, 4])], [("y", TP.FLOAT, [2, 4])])
+
+
+def write(tmp_path: Path, name: str, source: str) -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def assert_fused(out: onnx.ModelProto) -> None:
+    assert op_counts(out) == {"Neg": 1, "Min": 1}
+    assert_equivalent(model(), out)
+
+
+# --- route 2: --plugin / plugins=[...] --------------------------------------------------------------
+
+def test_file_plugin_through_api_placed_after_named_pass(tmp_path):
+    path = write(tmp_path, "negrelu_file", NEG_RELU_PLUGIN.format(name="t-negrelu"))
+    assert_fused(k3opt.optimize(model(), plugins=[str(path)]))
+    names = list(base.registered_passes())
+    assert names[names.index("fold-constants") + 1] == "t-negrelu"
+    assert base.registered_passes()["t-negrelu"].plugin == "negrelu_file"
+    assert op_counts(k3opt.optimize(model(), skip=["t-negrelu"])) == {"Neg": 1, "Relu": 1}
+
+
+def test_module_and_attribute_specs(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write(tmp_path, "negrelu_mod_a", NEG_RELU_PLUGIN.format(name="t-mod-a"))
+    write(tmp_path, "negrelu_mod_b", """
+        from k3opt.patterns import Rule
+
+        def make():
+            return [Rule("neg-relu-b", lambda op, x: op.Relu(op.Neg(x)),
+                         lambda op, m: op.Neg(op.Min(m["x"], 0.0)))]
+        """)
+    k3opt.optimize(model(), plugins=["negrelu_mod_a", "negrelu_mod_b:make"], passes=[])
+    passes = base.registered_passes()
+    assert passes["t-mod-a"].plugin == "negrelu_mod_a"
+    assert passes["negrelu_mod_b:make"].plugin == "negrelu_mod_b:make"  # a list of rules: one pass, plugin's name
+    assert_fused(k3opt.optimize(model(), passes=["negrelu_mod_b:make"]))
+
+
+class NegReluPass(base.Pass):
+    name = "t-obj-pass"
+
+    def run(self, graph, ctx):
+        return 0
+
+
+def test_object_specs_rule_pass_class_and_callable():
+    single = Rule("t-obj-rule", lambda op, x: op.Relu(op.Neg(x)), lambda op, m: op.Neg(op.Min(m["x"], 0.0)))
+    k3opt.plugins.load_plugins([single, NegReluPass, lambda: None])
+    passes = base.registered_passes()
+    assert passes["t-obj-rule"].plugin == "Rule" and passes["t-obj-pass"].plugin == "NegReluPass"
+    assert_fused(k3opt.optimize(model(), passes=["t-obj-rule"]))
+    k3opt.plugins.load_plugins([single])  # loading the same plugin again is a no-op
+
+
+def test_cli_optimize_and_passes_with_plugin(tmp_path):
+    path = write(tmp_path, "negrelu_cli", NEG_RELU_PLUGIN.format(name="t-cli"))
+    src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(model(), src)
+    res = CliRunner().invoke(cli, ["optimize", str(src), "-o", str(dst), "--plugin", str(path), "-q"])
+    assert res.exit_code == 0, res.output
+    assert_fused(onnx.load(dst))
+    res = CliRunner().invoke(cli, ["passes", "--plugin", str(path)])
+    assert res.exit_code == 0 and "plugin negrelu_cli" in next(line for line in res.output.splitlines()
+                                                               if "t-cli" in line)
+    res = CliRunner().invoke(cli, ["optimize", str(src), "-o", str(dst), "--plugin", str(path), "--skip", "t-cli",
+                                   "--overwrite", "-q"])
+    assert res.exit_code == 0 and op_counts(onnx.load(dst)) == {"Neg": 1, "Relu": 1}
+
+
+# --- route 3: direct registration ------------------------------------------------------------------
+
+def test_direct_registration_with_rule_decorator():
+    @rule(after="fold-constants")
+    class TDirectNegRelu:
+        """relu(-x) as -min(x, 0)."""
+
+        def pattern(op, x):
+            return op.Relu(op.Neg(x))
+
+        def rewrite(op, m):
+            return op.Neg(op.Min(m["x"], 0.0))
+
+    assert "t-direct-neg-relu" in base.registered_passes()
+    assert_fused(k3opt.optimize(model()))
+
+
+# --- route 1: entry points ------------------------------------------------------------------------
+
+def _fake_entry_points(monkeypatch, *specs: tuple[str, str]):
+    eps = [importlib.metadata.EntryPoint(name, value, plugins.ENTRY_POINT_GROUP) for name, value in specs]
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points",
+                        lambda group: [e for e in eps if e.group == group])
+    monkeypatch.setattr(plugins, "_entry_points_done", False)
+    monkeypatch.setattr(plugins, "_entry_point_error", None)
+
+
+def test_entry_point_discovered_with_example_plugin(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    _fake_entry_points(monkeypatch, ("gelu", "k3opt_gelu.rules:register"))
+    passes = base.registered_passes()
+    assert passes["fuse-gelu"].plugin == "gelu"
+    k3opt.plugins.load_plugins(["k3opt_gelu.rules:register"])  # same hook by a second route: loaded once
+
+
+def test_broken_entry_point_fails_every_time_unless_disabled(monkeypatch, tmp_path):
+    _fake_entry_points(monkeypatch, ("bad", "no_such_module_k3opt:register"))
+    for _ in range(2):
+        with pytest.raises(PluginError, match=f"plugin 'bad' failed to load.*{plugins.DISABLE_ENV}=1"):
+            base.registered_passes()
+    _fake_entry_points(monkeypatch, ("bad", "no_such_module_k3opt:register"))
+    monkeypatch.setenv(plugins.DISABLE_ENV, "1")
+    assert "fold-constants" in base.registered_passes()
+
+
+def _env_with(*paths: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), str(REPO), env.get("PYTHONPATH", "")])
+    env.pop(plugins.DISABLE_ENV, None)
+    return env
+
+
+def test_entry_point_from_dist_info_in_a_fresh_process(tmp_path):
+    """Real discovery through importlib.metadata: a dist-info with entry_points.txt, as pip writes it."""
+    info = tmp_path / "k3opt_gelu-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: k3opt-gelu\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[k3opt.plugins]\ngelu = k3opt_gelu.rules:register\n")
+    res = subprocess.run([sys.executable, "-m", "k3opt", "passes"], capture_output=True, text=True,
+                         env=_env_with(tmp_path, EXAMPLE), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "plugin gelu" in next(line for line in res.stdout.splitlines() if "fuse-gelu" in line)
+
+
+@pytest.mark.slow
+def test_example_package_pip_installs_and_its_tests_pass(tmp_path):
+    """The example is a real package: pip builds and installs it (into a private dir) and k3opt finds it."""
+    target, src = tmp_path / "site", tmp_path / "src"
+    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(src)], check=True, timeout=300)
+    env = _env_with(target)
+    res = subprocess.run([sys.executable, "-m", "k3opt", "passes"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0 and "fuse-gelu" in res.stdout, res.stderr
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(src / "tests")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:]
+
+
+# --- broken plugins --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,source,message", [
+    ("bad_import", "import no_such_module_k3opt\n", "plugin 'bad_import' failed to load: ModuleNotFoundError"),
+    ("bad_syntax", "def f(:\n", "plugin 'bad_syntax' failed to load: SyntaxError"),
+    ("bad_hook", "def register():\n    raise RuntimeError('no GPU')\n",
+     "plugin 'bad_hook' failed to load: RuntimeError: no GPU"),
+    ("bad_anchor", NEG_RELU_PLUGIN.format(name="t-anchor").replace("fold-constants", "no-such-pass"),
+     "plugin 'bad_anchor' failed to load: pass 't-anchor' asks to run next to unknown pass 'no-such-pass'"),
+    ("bad_type", "def register():\n    return 42\n", "plugin 'bad_type' provides int"),
+    ("bad_pattern", "from k3opt.patterns import Rule\nRULE = Rule('r', lambda op, x: x, lambda op, m: None)\n",
+     "plugin 'bad_pattern' failed to load: PatternError"),
+])
+def test_broken_plugin_load_names_plugin(tmp_path, name, source, message):
+    path = write(tmp_path, name, source)
+    with pytest.raises(PluginError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        k3opt.optimize(model(), plugins=[str(path)])
+
+
+def test_missing_file_and_unknown_module():
+    with pytest.raises(PluginError, match="plugin 'nowhere/rules.py': no such file"):
+        plugins.load_plugins(["nowhere/rules.py"])
+    with pytest.raises(PluginError, match="plugin 'no_such_module_k3opt' failed to load: ModuleNotFoundError"):
+        plugins.load_plugins(["no_such_module_k3opt"])
+
+
+def test_failed_plugin_leaves_nothing_registered(tmp_path):
+    path = write(tmp_path, "half", NEG_RELU_PLUGIN.format(name="t-half") + "raise ValueError('late')\n")
+    with pytest.raises(PluginError, match="plugin 'half'"):
+        plugins.load_plugins([str(path)])
+    assert "t-half" not in base.registered_passes()
+
+
+RULE_FAILURES = {  # where -> (extra plugin code, the Rule(...) expression using it)
+    "check": ("def check(m):\n    return m['y']\n", "Rule('neg-relu', pattern, rewrite, check)"),
+    "rewrite": ("def bad(op, m):\n    return op.Frobnicate(m['x'])\n", "Rule('neg-relu', pattern, bad)"),
+}
+
+
+@pytest.mark.parametrize("where,message", [
+    ("check", r"plugin 'rule_fail_check', pass 't-fail', rule 'neg-relu': check raised KeyError"),
+    ("rewrite", r"plugin 'rule_fail_rewrite', pass 't-fail', rule 'neg-relu': invalid rewrite: .*Frobnicate"),
+])
+def test_rule_failure_during_optimize_names_plugin_and_rule(tmp_path, where, message):
+    extra, rule_expr = RULE_FAILURES[where]
+    source = NEG_RELU_PLUGIN.format(name="t-fail").replace('Rule("neg-relu", pattern, rewrite)', rule_expr)
+    source = source.replace("register_rules(", extra + "\nregister_rules(", 1)
+    path = write(tmp_path, f"rule_fail_{where}", source)
+    original = model()
+    with pytest.raises(PluginError, match=message):
+        k3opt.optimize(original, plugins=[str(path)])
+    assert original == model()
+
+
+def test_plugin_pass_exception_names_plugin_and_pass(tmp_path):
+    path = write(tmp_path, "crashy", """
+        from k3opt import Pass, register_pass
+
+        @register_pass
+        class Crashy(Pass):
+            name = "t-crashy"
+
+            def run(self, graph, ctx):
+                raise ZeroDivisionError("oops")
+        """)
+    with pytest.raises(PluginError, match="plugin 'crashy', pass 't-crashy' failed: ZeroDivisionError: oops"):
+        k3opt.optimize(model(), plugins=[str(path)])
+
+
+def test_cli_broken_plugin_is_one_line_exit_2(tmp_path):
+    path = write(tmp_path, "cli_bad", "import no_such_module_k3opt\n")
+    src = tmp_path / "m.onnx"
+    onnx.save(model(), src)
+    res = CliRunner().invoke(cli, ["optimize", str(src), "--plugin", str(path), "-q"])
+    assert res.exit_code == 2 and "plugin 'cli_bad' failed to load" in res.output
+    assert not (tmp_path / "m.k3opt.onnx").exists()
