@@ -1,0 +1,310 @@
+"""fold-constants: evaluate at compile time everything that does not depend on the model's inputs.
+
+One run repeats three sweeps until nothing changes:
+
+1. ``Constant`` nodes become initializers (except those feeding a graph
+   output directly, which must stay nodes to keep the output a node output);
+2. shape computations fold from inferred shapes (:mod:`.fold_shapes`), so a
+   model exported with static input shapes loses its shape subgraphs;
+3. nodes whose inputs are all constant are grouped into connected subgraphs
+   and each group is evaluated in one onnxruntime session; if that fails,
+   node by node in onnxruntime, then in ``onnx.reference``; a node that
+   still fails is left as it is (and not retried).
+
+Refused: random ops, training-mode Dropout, ops of custom domains, ops that
+grow the model past the size guard (:mod:`.fold_guard`), graph inputs that
+have a default initializer (the user may override them), and values
+onnxruntime returns as sequences or optionals (no initializer can hold
+them). Only initializers feeding foldable nodes are read, so weights of
+external-data models stay on disk.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..ir import Graph, Node, Tensor, is_graph_output, producer, replace_uses
+from .base import Pass, PassContext, register_pass
+from .fold_eval import EvalError, as_array, folded_constant, outer_refs, run_ort, run_reference
+from .fold_guard import too_big
+from .fold_shapes import fold_shape_value
+
+#: Ops whose result is not a function of their inputs.
+RANDOM_OPS = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+)
+FOLDABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
+SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "Slice"})
+MAX_SWEEPS = 32
+
+
+class FoldConstants(Pass):
+    name = "fold-constants"
+    description = "Evaluate constant subgraphs and statically known shape computations at compile time."
+    order = 100
+    needs_shapes = True
+
+    def __init__(self) -> None:
+        # Nodes that failed to evaluate with every evaluator (kept alive so ids stay unique).
+        self._failed: dict[int, Node] = {}
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        total = self._constant_nodes(graph, ctx)
+        for _ in range(MAX_SWEEPS):
+            n = self._fold_shapes(graph, ctx) + self._fold_values(graph, ctx)
+            if not n:
+                break
+            total += n
+        return total
+
+    # -- sweep 1 -----------------------------------------------------------
+    def _constant_nodes(self, graph: Graph, ctx: PassContext) -> int:
+        """Turn ``Constant`` nodes into initializers (their output names are kept)."""
+        dead = []
+        for node in graph.nodes:
+            if node.op != "Constant" or (node.domain or "") not in FOLDABLE_DOMAINS or len(node.outputs) != 1:
+                continue
+            out = node.outputs[0]
+            if is_graph_output(graph, out) or not out.outputs:
+                continue
+            value = _constant_attr(node)
+            if value is None:
+                continue
+            name = out.name
+            replace_uses(graph, out, value)
+            node.inputs.clear()
+            node.outputs.clear()
+            value.name = name
+            dead.append(node)
+        _remove(graph, dead)
+        return len(dead)
+
+    # -- sweep 2 -----------------------------------------------------------
+    def _fold_shapes(self, graph: Graph, ctx: PassContext) -> int:
+        folded: list[Node] = []
+        installed: list = []
+        for node in graph.nodes:
+            if node.op in SHAPE_OPS and (node.domain or "") in ("", "ai.onnx") and _live(graph, node.outputs[0]):
+                value = fold_shape_value(node)
+                if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
+                    folded.append(node)
+        n = _drop_dead(graph, folded)
+        _take_names(installed)
+        return n
+
+    # -- sweep 3 -----------------------------------------------------------
+    def _fold_values(self, graph: Graph, ctx: PassContext) -> int:
+        order = self._foldable(graph, ctx)
+        if not order:
+            return 0
+        changed = 0
+        dead: list[Node] = []
+        installed: list = []
+        for group in _groups(order):
+            values = self._evaluate(graph, group)
+            for node in group:
+                for t in node.outputs:
+                    arr = as_array(values.get(t.name)) if t.name else None
+                    if arr is not None and _escapes(graph, t, group) and _install(graph, ctx, t, arr, installed):
+                        changed += 1
+            dead.extend(reversed(group))
+        if not changed:
+            return 0
+        changed += _drop_dead(graph, dead)
+        _take_names(installed)
+        return changed
+
+    def _foldable(self, graph: Graph, ctx: PassContext) -> list[Node]:
+        """Foldable nodes in topological order (a worklist from nodes with constant inputs)."""
+        overridable = {id(t) for t in graph.inputs}
+        in_graph = {id(n) for n in graph.nodes}
+        pending: set[int] = set()
+        chosen: list[Node] = []
+        seen: set[int] = set()
+        # Nodes with subgraphs: a consumer inside a body makes them candidates.
+        holders = [n for n in graph.nodes if any(isinstance(a, gs.Graph) for a in n.attrs.values())]
+
+        def ready(t: Tensor) -> bool:
+            if not t.name or id(t) in pending:
+                return True
+            if id(t) in overridable:
+                return False
+            if isinstance(t, gs.Constant):
+                return True
+            p = producer(t)
+            return p is not None and p.op == "Constant"
+
+        def value(t: Tensor) -> Optional[np.ndarray]:
+            return None if id(t) in pending else _maybe_value(t)
+
+        def try_add(node: Node) -> None:
+            if id(node) in seen or id(node) not in in_graph or not self._eligible(graph, node):
+                return
+            deps = list(node.inputs) + outer_refs(node)
+            if not all(ready(t) for t in deps) or too_big(node, value, ctx.options):
+                return
+            seen.add(id(node))
+            chosen.append(node)
+            for t in node.outputs:
+                pending.add(id(t))
+            for t in node.outputs:
+                for c in t.outputs:
+                    for n in [c] if id(c) in in_graph else holders:
+                        try_add(n)
+
+        for node in list(graph.nodes):
+            try_add(node)
+        return chosen
+
+    def _eligible(self, graph: Graph, node: Node) -> bool:
+        if node.op == "Constant" or (node.domain or "") not in FOLDABLE_DOMAINS or node.op in RANDOM_OPS:
+            return False
+        if id(node) in self._failed or not any(_live(graph, t) for t in node.outputs):
+            return False
+        if node.op == "Dropout" and len(node.inputs) > 2 and node.inputs[2].name:
+            mode = _maybe_value(node.inputs[2])
+            return mode is not None and not bool(np.asarray(mode))
+        return True
+
+    def _evaluate(self, graph: Graph, group: list[Node]) -> dict[str, object]:
+        """Values of the group's outputs: one session, else node by node with fallbacks."""
+        members = {id(n) for n in group}
+        wanted = [t.name for n in group for t in n.outputs if t.name and _escapes(graph, t, members)]
+        try:
+            return run_ort(graph, group, wanted, {})
+        except EvalError:
+            pass
+        known: dict[str, object] = {}
+        for node in group:
+            if any(t.name and t.name not in known and not _is_static(t) for t in node.inputs + outer_refs(node)):
+                continue
+            outs = [t.name for t in node.outputs if t.name]
+            try:
+                got = run_ort(graph, [node], outs, _arrays(known))
+            except EvalError:
+                try:
+                    got = run_reference(graph, node, _arrays(known))
+                except EvalError:
+                    self._failed[id(node)] = node
+                    continue
+            known.update(got)
+        return known
+
+
+def _is_static(t: Tensor) -> bool:
+    p = producer(t)
+    return isinstance(t, gs.Constant) or (p is not None and p.op == "Constant")
+
+
+def _arrays(known: dict[str, object]) -> dict[str, np.ndarray]:
+    return {k: a for k, v in known.items() if (a := as_array(v)) is not None}
+
+
+def _maybe_value(t: Tensor) -> Optional[np.ndarray]:
+    if isinstance(t, gs.Constant):
+        return t.values
+    p = producer(t)
+    c = _constant_attr(p) if p is not None and p.op == "Constant" else None
+    return None if c is None else c.values
+
+
+def _constant_attr(node: Node) -> Optional[gs.Constant]:
+    """The value of a ``Constant`` node as a gs constant, or None (sparse or unknown attribute)."""
+    attrs = node.attrs
+    if isinstance(attrs.get("value"), gs.Constant):
+        return gs.Constant(node.outputs[0].name, attrs["value"]._values)
+    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32),
+                       ("value_int", np.int64), ("value_ints", np.int64)):
+        if key in attrs:
+            return folded_constant(node.outputs[0].name, np.array(attrs[key], dtype=dtype))
+    for key in ("value_string", "value_strings"):
+        if key in attrs:
+            return folded_constant(node.outputs[0].name, np.array(attrs[key], dtype=object))
+    return None
+
+
+def _live(graph: Graph, t: Tensor) -> bool:
+    return bool(t.outputs) or is_graph_output(graph, t)
+
+
+def _escapes(graph: Graph, t: Tensor, members) -> bool:
+    """True when ``t`` is needed outside the group (a graph output or read by a non-member)."""
+    ids = members if isinstance(members, set) else {id(n) for n in members}
+    return is_graph_output(graph, t) or any(id(c) not in ids for c in t.outputs)
+
+
+def _install(graph: Graph, ctx: PassContext, t: Tensor, value: np.ndarray, installed: list) -> Optional[gs.Constant]:
+    """Make ``t``'s readers read the constant ``value``.
+
+    A graph output gets a ``Constant`` node producing it under its own name
+    (an initializer as graph output is legal ONNX but not every runtime takes
+    it); other readers read a new initializer, returned so that it can take
+    ``t``'s name once ``t`` is gone. Returns None (graph untouched) when
+    ``value`` cannot be stored as a tensor.
+    """
+    try:
+        const = folded_constant(ctx.fresh_name(t.name), value)
+    except Exception:  # e.g. an object array onnx cannot encode: leave the node
+        return None
+    if is_graph_output(graph, t):
+        p = producer(t)
+        if p is not None:
+            p.outputs[[i for i, o in enumerate(p.outputs) if o is t][0]] = gs.Variable(ctx.fresh_name(t.name))
+        graph.nodes.append(gs.Node("Constant", ctx.fresh_name(t.name + "_const"), {"value": const}, [], [t]))
+        return const
+    replace_uses(graph, t, const)
+    installed.append((t, const))
+    return const
+
+
+def _take_names(installed: list[tuple[Tensor, gs.Constant]]) -> None:
+    """Folded constants whose tensor lost its producer inherit its name (readable, stable output)."""
+    for t, const in installed:
+        if not t.inputs and not t.outputs:
+            const.name = t.name
+    installed.clear()
+
+
+def _drop_dead(graph: Graph, nodes: list[Node]) -> int:
+    """Remove the given nodes that no longer feed anything, in the order given; returns how many."""
+    dead = []
+    for node in nodes:
+        if not any(_live(graph, t) for t in node.outputs):
+            node.inputs.clear()
+            node.outputs.clear()
+            dead.append(node)
+    _remove(graph, dead)
+    return len(dead)
+
+
+def _remove(graph: Graph, nodes: list[Node]) -> None:
+    if nodes:
+        ids = {id(n) for n in nodes}
+        graph.nodes = [n for n in graph.nodes if id(n) not in ids]
+
+
+def _groups(order: list[Node]) -> list[list[Node]]:
+    """Split topologically ordered foldable nodes into connected groups (each still in order)."""
+    parent = list(range(len(order)))
+    index = {id(n): i for i, n in enumerate(order)}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, node in enumerate(order):
+        for t in list(node.inputs) + outer_refs(node):
+            p = producer(t)
+            if p is not None and id(p) in index:
+                parent[find(i)] = find(index[id(p)])
+    groups: dict[int, list[Node]] = {}
+    for i, node in enumerate(order):
+        groups.setdefault(find(i), []).append(node)
+    return list(groups.values())
+
+
+register_pass(FoldConstants)

@@ -1,0 +1,199 @@
+"""Evaluating constant nodes for fold-constants: whole subgraphs in onnxruntime, with fallbacks.
+
+A connected group of constant nodes is exported as one small model (its
+constant inputs as initializers, the tensors the rest of the graph needs as
+outputs) and run in a single onnxruntime session: far cheaper than a session
+per node. When that fails, the caller falls back node by node, first in
+onnxruntime, then in ``onnx.reference`` (ops onnxruntime lacks).
+
+Dtypes stay exact: results whose element type numpy cannot hold (bfloat16,
+float8, int4...) are widened with a ``Cast`` inside the model (always exact)
+and narrowed back with ml_dtypes, and every folded value becomes a
+``TensorProto`` built by ``onnx.numpy_helper.from_array`` and wrapped as a
+lazily-read gs constant, so gs never re-encodes it.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from ..ir import Graph, Node, Tensor, producer
+
+# ORT type string -> (type to widen to inside the model, ONNX type to narrow back to).
+_WIDEN = {
+    "tensor(bfloat16)": (TensorProto.FLOAT, TensorProto.BFLOAT16),
+    "tensor(float8e4m3fn)": (TensorProto.FLOAT, TensorProto.FLOAT8E4M3FN),
+    "tensor(float8e4m3fnuz)": (TensorProto.FLOAT, TensorProto.FLOAT8E4M3FNUZ),
+    "tensor(float8e5m2)": (TensorProto.FLOAT, TensorProto.FLOAT8E5M2),
+    "tensor(float8e5m2fnuz)": (TensorProto.FLOAT, TensorProto.FLOAT8E5M2FNUZ),
+    "tensor(float4e2m1)": (TensorProto.FLOAT, TensorProto.FLOAT4E2M1),
+    "tensor(int4)": (TensorProto.INT8, TensorProto.INT4),
+    "tensor(uint4)": (TensorProto.UINT8, TensorProto.UINT4),
+}
+
+
+class EvalError(Exception):
+    """A group or node could not be evaluated (the caller leaves it unfolded)."""
+
+
+def const_proto(t: Tensor) -> TensorProto:
+    """The initializer for gs constant ``t``, with external data read in (the sub-model has no base path)."""
+    proto = OnnxExporter.export_tensor_proto(t)
+    if proto.data_location == TensorProto.EXTERNAL:
+        proto = numpy_helper.from_array(np.asarray(t.values), t.name)
+    return proto
+
+
+def folded_constant(name: str, value: np.ndarray) -> gs.Constant:
+    """A gs constant holding ``value`` exactly (dtype included) as a ready-made TensorProto."""
+    return gs.Constant(name, LazyValues(numpy_helper.from_array(np.asarray(value), name)))
+
+
+def _sub_model(
+    graph: Graph,
+    nodes: Sequence[Node],
+    outputs: Sequence[str],
+    known: dict[str, np.ndarray],
+) -> onnx.ModelProto:
+    """A model computing ``outputs`` from ``nodes``; inputs come from ``known`` values or graph constants."""
+    produced = {t.name for n in nodes for t in n.outputs}
+    inits: dict[str, TensorProto] = {}
+    extra_nodes: list[onnx.NodeProto] = []
+    for t in _external_inputs(nodes):
+        if t.name in produced or t.name in inits or not t.name:
+            continue
+        if t.name in known:
+            inits[t.name] = numpy_helper.from_array(np.asarray(known[t.name]), t.name)
+        elif isinstance(t, gs.Constant):
+            inits[t.name] = const_proto(t)
+        elif (p := producer(t)) is not None and p.op == "Constant":
+            extra_nodes.append(OnnxExporter.export_node(p))
+            produced.add(t.name)
+        else:
+            raise EvalError(f"input {t.name} is not constant")
+    g = helper.make_graph(
+        extra_nodes + [OnnxExporter.export_node(n) for n in nodes],
+        "k3opt_fold",
+        [],
+        [helper.make_value_info(o, onnx.TypeProto()) for o in outputs],
+        list(inits.values()),
+    )
+    model = helper.make_model(g, opset_imports=_opset_imports(graph))
+    model.ir_version = graph.ir_version or 10
+    return model
+
+
+def _opset_imports(graph: Graph) -> list[onnx.OperatorSetIdProto]:
+    imports = {d.domain: d.version for d in (graph.import_domains or [])}
+    imports.setdefault("", graph.opset)
+    imports.pop("ai.onnx", None)
+    return [helper.make_opsetid(d, v) for d, v in imports.items()]
+
+
+def _external_inputs(nodes: Iterable[Node]) -> Iterable[Tensor]:
+    """Inputs of ``nodes``, including tensors their subgraphs read from the outer scope."""
+    for n in nodes:
+        yield from n.inputs
+        yield from outer_refs(n)
+
+
+def outer_refs(node: Node) -> list[Tensor]:
+    """Tensors that ``node``'s subgraphs (If/Loop/Scan bodies) read from enclosing scopes."""
+    refs: list[Tensor] = []
+    for attr in node.attrs.values():
+        if isinstance(attr, gs.Graph):
+            _collect_outer(attr, set(), refs)
+    return refs
+
+
+def _collect_outer(sub: Graph, outer_seen: set, refs: list) -> None:
+    local = {id(t) for t in sub.inputs}
+    local.update(id(t) for n in sub.nodes for t in n.outputs)
+    for n in sub.nodes:
+        inner: list[Tensor] = []
+        for attr in n.attrs.values():
+            if isinstance(attr, gs.Graph):
+                _collect_outer(attr, set(), inner)
+        for t in list(n.inputs) + inner:
+            if t.name and id(t) not in local and id(t) not in outer_seen:
+                outer_seen.add(id(t))
+                refs.append(t)
+    for t in sub.outputs:
+        if id(t) not in local and id(t) not in outer_seen:
+            outer_seen.add(id(t))
+            refs.append(t)
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def run_model(model: onnx.ModelProto, feeds: Optional[dict[str, np.ndarray]] = None) -> list[object]:
+    """Outputs of ``model`` in onnxruntime (no graph optimizations), every dtype exact.
+
+    Outputs numpy cannot hold (bfloat16, float8, int4...) are widened by a
+    ``Cast`` appended to the model (exact) and narrowed back with ml_dtypes.
+    """
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    sess = _session(model)
+    narrow = {}
+    for i, o in enumerate(sess.get_outputs()):
+        if o.type in _WIDEN:
+            wide, narrow[i] = _WIDEN[o.type]
+            cast = helper.make_node("Cast", [o.name], [o.name + "__k3opt_wide"], to=wide)
+            model.graph.node.append(cast)
+            model.graph.output[i].name = cast.output[0]
+    if narrow:
+        sess = _session(model)
+    values = sess.run(None, feeds or {})
+    for i, onnx_type in narrow.items():
+        values[i] = np.asarray(values[i]).astype(helper.tensor_dtype_to_np_dtype(onnx_type))
+    return values
+
+
+def run_ort(graph: Graph, nodes: Sequence[Node], outputs: Sequence[str], known: dict) -> dict[str, object]:
+    """Evaluate ``nodes`` in one onnxruntime session; returns ``{output name: value}``.
+
+    Values are numpy arrays for tensors, anything else (sequences, empty
+    optionals) as onnxruntime returns it; the caller folds only arrays.
+    """
+    model = _sub_model(graph, nodes, outputs, known)
+    try:
+        values = run_model(model)
+    except Exception as exc:  # any ORT failure means "not foldable this way"
+        raise EvalError(str(exc)) from exc
+    return dict(zip(outputs, values))
+
+
+def run_reference(graph: Graph, node: Node, known: dict) -> dict[str, object]:
+    """Evaluate one node with ``onnx.reference`` (ops or types onnxruntime lacks)."""
+    from onnx.reference import ReferenceEvaluator
+
+    outputs = [t.name for t in node.outputs if t.name]
+    model = _sub_model(graph, [node], outputs, known)
+    try:
+        values = ReferenceEvaluator(model).run(None, {})
+    except Exception as exc:
+        raise EvalError(str(exc)) from exc
+    return dict(zip(outputs, values))
+
+
+def as_array(value: object) -> Optional[np.ndarray]:
+    """``value`` as a foldable numpy array, or None (sequences, optionals, odd objects)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    return None

@@ -1,0 +1,322 @@
+"""fold-constants on hand-made graphs: every variant and every refusal, checked with onnxruntime."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto as T, helper, numpy_helper
+
+from k3opt.passes import fold_constants as fc
+from k3opt.passes.base import PassContext
+from k3opt.passes.fold_constants import FoldConstants
+from k3opt.passes.fold_eval import EvalError
+from k3opt.passes.manager import PassManager
+from tests.helpers import assert_equivalent, make_model, op_counts, run_ort
+
+F = T.FLOAT
+
+
+def fold(model: onnx.ModelProto, options: Optional[dict[str, Any]] = None) -> tuple[onnx.ModelProto, int]:
+    """Infer shapes, run fold-constants to a fixed point with ``options``; returns (model, rewrites)."""
+    model = onnx.shape_inference.infer_shapes(model)
+    graph = gs.import_onnx(model)
+    ctx = PassContext(opset=model.opset_import[0].version, options=dict(options or {}))
+    rewrites = PassManager([FoldConstants()]).run(graph, ctx)
+    graph.cleanup().toposort()
+    out = gs.export_onnx(graph, do_type_check=False)
+    out.ir_version = model.ir_version
+    return out, rewrites
+
+
+def compute_ops(model: onnx.ModelProto) -> set[str]:
+    return {n.op_type for n in model.graph.node if n.op_type != "Constant"}
+
+
+def test_constant_subgraph_folds_and_matches():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    nodes = [
+        helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.float32([2.0]), "kv")),
+        helper.make_node("Mul", ["a", "k"], ["ak"]),
+        helper.make_node("Transpose", ["ak"], ["akt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "akt"], ["y"]),
+    ]
+    model = make_model(nodes, [("x", F, ["N", 3])], [("y", F, ["N", 3])], {"a": a})
+    out, n = fold(model)
+    assert n > 0 and op_counts(out) == {"MatMul": 1}
+    assert not out.graph.node[0].input[1].endswith("_1")  # the folded weight keeps the tensor's name
+    assert_equivalent(model, out)
+    assert fold(out)[1] == 0  # fixed point
+
+
+def test_folded_graph_output_stays_a_named_node_output():
+    nodes = [helper.make_node("Add", ["a", "a"], ["y"]), helper.make_node("Relu", ["x"], ["z"])]
+    model = make_model(nodes, [("x", F, [2])], [("y", F, [2]), ("z", F, [2])], {"a": np.float32([1, -2])})
+    out, _ = fold(model)
+    assert op_counts(out) == {"Constant": 1, "Relu": 1}
+    assert [o.name for o in out.graph.output] == ["y", "z"]
+    assert_equivalent(model, out)
+
+
+def _shape_model(gather_index: int, x_shape: list) -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "i"], ["d"], axis=0),
+        helper.make_node("Unsqueeze", ["d", "zero"], ["d1"]),
+        helper.make_node("Concat", ["minus1", "d1"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["y"]),
+    ]
+    inits = {"i": np.array(gather_index), "zero": np.array([0]), "minus1": np.array([-1])}
+    return make_model(nodes, [("x", F, x_shape)], [("y", F, ["M", x_shape[1]])], inits)
+
+
+def test_gather_of_shape_folds_when_only_that_dim_is_known():
+    model = _shape_model(1, ["N", 4])
+    out, _ = fold(model)
+    assert op_counts(out) == {"Reshape": 1}
+    assert_equivalent(model, out)
+
+
+def test_gather_of_shape_refused_when_the_dim_is_dynamic():
+    model = _shape_model(0, ["N", 4])
+    out, n = fold(model)
+    assert n == 0 and op_counts(out) == op_counts(model)
+
+
+@pytest.mark.parametrize("start,end,expect", [(None, None, [2, 3, 4]), (1, None, [3, 4]), (-1, None, [4]), (0, -1, [2, 3])])
+def test_shape_with_start_end_folds(start, end, expect):
+    attrs = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
+    nodes = [helper.make_node("Shape", ["x"], ["s"], **attrs), helper.make_node("Cast", ["s"], ["y"], to=F)]
+    model = make_model(nodes, [("x", F, [2, 3, 4])], [("y", F, [len(expect)])])
+    out, _ = fold(model)
+    assert compute_ops(out) == set()
+    assert run_ort(out, {"x": np.zeros((2, 3, 4), np.float32)})[0].tolist() == expect
+
+
+def test_shape_with_start_reads_only_known_dims():
+    nodes = [helper.make_node("Shape", ["x"], ["s"], start=1), helper.make_node("Cast", ["s"], ["y"], to=F)]
+    model = make_model(nodes, [("x", F, ["N", 3, 4])], [("y", F, [2])])
+    out, _ = fold(model)
+    assert compute_ops(out) == set()
+    assert_equivalent(model, out)
+
+
+@pytest.mark.parametrize("starts,ends,steps,folds", [([1], [3], [1], True), ([-2], [100], [1], True),
+                                                     ([0], [2], [1], False), ([-1], [-100], [-1], False),
+                                                     ([3], [0], [-1], True)])
+def test_slice_of_shape_folds_only_known_dims(starts, ends, steps, folds):
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Slice", ["s", "st", "en", "ax", "sp"], ["d"]),
+             helper.make_node("Cast", ["d"], ["y"], to=F)]
+    inits = {"st": np.array(starts), "en": np.array(ends), "ax": np.array([0]), "sp": np.array(steps)}
+    model = make_model(nodes, [("x", F, ["N", 3, 4, 5])], [("y", F, ["K"])], inits)
+    out, _ = fold(model)
+    assert (compute_ops(out) == set()) == folds
+    assert_equivalent(model, out)
+
+
+def test_static_input_shapes_fold_the_whole_shape_subgraph():
+    """A transformer-style head split: with static shapes only the data path remains."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
+        helper.make_node("Gather", ["s", "i1"], ["t"], axis=0),
+        helper.make_node("Unsqueeze", ["b", "zero"], ["b1"]),
+        helper.make_node("Unsqueeze", ["t", "zero"], ["t1"]),
+        helper.make_node("Concat", ["b1", "t1", "heads", "hd"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["r"]),
+        helper.make_node("Transpose", ["r"], ["y"], perm=[0, 2, 1, 3]),
+    ]
+    inits = {"i0": np.array(0), "i1": np.array(1), "zero": np.array([0]), "heads": np.array([2]), "hd": np.array([4])}
+    model = make_model(nodes, [("x", F, [2, 5, 8])], [("y", F, [2, 2, 5, 4])], inits)
+    out, _ = fold(model)
+    assert op_counts(out) == {"Reshape": 1, "Transpose": 1}
+    assert_equivalent(model, out)
+
+
+GROWING = [
+    ("ConstantOfShape", {"shape": np.array([512, 1024])}),
+    ("Expand", {"v": np.float32([1.0]), "shape": np.array([512, 1024])}),
+    ("Tile", {"v": np.float32([[1.0]]), "reps": np.array([512, 1024])}),
+]
+
+
+@pytest.mark.parametrize("op,inputs", GROWING)
+def test_size_guard_keeps_growing_ops(op, inputs):
+    nodes = [helper.make_node(op, list(inputs), ["big"]), helper.make_node("Relu", ["big"], ["r"]),
+             helper.make_node("Add", ["x", "r"], ["y"])]
+    model = make_model(nodes, [("x", F, [512, 1024])], [("y", F, [512, 1024])], inputs)
+    out, n = fold(model)
+    assert n == 0 and op in op_counts(out)
+    # ... configurable: a looser limit folds it
+    out, n = fold(model, {"fold_max_bytes": 4 << 20, "fold_max_elements": 1 << 20})
+    assert op not in op_counts(out) and "Relu" not in op_counts(out)
+    assert_equivalent(model, out)
+
+
+def test_size_guard_range_and_element_limit():
+    inputs = {"s": np.float32(0), "l": np.float32(1000), "d": np.float32(1)}
+    nodes = [helper.make_node("Range", ["s", "l", "d"], ["r"]), helper.make_node("Add", ["x", "r"], ["y"])]
+    model = make_model(nodes, [("x", F, [1000])], [("y", F, [1000])], inputs)
+    assert "Range" in op_counts(fold(model, {"fold_max_elements": 999})[0])
+    assert "Range" not in op_counts(fold(model)[0])
+
+
+def test_size_guard_allows_growing_ops_read_only_for_their_shape():
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["big"]), helper.make_node("Shape", ["big"], ["s"]),
+             helper.make_node("Reshape", ["x", "s"], ["y"])]
+    model = make_model(nodes, [("x", F, [512 * 1024])], [("y", F, [512, 1024])], {"shape": np.array([512, 1024])})
+    out, _ = fold(model)
+    assert op_counts(out) == {"Reshape": 1}
+    assert sum(np.prod(i.dims) for i in out.graph.initializer) == 2
+    assert_equivalent(model, out)
+
+
+@pytest.mark.parametrize("node", [
+    helper.make_node("RandomNormalLike", ["a"], ["y"]),
+    helper.make_node("RandomUniform", [], ["y"], shape=[2]),
+    helper.make_node("Bernoulli", ["a"], ["y"]),
+    helper.make_node("Dropout", ["a", "ratio", "train"], ["y"]),
+])
+def test_random_ops_are_never_folded(node):
+    inits = {"a": np.float32([0.5, 0.5]), "ratio": np.float32(0.5), "train": np.array(True)}
+    inits = {k: v for k, v in inits.items() if k in node.input}
+    model = make_model([node], [], [("y", F, [2])], inits)
+    out, n = fold(model)
+    assert n == 0 and op_counts(out) == {node.op_type: 1}
+
+
+def test_inference_dropout_folds():
+    node = helper.make_node("Dropout", ["a", "ratio", "train"], ["d"])
+    model = make_model([node, helper.make_node("Add", ["x", "d"], ["y"])], [("x", F, [2])], [("y", F, [2])],
+                       {"a": np.float32([0.5, 0.5]), "ratio": np.float32(0.5), "train": np.array(False)})
+    out, _ = fold(model)
+    assert op_counts(out) == {"Add": 1}
+    assert_equivalent(model, out)
+
+
+def test_node_that_fails_to_evaluate_is_left_alone():
+    nodes = [helper.make_node("Reshape", ["a", "bad"], ["r"]), helper.make_node("Add", ["x", "r"], ["y"]),
+             helper.make_node("Neg", ["a"], ["na"]), helper.make_node("Add", ["x", "na"], ["z"])]
+    model = make_model(nodes, [("x", F, [6])], [("y", F, [6]), ("z", F, [6])],
+                       {"a": np.ones(6, np.float32), "bad": np.array([4])}, opset=17)
+    out, n = fold(model)
+    assert op_counts(out) == {"Reshape": 1, "Add": 2}  # Neg folded, the broken Reshape kept
+    assert fold(out)[1] == 0  # and not retried forever
+
+
+def test_reference_fallback_when_onnxruntime_fails(monkeypatch):
+    def no_ort(*args, **kwargs):
+        raise EvalError("simulated: onnxruntime lacks the op")
+
+    monkeypatch.setattr(fc, "run_ort", no_ort)
+    nodes = [helper.make_node("Softmax", ["a"], ["s"], axis=-1), helper.make_node("Mul", ["x", "s"], ["y"])]
+    model = make_model(nodes, [("x", F, [3])], [("y", F, [3])], {"a": np.float32([1, 2, 3])})
+    out, _ = fold(model)
+    assert op_counts(out) == {"Mul": 1}
+    assert_equivalent(model, out)
+
+
+def test_reference_fallback_for_an_op_onnxruntime_lacks():
+    node = helper.make_node("BitCast", ["a"], ["b"], to=T.INT32)
+    model = make_model([node, helper.make_node("Add", ["x", "b"], ["y"])], [("x", T.INT32, [2])],
+                       [("y", T.INT32, [2])], {"a": np.float32([1.0, -2.0])}, opset=26)
+    out, _ = fold(model)
+    assert op_counts(out) == {"Add": 1}
+    folded = numpy_helper.to_array(out.graph.initializer[0])
+    assert folded.tolist() == np.float32([1.0, -2.0]).view(np.int32).tolist()
+
+
+@pytest.mark.parametrize("to,np_type", [(T.BFLOAT16, ml_dtypes.bfloat16), (T.FLOAT16, np.float16),
+                                        (T.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn)])
+def test_dtypes_are_exact(to, np_type):
+    a = np.float32([1.1, -2.7, 330, 0.3])
+    nodes = [helper.make_node("Cast", ["a"], ["c"], to=to), helper.make_node("Cast", ["c"], ["w"], to=F),
+             helper.make_node("Identity", ["c"], ["y"]), helper.make_node("Mul", ["x", "w"], ["z"])]
+    model = make_model(nodes, [("x", F, [4])], [("y", to, [4]), ("z", F, [4])], {"a": a}, opset=21)
+    out, _ = fold(model)
+    assert op_counts(out) == {"Constant": 1, "Mul": 1}
+    const = next(n for n in out.graph.node if n.op_type == "Constant")
+    y = numpy_helper.to_array(const.attribute[0].t)
+    assert y.dtype == np.dtype(np_type) and y.tobytes() == a.astype(np_type).tobytes()
+    assert_equivalent(_only_output(model, "z"), _only_output(out, "z"))
+
+
+def _only_output(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """``model`` with just the output ``name`` (onnxruntime cannot hand bfloat16/float8 outputs to numpy)."""
+    m = onnx.ModelProto.FromString(model.SerializeToString())
+    keep = [o for o in m.graph.output if o.name == name]
+    del m.graph.output[:]
+    m.graph.output.extend(keep)
+    return m
+
+
+def test_if_body_reading_folded_outer_tensor_still_works():
+    then_g = helper.make_graph([helper.make_node("Add", ["x", "c"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", F, [2])])
+    else_g = helper.make_graph([helper.make_node("Sub", ["x", "c"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", F, [2])])
+    nodes = [helper.make_node("Neg", ["a"], ["c"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then_g, else_branch=else_g)]
+    model = make_model(nodes, [("x", F, [2]), ("cond", T.BOOL, [])], [("y", F, [2])], {"a": np.float32([1, 2])})
+    out, _ = fold(model)
+    assert op_counts(out) == {"If": 1}
+    for cond in (True, False):
+        feeds = {"x": np.float32([3, 4]), "cond": np.array(cond)}
+        assert_equivalent(model, out, feeds=feeds)
+
+
+def test_loop_with_constant_inputs_and_body_folds_but_not_with_outer_input():
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["acc", "step"], ["acc2"])],
+        "body",
+        [helper.make_tensor_value_info("i", T.INT64, []), helper.make_tensor_value_info("cond_in", T.BOOL, []),
+         helper.make_tensor_value_info("acc", F, [2])],
+        [helper.make_tensor_value_info("cond_out", T.BOOL, []), helper.make_tensor_value_info("acc2", F, [2])],
+    )
+    loop = helper.make_node("Loop", ["n", "", "init"], ["r"], body=body)
+    mul = helper.make_node("Mul", ["x", "r"], ["y"])
+    inits = {"n": np.array(3), "init": np.float32([0, 1])}
+    with_const = make_model([loop, mul], [("x", F, [2])], [("y", F, [2])], {**inits, "step": np.float32([1, 1])})
+    out, _ = fold(with_const)
+    assert op_counts(out) == {"Mul": 1}
+    assert_equivalent(with_const, out)
+    with_input = make_model([loop, mul], [("x", F, [2]), ("step", F, [2])], [("y", F, [2])], inits)
+    out, n = fold(with_input)
+    assert n == 0 and "Loop" in op_counts(out)
+
+
+def test_overridable_initializer_is_not_folded():
+    """A graph input with a default value (gs keeps it as a Constant listed in inputs) may be fed: not constant."""
+    model = make_model([helper.make_node("Neg", ["a"], ["y"])], [], [("y", F, [2])], {"a": np.float32([1, 2])})
+    graph = gs.import_onnx(model)
+    graph.inputs.append(graph.nodes[0].inputs[0])
+    rewrites = PassManager([FoldConstants()]).run(graph, PassContext(opset=17))
+    assert rewrites == 0 and [n.op for n in graph.nodes] == ["Neg"]
+
+
+def test_only_weights_feeding_foldable_nodes_are_read(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 64)).astype(np.float32)
+    nodes = [helper.make_node("Neg", ["b"], ["nb"]), helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["m", "nb"], ["y"])]
+    model = make_model(nodes, [("x", F, [1, 64])], [("y", F, [1, 64])], {"w": w, "b": np.ones(64, np.float32)})
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="w.bin",
+              size_threshold=0)
+    lazy = onnx.load(path, load_external_data=False)
+    loaded: list[str] = []
+    original_load = gs.ir.tensor.LazyValues.load
+
+    def spy(self):
+        loaded.append(self.tensor.name)
+        return original_load(self)
+
+    monkeypatch.setattr(gs.ir.tensor.LazyValues, "load", spy)
+    monkeypatch.chdir(tmp_path)
+    out, _ = fold(lazy)
+    assert loaded == ["b"]
+    assert op_counts(out) == {"MatMul": 1, "Add": 1}
