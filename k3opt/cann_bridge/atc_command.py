@@ -204,11 +204,16 @@ def validate(opts: AtcOptions) -> list[InputShape]:
     return shapes
 
 
+def check_output_prefix(output: str) -> None:
+    """ATC's ``--output`` is a prefix: it appends ``.om`` itself."""
+    if str(output).endswith(".om"):
+        raise UsageError(f"output prefix {str(output)!r} must not end in .om: ATC appends it")
+
+
 def build_command(atc: str, model: str, output: str, opts: AtcOptions) -> list[str]:
     """The ATC argv for ``model`` -> ``<output>.om`` (``output`` has no suffix), after :func:`validate`."""
     shapes = validate(opts)
-    if output.endswith(".om"):
-        raise UsageError(f"output prefix {output!r} must not end in .om: ATC appends it")
+    check_output_prefix(output)
     cmd = [atc, "--framework=5", f"--model={model}", f"--output={output}", f"--soc_version={opts.soc_version}"]
     if shapes:
         cmd.append("--input_shape=" + ";".join(str(s) for s in shapes))

@@ -16,7 +16,7 @@ import onnx
 from .. import api, io
 from ..errors import CompileError
 from ..report import Report
-from .atc_command import AtcOptions, build_command, render, validate
+from .atc_command import AtcOptions, build_command, check_output_prefix, render, validate
 from .atc_locate import find_atc
 from .atc_run import raise_for_result, run_atc, summarize_fusion_result
 from .compat import Finding, check_model
@@ -71,6 +71,7 @@ def compile_model(
     """
     say = echo or (lambda line: None)
     shapes = validate(options)
+    check_output_prefix(str(output))
     prefix = Path(output).absolute()
     tool = _locate(atc, dry_run)
     prefix.parent.mkdir(parents=True, exist_ok=True)

@@ -22,9 +22,10 @@ import onnx_graphsurgeon as gs
 
 from .. import api, io, shapes
 from ..errors import CompileError
-from ..ir import NameScope, const_shape, const_value
+from ..ir import NameScope
 from ..passes.base import PassContext
-from ..patterns import RuleSetPass
+from ..patterns import RewriteBuilder
+from ..passes._norm_common import NormMatch, OrderedRulesPass, affine_input, norm_input
 from .atc_ops import NPU_OPS
 from .compat import all_nodes
 
@@ -43,25 +44,13 @@ def _dtype_name(dtype: Any) -> str:
     return "bfloat16" if "bfloat16" in str(dtype) else np.dtype(dtype).name
 
 
-def refusal(epsilon: float, x: gs.Tensor, gamma_shape: Optional[tuple], x_dtype: Any, gamma_dtype: Any,
-            axes: tuple[int, ...]) -> Optional[str]:
-    """Why this RMSNorm cannot become NPURmsNorm exactly, or None when it can."""
+def refusal(epsilon: float, x_dtype: Any, gamma_dtype: Any) -> Optional[str]:
+    """Why an (already exact, trailing-axes) RMSNorm cannot become NPURmsNorm, or None when it can."""
     if np.float32(epsilon) != np.float32(PLUGIN_EPSILON):
         return f"epsilon {epsilon:g} is not the NPURmsNorm plugin's fixed {PLUGIN_EPSILON:g}"
     pair = (_dtype_name(x_dtype), _dtype_name(gamma_dtype))
     if pair not in DTYPE_PAIRS:
         return f"RmsNorm has no kernel for x {pair[0]} with gamma {pair[1]}"
-    rank = None if x.shape is None else len(x.shape)
-    if rank is None:
-        return "the input's rank is unknown"
-    normalized = sorted(a % rank for a in axes)
-    if normalized != list(range(rank - len(normalized), rank)):
-        return f"normalized axes {list(axes)} are not the trailing axes"
-    if gamma_shape is None:
-        return "the weight's shape is unknown"
-    trailing = tuple(x.shape[rank - len(normalized):])
-    if tuple(gamma_shape) != trailing:
-        return f"weight shape {tuple(gamma_shape)} is not the normalized dims {trailing}"
     return None
 
 
@@ -84,27 +73,28 @@ def invariant_violations(model: onnx.ModelProto) -> list[str]:
 
 
 class _RmsNormLowering:
-    """The callback given to the RMSNorm recogniser: emits NPURmsNorm where exact, records why not elsewhere."""
+    """The rewrite given to the RMSNorm recogniser: emits NPURmsNorm where exact, records why not elsewhere."""
 
     def __init__(self) -> None:
         self.lowered: list[str] = []
         self.kept: list[str] = []
 
-    def emit(self, op: Any, name: str, x: gs.Tensor, gamma: gs.Tensor, epsilon: float, x_dtype: Any,
-             gamma_dtype: Any, axes: tuple[int, ...]) -> Optional[gs.Tensor]:
-        """``NPURmsNorm(x, gamma) -> (y, rstd)``, or None (stays decomposed) with the reason recorded."""
-        value = const_value(gamma) if isinstance(gamma, gs.Constant) else None
-        shape = const_shape(gamma)
-        if value is not None and shape is not None and len(shape) > len(axes) and all(d == 1 for d in shape[:-len(axes)]):
-            gamma = op.const(value.reshape(shape[-len(axes):]), name=f"{gamma.name}_npu")  # drop leading 1s
-            shape = shape[-len(axes):]
-        why = refusal(epsilon, x, shape, x_dtype, gamma_dtype, axes)
+    def rewrite(self, op: RewriteBuilder, nm: NormMatch) -> Optional[gs.Tensor]:
+        """``NPURmsNorm(x, gamma) -> (y, rstd)`` (+ the bias, if any), or None: stays decomposed, reason kept."""
+        where = nm.reduce.name
+        why = refusal(nm.epsilon, nm.output_dtype, nm.output_dtype)
         if why is not None:
-            self.kept.append(f"RMSNorm at '{name}' kept decomposed: {why}")
+            self.kept.append(f"RMSNorm at '{where}' kept decomposed: {why}")
             return None
+        # The recogniser proved the axes trailing and the normalized dims static; these give x in the
+        # result's dtype and gamma of exactly the normalized shape, as the plugin requires.
+        x = norm_input(op, nm)
+        gamma = affine_input(op, nm, nm.weight, 1.0)
         y, rstd = op.NPURmsNorm(x, gamma, _outputs=2, _name="NPURmsNorm")
         rstd.dtype = np.float32
-        self.lowered.append(f"RMSNorm at '{name}' -> NPURmsNorm")
+        if nm.bias is not None:
+            y = op.Add(y, affine_input(op, nm, nm.bias, 0.0))
+        self.lowered.append(f"RMSNorm at '{where}' -> NPURmsNorm")
         return y
 
     def lines(self) -> list[str]:
@@ -125,7 +115,7 @@ def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     shapes.ShapeRefresher()(graph)
     ctx = PassContext(opset=CANN_OPSET, target="cann", names=NameScope(graph))
     rms = _RmsNormLowering()
-    RuleSetPass(rmsnorm_rules(rms.rewrite), name="lower-rmsnorm-npu").run(graph, ctx)
+    OrderedRulesPass(rmsnorm_rules(rms.rewrite), name="lower-rmsnorm-npu").run(graph, ctx)
     out = api.export(graph, model)
     violations = invariant_violations(out)
     if violations:
