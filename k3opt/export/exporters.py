@@ -1,0 +1,108 @@
+"""Run one of torch's ONNX exporters and turn its failures into one K3optError line.
+
+The two exporters behave differently enough that callers pick one by name:
+
+* ``"torchscript"``: ``torch.onnx.export(dynamo=False)`` (tracing), default
+  opset 14; LayerNorm comes out decomposed, shapes follow ``dynamic_axes``.
+* ``"dynamo"``: ``torch.onnx.export(dynamo=True, optimize=False)``
+  (torch.export), default opset 18; shapes follow ``dynamic_shapes``.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from ..errors import K3optError
+
+EXPORTERS = ("torchscript", "dynamo")
+DEFAULT_OPSET = {"torchscript": 14, "dynamo": 18}
+INSTALL_HINT = "torch and transformers are needed for export: pip install 'k3opt[export]'"
+
+
+class ExportError(K3optError):
+    """The exporter (torch.onnx) could not turn the module into ONNX; names the exporter and the op."""
+
+
+def require_torch() -> Any:
+    """Import torch, or raise a K3optError telling how to install the export extra."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise K3optError(INSTALL_HINT) from exc
+    return torch
+
+
+def export_onnx(
+    module: Any,
+    example_inputs: Sequence[Any],
+    path: os.PathLike | str,
+    *,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None,
+    dynamic_shapes: Optional[Any] = None,
+    exporter: str = "torchscript",
+    opset: Optional[int] = None,
+) -> Path:
+    """Export ``module(*example_inputs)`` to ``path`` (weights inline) with no optimization; returns ``path``.
+
+    For the dynamo exporter ``dynamic_shapes`` wins; without it, names in
+    ``dynamic_axes`` become ``torch.export.Dim`` objects, so one mapping
+    serves both exporters. Exporter output is captured and only summarized in
+    the :class:`ExportError` raised on failure.
+    """
+    torch = require_torch()
+    if exporter not in EXPORTERS:
+        raise K3optError(f"unknown exporter {exporter!r}; choose one of {', '.join(EXPORTERS)}")
+    opset = opset or DEFAULT_OPSET[exporter]
+    path = Path(path)
+    args = tuple(example_inputs)
+    kwargs: dict[str, Any] = dict(input_names=list(input_names), output_names=list(output_names), opset_version=opset)
+    if exporter == "torchscript":
+        kwargs.update(dynamo=False, dynamic_axes=dict(dynamic_axes or {}))
+    else:
+        shapes = dynamic_shapes if dynamic_shapes is not None else _dims(torch, input_names, dynamic_axes)
+        kwargs.update(dynamo=True, optimize=False, dynamic_shapes=shapes, external_data=False)
+    log = io.StringIO()
+    try:
+        with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(log):
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, args, str(path), **kwargs)
+    except Exception as exc:  # every exporter failure, whatever torch calls it
+        raise ExportError(explain_failure(exporter, opset, exc)) from exc
+    return path
+
+
+def _dims(torch: Any, input_names: Sequence[str], dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]) -> Any:
+    """``dynamic_axes`` as the tuple of ``{axis: Dim}`` that torch.export wants (None when all static)."""
+    if not dynamic_axes:
+        return None
+    dims: dict[str, Any] = {}
+    return tuple(
+        {axis: dims.setdefault(label, torch.export.Dim(label)) for axis, label in dict(dynamic_axes.get(n, {})).items()}
+        or None
+        for n in input_names
+    )
+
+
+_OP_PATTERNS = (
+    re.compile(r"operator '([\w:.]+)'"),  # torchscript: UnsupportedOperatorError
+    re.compile(r"target=([\w.:]+)"),  # dynamo: ConversionError "Error when translating node ..."
+    re.compile(r"\b(aten::\w+|aten\.\w+(?:\.\w+)?)"),
+)
+
+
+def explain_failure(exporter: str, opset: int, exc: BaseException) -> str:
+    """One line: which exporter failed, on which op (when the message names one), and why."""
+    text = f"{exc}\n{exc.__cause__ or ''}"
+    op = next((m.group(1) for p in _OP_PATTERNS if (m := p.search(text))), None)
+    reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    where = f" on op {op}" if op else ""
+    other = "dynamo" if exporter == "torchscript" else "torchscript"
+    return (f"the {exporter} exporter (opset {opset}) failed{where}: {reason[:300]} "
+            f"[{type(exc).__name__}; try exporter={other!r} or another opset]")

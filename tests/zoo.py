@@ -1,0 +1,210 @@
+"""The shared test model zoo: tiny transformers models (random weights, fixed seed) exported to ONNX.
+
+``zoo_model(name, exporter)`` returns the path of a cached ``.onnx``;
+``zoo_inputs(name)`` numpy inputs for it (batch 2, sequence 8, the second row
+padded so the attention mask matters); ``zoo_torch_model(name)`` the torch
+module that was exported (same weights), taking the same inputs positionally.
+
+Names: ``bert``, ``gpt2``, ``llama`` (GQA: 2 KV heads for 4 heads), ``qwen2``
+(QKV bias, GQA), ``deepseek_v3`` (the Kimi K2 architecture: MLA with
+q_lora_rank/kv_lora_rank, MoE with shared + routed experts, layer 0 dense and
+layer 1 MoE), ``vit``. Exporters: ``torchscript`` (opset 14, LayerNorm
+decomposed) and ``dynamo`` (opset 18, optimize=False). Every model has a
+dynamic batch axis; text models a dynamic sequence axis too.
+
+Notes on what it takes for these to export (transformers 5.x, torch 2.13):
+MoE experts use ``experts_implementation="batched_mm"`` (the default
+grouped_mm path uses ``aten::histc``, which the TorchScript exporter lacks, and
+a custom op the dynamo exporter cannot translate; the eager loop would bake the
+example's routing into a traced graph). The TorchScript trace is taken with a
+padded attention mask: with an all-ones mask transformers skips the mask, and
+the trace would ignore the mask input forever.
+
+The cache lives in ``$K3OPT_ZOO_CACHE`` (default ``~/.cache/k3opt-zoo``),
+keyed by a hash of this file, k3opt/export/exporters.py and the torch and
+transformers versions; a file lock per model keeps parallel pytest workers
+from exporting the same model twice or reading a half-written file.
+
+Tests using the zoo are skipped cleanly without torch/transformers: decorate
+them with ``needs_torch`` (or just call the functions: they skip).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+NAMES = ("bert", "gpt2", "llama", "qwen2", "deepseek_v3", "vit")
+EXPORTERS = ("torchscript", "dynamo")
+TEXT_SEQ, BATCH, VOCAB, IMAGE = 8, 2, 100, 16
+SEED = 0
+
+HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers not installed (pip install 'k3opt[export]')")
+
+if HAVE_TORCH:
+    import torch
+
+    class ZooModule(torch.nn.Module):
+        """Runs a transformers model on positional inputs and returns plain tensors (what the exporters want)."""
+
+        def __init__(self, hf: Any, inputs: list[str], outputs: list[str]) -> None:
+            super().__init__()
+            self.hf, self.inputs, self.outputs = hf, inputs, outputs
+
+        def forward(self, first: torch.Tensor, second: Any = None) -> Any:
+            out = self.hf(**dict(zip(self.inputs, (first, second))))
+            values = tuple(out[k] for k in self.outputs)
+            return values[0] if len(values) == 1 else values
+
+_HERE = Path(__file__).resolve()
+_EXPORTERS_PY = _HERE.parent.parent / "k3opt" / "export" / "exporters.py"
+
+
+def _require() -> None:
+    if not HAVE_TORCH:
+        pytest.skip("torch and transformers not installed (pip install 'k3opt[export]')")
+
+
+def zoo_config(name: str) -> Any:
+    """The transformers config of zoo model ``name`` (tiny: hidden 32, 2 layers, vocab 100)."""
+    _require()
+    import transformers as tf
+
+    text = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                vocab_size=VOCAB, max_position_embeddings=64)
+    decoder = dict(text, use_cache=False, tie_word_embeddings=False)
+    configs = {
+        "bert": lambda: tf.BertConfig(**text),
+        "gpt2": lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, use_cache=False),
+        "llama": lambda: tf.LlamaConfig(num_key_value_heads=2, **decoder),
+        "qwen2": lambda: tf.Qwen2Config(num_key_value_heads=2, **decoder),
+        "deepseek_v3": lambda: tf.DeepseekV3Config(
+            num_key_value_heads=4, moe_intermediate_size=16, q_lora_rank=24, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, head_dim=4, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+            experts_implementation="batched_mm", **decoder),
+        "vit": lambda: tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                    image_size=IMAGE, patch_size=8, num_channels=3),
+    }
+    if name not in configs:
+        raise KeyError(f"no zoo model {name!r}; choose one of {', '.join(NAMES)}")
+    return configs[name]()
+
+
+def input_names(name: str) -> list[str]:
+    """Graph input names of zoo model ``name``."""
+    return ["pixel_values"] if name == "vit" else ["input_ids", "attention_mask"]
+
+
+def output_names(name: str) -> list[str]:
+    """Graph output names of zoo model ``name``."""
+    return ["last_hidden_state", "pooler_output"] if name in ("bert", "vit") else ["logits"]
+
+
+def dynamic_axes(name: str) -> dict[str, dict[int, str]]:
+    """Dynamic axes per input: batch everywhere, sequence for text models."""
+    axes = {0: "batch"} if name == "vit" else {0: "batch", 1: "sequence"}
+    return {n: dict(axes) for n in input_names(name)}
+
+
+def zoo_inputs(name: str, batch: int = BATCH, seq: int = TEXT_SEQ, seed: int = SEED) -> dict[str, np.ndarray]:
+    """Seeded numpy inputs for zoo model ``name``; row 1 of a text model's mask pads its last 3 positions."""
+    rng = np.random.default_rng(seed)
+    if name == "vit":
+        return {"pixel_values": rng.standard_normal((batch, 3, IMAGE, IMAGE)).astype(np.float32)}
+    mask = np.ones((batch, seq), dtype=np.int64)
+    if batch > 1:
+        mask[1, -3:] = 0
+    return {"input_ids": rng.integers(0, VOCAB, (batch, seq)).astype(np.int64), "attention_mask": mask}
+
+
+def zoo_torch_model(name: str) -> Any:
+    """The torch module exported as zoo model ``name``: eval mode, seeded random weights, positional inputs."""
+    _require()
+    import transformers as tf
+
+    config = zoo_config(name)
+    torch.manual_seed(SEED)
+    if name == "bert":
+        hf = tf.BertModel(config)
+    elif name == "vit":
+        hf = tf.ViTModel(config)
+    else:
+        hf = tf.AutoModelForCausalLM.from_config(config)
+    return ZooModule(hf.eval(), input_names(name), output_names(name)).eval()
+
+
+def torch_outputs(name: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Outputs of the torch model for ``feeds`` (numpy in, numpy out), in graph output order."""
+    model = zoo_torch_model(name)
+    with torch.no_grad():
+        out = model(*(torch.from_numpy(feeds[n]) for n in input_names(name)))
+    return [t.numpy() for t in (out if isinstance(out, tuple) else (out,))]
+
+
+def cache_dir() -> Path:
+    """Where exported zoo models are cached."""
+    return Path(os.environ.get("K3OPT_ZOO_CACHE") or Path.home() / ".cache" / "k3opt-zoo")
+
+
+def cache_key() -> str:
+    """Hash of what decides the exported bytes: this file, the exporter module, torch/transformers versions."""
+    import torch
+    import transformers
+
+    h = hashlib.sha256(_HERE.read_bytes())
+    h.update(_EXPORTERS_PY.read_bytes())
+    h.update(f"{torch.__version__}|{transformers.__version__}".encode())
+    return h.hexdigest()[:16]
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def zoo_model(name: str, exporter: str = "torchscript") -> Path:
+    """Path of the cached ONNX export of zoo model ``name`` with ``exporter`` (exported on first use)."""
+    _require()
+    if name not in NAMES or exporter not in EXPORTERS:
+        raise KeyError(f"no zoo model {name!r}/{exporter!r}; names {NAMES}, exporters {EXPORTERS}")
+    target = cache_dir() / f"{name}-{exporter}-{cache_key()}.onnx"
+    if target.exists():
+        return target
+    with _locked(target.with_suffix(".lock")):
+        if not target.exists():
+            _export(name, exporter, target)
+    return target
+
+
+def _export(name: str, exporter: str, target: Path) -> None:
+    """Export into a temp file next to ``target``, then rename it into place (readers never see half a file)."""
+    from k3opt.export.exporters import export_onnx
+
+    feeds = zoo_inputs(name)
+    args = [torch.from_numpy(feeds[n]) for n in input_names(name)]
+    fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=target.parent)
+    os.close(fd)
+    try:
+        export_onnx(zoo_torch_model(name), args, tmp, input_names=input_names(name), output_names=output_names(name),
+                    dynamic_axes=dynamic_axes(name), exporter=exporter)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
