@@ -78,7 +78,9 @@ def _cache_key(name: str) -> str:
 
     parts = [torch.__version__, transformers.__version__]
     if name.startswith("llama-"):
-        parts += [inspect.getsource(_export_llama), repr(SMALL_LLAMA), repr(BIG_LLAMA)]
+        parts += [inspect.getsource(f) for f in (_export_llama, _logits_only, _placeholder_llama,
+                                                    _weights_to_external_data)]
+        parts += [repr(SMALL_LLAMA), repr(BIG_LLAMA)]
     else:
         zoo = REPO / "tests" / "zoo.py"
         parts.append(zoo.read_text() if zoo.exists() else "")
@@ -103,21 +105,95 @@ def ensure_built(spec: ModelSpec, timeout_s: float = 1800) -> tuple[Optional[Pat
     return path, ""
 
 
-def _export_llama(tmp: Path, **config: int) -> None:
-    """TorchScript export of a random-weight LlamaForCausalLM (no KV cache, dynamic batch/sequence)."""
+def _logits_only(model):
+    """Wrap ``model`` as ``forward(input_ids, attention_mask) -> logits``: the export gets exactly those inputs."""
+    import torch
+
+    class LogitsOnly(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    return LogitsOnly()
+
+
+def _placeholder_llama(cfg):
+    """A LlamaForCausalLM whose weights take no memory: each is a distinct scalar broadcast to its shape.
+
+    Good for tracing the graph only (distinct values keep the exporter from merging equal weights).
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    count = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                count += 1
+                value = torch.full((), 0.01 + count * 1e-4).expand(param.shape)
+                module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
+    model.model.rotary_emb = LlamaRotaryEmbedding(cfg)
+    return model
+
+
+def _export_llama(tmp: Path, stream_weights: bool = False, **config: int) -> None:
+    """TorchScript export of a random-weight LlamaForCausalLM (no KV cache, dynamic batch/sequence).
+
+    ``stream_weights``: trace with placeholder weights, export the graph alone, then write seeded random
+    weights tensor by tensor into external data, so a multi-GB model never sits in memory.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**config)
     cfg.use_cache = False
-    model = LlamaForCausalLM(cfg).eval()
+    model = (_placeholder_llama(cfg) if stream_weights else LlamaForCausalLM(cfg)).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, 16))
     mask = torch.ones(1, 16, dtype=torch.int64)
     dyn = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"}}
     with torch.no_grad():
-        torch.onnx.export(model, (ids, mask), str(tmp), input_names=["input_ids", "attention_mask"],
-                          output_names=["logits"], dynamic_axes=dyn, opset_version=17, dynamo=False)
+        torch.onnx.export(_logits_only(model), (ids, mask), str(tmp), input_names=list(dyn), output_names=["logits"],
+                          dynamic_axes=dyn, opset_version=17, dynamo=False, export_params=not stream_weights)
+    if stream_weights:
+        _weights_to_external_data(tmp, keep=set(dyn))
+
+
+def _weights_to_external_data(path: Path, keep: set[str]) -> None:
+    """Turn every graph input not in ``keep`` into an initializer with seeded random external data.
+
+    Norm weights are ones, everything else N(0, 0.02) like transformers' init; one tensor in memory at a time.
+    """
+    import numpy as np
+    import onnx
+
+    model = onnx.load(str(path))
+    rng = np.random.default_rng(0)
+    location = path.name + ".data"
+    weights = [vi for vi in model.graph.input if vi.name not in keep]
+    with open(path.parent / location, "wb") as data:
+        for vi in weights:
+            shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+            if "norm" in vi.name:
+                values = np.ones(shape, np.float32)
+            else:
+                values = (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
+            tensor = onnx.TensorProto(name=vi.name, data_type=onnx.TensorProto.FLOAT, dims=shape,
+                                      data_location=onnx.TensorProto.EXTERNAL)
+            for key, value in (("location", location), ("offset", data.tell()), ("length", values.nbytes)):
+                tensor.external_data.add(key=key, value=str(value))
+            data.write(values.tobytes())
+            model.graph.initializer.append(tensor)
+    inputs = [vi for vi in model.graph.input if vi.name in keep]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    onnx.save(model, str(path))
 
 
 def _export_zoo(name: str, tmp: Path) -> None:
@@ -135,11 +211,21 @@ def _export_zoo(name: str, tmp: Path) -> None:
 
 
 def _store(tmp: Path, dst: Path) -> None:
-    """Re-save the export ``tmp`` as ``dst``, weights in one ``model.onnx.data`` file when over 2 GB."""
+    """Move the export ``tmp`` to ``dst``; over 2 GB, its weights go to one ``model.onnx.data`` file."""
     import onnx
 
-    model = onnx.load(str(tmp))
     dst.parent.mkdir(parents=True, exist_ok=True)
+    data = tmp.parent / (tmp.name + ".data")
+    if data.exists():  # already one external-data file (streamed weights): rename it, rewrite the locations
+        model = onnx.load(str(tmp), load_external_data=False)
+        os.replace(data, dst.parent / (dst.name + ".data"))
+        for init in model.graph.initializer:
+            for entry in init.external_data:
+                if entry.key == "location":
+                    entry.value = dst.name + ".data"
+        onnx.save(model, str(dst))
+        return
+    model = onnx.load(str(tmp))
     if sum(p.stat().st_size for p in tmp.parent.iterdir()) > 1_800_000_000:
         onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=dst.name + ".data", size_threshold=1024)
@@ -154,7 +240,7 @@ def build(name: str, dst: Path) -> None:
     try:
         tmp = scratch / "export.onnx"
         if name == BIG:
-            _export_llama(tmp, **BIG_LLAMA)
+            _export_llama(tmp, stream_weights=True, **BIG_LLAMA)
         elif name.startswith("llama-d"):
             _export_llama(tmp, num_hidden_layers=int(name[len("llama-d"):]), **SMALL_LLAMA)
         else:

@@ -1,0 +1,126 @@
+"""The in-memory IR question: onnx-graphsurgeon import + export vs onnx-ir (memory-mapped) load + save.
+
+``python -m bench.ir_compare [--models llama-d64,llama-3gb]`` runs each variant in a fresh process
+(time per phase, peak RSS) and prints a markdown table:
+
+- ``gs-eager``: ``onnx.load`` with all weights, ``gs.import_onnx``, ``gs.export_onnx``, ``onnx.save``;
+- ``gs-lazy``: k3opt's own route: ``k3opt.io.load`` (external data left on disk), ``import_graph``
+  (weights as lazy values), ``gs.export_onnx``, ``k3opt.io.save`` (copies the weights to the output);
+- ``onnx-ir``: ``onnx_ir.load`` (weights memory-mapped), ``onnx_ir.save``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .models import BIG, ModelSpec, cached_path, ensure_built
+from .optimizers import PROTOBUF_SAFE, model_bytes
+from .procs import python_module, run_measured, write_result
+
+VARIANTS = ("gs-eager", "gs-lazy", "onnx-ir")
+
+
+def _gs_eager(src: Path, dst: Path, big: bool, lap) -> None:
+    import onnx
+    import onnx_graphsurgeon as gs
+
+    model = onnx.load(str(src))
+    lap("load")
+    graph = gs.import_onnx(model)
+    del model
+    lap("import")
+    out = gs.export_onnx(graph)
+    lap("export")
+    onnx.save(out, str(dst), save_as_external_data=big, location=dst.name + ".data")
+
+
+def _gs_lazy(src: Path, dst: Path, big: bool, lap) -> None:
+    import onnx_graphsurgeon as gs
+    from k3opt import io
+
+    model = io.load(src)
+    lap("load")
+    graph = io.import_graph(model)
+    lap("import")
+    out = gs.export_onnx(graph)
+    lap("export")
+    io.save(out, dst, external_data=big)
+
+
+def _onnx_ir(src: Path, dst: Path, big: bool, lap) -> None:
+    import onnx_ir as ir
+
+    model = ir.load(str(src))
+    lap("load")
+    ir.save(model, str(dst), external_data=dst.name + ".data" if big else None)
+
+
+def worker(variant: str, src: Path) -> dict:
+    """Run one variant into a scratch folder; returns seconds per phase and in total."""
+    big = model_bytes(src) > PROTOBUF_SAFE
+    phases: dict[str, float] = {}
+    t0 = last = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        phases[phase] = now - last
+        last = now
+
+    with tempfile.TemporaryDirectory(prefix="k3bench-ir-", dir=src.parent.parent) as tmp:
+        {"gs-eager": _gs_eager, "gs-lazy": _gs_lazy, "onnx-ir": _onnx_ir}[variant](src, Path(tmp) / "out.onnx", big, lap)
+        lap("save")
+    return {"time_s": time.perf_counter() - t0, "phases": phases}
+
+
+def compare(names: list[str], timeout: float) -> list[dict]:
+    """Every variant on every model, each in its own measured process."""
+    rows = []
+    for name in names:
+        path, err = ensure_built(ModelSpec(name, "llama"))
+        for variant in VARIANTS:
+            if path is None:
+                rows.append({"model": name, "variant": variant, "status": "not built", "error": err})
+                continue
+            res = run_measured(python_module("bench.ir_compare", "--worker", variant, str(path)), timeout)
+            rows.append({"model": name, "mbytes": model_bytes(path) / 1e6, "variant": variant, **res.to_dict()})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: model, variant, status, total and per-phase seconds, peak RSS."""
+    lines = ["| model | variant | status | total s | phases s | peak RSS MB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        pay = r.get("payload") or {}
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in pay.get("phases", {}).items())
+        total = f"{pay['time_s']:.2f}" if "time_s" in pay else "-"
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')[:80]}"
+        lines.append(f"| {r['model']} | {r['variant']} | {status} | {total} | {phases} | {r.get('peak_rss_mb', 0):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: "list[str] | None" = None) -> None:
+    """Parent: compare and print the table (``--json FILE`` also saves the rows). Child: ``--worker``."""
+    ap = argparse.ArgumentParser(prog="python -m bench.ir_compare")
+    ap.add_argument("--models", default=None, help=f"comma-separated (default llama-d64, plus {BIG} if built)")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--worker", nargs=2, metavar=("VARIANT", "MODEL"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        write_result(worker(args.worker[0], Path(args.worker[1])))
+        return
+    names = args.models.split(",") if args.models else ["llama-d64"] + (
+        [BIG] if cached_path(ModelSpec(BIG, "llama")).exists() else [])
+    rows = compare(names, args.timeout)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    sys.stdout.write(table(rows))
+
+
+if __name__ == "__main__":
+    main()
