@@ -218,16 +218,20 @@ def test_fp16_input_float32_output_normalizes_the_widened_input():
     assert out.graph.output[0].type.tensor_type.elem_type == TP.FLOAT
 
 
+def assert_bf16_equivalent(model: onnx.ModelProto, out: onnx.ModelProto) -> None:
+    """onnxruntime has no bf16 CPU kernels: compare through the ONNX reference evaluator."""
+    x = RNG.standard_normal((2, 3, H)).astype(ml_dtypes.bfloat16)
+    want, got = (ReferenceEvaluator(m).run(None, {"x": x})[0].astype(np.float32) for m in (model, out))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_bf16_with_float32_statistics():
-    """onnxruntime has no bf16 CPU kernels: numerics through the ONNX reference evaluator."""
     bf = ml_dtypes.bfloat16
     model = ln_model(etype=TP.BFLOAT16, scale=SCALE.astype(bf), bias=BIAS.astype(bf), cast_in=TP.FLOAT,
                      cast_out=TP.BFLOAT16)
     out, _, _ = fuse(model)
     assert op_counts(out) == {"LayerNormalization": 1}
-    x = RNG.standard_normal((2, 3, H)).astype(bf)
-    want, got = (ReferenceEvaluator(m).run(None, {"x": x})[0].astype(np.float32) for m in (model, out))
-    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    assert_bf16_equivalent(model, out)
 
 
 def test_cast_to_lower_precision_in_the_middle_is_refused():
