@@ -71,7 +71,9 @@ class ConstantPattern(ValuePattern):
         if self.value.ndim == 0:
             if actual.size != 1 or actual.ndim > self.max_rank:
                 return False
-        elif actual.shape != self.value.shape:
+            have, want = float(actual.reshape(-1)[0]), float(self.value)
+            return abs(have - want) <= self.atol + self.rtol * abs(want)
+        if actual.shape != self.value.shape:
             return False
         return bool(np.allclose(actual.astype(np.float64), self.value, rtol=self.rtol, atol=self.atol))
 
@@ -224,6 +226,7 @@ class Pattern:
     outputs: tuple[ValuePattern, ...]
     anchors: frozenset[str]
     var_names: tuple[str, ...]
+    node_count: int = 0
 
     def nodes(self) -> Iterator[NodePattern]:
         """Every node pattern, each once."""
@@ -288,4 +291,6 @@ def build_pattern(fn: Callable[..., Any]) -> Pattern:
                 "every extra output of a multi-output pattern must come from a node inside the first output's pattern"
             )
     _fill_closures(outputs)
-    return Pattern(outputs, anchors, var_names)
+    pattern = Pattern(outputs, anchors, var_names)
+    pattern.node_count = sum(1 for _ in pattern.nodes())
+    return pattern

@@ -93,14 +93,14 @@ class Matcher:
         self.opset = opset
         self.trace = trace  # debug: trace(depth, reason) at each refusal
         self.s = State()
-        self._failed: set = set()
+        self._failed: dict[tuple, set] = {}  # (pattern node, graph node) -> binding states that failed
         self._impure = 0
         self._steps = 0
 
     def matches(self, root: Tensor) -> Iterator[State]:
         """Each full structural match rooted at ``root`` (the pattern's first output)."""
         self.s = State()
-        self._failed = set()
+        self._failed = {}
         self._steps = 0
         first, extra = self.pattern.outputs[0], self.pattern.outputs[1:]
         for _ in self._value(first, root):
@@ -209,8 +209,9 @@ class Matcher:
             self._impure += 1
             self._fail(f"node '{n.name}' is already matched by another pattern node")
             return
-        memo = (id(np_), id(n), tuple(id(self.s.bound(k)) for k in np_.closure))
-        if memo in self._failed:
+        pair = (id(np_), id(n))
+        failed_before = self._failed.get(pair)
+        if failed_before is not None and self._bindings(np_) in failed_before:
             return
         impure_before, found = self._impure, False
         if self._header(np_, n):
@@ -225,7 +226,11 @@ class Matcher:
             del self.s.nodes[id(np_)]
             self.s.used.discard(id(n))
         if not found and self._impure == impure_before:
-            self._failed.add(memo)
+            self._failed.setdefault(pair, set()).add(self._bindings(np_))
+
+    def _bindings(self, p: NodePattern) -> tuple:
+        """What a sub-pattern's outcome can depend on: the current bindings of everything under it."""
+        return tuple(id(self.s.bound(k)) for k in p.closure)
 
     def _inputs(self, pairs: list, i: int) -> Iterator[None]:
         if i == len(pairs):
@@ -260,6 +265,13 @@ class Matcher:
         k = len(p.inputs)
         if not p.commutative or k < 2 or k > 4 or len(inputs) != k:
             return [tuple(range(len(p.inputs)))]
+        if k == 2:
+            orders = [(0, 1)] if self._may_match(p.inputs[0], inputs[0]) and self._may_match(p.inputs[1], inputs[1]) \
+                else []
+            if inputs[0] is not inputs[1] and self._may_match(p.inputs[0], inputs[1]) and \
+                    self._may_match(p.inputs[1], inputs[0]):
+                orders.append((1, 0))
+            return orders
         orders, seen = [], set()
         for perm in itertools.permutations(range(k)):
             operands = tuple(id(inputs[j]) for j in perm)

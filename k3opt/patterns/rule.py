@@ -79,7 +79,7 @@ class _Closest:
     def explain(self, rule: Rule) -> str:
         if self.candidates == 0:
             return f"rule '{rule.name}': no candidate: no {'/'.join(sorted(rule.pattern.anchors))} node in the graph"
-        n_nodes = sum(1 for _ in rule.pattern.nodes())
+        n_nodes = rule.pattern.node_count
         assert self.anchor is not None
         return (f"rule '{rule.name}': no match at {self.candidates} candidate(s); closest at node "
                 f"'{self.anchor.name}' ({self.anchor.op}), {min(self.depth, n_nodes)}/{n_nodes} pattern nodes "
@@ -133,7 +133,7 @@ class RuleApplier:
         closest = self.closest.get(rule.name)
         if closest is not None:
             closest.candidates += 1
-        n_patterns = sum(1 for _ in rule.pattern.nodes())
+        n_patterns = rule.pattern.node_count
         for tried, state in enumerate(self._states(matcher, node)):
             if tried >= MAX_CANDIDATES_PER_ANCHOR:
                 break
