@@ -43,15 +43,16 @@ def _tail(text: str, lines: int = 6) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def run_measured(cmd: Sequence[str], timeout_s: float, env: Optional[dict] = None) -> ProcResult:
+def run_measured(cmd: Sequence[str], timeout_s: float, max_rss_mb: Optional[float] = None) -> ProcResult:
     """Run ``cmd``; its JSON payload is read from the file named by env ``BENCH_RESULT``.
 
-    The child runs in its own session so a timeout kills it and anything it spawned.
+    The child runs in its own session so a timeout, or an RSS above ``max_rss_mb`` (the machine is
+    shared: a peer needing 19 GB must not take everyone down), kills it and anything it spawned.
     """
     with tempfile.TemporaryDirectory(prefix="k3bench-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         err_path = os.path.join(tmp, "stderr.txt")
-        child_env = dict(os.environ if env is None else env)
+        child_env = dict(os.environ)
         child_env["BENCH_RESULT"] = result_path
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, child_env.get("PYTHONPATH")]))
         child_env.setdefault("OMP_NUM_THREADS", "1")
@@ -59,7 +60,7 @@ def run_measured(cmd: Sequence[str], timeout_s: float, env: Optional[dict] = Non
             t0 = time.perf_counter()
             proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=err, env=child_env,
                                     start_new_session=True)
-            status, polled_mb, timed_out = _wait(proc.pid, t0 + timeout_s)
+            status, polled_mb, killed = _wait(proc.pid, t0 + timeout_s, max_rss_mb)
             wall = time.perf_counter() - t0
         proc.returncode = 0  # reaped by os.waitpid above; keep Popen from waiting again
         with open(err_path, errors="replace") as f:
@@ -69,8 +70,10 @@ def run_measured(cmd: Sequence[str], timeout_s: float, env: Optional[dict] = Non
             with open(result_path) as f:
                 payload = json.load(f)
     peak_mb = max(polled_mb, (payload or {}).pop("vmhwm_mb", 0.0))
-    if timed_out:
+    if killed == "timeout":
         return ProcResult("timeout", None, wall, peak_mb, payload, f"killed after {timeout_s:.0f} s")
+    if killed:
+        return ProcResult(killed, None, wall, peak_mb, payload, f"killed above {max_rss_mb:.0f} MB RSS")
     if os.WIFSIGNALED(status):
         sig = signal.Signals(os.WTERMSIG(status)).name
         return ProcResult("crash", -os.WTERMSIG(status), wall, peak_mb, payload, f"{sig}: {_tail(stderr)}")
@@ -80,30 +83,38 @@ def run_measured(cmd: Sequence[str], timeout_s: float, env: Optional[dict] = Non
     return ProcResult("ok", 0, wall, peak_mb, payload, "")
 
 
-def vmhwm_mb(pid: "int | str" = "self") -> float:
-    """Peak resident set size (MB) of process ``pid`` so far, 0 when it is gone."""
+def memory_mb(pid: "int | str" = "self") -> tuple[float, float]:
+    """(current RSS, peak RSS) in MB of process ``pid``; zeros when it is gone."""
+    found = {"VmRSS:": 0.0, "VmHWM:": 0.0}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
+                key = line.split(":", 1)[0] + ":"
+                if key in found:
+                    found[key] = int(line.split()[1]) / 1024.0
     except OSError:
         pass
-    return 0.0
+    return found["VmRSS:"], found["VmHWM:"]
 
 
-def _wait(pid: int, deadline: float) -> tuple[int, float, bool]:
-    """Reap ``pid`` polling its peak RSS, killing its process group at ``deadline``."""
+def _wait(pid: int, deadline: float, max_rss_mb: Optional[float]) -> tuple[int, float, str]:
+    """Reap ``pid`` polling its memory; kill its process group at ``deadline`` or above ``max_rss_mb``.
+
+    Returns (wait status, peak RSS seen, "" or "timeout" or "memory-limit").
+    """
     delay, peak = 0.005, 0.0
     while True:
-        peak = max(peak, vmhwm_mb(pid))
+        rss, hwm = memory_mb(pid)
+        peak = max(peak, hwm)
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return status, peak, False
-        if time.perf_counter() >= deadline:
+            return status, peak, ""
+        killed = "timeout" if time.perf_counter() >= deadline else ""
+        killed = "memory-limit" if max_rss_mb and rss > max_rss_mb else killed
+        if killed:
             os.killpg(pid, signal.SIGKILL)
             _, status = os.waitpid(pid, 0)
-            return status, peak, True
+            return status, peak, killed
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
 
@@ -111,7 +122,7 @@ def _wait(pid: int, deadline: float) -> tuple[int, float, bool]:
 def write_result(payload: dict) -> None:
     """Child side: hand ``payload`` back to :func:`run_measured`."""
     with open(os.environ["BENCH_RESULT"], "w") as f:
-        json.dump({**payload, "vmhwm_mb": vmhwm_mb()}, f)
+        json.dump({**payload, "vmhwm_mb": memory_mb()[1]}, f)
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -176,7 +176,8 @@ def render(run: dict) -> str:
     for model in run["models"]:
         if not model.get("error"):
             derive(model)
-    lines = [f"Run {run['date']} on {run['machine']}", "", f"Versions: {run['versions']}", "",
+    lines = [f"Run {run['date']} on {run['machine']}; load average {run.get('load_start')} at start, "
+             f"{run.get('load_end')} at end; limits: {run.get('limits')}.", "", f"Versions: {run['versions']}.", "",
              "## Goals per model (k3opt)", "", "| model | fewest nodes | latency (ORT opts off) <= best peer | equal outputs |",
              "|---|---|---|---|"]
     for model in run["models"]:

@@ -66,26 +66,29 @@ def make_feeds(path: Path, seed: int = 0, batch: int = 1, seq: int = 16) -> dict
     return feeds
 
 
-def _evaluate(model: Path, feeds: Path, timeout: float, budget: float, ref: Optional[Path] = None,
+def _evaluate(model: Path, feeds: Path, limits: dict, budget: float, ref: Optional[Path] = None,
               save: Optional[Path] = None) -> dict:
     args = [str(model), str(feeds), "--budget", str(budget)]
     args += ["--ref", str(ref)] if ref else []
     args += ["--save-outputs", str(save)] if save else []
-    res = run_measured(python_module("bench.evaluate", *args), timeout)
+    res = run_measured(python_module("bench.evaluate", *args), **limits)
     if res.status != "ok":
         return {"error": f"evaluation {res.status}: {res.error}"}
     return res.payload
 
 
-def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, timeout: float, budget: float) -> dict:
-    """Every optimizer on one model; optimized files are deleted after evaluation (big models)."""
+def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, limits: dict, budget: float) -> dict:
+    """Every optimizer on one model; optimized files are deleted after evaluation (big models).
+
+    ``limits``: ``timeout_s`` and ``max_rss_mb`` for every child process.
+    """
     path, err = ensure_built(spec)
     if path is None:
         return {"model": spec.name, "error": err}
     work.mkdir(parents=True, exist_ok=True)
     feeds, ref = work / "feeds.npz", work / "reference.npz"
     np.savez(feeds, **make_feeds(path))
-    original = _evaluate(path, feeds, timeout, budget, save=ref)
+    original = _evaluate(path, feeds, limits, budget, save=ref)
     entry = {"model": spec.name, "family": spec.family, "path": str(path), "mbytes": model_bytes(path) / 1e6,
              "original": original, "results": []}
     if "error" in original:
@@ -95,16 +98,26 @@ def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, timeout: flo
         out_dir = work / name
         out_dir.mkdir()
         dst = out_dir / "model.onnx"
-        res = run_measured(python_module("bench.optimizers", name, str(path), str(dst), spec.ort_model_type), timeout)
+        cmd = python_module("bench.optimizers", name, str(path), str(dst), spec.ort_model_type)
+        res = run_measured(cmd, **limits)
         row = {"optimizer": name, **res.to_dict()}
         if res.status == "ok":
-            row["eval"] = _evaluate(dst, feeds, timeout, budget, ref=ref)
+            row["eval"] = _evaluate(dst, feeds, limits, budget, ref=ref)
             if "error" in row["eval"]:
                 row["status"], row["error"] = "eval-error", row.pop("eval")["error"]
         entry["results"].append(row)
         shutil.rmtree(out_dir, ignore_errors=True)
         print(f"  {spec.name} {name}: {row['status']} {res.wall_s:.1f} s {res.peak_rss_mb:.0f} MB", flush=True)
     return entry
+
+
+def _load() -> str:
+    """Load averages (1, 5, 15 min): timings on a busy machine are only comparable within one run."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _ram_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def machine() -> str:
@@ -115,8 +128,7 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} CPUs, {mem:.0f} GiB RAM, {cpu}, Python {platform.python_version()}"
+    return f"{os.cpu_count()} CPUs, {_ram_gib():.0f} GiB RAM, {cpu}, Python {platform.python_version()}"
 
 
 def versions() -> str:
@@ -139,6 +151,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--model-file", action="append", default=[], type=Path, help="benchmark this .onnx too")
     ap.add_argument("--optimizers", help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per optimize or evaluate process")
+    ap.add_argument("--max-rss-gb", type=float, default=round(_ram_gib() / 2, 1),
+                    help="kill a child above this RSS (default: half the RAM; the machine may be shared)")
     ap.add_argument("--budget", type=float, help="seconds of timed runs per latency figure (default 2, quick 0.5)")
     ap.add_argument("--out", type=Path, help="result folder (default ~/.cache/k3opt-bench/results/<time>)")
     args = ap.parse_args(argv)
@@ -154,12 +168,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
     out = args.out or CACHE / "results" / stamp
     out.mkdir(parents=True, exist_ok=True)
     run = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
+           "limits": f"timeout {args.timeout:.0f} s, RSS {args.max_rss_gb:.1f} GB per process",
+           "load_start": _load(),
            "versions": versions(), "optimizers": optimizers, "models": []}
     with tempfile.TemporaryDirectory(prefix="k3bench-work-", dir=CACHE) as work:
         for spec in specs:
             print(f"{spec.name}", flush=True)
-            run["models"].append(bench_model(spec, optimizers, Path(work) / spec.name, args.timeout, budget))
+            limits = {"timeout_s": args.timeout, "max_rss_mb": args.max_rss_gb * 1024}
+            run["models"].append(bench_model(spec, optimizers, Path(work) / spec.name, limits, budget))
             (out / "results.json").write_text(json.dumps(run, indent=1))
+    run["load_end"] = _load()
     (out / "results.md").write_text(render(run))
     (out / "results.json").write_text(json.dumps(run, indent=1))
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")

@@ -50,3 +50,6 @@ def test_crashes_and_timeouts_are_results():
     assert hang.status == "timeout" and hang.wall_s < 10
     fail = run_measured([sys.executable, "-c", "raise SystemExit('boom')"], 30)
     assert fail.status == "error" and "boom" in fail.error
+    grow = "import time\nblocks = []\nwhile True:\n    blocks.append(bytearray(50_000_000))\n    time.sleep(0.05)"
+    hog = run_measured([sys.executable, "-c", grow], 30, max_rss_mb=300)
+    assert hog.status == "memory-limit" and 250 < hog.peak_rss_mb < 600
