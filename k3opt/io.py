@@ -69,6 +69,13 @@ def _set_external(t: TensorProto, location: str, offset: int, length: int) -> No
     t.data_location = TensorProto.EXTERNAL
 
 
+def external_tensor(name: str, data_type: int, dims, location: str, offset: int, length: int) -> TensorProto:
+    """A TensorProto whose data is ``length`` bytes at ``offset`` of file ``location``."""
+    t = TensorProto(name=name, data_type=data_type, dims=[int(d) for d in dims])
+    _set_external(t, location, offset, length)
+    return t
+
+
 def tensor_nbytes(t: TensorProto) -> int:
     """Bytes of the tensor's data as stored in raw/external form."""
     info = external_info(t)
@@ -137,6 +144,9 @@ def import_graph(model: onnx.ModelProto) -> gs.Graph:
             if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues):
                 if uses_external_data(t._values.tensor):
                     t._values = ExternalValues(t._values.tensor)
+                    # Once a pass loads the values, gs must export them inline (save()
+                    # moves big ones out again), not as "external" without a location.
+                    t.data_location = None
     return graph
 
 
@@ -161,9 +171,9 @@ def spill_constant(name: str, values: np.ndarray) -> gs.Constant:
     offset = f.tell()
     f.write(arr.tobytes())
     f.flush()
-    tensor = onnx.helper.make_tensor(name, onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape, vals=[])
-    _set_external(tensor, str(_SPILL["path"]), offset, arr.nbytes)
-    return gs.Constant(name, ExternalValues(tensor), data_location=TensorProto.EXTERNAL)
+    dtype = onnx.helper.np_dtype_to_tensor_dtype(arr.dtype)
+    tensor = external_tensor(name, dtype, arr.shape, str(_SPILL["path"]), offset, arr.nbytes)
+    return gs.Constant(name, ExternalValues(tensor))
 
 
 def _remove_spill() -> None:

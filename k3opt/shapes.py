@@ -14,7 +14,7 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto
 
 from .errors import UsageError
-from .io import EXTERNAL_THRESHOLD, all_tensors, tensor_nbytes
+from .io import EXTERNAL_THRESHOLD, tensor_nbytes
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
 
@@ -64,16 +64,40 @@ def fix_inputs(model: onnx.ModelProto, shapes: Optional[InputShapes]) -> None:
 
 
 def infer_model(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnx shape inference (with data propagation) on a copy whose big weights are left out."""
+    """onnx shape inference (with data propagation) on a copy whose big weights are left out.
+
+    Big initializers become typed graph inputs: onnx would otherwise
+    materialize them (gigabytes for a large model) just to read their shape.
+    """
     light = onnx.ModelProto()
     light.CopyFrom(model)
-    for t in all_tensors(light):
+    g = light.graph
+    declared = {vi.name for vi in g.input}
+    kept = []
+    for t in g.initializer:
         if t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD:
-            for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-                t.ClearField(field)
-            del t.external_data[:]
-            t.ClearField("data_location")
+            if t.name not in declared:
+                g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            kept.append(t)
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    plain = onnx.shape_inference.infer_shapes(light, strict_mode=True)
+    if _has_long_vector(plain.graph):
+        return plain
     return onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+
+
+#: onnx's data propagation materializes 1-D tensors; past this length it costs gigabytes.
+DATA_PROP_MAX_LEN = 2**16
+
+
+def _has_long_vector(graph: onnx.GraphProto) -> bool:
+    for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims) == 1 and (not dims[0].HasField("dim_value") or dims[0].dim_value > DATA_PROP_MAX_LEN):
+            return True
+    return False
 
 
 class ShapeRefresher:

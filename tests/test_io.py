@@ -1,0 +1,216 @@
+"""Graph I/O: external data (lazy, streamed, named after the output), atomic saves, refusals."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from onnx.external_data_helper import uses_external_data
+
+import k3opt
+from k3opt import io
+from k3opt.errors import InputError, OutputError
+from tests.helpers import assert_equivalent, make_model, random_feeds, run_ort
+
+
+def weighted_model(n: int = 64, extra_identity: bool = True) -> onnx.ModelProto:
+    """x[2,n] @ w[n,n] + b -> Identity -> y, weights big enough to go external."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
+             helper.make_node("Add", ["mm", "b"], ["add"], name="add"),
+             helper.make_node("Identity" if extra_identity else "Relu", ["add"], ["y"], name="out")]
+    return make_model(nodes, [("x", TensorProto.FLOAT, [2, n])], [("y", TensorProto.FLOAT, [2, n])],
+                      {"w": rng.standard_normal((n, n)).astype(np.float32),
+                       "b": rng.standard_normal(n).astype(np.float32)})
+
+
+def save_external(model: onnx.ModelProto, path: Path, data_name: str = "weights.bin") -> None:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    onnx.save(copy, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name,
+              size_threshold=0)
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_load_keeps_external_data_on_disk_with_absolute_locations(tmp_path):
+    save_external(weighted_model(), tmp_path / "m.onnx")
+    model = io.load(tmp_path / "m.onnx")
+    externals = [t for t in model.graph.initializer if uses_external_data(t)]
+    assert len(externals) == 2
+    for t in externals:
+        assert not t.HasField("raw_data")
+        assert io.external_info(t)["location"] == str(tmp_path / "weights.bin")
+    graph = io.import_graph(model)
+    w = graph.tensors()["w"]
+    assert isinstance(w._values, io.ExternalValues)
+    np.testing.assert_array_equal(w.values, onnx.numpy_helper.to_array(weighted_model().graph.initializer[0]))
+
+
+def test_external_round_trip_streams_into_data_file_named_after_output(tmp_path):
+    src, out_dir = tmp_path / "src", tmp_path / "out"
+    src.mkdir(), out_dir.mkdir()
+    original = weighted_model()
+    save_external(original, src / "m.onnx")
+    before = {p.name: digest(p) for p in src.iterdir()}
+    report = k3opt.optimize_file(src / "m.onnx", out_dir / "opt.onnx", verify=True)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["opt.onnx", "opt.onnx.data"]
+    assert report.files == [str(out_dir / "opt.onnx"), str(out_dir / "opt.onnx.data")]
+    assert {p.name: digest(p) for p in src.iterdir()} == before  # input and its data untouched
+    saved = onnx.load(out_dir / "opt.onnx", load_external_data=False)
+    locations = {io.external_info(t)["location"] for t in saved.graph.initializer if uses_external_data(t)}
+    assert locations == {"opt.onnx.data"}
+    assert_equivalent(original, onnx.load(out_dir / "opt.onnx"))
+
+
+def test_inline_model_stays_inline_unless_asked(tmp_path):
+    onnx.save(weighted_model(), tmp_path / "m.onnx")
+    k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "a.onnx")
+    assert not (tmp_path / "a.onnx.data").exists()
+    k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "b.onnx", external_data=True)
+    saved = onnx.load(tmp_path / "b.onnx", load_external_data=False)
+    big = {t.name for t in saved.graph.initializer if uses_external_data(t)}
+    assert big == {"w"}  # b (256 bytes) stays under the 1 KB threshold
+    assert_equivalent(weighted_model(), onnx.load(tmp_path / "b.onnx"))
+
+
+def test_external_input_can_be_inlined_on_request(tmp_path):
+    save_external(weighted_model(), tmp_path / "m.onnx")
+    k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "o.onnx", external_data=False)
+    saved = onnx.load(tmp_path / "o.onnx", load_external_data=False)
+    assert not any(uses_external_data(t) for t in saved.graph.initializer)
+    assert_equivalent(weighted_model(), saved)
+
+
+def test_overwrite_in_place_with_external_data(tmp_path):
+    save_external(weighted_model(), tmp_path / "m.onnx", data_name="m.onnx.data")
+    with pytest.raises(OutputError, match="output is the input"):
+        k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "m.onnx")
+    k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "m.onnx", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+    assert_equivalent(weighted_model(), onnx.load(tmp_path / "m.onnx"))
+
+
+class Boom(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("error", [OSError("disk full"), KeyboardInterrupt()])
+def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch, error):
+    save_external(weighted_model(), tmp_path / "m.onnx")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    model = io.load(tmp_path / "m.onnx")
+
+    def fail(*args):
+        raise error
+
+    monkeypatch.setattr(io.os, "replace", fail)
+    with pytest.raises((OutputError, KeyboardInterrupt)):
+        io.save(model, tmp_path / "out.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_output_location_refusals(tmp_path):
+    onnx.save(weighted_model(), tmp_path / "m.onnx")
+    with pytest.raises(OutputError, match="does not exist"):
+        io.check_output_path(tmp_path / "nope" / "o.onnx")
+    with pytest.raises(OutputError, match="is a directory"):
+        io.check_output_path(tmp_path)
+    os.symlink(tmp_path / "m.onnx", tmp_path / "link.onnx")
+    with pytest.raises(OutputError, match="output is the input"):
+        io.check_output_path(tmp_path / "link.onnx", tmp_path / "m.onnx")
+
+
+@pytest.mark.parametrize("location", ["../outside.bin", "/etc/hostname"])
+def test_external_locations_must_stay_in_the_model_folder(tmp_path, location):
+    save_external(weighted_model(), tmp_path / "m.onnx")
+    model = onnx.load(tmp_path / "m.onnx", load_external_data=False)
+    for t in model.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = location
+    onnx.save(model, tmp_path / "bad.onnx")
+    with pytest.raises(InputError, match="outside the model folder|absolute external-data path"):
+        io.load(tmp_path / "bad.onnx")
+
+
+def test_short_external_file_is_an_input_error(tmp_path):
+    save_external(weighted_model(), tmp_path / "m.onnx")
+    data = tmp_path / "weights.bin"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(InputError, match="too short"):
+        io.load(tmp_path / "m.onnx")
+
+
+def test_spill_constant_is_lazy_and_saved_into_the_output(tmp_path):
+    import onnx_graphsurgeon as gs
+
+    values = np.arange(600, dtype=np.float32).reshape(20, 30)
+    const = io.spill_constant("spilled", values)
+    assert Path(io.external_info(const._values.tensor)["location"]).name.startswith(io.SPILL_PREFIX)
+    np.testing.assert_array_equal(const.values, values)
+    x = gs.Variable("x", np.float32, [2, 20])
+    y = gs.Variable("y", np.float32, [2, 30])
+    graph = gs.Graph(nodes=[gs.Node("MatMul", inputs=[x, const], outputs=[y])], inputs=[x], outputs=[y], opset=17)
+    model = gs.export_onnx(graph)
+    io.validate(model, tmp_path)  # an absolute spill location is accepted
+    io.save(model, tmp_path / "s.onnx")
+    saved = onnx.load(tmp_path / "s.onnx")
+    feeds = random_feeds(saved)
+    np.testing.assert_allclose(run_ort(saved, feeds)[0], feeds["x"] @ values, rtol=1e-5)
+
+
+def test_save_refuses_inline_over_the_proto_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(io, "PROTO_LIMIT", 1000)
+    model = weighted_model()
+    with pytest.raises(OutputError, match="external data"):
+        io.save(model, tmp_path / "o.onnx", external_data=False)
+    io.save(model, tmp_path / "o.onnx")  # automatic: over the limit -> external
+    assert (tmp_path / "o.onnx.data").exists()
+
+
+_BIG_SCRIPT = r"""
+import resource, sys
+import k3opt
+report = k3opt.optimize_file(sys.argv[1], sys.argv[2], verify=True)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+print(report.verification["status"])
+"""
+
+
+@pytest.mark.slow
+def test_over_2gb_model_is_optimized_without_loading_its_weights(tmp_path):
+    """Three 800 MB weights in a sparse external file: load, optimize, skip verification, save in little memory."""
+    n = 200 * 2**20  # float32 elements per weight (800 MB)
+    data = tmp_path / "big.onnx.data"
+    with open(data, "wb") as f:
+        f.truncate(3 * 4 * n)  # sparse zeros: cheap to create
+    inits = []
+    for i in range(3):
+        inits.append(io.external_tensor(f"w{i}", TensorProto.FLOAT, [n], data.name, i * 4 * n, 4 * n))
+    # Embedding-style lookups: no pass needs the weights' values.
+    nodes = [helper.make_node("Identity", ["ids"], ["ids1"])]
+    nodes += [helper.make_node("Gather", [f"w{i}", "ids1"], [f"g{i}"]) for i in range(3)]
+    nodes += [helper.make_node("Add", ["g0", "g1"], ["a"]), helper.make_node("Add", ["a", "g2"], ["y"])]
+    graph = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("ids", TensorProto.INT64, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, tmp_path / "big.onnx")
+    out = tmp_path / "out" / "big.k3opt.onnx"
+    out.parent.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _BIG_SCRIPT, str(tmp_path / "big.onnx"), str(out)],
+                          capture_output=True, text=True, check=True)
+    peak_mb, status = proc.stdout.split()
+    assert status == "skipped"
+    assert int(peak_mb) < 1000, f"peak RSS {peak_mb} MB: weights were loaded"
+    assert (out.parent / "big.k3opt.onnx.data").stat().st_size >= 3 * 4 * n
+    saved = onnx.load(out, load_external_data=False)
+    assert [io.external_info(t)["location"] for t in saved.graph.initializer] == ["big.k3opt.onnx.data"] * 3
