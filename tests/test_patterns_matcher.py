@@ -300,3 +300,19 @@ def test_commutative_tree_is_not_exponential(leaf, hits):
     out, n = apply(model, rule)
     assert time.perf_counter() - t0 < 5
     assert n == hits
+
+
+def test_rules_apply_inside_control_flow_subgraphs():
+    relu2 = Rule("relu2", lambda op, x: op.Relu(op.Relu(x)), lambda op, m: op.Relu(m["x"]))
+    then = helper.make_graph([node("Relu", ["x"], ["a"]), node("Relu", ["a"], ["b"])], "then", [],
+                             [helper.make_tensor_value_info("b", F, [4])])
+    other = helper.make_graph([node("Neg", ["x"], ["c"])], "else", [], [helper.make_tensor_value_info("c", F, [4])])
+    model = make_model([node("ReduceSum", ["x"], ["s"], keepdims=0), node("Greater", ["s", "zero"], ["cond"]),
+                        node("If", ["cond"], ["y"], then_branch=then, else_branch=other)],
+                       [("x", F, [4])], [("y", F, [4])], {"zero": np.array(0.0, np.float32)})
+    out, n = apply(model, relu2)
+    assert n == 1
+    branch = next(a.g for a in out.graph.node[2].attribute if a.name == "then_branch")
+    assert [nd.op_type for nd in branch.node] == ["Relu"]
+    for seed in (0, 1, 2):
+        assert_equivalent(model, out, seed=seed)

@@ -89,11 +89,13 @@ class _Closest:
 class RuleApplier:
     """Applies ``rules`` to one graph: one sweep over the nodes, rules looked up by the anchor's op type."""
 
-    def __init__(self, graph: Graph, ctx: PassContext, rules: Sequence[Rule], dry_run: bool = False):
+    def __init__(self, graph: Graph, ctx: PassContext, rules: Sequence[Rule], dry_run: bool = False,
+                 explain: bool = True):
         self.graph = graph
         self.ctx = ctx
         self.rules = list(rules)
         self.dry_run = dry_run
+        self.explain = explain  # debug explanations for rules that did not match (off for subgraphs)
         self.editor = GraphEditor(graph, ctx)
         self.closest = {r.name: _Closest() for r in self.rules if r.debugging() or dry_run}
         self.matched: dict[str, int] = {r.name: 0 for r in self.rules}
@@ -122,7 +124,7 @@ class RuleApplier:
         finally:
             self.editor.flush()
         for rule in self.rules:
-            if rule.name in self.closest and not self.matched[rule.name] and not self.dry_run:
+            if rule.name in self.closest and not self.matched[rule.name] and self.explain and not self.dry_run:
                 message = self.closest[rule.name].explain(rule)
                 log.warning(message)
                 self.ctx.note(message)

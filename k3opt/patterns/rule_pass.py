@@ -33,8 +33,12 @@ class RuleSetPass(Pass):
             self.name = "+".join(r.name for r in self.rules)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Apply the rules to the graph and to every control-flow subgraph (If/Loop/Scan bodies)."""
         try:
-            return RuleApplier(graph, ctx, self.rules).run()
+            rewrites = RuleApplier(graph, ctx, self.rules).run()
+            for sub in list(graph.subgraphs(recursive=True)):
+                rewrites += RuleApplier(sub, ctx, self.rules, explain=False).run()
+            return rewrites
         except RuleError as exc:
             if self.plugin:
                 raise PluginError(f"plugin '{self.plugin}', pass '{self.name}', {exc}") from exc
