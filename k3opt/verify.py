@@ -192,7 +192,7 @@ def compare(
             entry.update(
                 max_abs=float(diff.max(initial=0.0)),
                 max_rel=float(np.where(diff == 0, 0.0, rel).max(initial=0.0)),
-                passed=bool(np.all(diff <= t + r * np.abs(a64))),
+                passed=bool(np.all(both_nan | (diff <= t + r * np.abs(a64)))),
             )
         ok = ok and entry["passed"]
         outputs.append(entry)

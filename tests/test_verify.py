@@ -1,0 +1,133 @@
+"""Verification: inputs, comparison, skipping what onnxruntime cannot run, bisecting to the bad pass."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import k3opt
+from k3opt import verify
+from k3opt.errors import InputError, UsageError, VerificationError
+from k3opt.report import Report
+from tests.conftest import DropOneIdentity, ReluToSigmoid
+from tests.helpers import make_model
+
+
+def embedding_model() -> onnx.ModelProto:
+    """ids -> Cast -> Gather(emb[50, 4]) * mask -> y; plus a float input."""
+    emb = np.random.default_rng(0).standard_normal((50, 4)).astype(np.float32)
+    nodes = [helper.make_node("Cast", ["ids"], ["ids64"], to=TensorProto.INT64),
+             helper.make_node("Gather", ["emb", "ids64"], ["e"]),
+             helper.make_node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["m", "ax"], ["m3"]),
+             helper.make_node("Mul", ["e", "m3"], ["em"]),
+             helper.make_node("Add", ["em", "x"], ["y"])]
+    return make_model(nodes, [("ids", TensorProto.INT32, ["b", "s"]), ("attention_mask", TensorProto.INT64, ["b", "s"]),
+                              ("x", TensorProto.FLOAT, ["b", "s", 4])],
+                      [("y", TensorProto.FLOAT, ["b", "s", 4])], {"emb": emb, "ax": np.array([-1], dtype=np.int64)})
+
+
+def relu_chain() -> onnx.ModelProto:
+    nodes = [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("Identity", ["b"], ["y"])]
+    return make_model(nodes, [("x", TensorProto.FLOAT, [3, 4])], [("y", TensorProto.FLOAT, [3, 4])])
+
+
+def test_feeds_are_seeded_and_range_aware():
+    model = embedding_model()
+    feeds = verify.make_feeds(model, symbolic_dim=64)
+    assert feeds["ids"].dtype == np.int32 and feeds["ids"].max() < 50 and feeds["ids"].max() > 8
+    assert np.all(feeds["attention_mask"] == 1)
+    assert feeds["x"].shape == (64, 64, 4) and feeds["x"].dtype == np.float32
+    again = verify.make_feeds(model, symbolic_dim=64)
+    assert all(np.array_equal(feeds[k], again[k]) for k in feeds)
+
+
+def test_user_input_data(tmp_path):
+    model = embedding_model()
+    ids = np.array([[1, 2, 3]], dtype=np.int64)
+    np.savez(tmp_path / "in.npz", ids=ids)
+    feeds = verify.make_feeds(model, input_data=tmp_path / "in.npz")
+    assert feeds["ids"].dtype == np.int32 and feeds["ids"].tolist() == [[1, 2, 3]]
+    np.savez(tmp_path / "bad.npz", nope=ids)
+    with pytest.raises(UsageError, match="nope"):
+        verify.make_feeds(model, input_data=tmp_path / "bad.npz")
+    (tmp_path / "junk.npz").write_bytes(b"junk")
+    with pytest.raises(InputError, match="cannot read input data"):
+        verify.make_feeds(model, input_data=tmp_path / "junk.npz")
+
+
+def test_compare_tolerances_and_edge_cases():
+    a = np.array([1.0, 2.0, np.nan], dtype=np.float32)
+    ok = verify.compare([a], [a + 1e-6], ["y"])
+    assert ok["status"] == "passed" and ok["outputs"][0]["max_abs"] < 2e-6
+    bad = verify.compare([a], [a + 1e-2], ["y"])
+    assert bad["status"] == "failed" and bad["outputs"][0]["max_rel"] == pytest.approx(1e-2, rel=1e-3)
+    assert verify.compare([a], [a + 1e-2], ["y"], rtol=0.1)["status"] == "passed"
+    half = np.ones(3, dtype=np.float16)
+    assert verify.compare([half], [half * np.float16(1.004)], ["h"])["status"] == "passed"  # fp16 defaults
+    assert verify.compare([a], [a[:2]], ["y"])["status"] == "failed"  # shape
+    assert verify.compare([np.array([1, 2])], [np.array([1, 3])], ["i"])["status"] == "failed"  # ints exact
+    assert verify.compare([a], [np.array([1.0, 2.0, 0.0], np.float32)], ["y"])["status"] == "failed"  # NaN lost
+
+
+def test_first_diverging_step_binary_search():
+    calls = []
+
+    def diverges(k):
+        calls.append(k)
+        return k >= 7
+
+    assert verify.first_diverging_step([1, 3, 5, 7, 9, 11], diverges) == 7
+    assert len(calls) <= 3
+    assert verify.first_diverging_step([], diverges) is None
+
+
+def test_wrong_rewrite_is_caught_and_bisected_to_its_pass(register, tmp_path):
+    register(DropOneIdentity)
+    register(ReluToSigmoid)
+    onnx.save(relu_chain(), tmp_path / "m.onnx")
+    report = Report()
+    with pytest.raises(VerificationError, match="first diverging pass: test-relu-to-sigmoid"):
+        k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "o.onnx", passes=["test-drop-one-identity",
+                            "test-relu-to-sigmoid"], verify=True, report=report)
+    assert not (tmp_path / "o.onnx").exists()
+    assert report.verification["status"] == "failed"
+    assert report.verification["first_diverging_pass"] == "test-relu-to-sigmoid"
+    # a loose enough tolerance accepts it
+    k3opt.optimize(relu_chain(), passes=["test-relu-to-sigmoid"], verify=True, atol=1.0)
+
+
+def test_model_onnxruntime_cannot_run_is_skipped_with_a_warning():
+    nodes = [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("Foo", ["a"], ["y"], domain="acme")]
+    model = make_model(nodes, [("x", TensorProto.FLOAT, [2])], [("y", TensorProto.FLOAT, [2])],
+                       extra_opsets=[("acme", 1)])
+    report = Report()
+    k3opt.optimize(model, verify=True, report=report)
+    assert report.verification["status"] == "skipped"
+    assert "acme" in report.verification["reason"] or "Foo" in report.verification["reason"]
+    assert report.warnings and report.warnings[0].startswith("verification skipped")
+
+
+def test_model_too_big_for_memory_is_skipped(monkeypatch):
+    monkeypatch.setattr(verify, "available_memory", lambda: 10)
+    report = Report()
+    k3opt.optimize(relu_chain(), verify=True, report=report)
+    assert report.verification["status"] == "skipped" and "memory" in report.verification["reason"]
+
+
+def test_optimized_model_that_does_not_run_fails(register):
+    class Breaks(DropOneIdentity):
+        name = "test-breaks"
+
+        def run(self, graph, ctx):
+            for node in graph.nodes:
+                if node.op == "Relu" and not node.attrs:
+                    node.attrs["bogus"] = 1
+                    return 1
+            return 0
+
+    register(Breaks)
+    with pytest.raises(VerificationError, match="cannot run the optimized model.*first diverging pass: test-breaks"):
+        k3opt.optimize(relu_chain(), passes=["test-breaks"], verify=True)
