@@ -30,6 +30,9 @@ from .atc_ops import NPU_OPS
 from .compat import all_nodes
 
 CANN_OPSET = 17
+#: NPU nodes are built in this domain (the rewriter checks default-domain nodes against ONNX's schemas,
+#: which do not know them), then moved to the default domain, where ATC's parser looks them up.
+_STAGING_DOMAIN = "k3opt.npu"
 #: ATC's NPURmsNorm plugin ignores the node's attributes and sets this epsilon.
 PLUGIN_EPSILON = 1e-6
 #: (x, gamma) dtypes RmsNorm has kernels for on Atlas A2/A3 (310P/910: only the equal pairs without bf16).
@@ -77,20 +80,21 @@ class _RmsNormLowering:
 
     def __init__(self) -> None:
         self.lowered: list[str] = []
-        self.kept: list[str] = []
+        #: reduce-node name -> reason; each rule (one per tail) may offer the same normalization again.
+        self.kept: dict[str, str] = {}
 
     def rewrite(self, op: RewriteBuilder, nm: NormMatch) -> Optional[gs.Tensor]:
         """``NPURmsNorm(x, gamma) -> (y, rstd)`` (+ the bias, if any), or None: stays decomposed, reason kept."""
         where = nm.reduce.name
         why = refusal(nm.epsilon, nm.output_dtype, nm.output_dtype)
         if why is not None:
-            self.kept.append(f"RMSNorm at '{where}' kept decomposed: {why}")
+            self.kept.setdefault(where, f"RMSNorm at '{where}' kept decomposed: {why}")
             return None
         # The recogniser proved the axes trailing and the normalized dims static; these give x in the
         # result's dtype and gamma of exactly the normalized shape, as the plugin requires.
         x = norm_input(op, nm)
         gamma = affine_input(op, nm, nm.weight, 1.0)
-        y, rstd = op.NPURmsNorm(x, gamma, _outputs=2, _name="NPURmsNorm")
+        y, rstd = op.NPURmsNorm(x, gamma, _outputs=2, _name="NPURmsNorm", _domain=_STAGING_DOMAIN)
         rstd.dtype = np.float32
         if nm.bias is not None:
             y = op.Add(y, affine_input(op, nm, nm.bias, 0.0))
@@ -100,7 +104,7 @@ class _RmsNormLowering:
     def lines(self) -> list[str]:
         total = len(self.lowered) + len(self.kept)
         head = f"NPURmsNorm: {len(self.lowered)} of {total} RMSNorm(s) lowered (ATC's plugin fixes eps at 1e-6)"
-        return [head, *self.lowered, *self.kept] if total else ["NPURmsNorm: no RMSNorm found"]
+        return [head, *self.lowered, *self.kept.values()] if total else ["NPURmsNorm: no RMSNorm found"]
 
 
 def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
@@ -116,6 +120,9 @@ def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     ctx = PassContext(opset=CANN_OPSET, target="cann", names=NameScope(graph))
     rms = _RmsNormLowering()
     OrderedRulesPass(rmsnorm_rules(rms.rewrite), name="lower-rmsnorm-npu").run(graph, ctx)
+    for node in graph.nodes:
+        if node.domain == _STAGING_DOMAIN:
+            node.domain = None
     out = api.export(graph, model)
     violations = invariant_violations(out)
     if violations:

@@ -1,0 +1,110 @@
+"""`lower`: RMSNorm -> NPURmsNorm exactly where ATC's plugin (fixed eps 1e-6) computes the same thing."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import k3opt
+from k3opt.cann_bridge import invariant_violations, lower
+from k3opt.report import Report
+from tests.cann_models import decompose_npu_rmsnorm, rms_model, rmsnorm_nodes
+from tests.helpers import assert_equivalent, make_model, op_counts
+
+
+def lowered(model):
+    out, lines = lower(model)
+    assert invariant_violations(out) == []
+    return out, lines
+
+
+def test_eps_1e6_becomes_npu_rmsnorm_and_matches_the_plugin_formula():
+    model = rms_model(eps=1e-6)
+    out, lines = lowered(model)
+    counts = op_counts(out)
+    assert counts.get("NPURmsNorm") == 1 and "ReduceMean" not in counts and "Sqrt" not in counts
+    node = next(n for n in out.graph.node if n.op_type == "NPURmsNorm")
+    assert len(node.input) == 2 and len(node.output) == 2 and node.domain == "" and not node.attribute
+    assert lines[0].startswith("NPURmsNorm: 1 of 1 RMSNorm(s) lowered")
+    assert lines[1] == "RMSNorm at 'rms0_mean' -> NPURmsNorm"
+    assert_equivalent(model, decompose_npu_rmsnorm(out))
+
+
+def test_other_eps_stays_decomposed_with_reason():
+    model = rms_model(eps=1e-5)
+    out, lines = lowered(model)
+    assert "NPURmsNorm" not in op_counts(out)
+    assert lines == ["NPURmsNorm: 0 of 1 RMSNorm(s) lowered (ATC's plugin fixes eps at 1e-6)",
+                     "RMSNorm at 'rms0_mean' kept decomposed: epsilon 1e-05 is not the NPURmsNorm plugin's fixed 1e-06"]
+    assert_equivalent(model, out)
+
+
+def test_count_equals_rmsnorms_with_eps_1e6():
+    model = rms_model(eps=1e-6, layers=(1e-5, 1e-6, 1e-6 * 1.5))
+    out, lines = lowered(model)
+    assert op_counts(out)["NPURmsNorm"] == 2
+    assert lines[0].startswith("NPURmsNorm: 2 of 4")
+    assert sum("kept decomposed" in line for line in lines) == 2
+    assert_equivalent(model, decompose_npu_rmsnorm(out))
+
+
+def test_fp16_export_with_casts():
+    model = rms_model(eps=1e-6, dtype=np.float16)
+    out, _ = lowered(model)
+    assert op_counts(out).get("NPURmsNorm") == 1 and "Cast" not in op_counts(out)
+    assert_equivalent(model, decompose_npu_rmsnorm(out), rtol=1e-2, atol=1e-2)
+
+
+def test_broadcast_weight_is_reshaped_to_the_normalized_dims():
+    model = rms_model(eps=1e-6, weight_shape=(1, 1, 16))
+    out, _ = lowered(model)
+    node = next(n for n in out.graph.node if n.op_type == "NPURmsNorm")
+    gamma = next(i for i in out.graph.initializer if i.name == node.input[1])
+    assert list(gamma.dims) == [16]
+    assert_equivalent(model, decompose_npu_rmsnorm(out))
+
+
+def test_without_weight_gets_ones():
+    nodes, inits = rmsnorm_nodes("x", None, "y", 1e-6, "r")
+    model = make_model(nodes, [("x", TensorProto.FLOAT, [2, 16])], [("y", TensorProto.FLOAT, [2, 16])], inits)
+    out, _ = lowered(model)
+    node = next(n for n in out.graph.node if n.op_type == "NPURmsNorm")
+    gamma = numpy_helper.to_array(next(i for i in out.graph.initializer if i.name == node.input[1]))
+    assert gamma.shape == (16,) and np.all(gamma == 1)
+    assert_equivalent(model, decompose_npu_rmsnorm(out))
+
+
+def test_non_trailing_axes_not_lowered():
+    model = rms_model(eps=1e-6, axes=(1,), shape=(2, 16, 16))
+    out, lines = lowered(model)
+    assert "NPURmsNorm" not in op_counts(out) and lines == ["NPURmsNorm: no RMSNorm found"]
+
+
+def test_graph_output_keeps_its_name():
+    nodes, inits = rmsnorm_nodes("x", "w", "y", 1e-6, "r")
+    inits["w"] = np.ones(16, np.float32)
+    model = make_model(nodes, [("x", TensorProto.FLOAT, [2, 16])], [("y", TensorProto.FLOAT, [2, 16])], inits)
+    out, _ = lowered(model)
+    assert [o.name for o in out.graph.output] == ["y"]
+    assert_equivalent(model, decompose_npu_rmsnorm(out))
+
+
+def test_through_the_pipeline_target_cann():
+    model = rms_model(eps=1e-6, layers=(1e-5,))
+    model.opset_import[0].version = 14
+    report = Report()
+    out = k3opt.optimize(model, target="cann", verify=True, report=report)
+    assert [(o.domain, o.version) for o in out.opset_import] == [("", 17)]
+    assert op_counts(out)["NPURmsNorm"] == 1
+    assert report.verification["status"] == "passed"
+    assert report.lowering[0].startswith("NPURmsNorm: 1 of 2")
+    assert invariant_violations(out) == []
+    assert_equivalent(model, decompose_npu_rmsnorm(out))
+
+
+def test_lower_refuses_to_return_a_model_breaking_the_invariants():
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", TensorProto.FLOAT, [2])],
+                       [("y", TensorProto.FLOAT, [2])], opset=18)
+    with pytest.raises(k3opt.CompileError, match="cann target's invariants"):
+        lower(model)
