@@ -27,6 +27,7 @@ import onnx_graphsurgeon as gs
 
 from ..ir import Graph, Node, Tensor, is_graph_output, producer, replace_uses
 from .base import Pass, PassContext, register_pass
+from .cleanup_rewire import detach, is_used, remove
 from .fold_eval import EvalError, as_array, folded_constant, outer_refs, run_ort, run_reference
 from .fold_guard import too_big
 from .fold_shapes import fold_shape_value
@@ -62,7 +63,7 @@ class FoldConstants(Pass):
     # -- sweep 1 -----------------------------------------------------------
     def _constant_nodes(self, graph: Graph, ctx: PassContext) -> int:
         """Turn ``Constant`` nodes into initializers (their output names are kept)."""
-        dead = []
+        dead: list[Node] = []
         for node in graph.nodes:
             if node.op != "Constant" or (node.domain or "") not in FOLDABLE_DOMAINS or len(node.outputs) != 1:
                 continue
@@ -74,11 +75,9 @@ class FoldConstants(Pass):
                 continue
             name = out.name
             replace_uses(graph, out, value)
-            node.inputs.clear()
-            node.outputs.clear()
+            detach(node, dead)
             value.name = name
-            dead.append(node)
-        _remove(graph, dead)
+        remove(graph, dead)
         return len(dead)
 
     # -- sweep 2 -----------------------------------------------------------
@@ -86,7 +85,7 @@ class FoldConstants(Pass):
         folded: list[Node] = []
         installed: list = []
         for node in graph.nodes:
-            if node.op in SHAPE_OPS and (node.domain or "") in ("", "ai.onnx") and _live(graph, node.outputs[0]):
+            if node.op in SHAPE_OPS and (node.domain or "") in ("", "ai.onnx") and is_used(graph, node.outputs[0]):
                 value = fold_shape_value(node)
                 if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
                     folded.append(node)
@@ -161,7 +160,7 @@ class FoldConstants(Pass):
     def _eligible(self, graph: Graph, node: Node) -> bool:
         if node.op == "Constant" or (node.domain or "") not in FOLDABLE_DOMAINS or node.op in RANDOM_OPS:
             return False
-        if id(node) in self._failed or not any(_live(graph, t) for t in node.outputs):
+        if id(node) in self._failed or not any(is_used(graph, t) for t in node.outputs):
             return False
         if node.op == "Dropout" and len(node.inputs) > 2 and node.inputs[2].name:
             mode = _maybe_value(node.inputs[2])
@@ -225,10 +224,6 @@ def _constant_attr(node: Node) -> Optional[gs.Constant]:
     return None
 
 
-def _live(graph: Graph, t: Tensor) -> bool:
-    return bool(t.outputs) or is_graph_output(graph, t)
-
-
 def _escapes(graph: Graph, t: Tensor, members) -> bool:
     """True when ``t`` is needed outside the group (a graph output or read by a non-member)."""
     ids = members if isinstance(members, set) else {id(n) for n in members}
@@ -252,7 +247,7 @@ def _install(graph: Graph, ctx: PassContext, t: Tensor, value: np.ndarray, insta
         p = producer(t)
         if p is not None:
             p.outputs[[i for i, o in enumerate(p.outputs) if o is t][0]] = gs.Variable(ctx.fresh_name(t.name))
-        graph.nodes.append(gs.Node("Constant", ctx.fresh_name(t.name + "_const"), {"value": const}, [], [t]))
+        graph.nodes.insert(0, gs.Node("Constant", ctx.fresh_name(t.name + "_const"), {"value": const}, [], [t]))
         return const
     replace_uses(graph, t, const)
     installed.append((t, const))
@@ -269,20 +264,12 @@ def _take_names(installed: list[tuple[Tensor, gs.Constant]]) -> None:
 
 def _drop_dead(graph: Graph, nodes: list[Node]) -> int:
     """Remove the given nodes that no longer feed anything, in the order given; returns how many."""
-    dead = []
+    dead: list[Node] = []
     for node in nodes:
-        if not any(_live(graph, t) for t in node.outputs):
-            node.inputs.clear()
-            node.outputs.clear()
-            dead.append(node)
-    _remove(graph, dead)
+        if not any(is_used(graph, t) for t in node.outputs):
+            detach(node, dead)
+    remove(graph, dead)
     return len(dead)
-
-
-def _remove(graph: Graph, nodes: list[Node]) -> None:
-    if nodes:
-        ids = {id(n) for n in nodes}
-        graph.nodes = [n for n in graph.nodes if id(n) not in ids]
 
 
 def _groups(order: list[Node]) -> list[list[Node]]:

@@ -1,0 +1,159 @@
+"""remove-noop-ops: nodes whose output provably equals their data input.
+
+Each check proves the output has the input's shape, dtype and values:
+
+- ``Reshape`` to the input's own shape (dim by dim: a literal equal known dim,
+  a 0 copying the dim when ``allowzero`` is off, at most one -1);
+- ``Expand`` whose shape broadcasts to the input's own shape;
+- ``Transpose`` with the identity permutation;
+- ``Cast``/``CastLike`` to the type the input already has;
+- ``Slice`` taking everything (step 1, start 0, end past the known dim or the
+  INT64 max sentinel);
+- ``Concat`` of a single input;
+- ``Add``/``Sub`` of 0, ``Mul``/``Div`` by 1 (``Sub``/``Div``: constant on the
+  right only), only when broadcasting the constant cannot change the
+  output's shape (every constant dim is 1 or equals the known input dim,
+  constant rank not above the input's).
+
+Refused whenever a needed shape or dtype is unknown.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..ir import Graph, Node, Tensor, const_value, rank
+from .base import PassContext, register_pass
+from .cleanup_rewire import NodeRewritePass, bypass, cast_target, int_list, onnx_type
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def _known(d: object) -> bool:
+    return isinstance(d, (int, np.integer)) and d >= 0
+
+
+def _same_reshape(node: Node) -> Optional[Tensor]:
+    x = node.inputs[0]
+    target = int_list(node.inputs[1])
+    if target is None or x.shape is None or len(target) != len(x.shape) or target.count(-1) > 1:
+        return None
+    allowzero = bool(node.attrs.get("allowzero", 0))
+    for s, d in zip(target, x.shape):
+        if s == -1 or (s == 0 and not allowzero) or (_known(d) and s == d):
+            continue
+        return None
+    return x
+
+
+def _broadcast_keeps_shape(x: Tensor, other_shape: tuple) -> bool:
+    """Broadcasting ``x`` with a tensor of ``other_shape`` yields ``x``'s shape."""
+    if x.shape is None or len(other_shape) > len(x.shape):
+        return False
+    aligned = x.shape[len(x.shape) - len(other_shape):]
+    return all(o == 1 or (_known(d) and o == d) for o, d in zip(other_shape, aligned))
+
+
+def _same_expand(node: Node) -> Optional[Tensor]:
+    target = int_list(node.inputs[1])
+    x = node.inputs[0]
+    return x if target is not None and _broadcast_keeps_shape(x, tuple(target)) else None
+
+
+def _identity_transpose(node: Node) -> Optional[Tensor]:
+    x = node.inputs[0]
+    perm = node.attrs.get("perm")
+    if perm is None:
+        r = rank(x)
+        return x if r is not None and r <= 1 else None
+    return x if list(perm) == list(range(len(perm))) else None
+
+
+def _same_cast(node: Node) -> Optional[Tensor]:
+    x = node.inputs[0]
+    src = onnx_type(x)
+    dst = cast_target(node) if node.op == "Cast" else onnx_type(node.inputs[1])
+    return x if src is not None and src == dst else None
+
+
+def _slice_args(node: Node) -> Optional[list[Optional[list[int]]]]:
+    """[starts, ends, axes, steps] as int lists (None for omitted optional ones), or None if not constant."""
+    if "starts" in node.attrs:  # opset < 10: attributes
+        return [node.attrs.get(k) for k in ("starts", "ends", "axes")] + [None]
+    args: list[Optional[list[int]]] = []
+    for i in range(1, 5):
+        t = node.inputs[i] if i < len(node.inputs) else None
+        v = int_list(t) if t is not None and t.name else None
+        if v is None and (i < 3 or (t is not None and t.name)):
+            return None
+        args.append(v)
+    return args
+
+
+def _whole_slice(node: Node) -> Optional[Tensor]:
+    x = node.inputs[0]
+    args = _slice_args(node)
+    if x.shape is None or args is None or args[0] is None or args[1] is None:
+        return None
+    starts, ends, axes, steps = args
+    axes = axes if axes is not None else list(range(len(starts)))
+    steps = steps if steps is not None else [1] * len(starts)
+    r = len(x.shape)
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        if not -r <= a < r:
+            return None
+        d = x.shape[a]
+        if st != 1 or s != 0 or not (e >= INT64_MAX // 2 or (_known(d) and e >= d)):
+            return None
+    return x
+
+
+def _single_concat(node: Node) -> Optional[Tensor]:
+    return node.inputs[0] if len(node.inputs) == 1 else None
+
+
+_NEUTRAL = {"Add": 0, "Sub": 0, "Mul": 1, "Div": 1}
+
+
+def _neutral_arith(node: Node) -> Optional[Tensor]:
+    if len(node.inputs) != 2:
+        return None
+    sides = [(0, 1), (1, 0)] if node.op in ("Add", "Mul") else [(0, 1)]
+    for xi, ci in sides:
+        x, c = node.inputs[xi], node.inputs[ci]
+        v = const_value(c)
+        if v is None:
+            continue
+        v = np.asarray(v)
+        if v.dtype.kind not in "fiu" or not np.all(v == _NEUTRAL[node.op]):
+            continue
+        if _broadcast_keeps_shape(x, v.shape):
+            return x
+    return None
+
+
+CHECKS: dict[str, Callable[[Node], Optional[Tensor]]] = {
+    "Reshape": _same_reshape,
+    "Expand": _same_expand,
+    "Transpose": _identity_transpose,
+    "Cast": _same_cast,
+    "CastLike": _same_cast,
+    "Slice": _whole_slice,
+    "Concat": _single_concat,
+    **{op: _neutral_arith for op in _NEUTRAL},
+}
+
+
+class RemoveNoopOps(NodeRewritePass):
+    name = "remove-noop-ops"
+    description = "Remove nodes that provably return their input unchanged."
+    order = 220
+    ops = frozenset(CHECKS)
+
+    def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
+        src = CHECKS[node.op](node)
+        return src is not None and bypass(graph, node, src, dead)
+
+
+register_pass(RemoveNoopOps)

@@ -1,0 +1,34 @@
+"""merge-reshapes: ``Reshape(Reshape(x, s1), s2)`` becomes ``Reshape(x, s2)``.
+
+Exact when s2 does not read the first result's shape: s2 is a constant and,
+unless the second Reshape has ``allowzero=1``, contains no 0 (a 0 copies the
+first result's dim). A -1 is fine: it depends only on the element count,
+which the first Reshape keeps. Refused when the middle tensor has another
+reader or is a graph output.
+"""
+from __future__ import annotations
+
+from ..ir import Graph, Node
+from .base import PassContext, register_pass
+from .cleanup_rewire import NodeRewritePass, chain_producer, detach, int_list
+
+
+class MergeReshapes(NodeRewritePass):
+    name = "merge-reshapes"
+    description = "Merge consecutive Reshapes whose second shape does not depend on the first."
+    order = 250
+    ops = frozenset({"Reshape"})
+
+    def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
+        first = chain_producer(graph, node, "Reshape")
+        if first is None or len(node.inputs) < 2 or len(first.inputs) < 2:  # opset < 5: shape attribute
+            return False
+        target = int_list(node.inputs[1])
+        if target is None or (0 in target and not node.attrs.get("allowzero", 0)):
+            return False
+        node.inputs[0] = first.inputs[0]
+        detach(first, dead)
+        return True
+
+
+register_pass(MergeReshapes)

@@ -1,0 +1,129 @@
+"""Shared mechanics of the clean-up passes: bypassing a node safely, and a pass shell.
+
+Every clean-up removes a node whose output equals one of its inputs (or
+rewires a chain). The one subtle part is graph outputs: replacing a graph
+output by another tensor renames that tensor (``ir.replace_uses``), which is
+impossible when that tensor is a graph input, another graph output or an
+initializer. :func:`bypass` refuses those cases, so every clean-up does too.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Iterable, Optional
+
+import numpy as np
+from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
+
+from ..ir import Graph, Node, Tensor, const_value, is_graph_output, producer, replace_uses
+from .base import Pass, PassContext
+
+
+def graphs(graph: Graph) -> Iterable[Graph]:
+    """``graph`` and every subgraph (If/Loop/Scan bodies), outermost first."""
+    yield graph
+    for node in graph.nodes:
+        for sub in node.subgraphs(recursive=True):
+            yield sub
+
+
+def is_used(graph: Graph, t: Tensor) -> bool:
+    """True when ``t`` is read by a node (subgraphs included) or is a graph output."""
+    return bool(t.outputs) or is_graph_output(graph, t)
+
+
+def can_replace(graph: Graph, old: Tensor, new: Tensor) -> bool:
+    """Whether readers of ``old`` may read ``new`` instead, keeping the graph's interface."""
+    if old is new:
+        return False
+    if not is_graph_output(graph, old):
+        return True
+    # ``new`` will take the output's name: it must be a node output of this very
+    # graph (not an input, initializer or outer-scope value) and not an output already.
+    p = producer(new)
+    local = p is not None and any(p is n for n in graph.nodes)
+    return local and not is_graph_output(graph, new) and (old.dtype is None or new.dtype is None or old.dtype == new.dtype)
+
+
+def bypass(graph: Graph, node: Node, new: Tensor, dead: list[Node]) -> bool:
+    """Replace ``node``'s (only used) output by ``new`` and queue ``node`` for removal; False if unsafe."""
+    outs = [t for t in node.outputs if is_used(graph, t)]
+    if len(outs) != 1 or not can_replace(graph, outs[0], new):
+        return False
+    replace_uses(graph, outs[0], new)
+    detach(node, dead)
+    return True
+
+
+def detach(node: Node, dead: list[Node]) -> None:
+    """Disconnect ``node`` (and the nodes of its subgraphs, which read outer tensors) and queue it for removal."""
+    for sub in node.subgraphs(recursive=True):
+        for inner in sub.nodes:
+            inner.inputs.clear()
+            inner.outputs.clear()
+    node.inputs.clear()
+    node.outputs.clear()
+    dead.append(node)
+
+
+def remove(graph: Graph, dead: list[Node]) -> None:
+    """Drop detached nodes from ``graph.nodes`` in one pass."""
+    if dead:
+        ids = {id(n) for n in dead}
+        graph.nodes = [n for n in graph.nodes if id(n) not in ids]
+
+
+def single_use(graph: Graph, t: Tensor) -> bool:
+    """``t`` feeds exactly one node and is not a graph output (so its producer may be rewritten)."""
+    return len(t.outputs) == 1 and not is_graph_output(graph, t)
+
+
+def chain_producer(graph: Graph, node: Node, op: str) -> Optional[Node]:
+    """The ``op`` node computing ``node``'s first input, if ``node`` is that value's only reader."""
+    first = producer(node.inputs[0])
+    if first is None or first.op != op or (first.domain or "") not in ("", "ai.onnx"):
+        return None
+    return first if single_use(graph, node.inputs[0]) else None
+
+
+def onnx_type(t: Tensor) -> Optional[int]:
+    """The ONNX element type of ``t``, when known."""
+    if t.dtype is None:
+        return None
+    try:
+        return int(dtype_to_onnx(t.dtype))
+    except Exception:  # unknown/odd dtype objects: treat as unknown
+        return None
+
+
+def int_list(t: Tensor) -> Optional[list[int]]:
+    """A constant int tensor as a list, else None."""
+    v = const_value(t) if t is not None and t.name else None
+    return None if v is None else [int(x) for x in np.asarray(v).ravel()]
+
+
+def cast_target(node: Node) -> Optional[int]:
+    """The ``to`` type of a Cast as an ONNX type int (None for opset-1 string types)."""
+    to = node.attrs.get("to")
+    return int(to) if isinstance(to, (int, np.integer)) else None
+
+
+class NodeRewritePass(Pass):
+    """A pass that visits nodes of given op types in every (sub)graph and rewrites some.
+
+    Subclasses set ``ops`` and implement :meth:`rewrite` (return True when
+    they changed the graph; detached nodes go to ``dead``).
+    """
+
+    ops: ClassVar[frozenset[str]] = frozenset()
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        total = 0
+        for g in list(graphs(graph)):
+            dead: list[Node] = []
+            for node in list(g.nodes):
+                if node.op in self.ops and (node.domain or "") in ("", "ai.onnx") and node.outputs:
+                    total += bool(self.rewrite(g, node, ctx, dead))
+            remove(g, dead)
+        return total
+
+    def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:  # pragma: no cover
+        raise NotImplementedError

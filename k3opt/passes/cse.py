@@ -1,0 +1,131 @@
+"""eliminate-common-subexpressions: compute each value once.
+
+Two nodes with the same op, domain, attributes and inputs (the same tensor
+objects, in order) compute the same outputs; the later one's readers read
+the earlier one's outputs. Equal constants are merged first, so nodes that
+read equal weights become equal too; constants are compared by a hash of
+their bytes, grouped by dtype and shape so that only candidates are read,
+and never read when they live in external data or exceed
+``cse_max_const_bytes`` (default 1 MiB).
+
+Refused: random ops (two draws are not one), nodes with subgraphs, nodes in
+custom domains (their semantics are unknown), and merges that would make two
+graph outputs one tensor.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Hashable, Optional
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from onnx import TensorProto
+
+from ..ir import Graph, Node, Tensor, is_graph_output, replace_uses
+from .base import Pass, PassContext, register_pass
+from .cleanup_rewire import can_replace, detach, remove
+from .fold_constants import RANDOM_OPS
+
+DEFAULT_MAX_CONST_BYTES = 1 << 20
+_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+
+
+def _digest(value: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest()
+
+
+def _attr_key(value: object) -> Optional[Hashable]:
+    """A hashable, exact stand-in for an attribute value; None when it cannot be compared."""
+    if isinstance(value, gs.Graph):
+        return None
+    if isinstance(value, gs.Constant):
+        v = np.asarray(value.values)
+        return ("tensor", str(v.dtype), v.shape, _digest(v))
+    if isinstance(value, (list, tuple)):
+        items = [_attr_key(v) for v in value]
+        return None if any(i is None for i in items) else tuple(items)
+    if isinstance(value, np.ndarray):
+        return ("array", str(value.dtype), value.shape, _digest(value))
+    if isinstance(value, float):
+        return ("float", np.float64(value).tobytes())  # NaN == NaN, 0.0 != -0.0
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return (type(value).__name__, value)
+
+
+def _node_key(node: Node) -> Optional[Hashable]:
+    if (node.domain or "") not in _DOMAINS or node.op in RANDOM_OPS or not node.outputs:
+        return None
+    attrs = []
+    for k in sorted(node.attrs):
+        key = _attr_key(node.attrs[k])
+        if key is None:
+            return None
+        attrs.append((k, key))
+    return (node.op, node.domain or "", tuple(attrs), tuple(id(t) for t in node.inputs), len(node.outputs))
+
+
+def _external(c: gs.Constant) -> bool:
+    proto = getattr(c._values, "tensor", None)
+    return isinstance(proto, TensorProto) and proto.data_location == TensorProto.EXTERNAL
+
+
+class EliminateCommonSubexpressions(Pass):
+    name = "eliminate-common-subexpressions"
+    description = "Merge nodes with the same op, attributes and inputs, and equal constants."
+    order = 300
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        limit = int(ctx.options.get("cse_max_const_bytes", DEFAULT_MAX_CONST_BYTES))
+        return self._constants(graph, limit) + self._nodes(graph)
+
+    def _constants(self, graph: Graph, limit: int) -> int:
+        overridable = {id(t) for t in graph.inputs}
+        groups: dict[tuple, list[gs.Constant]] = {}
+        for t in graph.tensors().values():
+            if isinstance(t, gs.Constant) and id(t) not in overridable and t.outputs:
+                if t._values.nbytes <= limit and not _external(t):
+                    groups.setdefault((str(t.dtype), tuple(t.shape)), []).append(t)
+        merged = 0
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            first: dict[str, Tensor] = {}
+            for c in sorted(group, key=lambda c: c.name):
+                key = _digest(np.asarray(c.values))
+                keep = first.setdefault(key, c)
+                if keep is not c and can_replace(graph, c, keep):
+                    replace_uses(graph, c, keep)
+                    merged += 1
+        return merged
+
+    def _nodes(self, graph: Graph) -> int:
+        seen: dict[Hashable, Node] = {}
+        dead: list[Node] = []
+        for node in list(graph.nodes):
+            key = _node_key(node)
+            if key is None:
+                continue
+            keep = seen.setdefault(key, node)
+            if keep is node or not self._merge(graph, node, keep):
+                continue
+            detach(node, dead)
+        remove(graph, dead)
+        return len(dead)
+
+    @staticmethod
+    def _merge(graph: Graph, dup: Node, keep: Node) -> bool:
+        """Point readers of ``dup``'s outputs to ``keep``'s; False (nothing done) if outputs would clash."""
+        pairs = list(zip(dup.outputs, keep.outputs))
+        for old, new in pairs:
+            if is_graph_output(graph, old) and is_graph_output(graph, new):
+                return False
+        for old, new in pairs:
+            if is_graph_output(graph, old) or old.outputs:
+                replace_uses(graph, old, new)
+        return True
+
+
+register_pass(EliminateCommonSubexpressions)

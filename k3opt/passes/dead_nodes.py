@@ -1,0 +1,52 @@
+"""remove-dead-nodes: drop every node that contributes to no graph output.
+
+Liveness walks back from the graph outputs; a live node makes live its
+inputs and every tensor its subgraphs read from the outer scope (so a value
+used only inside an If/Loop body stays). Subgraph bodies are cleaned the same
+way from their own outputs. Unused initializers and value_info entries go
+with the dead nodes: the exported graph lists only tensors that are still
+read. Graph inputs are never removed (they are the model's interface).
+"""
+from __future__ import annotations
+
+from ..ir import Graph, Node, producer
+from .base import Pass, PassContext, register_pass
+from .cleanup_rewire import detach, graphs, remove
+from .fold_eval import outer_refs
+
+
+def live_nodes(graph: Graph) -> set[int]:
+    """Ids of the nodes of ``graph`` that some graph output depends on."""
+    live: set[int] = set()
+    stack = [p for t in graph.outputs if (p := producer(t)) is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in live:
+            continue
+        live.add(id(node))
+        for t in list(node.inputs) + outer_refs(node):
+            p = producer(t)
+            if p is not None and id(p) not in live:
+                stack.append(p)
+    return live
+
+
+class RemoveDeadNodes(Pass):
+    name = "remove-dead-nodes"
+    description = "Remove nodes (and with them initializers and value_info) that reach no graph output."
+    order = 390
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        removed = 0
+        for g in list(graphs(graph)):
+            live = live_nodes(g)
+            dead: list[Node] = []
+            for node in g.nodes:
+                if id(node) not in live:
+                    detach(node, dead)
+            remove(g, dead)
+            removed += len(dead)
+        return removed
+
+
+register_pass(RemoveDeadNodes)

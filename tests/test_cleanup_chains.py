@@ -1,0 +1,181 @@
+"""merge-cast-chains, merge-transposes, merge-reshapes, sequence-to-split: merges and refusals, with numerics."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T, helper
+
+from k3opt.passes.cleanup_cast_chain import MergeCastChains, lossless
+from k3opt.passes.cleanup_noop import RemoveNoopOps
+from k3opt.passes.cleanup_reshape_chain import MergeReshapes
+from k3opt.passes.cleanup_sequence_split import SequenceToSplit
+from k3opt.passes.cleanup_transpose_chain import MergeTransposes
+from tests.helpers import assert_equivalent, make_model, op_counts
+from tests.test_cleanup_ops import apply
+
+F = T.FLOAT
+
+
+def _chain(first: onnx.NodeProto, second: onnx.NodeProto, x, y, inits=None, extra_out=None, opset=17):
+    """x -> first -> "m" -> second -> "o" -> Neg -> y (plus "m" as an output when ``extra_out``)."""
+    nodes = [first, second, helper.make_node("Neg", ["o"], ["y"])]
+    outs = [y] + ([extra_out] if extra_out else [])
+    return make_model(nodes, [x], outs, inits or {}, opset=opset)
+
+
+# -- Cast chains ----------------------------------------------------------------
+
+@pytest.mark.parametrize("src,mid,dst,merges", [
+    (F, T.DOUBLE, F, True),
+    (T.FLOAT16, F, T.DOUBLE, True),
+    (T.INT32, T.INT64, F, True),
+    (T.INT8, T.FLOAT16, T.INT32, True),
+    (T.UINT8, T.INT16, F, True),
+    (T.BOOL, T.INT32, F, True),
+    (F, T.FLOAT16, F, False),
+    (T.DOUBLE, F, T.DOUBLE, False),
+    (T.INT64, F, T.INT64, False),
+    (T.INT32, F, T.INT64, False),
+    (F, T.INT32, F, False),
+    (T.INT16, T.FLOAT16, F, False),
+])
+def test_cast_chain(src, mid, dst, merges):
+    model = _chain(helper.make_node("Cast", ["x"], ["m"], to=mid), helper.make_node("Cast", ["m"], ["o"], to=dst),
+                   ("x", src, [8]), ("y", dst, [8]))
+    out, n = apply(model, MergeCastChains())
+    assert op_counts(out).get("Cast") == (1 if merges else 2)
+    np_src = np.dtype(helper.tensor_dtype_to_np_dtype(src))
+    if np_src.kind in "iub":
+        info = np.iinfo(np_src) if np_src.kind != "b" else np.iinfo(np.uint8)
+        x = np.random.default_rng(0).integers(info.min, info.max, 8, endpoint=True).astype(np_src)
+    else:
+        x = np.array([1e-8, 0.1, 1 / 3, 70000.7, -3.5, 255, 2.0**25 + 1, 1], dtype=np.float64).astype(np_src)
+    assert_equivalent(model, out, feeds={"x": x})
+
+
+def test_lossless_table_spot_checks():
+    assert lossless(F, T.DOUBLE) and not lossless(T.DOUBLE, F)
+    assert not lossless(F, T.BFLOAT16) and not lossless(T.FLOAT16, T.BFLOAT16)
+    assert lossless(T.UINT32, T.INT64) and not lossless(T.INT32, T.UINT32) and not lossless(T.UINT64, T.INT64)
+
+
+def test_cast_chain_with_shared_middle_is_refused():
+    model = _chain(helper.make_node("Cast", ["x"], ["m"], to=T.DOUBLE), helper.make_node("Cast", ["m"], ["o"], to=F),
+                   ("x", F, [3]), ("y", F, [3]), extra_out=("m", T.DOUBLE, [3]))
+    out, n = apply(model, MergeCastChains())
+    assert n == 0 and out.graph.node == model.graph.node
+
+
+def test_cast_round_trip_disappears_with_noop_removal():
+    model = _chain(helper.make_node("Cast", ["x"], ["m"], to=T.DOUBLE), helper.make_node("Cast", ["m"], ["o"], to=F),
+                   ("x", F, [3]), ("y", F, [3]))
+    out, _ = apply(model, MergeCastChains(), RemoveNoopOps())
+    assert op_counts(out) == {"Neg": 1}
+    assert_equivalent(model, out)
+
+
+# -- Transposes -----------------------------------------------------------------
+
+@pytest.mark.parametrize("p1,p2,left", [([0, 2, 1], [1, 0, 2], 1), ([2, 0, 1], [1, 2, 0], 0), (None, None, 0),
+                                         ([1, 2, 0], [1, 2, 0], 1)])
+def test_transposes_compose(p1, p2, left):
+    a1 = {"perm": p1} if p1 else {}
+    a2 = {"perm": p2} if p2 else {}
+    model = _no_shape(_chain(helper.make_node("Transpose", ["x"], ["m"], **a1),
+                             helper.make_node("Transpose", ["m"], ["o"], **a2), ("x", F, [2, 3, 4]), ("y", F, [1])))
+    out, _ = apply(model, MergeTransposes())
+    assert op_counts(out).get("Transpose", 0) == left
+    assert_equivalent(model, out)
+
+
+def _no_shape(model: onnx.ModelProto) -> onnx.ModelProto:
+    for o in model.graph.output:
+        o.type.tensor_type.ClearField("shape")
+    return model
+
+
+def test_transpose_chain_with_shared_middle_is_refused():
+    model = _chain(helper.make_node("Transpose", ["x"], ["m"], perm=[1, 0]),
+                   helper.make_node("Transpose", ["m"], ["o"], perm=[1, 0]), ("x", F, [2, 3]), ("y", F, [2, 3]),
+                   extra_out=("m", F, [3, 2]))
+    out, n = apply(model, MergeTransposes())
+    assert n == 0 and out.graph.node == model.graph.node
+
+
+def test_transposes_cancelling_between_input_and_output_are_kept():
+    nodes = [helper.make_node("Transpose", ["x"], ["m"], perm=[1, 0]),
+             helper.make_node("Transpose", ["m"], ["y"], perm=[1, 0])]
+    model = make_model(nodes, [("x", F, [2, 3])], [("y", F, [2, 3])])
+    out, n = apply(model, MergeTransposes())
+    assert n == 0 and out.graph.node == model.graph.node
+
+
+# -- Reshapes -------------------------------------------------------------------
+
+@pytest.mark.parametrize("s2,allowzero,merges", [([6, 4], 0, True), ([-1, 4], 0, True), ([0, 12], 0, False),
+                                                  ([24, 1], 1, True), ([4, -1], 0, True)])
+def test_reshape_chain(s2, allowzero, merges):
+    model = _chain(helper.make_node("Reshape", ["x", "s1"], ["m"]),
+                   helper.make_node("Reshape", ["m", "s2"], ["o"], allowzero=allowzero),
+                   ("x", F, [2, 3, 4]), ("y", F, [1]), {"s1": np.array([2, 12]), "s2": np.array(s2)})
+    _no_shape(model)
+    out, n = apply(model, MergeReshapes())
+    assert op_counts(out)["Reshape"] == (1 if merges else 2)
+    assert_equivalent(model, out)
+
+
+def test_reshape_with_zero_copying_first_result_is_refused():
+    model = _no_shape(_chain(helper.make_node("Reshape", ["x", "s1"], ["m"]),
+                             helper.make_node("Reshape", ["m", "s2"], ["o"]),
+                             ("x", F, [2, 3, 4]), ("y", F, [1]), {"s1": np.array([6, 4]), "s2": np.array([0, 2, 2])}))
+    out, n = apply(model, MergeReshapes())
+    assert n == 0 and out.graph.node == model.graph.node
+
+
+# -- SplitToSequence + SequenceAt -------------------------------------------------
+
+def _seq_model(split, keepdims: int, positions: list[int], x_shape, seq_output: bool = False):
+    inputs = ["x"] + (["split"] if split is not None else [])
+    nodes = [helper.make_node("SplitToSequence", inputs, ["seq"], axis=1, keepdims=keepdims)]
+    outs = []
+    inits = {"split": np.array(split)} if split is not None else {}
+    for i, p in enumerate(positions):
+        inits[f"p{i}"] = np.array(p)
+        nodes.append(helper.make_node("SequenceAt", ["seq", f"p{i}"], [f"a{i}"]))
+        nodes.append(helper.make_node("Neg", [f"a{i}"], [f"y{i}"]))
+        outs.append((f"y{i}", F, None))
+    model = make_model(nodes, [("x", F, x_shape)], [(n, t, [1]) for n, t, _ in outs], inits)
+    if seq_output:
+        model.graph.output.append(helper.make_tensor_sequence_value_info("seq", F, None))
+    return _no_shape(model)
+
+
+@pytest.mark.parametrize("split,keepdims,positions", [
+    ([2, 3, 1], 1, [0, 2, -2]),
+    (2, 1, [0, 1, 2]),
+    (4, 1, [1, -1]),
+    (None, 1, [3, 0]),
+    (None, 0, [5, 1, 1]),
+])
+def test_sequence_becomes_split(split, keepdims, positions):
+    model = _seq_model(split, keepdims, positions, [2, 6])
+    out, n = apply(model, SequenceToSplit())
+    assert n == 1 and "SplitToSequence" not in op_counts(out) and "SequenceAt" not in op_counts(out)
+    assert_equivalent(model, out)
+
+
+@pytest.mark.parametrize("split,x_shape,seq_output", [(None, [2, "N"], False), (2, [2, "N"], False),
+                                                      ([2, 4], [2, 6], True)])
+def test_sequence_split_refusals(split, x_shape, seq_output):
+    model = _seq_model(split, 1, [0], x_shape, seq_output)
+    out, n = apply(model, SequenceToSplit())
+    assert n == 0 and "SplitToSequence" in op_counts(out)
+
+
+def test_sequence_with_other_reader_is_refused():
+    model = _seq_model([3, 3], 1, [0], [2, 6])
+    model.graph.node.append(helper.make_node("SequenceLength", ["seq"], ["len"]))
+    model.graph.output.append(helper.make_tensor_value_info("len", T.INT64, []))
+    out, n = apply(model, SequenceToSplit())
+    assert n == 0 and "SplitToSequence" in op_counts(out)

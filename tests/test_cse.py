@@ -1,0 +1,82 @@
+"""eliminate-common-subexpressions: merges and refusals, with numerics."""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from onnx import TensorProto as T, helper
+
+from k3opt.passes.base import PassContext
+from k3opt.passes.cse import EliminateCommonSubexpressions
+from k3opt.passes.manager import PassManager
+from tests.helpers import assert_equivalent, make_model, op_counts
+from tests.test_cleanup_ops import apply
+
+F = T.FLOAT
+
+
+def test_duplicate_chains_collapse():
+    nodes = [helper.make_node("Relu", ["x"], ["a1"]), helper.make_node("Relu", ["x"], ["a2"]),
+             helper.make_node("Softmax", ["a1"], ["b1"], axis=1), helper.make_node("Softmax", ["a2"], ["b2"], axis=1),
+             helper.make_node("Add", ["b1", "b2"], ["y"])]
+    model = make_model(nodes, [("x", F, [2, 3])], [("y", F, [2, 3])])
+    out, n = apply(model, EliminateCommonSubexpressions())
+    assert op_counts(out) == {"Relu": 1, "Softmax": 1, "Add": 1}
+    assert_equivalent(model, out)
+    assert apply(out, EliminateCommonSubexpressions())[1] == 0
+
+
+def test_equal_constants_merge_and_make_nodes_equal():
+    nodes = [helper.make_node("Mul", ["x", "c1"], ["a"]), helper.make_node("Mul", ["x", "c2"], ["b"]),
+             helper.make_node("Sub", ["a", "b"], ["y"])]
+    model = make_model(nodes, [("x", F, [3])], [("y", F, [3])], {"c1": np.float32([1, 2, 3]), "c2": np.float32([1, 2, 3])})
+    out, _ = apply(model, EliminateCommonSubexpressions())
+    assert op_counts(out) == {"Mul": 1, "Sub": 1} and len(out.graph.initializer) == 1
+    assert_equivalent(model, out)
+
+
+def test_different_attributes_constants_or_types_are_not_merged():
+    nodes = [helper.make_node("Softmax", ["x"], ["a"], axis=0), helper.make_node("Softmax", ["x"], ["b"], axis=1),
+             helper.make_node("Mul", ["x", "c1"], ["c"]), helper.make_node("Mul", ["x", "c2"], ["d"]),
+             helper.make_node("Sum", ["a", "b", "c", "d"], ["y"])]
+    inits = {"c1": np.float32([[1, 2, 3]]), "c2": np.float32([[1, 2, 4]])}
+    model = make_model(nodes, [("x", F, [3, 3])], [("y", F, [3, 3])], inits)
+    out, n = apply(model, EliminateCommonSubexpressions())
+    assert n == 0 and out.graph.node == model.graph.node
+
+
+def test_negative_zero_constant_is_not_zero():
+    nodes = [helper.make_node("Mul", ["x", "c1"], ["a"]), helper.make_node("Mul", ["x", "c2"], ["b"]),
+             helper.make_node("Div", ["a", "b"], ["y"])]
+    model = make_model(nodes, [("x", F, [1])], [("y", F, [1])], {"c1": np.float32([0.0]), "c2": np.float32([-0.0])})
+    out, n = apply(model, EliminateCommonSubexpressions())
+    assert n == 0
+
+
+def test_random_ops_are_not_merged():
+    nodes = [helper.make_node("RandomNormalLike", ["x"], ["a"], seed=1.0),
+             helper.make_node("RandomNormalLike", ["x"], ["b"], seed=1.0), helper.make_node("Sub", ["a", "b"], ["y"])]
+    model = make_model(nodes, [("x", F, [3])], [("y", F, [3])])
+    out, n = apply(model, EliminateCommonSubexpressions())
+    assert n == 0 and op_counts(out)["RandomNormalLike"] == 2
+
+
+def test_two_graph_outputs_are_not_merged_but_one_is():
+    nodes = [helper.make_node("Relu", ["x"], ["y1"]), helper.make_node("Relu", ["x"], ["y2"]),
+             helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["z"])]
+    model = make_model(nodes, [("x", F, [3])], [("y1", F, [3]), ("y2", F, [3]), ("z", F, [3])])
+    out, n = apply(model, EliminateCommonSubexpressions())
+    assert op_counts(out) == {"Relu": 2, "Neg": 1}
+    assert [o.name for o in out.graph.output] == ["y1", "y2", "z"]
+    assert_equivalent(model, out)
+
+
+def test_big_or_external_constants_are_not_read():
+    big = np.zeros(300_000, np.float32)
+    nodes = [helper.make_node("Add", ["x", "c1"], ["a"]), helper.make_node("Add", ["x", "c2"], ["b"]),
+             helper.make_node("Sub", ["a", "b"], ["y"])]
+    model = make_model(nodes, [("x", F, [300_000])], [("y", F, [300_000])], {"c1": big, "c2": big})
+    graph = gs.import_onnx(model)
+    ctx = PassContext(opset=17)
+    assert PassManager([EliminateCommonSubexpressions()]).run(graph, ctx) == 0
+    ctx = PassContext(opset=17, options={"cse_max_const_bytes": 2 << 20})
+    assert PassManager([EliminateCommonSubexpressions()]).run(graph, ctx) == 2
