@@ -120,3 +120,29 @@ def test_below_opset_20_skipped_with_note():
     out = k3opt.optimize(g.model([y], opset=18), passes=["fuse-gelu"], plugins=[PLUGIN], report=report)
     assert "Gelu" not in {n.op_type for n in out.graph.node}
     assert any("fuse-gelu skipped: needs opset 20" in n for n in report.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_real_torch_export_of_hf_activations(dynamo):
+    """Hugging Face's GELUActivation (erf) and NewGELUActivation (tanh, GPT-2) as torch exports them at
+    opset 17; k3opt raises the opset to 20, fuses both, and its own verification compares outputs."""
+    torch = pytest.importorskip("torch")
+    activations = pytest.importorskip("transformers.activations")
+    import io
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            self.erf_gelu, self.tanh_gelu = activations.GELUActivation(), activations.NewGELUActivation()
+
+        def forward(self, x):
+            return self.tanh_gelu(self.linear(self.erf_gelu(x)))
+
+    buf = io.BytesIO()
+    torch.onnx.export(Block().eval(), (torch.randn(2, 8),), buf, opset_version=17, dynamo=dynamo,
+                      input_names=["x"])
+    out = k3opt.optimize(onnx.load_from_string(buf.getvalue()), opset=20, passes=["fuse-gelu"], plugins=[PLUGIN],
+                         verify=True)
+    assert [n.op_type for n in out.graph.node if n.op_type != "Constant"] == ["Gelu", "Gemm", "Gelu"]
