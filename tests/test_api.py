@@ -1,0 +1,190 @@
+"""The library API: k3opt.optimize / optimize_file, opsets, input shapes, targets, plugins, shapes."""
+from __future__ import annotations
+
+import json
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import k3opt
+from k3opt import opset as opsets
+from k3opt.errors import UsageError
+from k3opt.passes.base import Pass
+from k3opt.report import Report
+from tests.helpers import assert_equivalent, make_model, op_counts
+
+
+def small_model(opset: int = 17) -> onnx.ModelProto:
+    w = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32)
+    nodes = [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("MatMul", ["a", "w"], ["b"]),
+             helper.make_node("Relu", ["b"], ["y"])]
+    return make_model(nodes, [("x", TensorProto.FLOAT, ["batch", 8])], [("y", TensorProto.FLOAT, ["batch", 8])],
+                      {"w": w}, opset=opset)
+
+
+def test_optimize_never_mutates_the_callers_proto():
+    model = small_model()
+    before = model.SerializeToString()
+    out = k3opt.optimize(model, verify=True)
+    assert model.SerializeToString() == before
+    assert isinstance(out, onnx.ModelProto)
+    assert_equivalent(model, out)
+
+
+def test_tiny_transformer_end_to_end(tiny_transformer, tmp_path):
+    report = k3opt.optimize_file(tiny_transformer, tmp_path / "t.onnx", verify=True)
+    assert report.verification["status"] == "passed"
+    assert report.after.nodes < report.before.nodes
+    out = onnx.load(tmp_path / "t.onnx")
+    onnx.checker.check_model(out)
+    assert_equivalent(onnx.load(tiny_transformer), out)
+    # deterministic: same bytes twice; idempotent: a second pass changes nothing
+    k3opt.optimize_file(tiny_transformer, tmp_path / "t2.onnx")
+    assert (tmp_path / "t.onnx").read_bytes() == (tmp_path / "t2.onnx").read_bytes()
+    again = k3opt.optimize_file(tmp_path / "t.onnx", tmp_path / "t3.onnx")
+    assert sum(p["rewrites"] for p in again.passes) == 0
+    assert (tmp_path / "t3.onnx").read_bytes() == (tmp_path / "t.onnx").read_bytes()
+
+
+def test_report_json_and_default_output(tmp_path):
+    onnx.save(small_model(), tmp_path / "m.onnx")
+    report = k3opt.optimize_file(tmp_path / "m.onnx", verify=True)
+    assert report.output == str(tmp_path / "m.k3opt.onnx")
+    report.write_json(tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["before"]["nodes"] == 3 and data["verification"]["status"] == "passed"
+    assert {"load", "passes", "save", "verify"} <= set(data["timings"])
+    assert "nodes" in report.table()
+
+
+def test_below_17_is_raised_and_17_plus_kept():
+    report = Report()
+    out = k3opt.optimize(small_model(13), report=report)
+    assert opsets.model_opset(out) == 17 and "opset converted from 13 to 17" in report.notes
+    assert_equivalent(small_model(13), out)
+    assert opsets.model_opset(k3opt.optimize(small_model(18))) == 18
+    assert opsets.model_opset(k3opt.optimize(small_model(17), opset=18)) == 18
+
+
+def test_failed_default_conversion_keeps_the_opset_and_says_so(monkeypatch):
+    def refuse(model, version):
+        raise RuntimeError("No Adapter For Foo")
+
+    monkeypatch.setattr(opsets.version_converter, "convert_version", refuse)
+    report = Report()
+    out = k3opt.optimize(small_model(13), report=report)
+    assert opsets.model_opset(out) == 13
+    assert any(n.startswith("opset kept at 13") for n in report.notes)
+    with pytest.raises(UsageError, match="cannot convert opset 13 to 15"):
+        k3opt.optimize(small_model(13), opset=15)
+
+
+def test_passes_needing_a_newer_opset_are_skipped_with_a_note(register):
+    class NeedsNew(Pass):
+        name = "test-needs-18"
+        min_opset = 18
+        default = False
+
+        def run(self, graph, ctx):
+            raise AssertionError("must not run")
+
+    register(NeedsNew)
+    report = Report()
+    k3opt.optimize(small_model(17), passes=["test-needs-18"], report=report)
+    assert report.passes[0]["skipped"] == "needs opset 18, model has 17"
+    assert any("test-needs-18 skipped" in n for n in report.notes)
+
+
+def test_target_cann_is_exactly_17_and_lowered(monkeypatch):
+    import k3opt.cann_bridge as bridge
+
+    seen = []
+
+    def fake_lower(model):
+        seen.append([(o.domain, o.version) for o in model.opset_import])
+        return model, ["lowered 0 ops"]
+
+    monkeypatch.setattr(bridge, "lower", fake_lower)
+    model = small_model(18)
+    model.opset_import.append(helper.make_opsetid("ai.onnx", 18))
+    report = Report()
+    out = k3opt.optimize(model, target="cann", report=report)
+    assert seen == [[("", 17)]]
+    assert [(o.domain, o.version) for o in out.opset_import] == [("", 17)]
+    assert report.lowering == ["lowered 0 ops"]
+    gelu = make_model([helper.make_node("Gelu", ["x"], ["y"], name="g")], [("x", TensorProto.FLOAT, [2])],
+                      [("y", TensorProto.FLOAT, [2])], opset=20)
+    with pytest.raises(UsageError, match="op Gelu .*does not exist at opset 17"):
+        k3opt.optimize(gelu, target="cann")
+    with pytest.raises(UsageError, match="needs opset 17"):
+        k3opt.optimize(small_model(), target="cann", opset=18)
+
+
+def test_input_shapes_fix_dims_and_refuse_bad_specs():
+    out = k3opt.optimize(small_model(), input_shapes={"x": [4, 8]})
+    assert [d.dim_value for d in out.graph.input[0].type.tensor_type.shape.dim] == [4, 8]
+    out = k3opt.optimize(small_model(), input_shapes=["x:3,8"])
+    assert [d.dim_value for d in out.graph.input[0].type.tensor_type.shape.dim] == [3, 8]
+    for spec, msg in [(["w:8,8"], "not a graph input"), (["x:1,2,8"], "rank 2"), (["x:4,9"], "fixed dimension 8"),
+                      (["x"], "expected NAME:D1,D2"), (["x:a,b"], "integers"), (["x:0,8"], "positive")]:
+        with pytest.raises(UsageError, match=msg):
+            k3opt.optimize(small_model(), input_shapes=spec)
+
+
+def test_bad_arguments_are_usage_errors():
+    with pytest.raises(UsageError, match="unknown target 'tpu'"):
+        k3opt.optimize(small_model(), target="tpu")
+    with pytest.raises(UsageError, match="unknown pass 'nope'"):
+        k3opt.optimize(small_model(), passes=["nope"])
+    with pytest.raises(UsageError, match="not int"):
+        k3opt.optimize(3)
+
+
+def test_plugins_are_loaded_lazily(monkeypatch):
+    import k3opt.plugins
+
+    calls = []
+    monkeypatch.setattr(k3opt.plugins, "load_plugins", lambda specs: calls.append(list(specs)))
+    k3opt.optimize(small_model(), plugins=["acme_rules"])
+    assert calls == [["acme_rules"]]
+
+
+def test_shape_inference_failure_is_a_note_not_an_error(register):
+    seen = []
+
+    class NeedsShapes(Pass):
+        name = "test-needs-shapes"
+        needs_shapes = True
+        default = False
+
+        def run(self, graph, ctx):
+            seen.append(ctx.shapes_available)
+            return 0
+
+    register(NeedsShapes)
+    # [2, 3] + [4] does not broadcast: onnx shape inference raises (nothing runs the model here).
+    model = make_model([helper.make_node("Add", ["x", "s"], ["y"])], [("x", TensorProto.FLOAT, [2, 3])],
+                       [("y", TensorProto.FLOAT, [2, 3])], {"s": np.zeros(4, dtype=np.float32)})
+    report = Report()
+    k3opt.optimize(model, passes=["test-needs-shapes"], report=report)
+    assert seen == [False]
+    assert any(n.startswith("shape inference failed") for n in report.notes)
+
+
+def test_shapes_are_refreshed_for_passes_that_need_them(register):
+    seen = {}
+
+    class NeedsShapes(Pass):
+        name = "test-reads-shapes"
+        needs_shapes = True
+        default = False
+
+        def run(self, graph, ctx):
+            seen.update({n: t.shape for n, t in graph.tensors().items() if n in ("a", "b")})
+            return 0
+
+    register(NeedsShapes)
+    k3opt.optimize(small_model(), passes=["test-reads-shapes"], input_shapes={"x": [5, 8]})
+    assert seen == {"a": [5, 8], "b": [5, 8]}
+    assert op_counts(k3opt.optimize(small_model(), passes=[])) == op_counts(small_model())
