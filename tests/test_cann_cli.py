@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 from k3opt.cann_bridge import AtcOptions, compile_model
-from k3opt.cann_bridge.cli import check, commands, compile_cmd
+from k3opt.cann_bridge.cli import commands
+from k3opt.cli import main
 from k3opt.errors import CompileError, UsageError
 from tests.cann_models import rms_model
 from tests.fake_atc import recorded_argv, write_fake_atc
@@ -41,13 +42,14 @@ def save(model, path: Path) -> str:
     return str(path)
 
 
-def test_commands_are_exported():
+def test_commands_are_exported_and_in_the_k3opt_group():
     assert {c.name for c in commands} == {"check", "compile"}
+    assert {"check", "compile"} <= set(main.commands)
 
 
 def test_check_clean_exits_0(runner, tmp_path):
     path = save(rms_model(), tmp_path / "m.onnx")
-    res = runner.invoke(check, ["--target", "cann", path])
+    res = runner.invoke(main, ["check", "--target", "cann", path])
     assert res.exit_code == 0, res.output
     assert "ATC can parse every node" in res.output
 
@@ -57,20 +59,20 @@ def test_check_lists_unsupported_and_dynamic_exits_1(runner, tmp_path):
              helper.make_node("Gelu", ["r"], ["y"], name="gelu", approximate="tanh")]
     model = make_model(nodes, [("x", F, ["batch", 8])], [("y", F, ["batch", 8])], opset=20)
     path = save(model, tmp_path / "m.onnx")
-    res = runner.invoke(check, ["--target", "cann", path])
+    res = runner.invoke(main, ["check", "--target", "cann", path])
     assert res.exit_code == 1
     lines = res.stdout.splitlines()
     assert "op: ai.onnx::20::Gelu x1 (gelu): not in k3opt's table of ATC parsers" in lines
     assert any(l.startswith("dynamic: input 'x' [batch, 8]") for l in lines)
     assert any(l.startswith("opset: default-domain opset 20") for l in lines)
-    res = runner.invoke(check, [path, "--input-shape", "x:1,8"])
+    res = runner.invoke(main, ["check", path, "--input-shape", "x:1,8"])
     assert "dynamic:" not in res.stdout
 
 
 def test_check_bad_file_is_one_line_exit_2(runner, tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x00not a model")
-    res = runner.invoke(check, [str(bad)])
+    res = runner.invoke(main, ["check", str(bad)])
     assert res.exit_code == 2 and "not a readable ONNX model" in res.stderr
 
 
@@ -78,7 +80,7 @@ def test_compile_success(runner, tmp_path, atc, monkeypatch):
     monkeypatch.setenv("FAKE_ATC_FUSION", "1")
     src = save(rms_model(shape=("batch", 3, 16)), tmp_path / "m.onnx")
     out = tmp_path / "build" / "m"
-    res = runner.invoke(compile_cmd, [src, "--soc-version", "Ascend910B3", "-o", str(out), "--input-shape", "x:2,3,16"])
+    res = runner.invoke(main, ["compile", src, "--soc-version", "Ascend910B3", "-o", str(out), "--input-shape", "x:2,3,16"])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "build" / "m.om").is_file() and (tmp_path / "build" / "m.onnx").is_file()
     assert "ATC run success" in res.stdout and f"wrote {out}.om" in res.stdout
@@ -94,7 +96,7 @@ def test_compile_success(runner, tmp_path, atc, monkeypatch):
 
 def test_compile_extra_flags_after_double_dash(runner, tmp_path, atc):
     src = save(rms_model(), tmp_path / "m.onnx")
-    res = runner.invoke(compile_cmd, [src, "--soc-version", "Ascend310P3", "-o", str(tmp_path / "o"),
+    res = runner.invoke(main, ["compile", src, "--soc-version", "Ascend310P3", "-o", str(tmp_path / "o"),
                                       "--precision-mode", "allow_mix_precision", "--", "--op_select_implmode=high_precision"])
     assert res.exit_code == 0, res.output
     assert recorded_argv(atc)[-1][-3:] == ["--precision_mode=allow_mix_precision", "--log=error",
@@ -104,7 +106,7 @@ def test_compile_extra_flags_after_double_dash(runner, tmp_path, atc):
 def test_compile_dry_run_needs_no_atc(runner, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     src = save(rms_model(), tmp_path / "m.onnx")
-    res = runner.invoke(compile_cmd, [src, "--soc-version", "Ascend910B3", "-o", str(tmp_path / "o"), "--dry-run"])
+    res = runner.invoke(main, ["compile", src, "--soc-version", "Ascend910B3", "-o", str(tmp_path / "o"), "--dry-run"])
     assert res.exit_code == 0, res.output
     assert f"atc --framework=5 --model={tmp_path / 'o'}.onnx" in res.stdout
     assert not (tmp_path / "o.om").exists() and (tmp_path / "o.onnx").exists()
@@ -115,7 +117,7 @@ def test_compile_atc_not_found(runner, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr("k3opt.cann_bridge.atc_locate.default_roots", lambda home: [tmp_path / "none"])
     src = save(rms_model(), tmp_path / "m.onnx")
-    res = runner.invoke(compile_cmd, [src, "--soc-version", "Ascend910B3", "-o", str(tmp_path / "o")])
+    res = runner.invoke(main, ["compile", src, "--soc-version", "Ascend910B3", "-o", str(tmp_path / "o")])
     assert res.exit_code == 1
     assert res.stderr.count("\n") == 1 and "set_env.sh" in res.stderr
 
@@ -123,7 +125,7 @@ def test_compile_atc_not_found(runner, tmp_path, monkeypatch):
 def test_compile_e19010_exit_1_with_hint(runner, tmp_path, atc, monkeypatch):
     monkeypatch.setenv("FAKE_ATC_UNSUPPORTED", "MatMul")
     src = save(rms_model(), tmp_path / "m.onnx")
-    res = runner.invoke(compile_cmd, [src, "--soc-version", "Ascend910B3", "-o", str(tmp_path / "o")])
+    res = runner.invoke(main, ["compile", src, "--soc-version", "Ascend910B3", "-o", str(tmp_path / "o")])
     assert res.exit_code == 1
     assert "E19010" in res.stderr and "k3opt check --target cann" in res.stderr
     assert not (tmp_path / "o.om").exists()
@@ -138,7 +140,7 @@ def test_compile_e19010_exit_1_with_hint(runner, tmp_path, atc, monkeypatch):
 def test_compile_refuses_before_any_work(runner, tmp_path, atc, args, message):
     src = save(rms_model(), tmp_path / "m.onnx")
     base = ["--soc-version", "Ascend910B3"] if "--soc-version" not in args else []
-    res = runner.invoke(compile_cmd, [src, "-o", str(tmp_path / "o"), *base, *args])
+    res = runner.invoke(main, ["compile", src, "-o", str(tmp_path / "o"), *base, *args])
     assert res.exit_code == 2 and message in res.stderr
     assert recorded_argv(atc) == [] and not (tmp_path / "o.onnx").exists()
 
@@ -169,3 +171,10 @@ def test_library_call_on_a_model_proto(tmp_path, atc):
 def test_om_output_prefix_refused(tmp_path, atc):
     with pytest.raises(UsageError, match="must not end in .om"):
         compile_model(rms_model(), tmp_path / "m.om", AtcOptions(soc_version="Ascend910B3"))
+
+
+def test_compile_quiet_prints_nothing(runner, tmp_path, atc):
+    src = save(rms_model(), tmp_path / "m.onnx")
+    res = runner.invoke(main, ["compile", src, "--soc-version", "Ascend910B3", "-o", str(tmp_path / "o"), "-q",
+                               "--no-verify"])
+    assert res.exit_code == 0 and res.stdout == "" and (tmp_path / "o.om").is_file()

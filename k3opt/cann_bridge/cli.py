@@ -5,31 +5,17 @@
 """
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any, Callable
 
 import click
 import onnx
 
-from ..errors import InputError, K3optError
+from ..cli_options import optimize_kwargs, progress_for, run_options, verify_options
+from ..errors import InputError
 from .atc_command import AtcOptions, parse_input_shape
 from .compat import check_model
 from .compile import compile_model
-
-
-def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """k3opt errors become one line on stderr and their exit code (``--debug`` in the group shows tracebacks)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except K3optError as exc:
-            click.echo(f"k3opt: {exc}", err=True)
-            sys.exit(exc.exit_code)
-
-    return wrapper
 
 
 def _dynamic_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -44,7 +30,6 @@ def _dynamic_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--target", type=click.Choice(["cann"]), default="cann", show_default=True,
               help="the compiler to check against")
 @_dynamic_options
-@_one_line_errors
 def check(model: str, target: str, input_shapes: tuple[str, ...], dynamic_dims: str, dynamic_batch_size: str,
           dynamic_image_size: str) -> None:
     """List every node ATC will not parse, dynamic inputs without a shape, and rejected input dtypes."""
@@ -76,26 +61,33 @@ def check(model: str, target: str, input_shapes: tuple[str, ...], dynamic_dims: 
 @click.option("--log", "log", default="error", show_default=True, help="ATC log level")
 @click.option("--atc", "atc", help="path of the atc executable (default: PATH, then the CANN install)")
 @click.option("--dry-run", is_flag=True, help="optimize and print the ATC command without running ATC")
-@click.option("--verify/--no-verify", default=True, show_default=True,
-              help="check the optimized graph against the original in onnxruntime before lowering")
-@_one_line_errors
+@verify_options
+@run_options
 def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, output: str,
                 input_shapes: tuple[str, ...], dynamic_dims: str, dynamic_batch_size: str, dynamic_image_size: str,
                 precision_mode: str, precision_mode_v2: str, fusion_switch_file: str, input_format: str, log: str,
-                atc: str, dry_run: bool, verify: bool) -> None:
-    """Optimize MODEL for Ascend (target cann) and compile it with ATC into OUTPUT.om."""
+                atc: str, dry_run: bool, **kw: Any) -> None:
+    """Optimize MODEL for Ascend (target cann) and compile it with ATC into OUTPUT.om.
+
+    The optimized ONNX is written to OUTPUT.onnx; the graph is verified in
+    onnxruntime before the NPU lowering. Flags after `--` go to ATC as they are.
+    """
     opts = AtcOptions(soc_version=soc_version, input_shapes=input_shapes, input_format=input_format,
                       precision_mode=precision_mode, precision_mode_v2=precision_mode_v2,
                       dynamic_dims=dynamic_dims, dynamic_batch_size=dynamic_batch_size,
                       dynamic_image_size=dynamic_image_size, fusion_switch_file=fusion_switch_file, log=log,
                       extra_args=extra_args)
-    result = compile_model(model, output, opts, atc=atc, dry_run=dry_run, echo=click.echo, verify=verify)
+    say = None if kw["quiet"] else click.echo
+    result = compile_model(model, output, opts, atc=atc, dry_run=dry_run, echo=say, progress=progress_for(kw),
+                           **optimize_kwargs(kw))
+    if say is None:
+        return
     if dry_run:
-        click.echo(f"dry run: optimized model written to {result.onnx_path}; ATC not run")
+        say(f"dry run: optimized model written to {result.onnx_path}; ATC not run")
         return
     for line in result.fusion_summary:
-        click.echo(line)
-    click.echo(f"wrote {result.om_path}")
+        say(line)
+    say(f"wrote {result.om_path}")
 
 
 commands: list[click.Command] = [check, compile_cmd]
