@@ -43,10 +43,10 @@ def test_torchscript_layernorm_is_decomposed() -> None:
 
 
 def test_architectures_are_the_ones_named() -> None:
-    llama = zoo_torch_model("llama").hf.config
+    llama = zoo_torch_model("llama").model.config
     assert llama.num_key_value_heads < llama.num_attention_heads
-    assert zoo_torch_model("qwen2").hf.model.layers[0].self_attn.q_proj.bias is not None
-    ds = zoo_torch_model("deepseek_v3").hf
+    assert zoo_torch_model("qwen2").model.model.layers[0].self_attn.q_proj.bias is not None
+    ds = zoo_torch_model("deepseek_v3").model
     assert ds.config.q_lora_rank and ds.config.kv_lora_rank
     kinds = [type(layer.mlp).__name__ for layer in ds.model.layers]
     assert kinds == ["DeepseekV3MLP", "DeepseekV3MoE"]

@@ -16,12 +16,12 @@ Notes on what it takes for these to export (transformers 5.x, torch 2.13):
 MoE experts use ``experts_implementation="batched_mm"`` (the default
 grouped_mm path uses ``aten::histc``, which the TorchScript exporter lacks, and
 a custom op the dynamo exporter cannot translate; the eager loop would bake the
-example's routing into a traced graph). The TorchScript trace is taken with a
-padded attention mask: with an all-ones mask transformers skips the mask, and
-the trace would ignore the mask input forever.
+example's routing into a traced graph). The export itself is
+``k3opt.export.from_transformers(..., optimize=False)``, whose padded example
+mask keeps the mask in the TorchScript trace (see its module doc).
 
 The cache lives in ``$K3OPT_ZOO_CACHE`` (default ``~/.cache/k3opt-zoo``),
-keyed by a hash of this file, k3opt/export/exporters.py and the torch and
+keyed by a hash of this file, k3opt/export/*.py and the torch and
 transformers versions; a file lock per model keeps parallel pytest workers
 from exporting the same model twice or reading a half-written file.
 
@@ -50,23 +50,8 @@ SEED = 0
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers not installed (pip install 'k3opt[export]')")
 
-if HAVE_TORCH:
-    import torch
-
-    class ZooModule(torch.nn.Module):
-        """Runs a transformers model on positional inputs and returns plain tensors (what the exporters want)."""
-
-        def __init__(self, hf: Any, inputs: list[str], outputs: list[str]) -> None:
-            super().__init__()
-            self.hf, self.inputs, self.outputs = hf, inputs, outputs
-
-        def forward(self, first: torch.Tensor, second: Any = None) -> Any:
-            out = self.hf(**dict(zip(self.inputs, (first, second))))
-            values = tuple(out[k] for k in self.outputs)
-            return values[0] if len(values) == 1 else values
-
 _HERE = Path(__file__).resolve()
-_EXPORTERS_PY = _HERE.parent.parent / "k3opt" / "export" / "exporters.py"
+_EXPORT_PKG = _HERE.parent.parent / "k3opt" / "export"
 
 
 def _require() -> None:
@@ -110,12 +95,6 @@ def output_names(name: str) -> list[str]:
     return ["last_hidden_state", "pooler_output"] if name in ("bert", "vit") else ["logits"]
 
 
-def dynamic_axes(name: str) -> dict[str, dict[int, str]]:
-    """Dynamic axes per input: batch everywhere, sequence for text models."""
-    axes = {0: "batch"} if name == "vit" else {0: "batch", 1: "sequence"}
-    return {n: dict(axes) for n in input_names(name)}
-
-
 def zoo_inputs(name: str, batch: int = BATCH, seq: int = TEXT_SEQ, seed: int = SEED) -> dict[str, np.ndarray]:
     """Seeded numpy inputs for zoo model ``name``; row 1 of a text model's mask pads its last 3 positions."""
     rng = np.random.default_rng(seed)
@@ -128,9 +107,15 @@ def zoo_inputs(name: str, batch: int = BATCH, seq: int = TEXT_SEQ, seed: int = S
 
 
 def zoo_torch_model(name: str) -> Any:
-    """The torch module exported as zoo model ``name``: eval mode, seeded random weights, positional inputs."""
+    """The torch module exported as zoo model ``name``: eval mode, seeded random weights, positional inputs.
+
+    It is k3opt.export's ``TaskModule`` around the transformers model (``.model``).
+    """
     _require()
+    import torch
     import transformers as tf
+
+    from k3opt.export.task_module import TaskModule
 
     config = zoo_config(name)
     torch.manual_seed(SEED)
@@ -140,11 +125,13 @@ def zoo_torch_model(name: str) -> Any:
         hf = tf.ViTModel(config)
     else:
         hf = tf.AutoModelForCausalLM.from_config(config)
-    return ZooModule(hf.eval(), input_names(name), output_names(name)).eval()
+    return TaskModule(hf, tuple(input_names(name)), tuple(output_names(name))).eval()
 
 
 def torch_outputs(name: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     """Outputs of the torch model for ``feeds`` (numpy in, numpy out), in graph output order."""
+    import torch
+
     model = zoo_torch_model(name)
     with torch.no_grad():
         out = model(*(torch.from_numpy(feeds[n]) for n in input_names(name)))
@@ -157,12 +144,13 @@ def cache_dir() -> Path:
 
 
 def cache_key() -> str:
-    """Hash of what decides the exported bytes: this file, the exporter module, torch/transformers versions."""
+    """Hash of what decides the exported bytes: this file, k3opt/export, torch/transformers versions."""
     import torch
     import transformers
 
     h = hashlib.sha256(_HERE.read_bytes())
-    h.update(_EXPORTERS_PY.read_bytes())
+    for source in sorted(_EXPORT_PKG.glob("*.py")):
+        h.update(source.read_bytes())
     h.update(f"{torch.__version__}|{transformers.__version__}".encode())
     return h.hexdigest()[:16]
 
@@ -193,16 +181,14 @@ def zoo_model(name: str, exporter: str = "torchscript") -> Path:
 
 
 def _export(name: str, exporter: str, target: Path) -> None:
-    """Export into a temp file next to ``target``, then rename it into place (readers never see half a file)."""
-    from k3opt.export.exporters import export_onnx
+    """Export (k3opt.export, optimize=False) into a temp file next to ``target``, then rename it into place."""
+    from k3opt.export import from_transformers
 
-    feeds = zoo_inputs(name)
-    args = [torch.from_numpy(feeds[n]) for n in input_names(name)]
     fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=target.parent)
     os.close(fd)
     try:
-        export_onnx(zoo_torch_model(name), args, tmp, input_names=input_names(name), output_names=output_names(name),
-                    dynamic_axes=dynamic_axes(name), exporter=exporter)
+        from_transformers(zoo_torch_model(name).model, tmp, exporter=exporter, batch=BATCH, seq_len=TEXT_SEQ,
+                          optimize=False)
         os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
         os.replace(tmp, target)
     finally:

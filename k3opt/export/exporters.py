@@ -21,6 +21,7 @@ from ..errors import K3optError
 
 EXPORTERS = ("torchscript", "dynamo")
 DEFAULT_OPSET = {"torchscript": 14, "dynamo": 18}
+LARGE_BYTES = 1 << 30
 INSTALL_HINT = "torch and transformers are needed for export: pip install 'k3opt[export]'"
 
 
@@ -48,13 +49,16 @@ def export_onnx(
     dynamic_shapes: Optional[Any] = None,
     exporter: str = "torchscript",
     opset: Optional[int] = None,
+    external_data: Optional[bool] = None,
 ) -> Path:
     """Export ``module(*example_inputs)`` to ``path`` (weights inline) with no optimization; returns ``path``.
 
     For the dynamo exporter ``dynamic_shapes`` wins; without it, names in
     ``dynamic_axes`` become ``torch.export.Dim`` objects, so one mapping
     serves both exporters. Exporter output is captured and only summarized in
-    the :class:`ExportError` raised on failure.
+    the :class:`ExportError` raised on failure. Weights go to external data
+    files when ``external_data`` is true (default: when they exceed 1 GiB,
+    well under protobuf's 2 GiB limit).
     """
     torch = require_torch()
     if exporter not in EXPORTERS:
@@ -67,7 +71,8 @@ def export_onnx(
         kwargs.update(dynamo=False, dynamic_axes=dict(dynamic_axes or {}))
     else:
         shapes = dynamic_shapes if dynamic_shapes is not None else _dims(torch, input_names, dynamic_axes)
-        kwargs.update(dynamo=True, optimize=False, dynamic_shapes=shapes, external_data=False)
+        large = external_data if external_data is not None else weight_bytes(module) > LARGE_BYTES
+        kwargs.update(dynamo=True, optimize=False, dynamic_shapes=shapes, external_data=large)
     log = io.StringIO()
     try:
         with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(log):
@@ -76,6 +81,12 @@ def export_onnx(
     except Exception as exc:  # every exporter failure, whatever torch calls it
         raise ExportError(explain_failure(exporter, opset, exc)) from exc
     return path
+
+
+def weight_bytes(module: Any) -> int:
+    """Bytes of the module's parameters and buffers (0 for a callable that is not an nn.Module)."""
+    tensors = list(module.parameters()) + list(module.buffers()) if hasattr(module, "parameters") else []
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _dims(torch: Any, input_names: Sequence[str], dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]) -> Any:
