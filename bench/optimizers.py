@@ -1,4 +1,4 @@
-"""The optimizers under test, each a function ``(src, dst, model_type) -> None`` run in its own process.
+"""The optimizers under test, each a function ``(src, dst, model_type) -> extra figures or None``.
 
 ``python -m bench.optimizers NAME SRC DST MODEL_TYPE`` is the worker: it times load + optimize + save
 (each tool loads and saves its own way: that is part of what is measured) and reports the time to
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import onnx
 
@@ -43,13 +43,15 @@ def _save(model: onnx.ModelProto, dst: Path, external: bool) -> None:
         onnx.save(model, str(dst))
 
 
-def run_k3opt(src: Path, dst: Path, model_type: str) -> None:
-    """k3opt's streaming file API when present, else its CLI entry point in this process."""
+def run_k3opt(src: Path, dst: Path, model_type: str) -> Optional[dict]:
+    """k3opt's streaming file API when present (its report's phase timings and pass stats are kept),
+    else its CLI entry point in this process."""
     import k3opt
 
     if hasattr(k3opt, "optimize_file"):
-        k3opt.optimize_file(str(src), str(dst))
-        return
+        report = k3opt.optimize_file(str(src), str(dst))
+        data = report.as_dict() if hasattr(report, "as_dict") else {}
+        return {"k3opt": {key: data[key] for key in ("timings", "passes") if key in data}}
     from k3opt.cli import main
 
     try:
@@ -57,6 +59,7 @@ def run_k3opt(src: Path, dst: Path, model_type: str) -> None:
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise RuntimeError(f"k3opt optimize exited with {exc.code}") from None
+    return None
 
 
 def run_onnxsim(src: Path, dst: Path, model_type: str) -> None:
@@ -116,7 +119,7 @@ def run_ort_basic(src: Path, dst: Path, model_type: str) -> None:
     ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
 
 
-OPTIMIZERS: dict[str, Callable[[Path, Path, str], None]] = {
+OPTIMIZERS: dict[str, Callable[[Path, Path, str], Optional[dict]]] = {
     "k3opt": run_k3opt,
     "onnxsim": run_onnxsim,
     "onnxslim": run_onnxslim,
@@ -132,11 +135,11 @@ def main(argv: list[str]) -> None:
     """Worker entry: optimize ``SRC`` into ``DST`` with optimizer ``NAME`` and report the time taken."""
     name, src, dst, model_type = argv
     t0 = time.perf_counter()
-    OPTIMIZERS[name](Path(src), Path(dst), model_type)
+    extra = OPTIMIZERS[name](Path(src), Path(dst), model_type)
     elapsed = time.perf_counter() - t0
     if not Path(dst).exists():
         raise RuntimeError(f"{name} wrote no output file")
-    write_result({"time_s": elapsed})
+    write_result({"time_s": elapsed, **(extra or {})})
 
 
 if __name__ == "__main__":

@@ -171,6 +171,21 @@ def scaling(run: dict) -> dict:
     return out
 
 
+def hot_paths(run: dict, top: int = 3) -> list[str]:
+    """Where k3opt's time goes per model: its report's phase timings and its slowest passes."""
+    lines = ["", "## Where k3opt's time goes", "", "| model | phases s | slowest passes s |", "|---|---|---|"]
+    for model in run["models"]:
+        for row in model.get("results", []):
+            info = (row.get("payload") or {}).get(SUBJECT) if row["optimizer"] == SUBJECT else None
+            if not info:
+                continue
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in info.get("timings", {}).items() if v >= 0.005)
+            slow = sorted(info.get("passes", []), key=lambda p: -p.get("time_s", 0))[:top]
+            passes = ", ".join(f"{p['name']} {p['time_s']:.2f}" for p in slow)
+            lines.append(f"| {model['model']} | {phases} | {passes} |")
+    return lines if len(lines) > 5 else []
+
+
 def render(run: dict) -> str:
     """The whole markdown report of a run (goal summary, scaling, then one table per model)."""
     for model in run["models"]:
@@ -197,6 +212,7 @@ def render(run: dict) -> str:
             cells = [sc["depth"][depth].get(n) for n in names]
             lines.append(f"| {depth} | " + " | ".join(
                 f"{c['time_s']:.2f} / {c['peak_rss_mb']:.0f}" if c else "-" for c in cells) + " |")
+    lines += hot_paths(run)
     lines += ["", "## Per model", ""]
     for model in run["models"]:
         lines += model_table(model)
