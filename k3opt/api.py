@@ -166,7 +166,13 @@ class _Run:
     def _pass_progress(self) -> Progress:
         if self.progress is None:
             return None
-        return lambda msg: self.progress(f"passes: {msg}")
+        progress = self.progress
+
+        def announce(msg: str) -> None:  # the manager says "round N: pass-name"
+            round_, _, name = msg.partition(": ")
+            progress(f"running pass {name} ({round_})" if name else msg)
+
+        return announce
 
     def _runnable_original(self, model: onnx.ModelProto) -> Optional[bytes]:
         try:

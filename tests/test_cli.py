@@ -1,0 +1,100 @@
+"""The k3opt command line on the example model: table, report, quiet, passes list, exit codes."""
+from __future__ import annotations
+
+import io as stdio
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import onnx
+from click.testing import CliRunner
+
+from k3opt.cli import main
+from k3opt.progress import Progress
+from tests.conftest import Crash, ReluToSigmoid
+from tests.helpers import assert_equivalent, make_model
+
+
+def invoke(args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_optimize_tiny_transformer_prints_table_and_writes_default_output(tiny_transformer, tmp_path):
+    src = tmp_path / "tiny.onnx"
+    shutil.copy(tiny_transformer, src)
+    code, out, err = invoke(["optimize", src, "--report", tmp_path / "r.json"])
+    assert code == 0, err
+    assert (tmp_path / "tiny.k3opt.onnx").exists()
+    assert "nodes" in out and "verification: passed" in out and "wrote" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["verification"]["status"] == "passed" and report["output"].endswith("tiny.k3opt.onnx")
+    assert_equivalent(onnx.load(src), onnx.load(tmp_path / "tiny.k3opt.onnx"))
+
+
+def test_quiet_prints_nothing_and_options_reach_the_pipeline(tiny_transformer, tmp_path):
+    code, out, err = invoke(["optimize", tiny_transformer, "-o", tmp_path / "o.onnx", "-q", "--no-verify",
+                             "--input-shape", "input_ids:1,16", "--input-shape", "attention_mask:1,16",
+                             "--skip", "fold-constants", "--external-data"])
+    assert (code, out, err) == (0, "", "")
+    saved = onnx.load(tmp_path / "o.onnx", load_external_data=False)
+    assert [d.dim_value for d in saved.graph.input[0].type.tensor_type.shape.dim] == [1, 16]
+    assert (tmp_path / "o.onnx.data").exists()
+
+
+def test_passes_lists_every_pass_with_description(register):
+    register(Crash)
+    code, out, _ = invoke(["passes"])
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert "test-crash" in lines and "test: raises" in lines["test-crash"] and "not default" in lines["test-crash"]
+    assert all(len(line.split()) > 1 for line in out.splitlines())  # every pass has a description
+
+
+def test_verification_failure_exits_1_and_writes_no_model(register, tmp_path):
+    from onnx import TensorProto, helper
+
+    register(ReluToSigmoid)
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", TensorProto.FLOAT, [4])],
+                       [("y", TensorProto.FLOAT, [4])])
+    onnx.save(model, tmp_path / "m.onnx")
+    code, out, err = invoke(["optimize", tmp_path / "m.onnx", "--passes", "test-relu-to-sigmoid",
+                             "--report", tmp_path / "r.json"])
+    assert code == 1
+    assert err.strip().splitlines()[-1].startswith("k3opt: error: optimized model differs")
+    assert "first diverging pass: test-relu-to-sigmoid" in err
+    assert not (tmp_path / "m.k3opt.onnx").exists()
+    assert json.loads((tmp_path / "r.json").read_text())["verification"]["status"] == "failed"
+
+
+def test_internal_error_is_one_line_naming_the_step(register, tiny_transformer, tmp_path):
+    register(Crash)
+    code, out, err = invoke(["optimize", tiny_transformer, "-o", tmp_path / "o.onnx", "--passes", "test-crash"])
+    assert code == 2
+    assert err.strip() == ("k3opt: error: internal error while running pass test-crash (round 1) "
+                           "(ValueError: boom); rerun with --debug")
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_python_dash_m_and_version(tiny_transformer, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "k3opt", "optimize", tiny_transformer, "-o", tmp_path / "o.onnx"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "verification: passed" in proc.stdout
+    assert invoke(["--version"])[1].startswith("k3opt, version")
+
+
+def test_progress_prints_only_slow_steps():
+    stream = stdio.StringIO()
+    progress = Progress(delay=0.05, stream=stream)
+    progress("fast step")
+    progress("slow step")
+    time.sleep(0.3)
+    progress.close()
+    assert stream.getvalue() == "k3opt: slow step...\n"
+    quiet = Progress(enabled=False, delay=0.0, stream=stream)
+    quiet("anything")
+    time.sleep(0.05)
+    assert quiet.current == "anything" and stream.getvalue() == "k3opt: slow step...\n"
