@@ -175,7 +175,7 @@ def test_debug_env_var_explains_closest_candidate(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="k3opt.patterns"):
         _, _, ctx = run_passes(model, [RuleSetPass([MINUS], name="p")])
     note = next(n for n in ctx.notes if "minus" in n)
-    assert "closest at node 'relu1' (Relu), 2/2 pattern nodes matched: check declined: never" in note
+    assert "closest at node 'relu1' (Relu): pattern matched, then refused: check declined: never" in note
     assert note in caplog.text
 
 

@@ -41,6 +41,18 @@ def is_empty(t: Optional[Tensor]) -> bool:
     return t is None or (not t.name and not t.inputs and not is_const(t))
 
 
+def describe(n: Node) -> str:
+    """How messages name a node: its name, or (unnamed) the tensor it computes."""
+    return f"node '{n.name}' ({n.op})" if n.name else f"the {n.op} computing '{n.outputs[0].name if n.outputs else ''}'"
+
+
+def _show(value: np.ndarray) -> str:
+    if value.size > 8:
+        return f"a {value.dtype} tensor of shape {value.shape}"
+    text = ", ".join(f"{float(v):.7g}" if np.issubdtype(value.dtype, np.floating) else str(v) for v in value.reshape(-1))
+    return text if value.ndim == 0 else f"[{text}]"
+
+
 def node_inputs(n: Node) -> list[Tensor]:
     """The node's inputs without trailing omitted optional ones."""
     inputs = list(n.inputs)
@@ -175,10 +187,9 @@ class Matcher:
     def _constant(self, p: ConstantPattern, t: Tensor) -> Iterator[None]:
         value = const_value(t) if is_const(t) else None
         if value is None:
-            self._fail(f"'{t.name}' is not a constant (expected {p.value.tolist()})")
+            self._fail(f"'{t.name}' is not a constant (expected {_show(p.value)})")
         elif not p.accepts(value):
-            shown = value.tolist() if value.size <= 8 else f"shape {value.shape}"
-            self._fail(f"constant '{t.name}' is {shown}, expected {p.value.tolist()}")
+            self._fail(f"constant '{t.name}' is {_show(value)}, expected {_show(p.value)}")
         else:
             yield
 
@@ -200,14 +211,14 @@ class Matcher:
             if bound is n and p.index < len(n.outputs) and n.outputs[p.index] is t:
                 yield
             else:
-                self._fail(f"{np_.op_type} pattern node is already matched to '{bound.name}', not '{n.name}'")
+                self._fail(f"{np_.op_type} pattern node is already matched to {describe(bound)}, not {describe(n)}")
             return
         if p.index >= len(n.outputs) or n.outputs[p.index] is not t:
-            self._fail(f"'{t.name}' is not output {p.index} of '{n.name}'")
+            self._fail(f"'{t.name}' is not output {p.index} of {describe(n)}")
             return
         if id(n) in self.s.used:
             self._impure += 1
-            self._fail(f"node '{n.name}' is already matched by another pattern node")
+            self._fail(f"{describe(n)} is already matched by another pattern node")
             return
         pair = (id(np_), id(n))
         failed_before = self._failed.get(pair)
@@ -242,7 +253,7 @@ class Matcher:
 
     def _header(self, p: NodePattern, n: Node) -> bool:
         """Op type, domain, arity and attributes (with schema defaults)."""
-        where = f"node '{n.name}' ({n.op})"
+        where = describe(n)
         if n.op != p.op_type:
             return self._fail(f"{where}: expected op {p.op_type}")
         domain = "" if n.domain in (None, "ai.onnx") else n.domain

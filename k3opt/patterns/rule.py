@@ -9,7 +9,7 @@ from ..ir import Graph, Node, Tensor, is_graph_output
 from ..passes.base import PassContext
 from .builder import Pattern, build_pattern
 from .match import Match
-from .matcher import Matcher
+from .matcher import Matcher, describe
 from .rewriter import GraphEditor, RewriteBuilder, RewriteError
 
 log = logging.getLogger("k3opt.patterns")
@@ -79,11 +79,11 @@ class _Closest:
     def explain(self, rule: Rule) -> str:
         if self.candidates == 0:
             return f"rule '{rule.name}': no candidate: no {'/'.join(sorted(rule.pattern.anchors))} node in the graph"
-        n_nodes = rule.pattern.node_count
         assert self.anchor is not None
-        return (f"rule '{rule.name}': no match at {self.candidates} candidate(s); closest at node "
-                f"'{self.anchor.name}' ({self.anchor.op}), {min(self.depth, n_nodes)}/{n_nodes} pattern nodes "
-                f"matched: {self.reason}")
+        progress = ("pattern matched, then refused" if self.depth > rule.pattern.node_count
+                    else f"{self.depth} pattern node(s) matched, then")
+        return (f"rule '{rule.name}': no match at {self.candidates} candidate(s); closest at "
+                f"{describe(self.anchor)}: {progress}: {self.reason}")
 
 
 class RuleApplier:
