@@ -76,7 +76,7 @@ def compile_model(
     tool = _locate(atc, dry_run)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     onnx_path = prefix.with_name(prefix.name + ".onnx")
-    static = [str(s) for s in shapes if s.static is not None]
+    static = [str(s) for s in shapes if s.static]  # fixed sizes help folding; scalars have none to fix
     report = _optimize(model, onnx_path, static, optimize_options)
     for line in report.lowering:
         say(f"lowering: {line}")
