@@ -188,3 +188,12 @@ def test_debug_flag_reports_missing_anchor_and_structural_failure():
     no_anchor = Rule("dbg2", lambda op, x: op.Gelu(x), lambda op, m: m["x"], debug=True)
     _, _, ctx = run_passes(model, [RuleSetPass([no_anchor], name="p")])
     assert ctx.notes == ["rule 'dbg2': no candidate: no Gelu node in the graph"]
+
+
+def test_number_in_rewrite_takes_the_dtype_of_the_other_inputs():
+    model = make_model([helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Relu", ["n"], ["y"])],
+                       [("x", TP.FLOAT16, [4])], [("y", TP.FLOAT16, [4])])
+    out, _, _ = run_passes(model, [RuleSetPass([NEG_RELU], name="p")])
+    onnx.checker.check_model(out, full_check=True)
+    assert out.graph.initializer[0].data_type == TP.FLOAT16
+    assert_equivalent(model, out, rtol=1e-3, atol=1e-3)

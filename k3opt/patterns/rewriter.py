@@ -68,7 +68,8 @@ class RewriteBuilder:
         **attrs: Any,
     ) -> Union[gs.Variable, tuple[gs.Variable, ...]]:
         name = self._ctx.fresh_name(_name or f"{self._base}/{op_type}")
-        tensors = [self._tensor(i) for i in inputs]
+        dtype = next((i.dtype for i in inputs if isinstance(i, gs.Tensor) and i.dtype is not None), None)
+        tensors = [self._tensor(i, dtype) for i in inputs]
         outs = [gs.Variable(self._ctx.fresh_name(f"{name}_out{i}" if _outputs > 1 else f"{name}_out"))
                 for i in range(_outputs)]
         self.staged.append(_Staged(op_type, name, _domain, tensors, outs, dict(attrs)))
@@ -81,14 +82,25 @@ class RewriteBuilder:
             arr = arr.astype(np.float32)
         return gs.Constant(self._ctx.fresh_name(name or f"{self._base}/const"), arr)
 
-    def _tensor(self, x: Any) -> Tensor:
+    def _tensor(self, x: Any, dtype: Any) -> Tensor:
+        """A node input; a number takes the dtype of the node's other (typed) inputs, else float32."""
         if x is None:
             return gs.Variable.empty()
         if isinstance(x, gs.Tensor):
             return x
         if isinstance(x, (int, float, bool, np.number, np.ndarray, list)):
+            if dtype is not None and not isinstance(x, np.ndarray):
+                return self.const(x, dtype=_numpy_dtype(dtype))
             return self.const(x)
         raise RewriteError(f"rewrite input {x!r} is not a tensor, number or array")
+
+
+def _numpy_dtype(dtype: Any) -> Any:
+    """gs dtypes are numpy dtypes, or ONNX enums for types numpy lacks (bfloat16): those stay float32."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return np.float32
 
 
 class GraphEditor:

@@ -34,6 +34,8 @@ class RuleSetPass(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         """Apply the rules to the graph and to every control-flow subgraph (If/Loop/Scan bodies)."""
+        if ctx.names is None:
+            ctx.names = NameScope(graph)
         try:
             rewrites = RuleApplier(graph, ctx, self.rules).run()
             for sub in list(graph.subgraphs(recursive=True)):
