@@ -204,11 +204,10 @@ class _Run:
             except verifier.Unrunnable:
                 raise
             except Exception as exc:  # the optimized model does not run: that is a failure
-                return {"status": "failed", "outputs": [], "rtol": self.rtol or 0.0, "atol": self.atol or 0.0,
-                        "reason": f"onnxruntime cannot run the optimized model: {_first_line(exc)}"}
+                return verifier.failed(f"onnxruntime cannot run the optimized model: {_first_line(exc)}",
+                                       self.rtol, self.atol)
             if [o.name for o in candidate.graph.output] != names:
-                return {"status": "failed", "outputs": [], "rtol": self.rtol or 0.0, "atol": self.atol or 0.0,
-                        "reason": "the optimized model's outputs are not the original's"}
+                return verifier.failed("the optimized model's outputs are not the original's", self.rtol, self.atol)
             return verifier.compare(expected, actual, names, rtol=self.rtol, atol=self.atol)
 
         try:

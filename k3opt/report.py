@@ -95,8 +95,8 @@ class Report:
 
 def verification_line(v: dict[str, Any]) -> str:
     """One line for a verification result dict (see k3opt.verify)."""
-    if v["status"] == "skipped":
-        return f"skipped ({v['reason']})"
+    if not v["outputs"]:
+        return f"{v['status']} ({v.get('reason', 'no outputs compared')})"
     worst_abs = max((o["max_abs"] for o in v["outputs"]), default=0.0)
     worst_rel = max((o["max_rel"] for o in v["outputs"]), default=0.0)
     return (

@@ -208,6 +208,11 @@ def skipped(reason: str) -> dict[str, Any]:
     return {"status": "skipped", "reason": reason, "outputs": []}
 
 
+def failed(reason: str, rtol: Optional[float], atol: Optional[float]) -> dict[str, Any]:
+    """The verification record of an optimized model that could not be compared output by output."""
+    return {"status": "failed", "reason": reason, "outputs": [], "rtol": rtol or 0.0, "atol": atol or 0.0}
+
+
 def run(sess, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     """Outputs of an onnxruntime session, as a list in graph order."""
     return sess.run(None, dict(feeds))
