@@ -48,6 +48,11 @@ def test_order_and_everything_together(tmp_path):
                           "--op_select_implmode=high_precision", "--external_weight=1"]
 
 
+def test_extra_flags_in_both_forms():
+    out = cmd(extra_args=("--op_select_implmode", "high_precision", "--external_weight=1"))
+    assert out[-3:] == ["--op_select_implmode", "high_precision", "--external_weight=1"]
+
+
 def test_render_quotes_for_the_shell():
     text = render(cmd(input_shapes=("a:1,2", "b:3")))
     assert "'--input_shape=a:1,2;b:3'" in text
@@ -97,6 +102,8 @@ def test_bad_soc_refused_with_hint(soc, hint):
     (dict(extra_args=("--soc_version=Ascend310P3",)), "repeats --soc_version"),
     (dict(extra_args=("--framework", "5")), "repeats --framework"),
     (dict(extra_args=("--weight=w.bin",)), "ignored for ONNX"),
+    (dict(extra_args=("other.onnx",)), "is not a --flag"),
+    (dict(extra_args=("--out_nodes=a:0", "stray")), "is not a --flag"),
 ])
 def test_refused_before_atc(kw, message):
     with pytest.raises(UsageError) as err:

@@ -174,10 +174,18 @@ def _own_flags() -> set[str]:
 
 
 def check_extra_args(extra: Sequence[str]) -> None:
-    """Extra flags pass through to ATC, but must be flags and must not repeat one k3opt sets."""
+    """Extra arguments pass through to ATC, but must be ``--key=value`` / ``--key value`` flags
+    and must not repeat one k3opt sets."""
     own = _own_flags()
+    takes_value = False
     for arg in extra:
-        key = arg[2:].split("=", 1)[0] if arg.startswith("--") else None
+        if not arg.startswith("--"):
+            if not takes_value:
+                raise UsageError(f"extra ATC argument {arg!r} is not a --flag (ATC flags go after `--`)")
+            takes_value = False
+            continue
+        key, eq, _ = arg[2:].partition("=")
+        takes_value = not eq
         if key in own:
             raise UsageError(f"extra ATC flag {arg!r} repeats --{key}, which k3opt sets from its own options")
         if key == "weight":
