@@ -14,8 +14,11 @@ from onnx import TensorProto as TP
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
+import k3opt.api
 from k3opt.passes.base import get_pass
+from k3opt.report import Report
 from tests.helpers import assert_equivalent, make_model, op_counts, random_feeds, run_passes
+from tests.zoo import EXPORTERS, needs_torch, zoo_inputs, zoo_model, zoo_torch_model
 
 NP_TYPES = {TP.FLOAT: np.float32, TP.FLOAT16: np.float16, TP.DOUBLE: np.float64, TP.BFLOAT16: ml_dtypes.bfloat16}
 
@@ -342,3 +345,38 @@ def test_graph_output_name_is_kept():
     assert out.graph.output[0].name == model.graph.output[0].name
     feeds = random_feeds(model)
     assert_equivalent(model, out, feeds=feeds)
+
+
+# -- real exports (tests/zoo.py) ------------------------------------------------------------------------------
+
+#: What the real-export tests run: the passes that expose the norms (folded axes, Split for shape inference) + ours.
+ZOO_PASSES = ["fold-constants", "sequence-to-split", "fuse-layernorm", "fuse-rmsnorm"]
+
+
+def zoo_cases(names: tuple[str, ...]) -> list:
+    """(name, exporter) params; dynamo exports are slow to make, so marked slow."""
+    return [pytest.param(n, e, marks=[pytest.mark.slow] if e == "dynamo" else [], id=f"{n}-{e}")
+            for n in names for e in EXPORTERS]
+
+
+def optimize_zoo(name: str, exporter: str, opset=None):
+    """(original, optimized, report) of zoo model ``name`` through :data:`ZOO_PASSES`; outputs checked equal."""
+    model = onnx.load(str(zoo_model(name, exporter)))
+    report = Report()
+    out = k3opt.api.optimize(model, passes=ZOO_PASSES, opset=opset, report=report)
+    assert_equivalent(model, out, feeds=zoo_inputs(name), rtol=1e-4, atol=1e-5)
+    return model, out, report
+
+
+def norm_modules(name: str, suffix: str) -> int:
+    """How many normalization modules (class name ending in ``suffix``) the torch model has."""
+    return sum(type(m).__name__.endswith(suffix) for m in zoo_torch_model(name).modules())
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", zoo_cases(("bert", "gpt2", "vit")))
+def test_every_layer_norm_of_real_exports_is_fused(name, exporter):
+    """TorchScript (opset 14, raised to 17) decomposes every LayerNorm; all come back as LayerNormalization."""
+    _, out, _ = optimize_zoo(name, exporter)
+    counts = op_counts(out)
+    assert counts.get("LayerNormalization") == norm_modules(name, "LayerNorm") and "ReduceMean" not in counts

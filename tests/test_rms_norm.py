@@ -14,7 +14,8 @@ from k3opt.passes._norm_common import NormMatch, OrderedRulesPass, affine_input,
 from k3opt.passes.base import PassContext, get_pass
 from k3opt.passes.rms_norm import rmsnorm_rules
 from tests.helpers import assert_equivalent, op_counts, run_passes
-from tests.test_layer_norm import H, RNG, Net, affine, assert_bf16_equivalent, attrs, rms_core
+from tests.test_layer_norm import (H, RNG, Net, affine, assert_bf16_equivalent, attrs, needs_torch, norm_modules,
+                                   optimize_zoo, rms_core, zoo_cases)
 
 W = RNG.standard_normal(H).astype(np.float32) + 1.0
 
@@ -195,11 +196,26 @@ def test_rmsnorm_rules_hand_the_match_to_a_lowering():
     assert OrderedRulesPass(rmsnorm_rules(lower), name="lower").run(graph, ctx) == 1
     graph.cleanup()
     assert [n.op for n in graph.nodes].count("MyRmsNorm") == 1
-    llama = seen[0]
+    (llama,) = [nm for nm in seen if nm.epsilon == pytest.approx(1e-6)]
     assert (llama.input_dtype, llama.compute_dtype, llama.output_dtype) == (TP.FLOAT16, TP.FLOAT, TP.FLOAT16)
     assert [c.attrs["to"] for c in llama.casts] == [TP.FLOAT, TP.FLOAT16]
     assert llama.x.name == "x" and llama.axes == (-1,) and llama.normalized_shape == (H,)
-    # the declined one is offered again by the weightless rule, its weight Mul then left outside
-    declined = [(nm.weight is not None, nm.reduce.name) for nm in seen[1:]]
-    assert [nm.epsilon for nm in seen[1:]] == pytest.approx([1e-5, 1e-5])
-    assert declined[0][0] and not declined[1][0] and declined[0][1] == declined[1][1]
+    # the declined one is offered again by the weightless rule (its weight Mul then stays outside)
+    declined = [nm for nm in seen if nm is not llama]
+    assert [nm.weight is not None for nm in declined] == [True, False]
+    assert declined[0].reduce is declined[1].reduce and declined[0].input_dtype == TP.FLOAT16
+
+
+# -- real exports (tests/zoo.py) ------------------------------------------------------------------------------
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", zoo_cases(("llama", "qwen2", "deepseek_v3")))
+def test_every_rmsnorm_of_real_exports(name, exporter):
+    """Every RMSNorm module (DeepSeek-V3: also MLA's q_a/kv_a norms) is found: fused at opset 23, counted below."""
+    expected = norm_modules(name, "RMSNorm")
+    _, fused, _ = optimize_zoo(name, exporter, opset=23)
+    counts = op_counts(fused)
+    assert counts.get("RMSNormalization") == expected and "ReduceMean" not in counts
+    _, kept, report = optimize_zoo(name, exporter)
+    assert f"{expected} RMSNorm found, left decomposed: opset < 23" in report.notes
+    assert op_counts(kept).get("ReduceMean") == expected
