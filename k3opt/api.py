@@ -135,11 +135,16 @@ class _Run:
             model = _load(model, report)
             opset_before = opsets.model_opset(model)
             report.before = ModelSummary.of(model, io.proto_size(model), opset_before)
-        with self.step("converting opset", "opset"):
-            model, notes = opsets.convert(model, opset, target=target)
-            report.notes.extend(notes)
         shapes.fix_inputs(model, input_shapes)
         original = self._runnable_original(model) if verify else None
+        with self.step("converting opset", "opset"):
+            converted, notes = opsets.convert(model, opset, target=target)
+            report.notes.extend(notes)
+        # Verification compares with the model as given; bisection restarts from the converted one.
+        start = original
+        if original is not None and converted is not model:
+            start = verifier.runnable_bytes(converted)
+        model = converted
 
         ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options))
         refresher = shapes.ShapeRefresher()
@@ -153,7 +158,7 @@ class _Run:
         report.notes.extend(refresher.notes + [n for n in ctx.notes if n not in report.notes])
         if original is not None:
             with self.step("verifying", "verify"):
-                self._verify(original, out, manager, model, pipeline, ctx)
+                self._verify(original, start, out, manager, pipeline, ctx)
         if target == "cann":
             from .cann_bridge import lower
 
@@ -185,9 +190,12 @@ class _Run:
         self.report.verification = verifier.skipped(reason)
         self.report.warnings.append(f"verification skipped: {reason}")
 
-    def _verify(self, original: bytes, out: onnx.ModelProto, manager: PassManager, model: onnx.ModelProto,
+    def _verify(self, original: bytes, start: bytes, out: onnx.ModelProto, manager: PassManager,
                 pipeline: list, ctx: PassContext) -> None:
-        """Compare original and optimized; on divergence bisect and raise VerificationError."""
+        """Compare original and optimized; on divergence bisect and raise VerificationError.
+
+        ``start`` is the model the passes started from (``original`` after opset conversion).
+        """
         proto = onnx.load_from_string(original)
         feeds = verifier.make_feeds(proto, seed=self.seed, input_data=self.input_data)
         names = [o.name for o in proto.graph.output]
@@ -217,17 +225,20 @@ class _Run:
         self.report.verification = result
         if result["status"] == "passed":
             return None
-        culprit = self._bisect(original, manager, pipeline, ctx, result_of)
+        culprit = self._bisect(start, start is not original, manager, pipeline, ctx, result_of)
         detail = result.get("reason") or _worst(result)
         raise VerificationError(f"optimized model differs from the original ({detail}){culprit}")
 
-    def _bisect(self, original: bytes, manager: PassManager, pipeline: list, ctx: PassContext,
+    def _bisect(self, start: bytes, converted: bool, manager: PassManager, pipeline: list, ctx: PassContext,
                 result_of: Callable[[onnx.ModelProto], dict]) -> str:
-        """Re-run the passes on fresh imports, stopping after k steps, to find the first bad step."""
-        candidates = [i + 1 for i, s in enumerate(manager.steps) if s.rewrites]
+        """Re-run the passes on fresh imports, stopping after k steps, to find the first bad step.
+
+        Step 0 (no pass) is a candidate when the opset was converted: the converter may be the culprit.
+        """
+        candidates = ([0] if converted else []) + [i + 1 for i, s in enumerate(manager.steps) if s.rewrites]
 
         def diverges(k: int) -> bool:
-            model = onnx.load_from_string(original)
+            model = onnx.load_from_string(start)
             graph = io.import_graph(model)
             fresh = PassContext(opset=ctx.opset, target=ctx.target, options=dict(ctx.options))
             PassManager([type(p)() for p in pipeline], shape_inference=shapes.ShapeRefresher()).run(
@@ -240,6 +251,9 @@ class _Run:
         step = verifier.first_diverging_step(candidates, diverges)
         if step is None:
             return ""
+        if step == 0:
+            self.report.verification["first_diverging_pass"] = "opset conversion"
+            return f"; the opset conversion to {ctx.opset} already diverges"
         bad = manager.steps[step - 1]
         self.report.verification["first_diverging_pass"] = bad.name
         return f"; first diverging pass: {bad.name} (round {bad.round})"

@@ -11,9 +11,10 @@ from typing import Optional
 
 import onnx
 from onnx import TensorProto, version_converter
+from onnx.external_data_helper import uses_external_data
 
 from .errors import UsageError
-from .io import EXTERNAL_THRESHOLD, all_tensors, tensor_nbytes
+from .io import EXTERNAL_THRESHOLD, tensor_nbytes
 
 #: Models below this are raised to it by default; the CANN target needs exactly it.
 DEFAULT_OPSET = 17
@@ -67,32 +68,30 @@ def _single_default_import(model: onnx.ModelProto, version: int) -> onnx.ModelPr
 
 
 def _convert_weightless(model: onnx.ModelProto, wanted: int) -> onnx.ModelProto:
+    """Convert with big initializers turned into typed graph inputs, then put them back in order."""
     light = onnx.ModelProto()
     light.CopyFrom(model)
-    kept: dict[str, TensorProto] = {}
-    for orig, t in zip(model.graph.initializer, light.graph.initializer):
-        if t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD:
-            kept[t.name] = orig
-            t.ClearField("raw_data")
-            del t.external_data[:]
-            t.ClearField("data_location")
+    big = {t.name: t for t in model.graph.initializer
+           if uses_external_data(t) or (t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD)}
+    declared = {vi.name for vi in light.graph.input}
+    small = [t for t in light.graph.initializer if t.name not in big]
+    del light.graph.initializer[:]
+    light.graph.initializer.extend(small)
+    light.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                             for t in big.values() if t.name not in declared)
     converted = version_converter.convert_version(_single_default_import(light, model_opset(light)), wanted)
-    for t in converted.graph.initializer:
-        if t.name in kept:
-            t.CopyFrom(kept[t.name])
-    onnx.checker.check_model(_stripped(converted))
+    onnx.checker.check_model(converted)
+    g = converted.graph
+    inputs = [vi for vi in g.input if vi.name not in big or vi.name in declared]
+    del g.input[:]
+    g.input.extend(inputs)
+    fresh = {t.name: t for t in g.initializer}  # small ones, converted, plus any the converter added
+    ordered = [big[t.name] if t.name in big else fresh.pop(t.name)
+               for t in model.graph.initializer if t.name in big or t.name in fresh]
+    ordered += fresh.values()
+    del g.initializer[:]
+    g.initializer.extend(ordered)
     return _single_default_import(converted, wanted)
-
-
-def _stripped(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy without tensor data, for the checker (it would read external files)."""
-    light = onnx.ModelProto()
-    light.CopyFrom(model)
-    for t in all_tensors(light):
-        if t.data_location == TensorProto.EXTERNAL:
-            del t.external_data[:]
-            t.ClearField("data_location")
-    return light
 
 
 def _blocking_reason(model: onnx.ModelProto, wanted: int, exc: Exception) -> str:

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 
 import k3opt
 from k3opt import opset as opsets
-from k3opt.errors import UsageError
+from k3opt.errors import UsageError, VerificationError
 from k3opt.passes.base import Pass
 from k3opt.report import Report
 from tests.helpers import assert_equivalent, make_model, op_counts
@@ -188,3 +188,28 @@ def test_shapes_are_refreshed_for_passes_that_need_them(register):
     k3opt.optimize(small_model(), passes=["test-reads-shapes"], input_shapes={"x": [5, 8]})
     assert seen == {"a": [5, 8], "b": [5, 8]}
     assert op_counts(k3opt.optimize(small_model(), passes=[])) == op_counts(small_model())
+
+
+def test_verification_compares_with_the_model_before_opset_conversion(monkeypatch):
+    real = opsets.version_converter.convert_version
+
+    def wrong_converter(model, version):
+        out = real(model, version)
+        for node in out.graph.node:
+            if node.op_type == "Relu":
+                node.op_type = "Sigmoid"
+        return out
+
+    monkeypatch.setattr(opsets.version_converter, "convert_version", wrong_converter)
+    with pytest.raises(VerificationError, match="the opset conversion to 17 already diverges"):
+        k3opt.optimize(small_model(13), verify=True)
+
+
+def test_opset_conversion_keeps_external_weights_on_disk(tmp_path):
+    model = small_model(13)
+    onnx.save(small_model(13), tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    report = k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "o.onnx", verify=True)
+    assert report.after.opset == 17 and report.verification["status"] == "passed"
+    saved = onnx.load(tmp_path / "o.onnx", load_external_data=False)
+    assert saved.graph.initializer[0].data_location == TensorProto.EXTERNAL
+    assert_equivalent(model, onnx.load(tmp_path / "o.onnx"))
