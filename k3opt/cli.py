@@ -27,6 +27,8 @@ from .errors import K3optError, VerificationError
 from .report import Report
 
 EXIT_USAGE = 2
+# click >= 8.2 raises this for a group called without a command.
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
 class _Group(click.Group):
@@ -39,6 +41,9 @@ class _Group(click.Group):
             code = super().main(args, prog_name, standalone_mode=False, **extra)
         except click.exceptions.Exit as exc:
             code = exc.exit_code
+        except _NO_ARGS_IS_HELP as exc:  # bare ``k3opt``: the help, not an error line
+            click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+            code = 0
         except click.ClickException as exc:
             _fail(exc.format_message(), EXIT_USAGE)
         except K3optError as exc:

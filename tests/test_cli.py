@@ -98,3 +98,8 @@ def test_progress_prints_only_slow_steps():
     quiet("anything")
     time.sleep(0.05)
     assert quiet.current == "anything" and stream.getvalue() == "k3opt: slow step...\n"
+
+
+def test_bare_k3opt_prints_help():
+    code, out, err = invoke([])
+    assert code == 0 and "optimize" in out and err == ""
