@@ -1,6 +1,69 @@
-"""CLI commands contributed by k3opt.export; k3opt/cli.py adds every command in ``commands``."""
+"""CLI commands contributed by k3opt.export; k3opt/cli.py adds every command in ``commands``.
+
+``k3opt export SOURCE -o OUT.onnx``: SOURCE is a local transformers
+checkpoint folder or a config JSON (random weights); the options after the
+export ones are those of ``k3opt optimize``.
+"""
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Optional
 
 import click
 
-commands: list[click.Command] = []
+from ..cli_options import optimize_kwargs, output_options, pipeline_options, progress_for, run_options, verify_options
+from ..errors import K3optError, VerificationError
+from ..report import Report
+from .exporters import EXPORTERS, INSTALL_HINT
+
+
+def default_export_output(source: str) -> Path:
+    """``ckpt/`` -> ``ckpt/model.k3opt.onnx``; ``tiny.json`` -> ``tiny.k3opt.onnx`` next to it."""
+    src = Path(source)
+    return src / "model.k3opt.onnx" if src.is_dir() else src.with_name(src.stem + ".k3opt.onnx")
+
+
+@click.command("export")
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--task", help="text-generation, feature-extraction, fill-mask, text-classification, "
+                             "image-feature-extraction, image-classification (default: from the architecture)")
+@click.option("--exporter", type=click.Choice(EXPORTERS), default="torchscript", show_default=True)
+@click.option("--export-opset", type=click.IntRange(1), help="Exporter opset (default 14 torchscript, 18 dynamo).")
+@click.option("--seq-len", type=click.IntRange(1), default=8, show_default=True, help="Example sequence length.")
+@click.option("--batch", type=click.IntRange(1), default=1, show_default=True, help="Example batch size.")
+@click.option("--no-optimize", is_flag=True, help="Write the raw export (no k3opt passes).")
+@output_options
+@pipeline_options
+@verify_options
+@run_options
+def export_cmd(source: str, task: Optional[str], exporter: str, export_opset: Optional[int], seq_len: int,
+               batch: int, no_optimize: bool, output: Optional[str], external_data: Optional[bool], overwrite: bool,
+               report_path: Optional[str], quiet: bool, debug: bool, **params: Any) -> None:
+    """Export SOURCE (a checkpoint folder or a config JSON) to ONNX and optimize it (default SOURCE.k3opt.onnx)."""
+    if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
+        raise K3optError(INSTALL_HINT)
+    from .from_transformers import from_transformers
+
+    kwargs = optimize_kwargs(params)
+    kwargs["output_opset"] = kwargs.pop("opset", None)
+    report = Report()
+    try:
+        from_transformers(source, output or default_export_output(source), task=task, seq_len=seq_len, batch=batch,
+                          exporter=exporter, opset=export_opset, optimize=not no_optimize,
+                          external_data=external_data, report=report, progress=progress_for({"quiet": quiet}),
+                          **kwargs)
+    except VerificationError:
+        if not quiet:
+            click.echo(report.table(), err=True)
+        raise
+    finally:
+        if report_path:
+            report.write_json(report_path)
+    if not quiet:
+        for warning in report.warnings:
+            click.echo(f"k3opt: warning: {warning}", err=True)
+        click.echo(report.table() if report.after else f"wrote {report.output}")
+
+
+commands: list[click.Command] = [export_cmd]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import warnings
@@ -71,22 +72,28 @@ def export_onnx(
         kwargs.update(dynamo=False, dynamic_axes=dict(dynamic_axes or {}))
     else:
         shapes = dynamic_shapes if dynamic_shapes is not None else _dims(torch, input_names, dynamic_axes)
-        large = external_data if external_data is not None else weight_bytes(module) > LARGE_BYTES
-        kwargs.update(dynamo=True, optimize=False, dynamic_shapes=shapes, external_data=large)
-    log = io.StringIO()
+        kwargs.update(dynamo=True, optimize=False, dynamic_shapes=shapes,
+                      external_data=wants_external_data(module, external_data))
+    torch_log = logging.getLogger("torch.onnx")
+    level = torch_log.level
     try:
-        with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(log):
+        with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
+            torch_log.setLevel(logging.ERROR)  # e.g. "torchvision is not installed" on every dynamo export
             torch.onnx.export(module, args, str(path), **kwargs)
     except Exception as exc:  # every exporter failure, whatever torch calls it
         raise ExportError(explain_failure(exporter, opset, exc)) from exc
+    finally:
+        torch_log.setLevel(level)
     return path
 
 
-def weight_bytes(module: Any) -> int:
-    """Bytes of the module's parameters and buffers (0 for a callable that is not an nn.Module)."""
+def wants_external_data(module: Any, external_data: Optional[bool]) -> bool:
+    """``external_data`` when given, else whether the module's parameters and buffers pass LARGE_BYTES."""
+    if external_data is not None:
+        return external_data
     tensors = list(module.parameters()) + list(module.buffers()) if hasattr(module, "parameters") else []
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors) > LARGE_BYTES
 
 
 def _dims(torch: Any, input_names: Sequence[str], dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]) -> Any:
@@ -103,16 +110,21 @@ def _dims(torch: Any, input_names: Sequence[str], dynamic_axes: Optional[Mapping
 
 _OP_PATTERNS = (
     re.compile(r"operator '([\w:.]+)'"),  # torchscript: UnsupportedOperatorError
+    re.compile(r"unrecognized namespace ([\w:]+)"),  # torchscript: custom op
     re.compile(r"target=([\w.:]+)"),  # dynamo: ConversionError "Error when translating node ..."
     re.compile(r"\b(aten::\w+|aten\.\w+(?:\.\w+)?)"),
 )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def explain_failure(exporter: str, opset: int, exc: BaseException) -> str:
     """One line: which exporter failed, on which op (when the message names one), and why."""
     text = f"{exc}\n{exc.__cause__ or ''}"
     op = next((m.group(1) for p in _OP_PATTERNS if (m := p.search(text))), None)
-    reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    reason = re.split(r"\s*This is step|\s*Next steps", _ANSI.sub("", first))[0]
     where = f" on op {op}" if op else ""
     other = "dynamo" if exporter == "torchscript" else "torchscript"
     return (f"the {exporter} exporter (opset {opset}) failed{where}: {reason[:300]} "

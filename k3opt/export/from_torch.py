@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional, Sequence
 from .. import io
 from ..api import optimize_file
 from ..report import Report
-from .exporters import export_onnx
+from .exporters import export_onnx, wants_external_data
 
 
 def from_torch(
@@ -36,14 +36,15 @@ def from_torch(
     arguments of :func:`k3opt.api.optimize_file` (passes, skip, verify,
     input_shapes, plugins, rtol, atol...). The raw export is made in a
     temporary folder next to ``path``; weights are saved as external data
-    above 2 GB (or when ``external_data`` is true). With ``optimize=False``
-    the raw export is saved to ``path`` unchanged. Exporter failures raise
+    (``PATH.data``) above 1 GiB, or as ``external_data`` says. With
+    ``optimize=False`` the raw export is saved to ``path`` unchanged. Exporter failures raise
     :class:`k3opt.export.ExportError` (one line: exporter, op, reason).
     """
     path = Path(path)
     io.check_output_path(path)
     if "output_opset" in optimize_options:
         optimize_options["opset"] = optimize_options.pop("output_opset")
+    external_data = wants_external_data(module, external_data)
     with tempfile.TemporaryDirectory(prefix=".k3opt-export-", dir=path.parent) as tmp:
         raw = export_onnx(module, example_inputs, Path(tmp) / "exported.onnx", input_names=input_names,
                           output_names=output_names, dynamic_axes=dynamic_axes, dynamic_shapes=dynamic_shapes,
@@ -52,4 +53,6 @@ def from_torch(
             return optimize_file(raw, path, overwrite=True, external_data=external_data, target=target,
                                  **optimize_options)
         written = io.save(io.load(raw), path, external_data=external_data)
-    return Report(input=None, output=str(path), target="onnx", files=[str(p) for p in written])
+    report = optimize_options.get("report") or Report()
+    report.output, report.files = str(path), [str(p) for p in written]
+    return report

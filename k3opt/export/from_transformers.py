@@ -80,12 +80,11 @@ def from_transformers(
     """
     if use_cache:
         raise UsageError("exporting with the KV cache (use_cache=True) is not supported yet; export without it")
+    if task is not None and task not in TASKS:
+        raise UsageError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     require_torch()
     model = load_model(model_or_config, task, seed)
-    task = task or infer_task(model)
-    if task not in TASKS:
-        raise UsageError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    spec = TASKS[task]
+    spec = TASKS[task or infer_task(model)]
     inputs = example_inputs(model.config, spec, batch, seq_len, seed)
     from .task_module import TaskModule
 
@@ -99,7 +98,7 @@ def from_transformers(
 
 
 def load_model(source: ModelSource, task: Optional[str], seed: int) -> Any:
-    """A transformers model from an instance, a config, a config JSON or a local checkpoint folder."""
+    """A transformers model from an instance, a config, a config JSON or a local checkpoint folder (``task`` known)."""
     import torch
     import transformers as tf
 
@@ -110,8 +109,7 @@ def load_model(source: ModelSource, task: Optional[str], seed: int) -> Any:
         config, weights = _read_source(Path(source))
     if not isinstance(config, tf.PretrainedConfig):
         raise InputError(f"cannot export a {type(source).__name__}: give a model, a config, a config JSON or a folder")
-    task = task or infer_task(config)
-    auto = getattr(tf, TASKS[task].auto_class if task in TASKS else "AutoModel")
+    auto = getattr(tf, TASKS[task or infer_task(config)].auto_class)
     if weights is not None:
         return auto.from_pretrained(weights, config=config, local_files_only=True)
     torch.manual_seed(seed)
