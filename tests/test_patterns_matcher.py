@@ -316,3 +316,12 @@ def test_rules_apply_inside_control_flow_subgraphs():
     assert [nd.op_type for nd in branch.node] == ["Relu"]
     for seed in (0, 1, 2):
         assert_equivalent(model, out, seed=seed)
+
+
+def test_pattern_ending_later_claims_nodes_first():
+    inner = Rule("neg-abs", lambda op, x: op.Neg(op.Abs(x)), lambda op, m: op.Min(m["x"], op.Neg(m["x"])))
+    outer = Rule("relu-neg", lambda op, x: op.Relu(op.Neg(x)), lambda op, m: op.Neg(op.Min(m["x"], 0.0)))
+    model = make_model([node("Abs", ["x"], ["a"]), node("Neg", ["a"], ["n"]), node("Relu", ["n"], ["y"])],
+                       [("x", F, [4])], [("y", F, [4])])
+    out, n = apply(model, inner, outer)
+    assert n == 1 and op_counts(out) == {"Abs": 1, "Min": 1, "Neg": 1}

@@ -111,10 +111,15 @@ class RuleApplier:
         return lambda depth, reason: closest.record(self._anchor, depth, reason)
 
     def run(self) -> int:
-        """Rewrite every match (first matching rule wins per node); returns the number of rewrites."""
+        """Rewrite every match; returns the number of rewrites.
+
+        Nodes are visited from the outputs backwards, so a pattern ending later (usually the larger
+        one: a norm with its scale and bias) claims its nodes before a pattern ending inside it; at
+        one node the rules are tried in list order.
+        """
         rewrites = 0
         try:
-            for node in list(self.graph.nodes):
+            for node in reversed(list(self.graph.nodes)):
                 if id(node) in self.editor.removed:
                     continue
                 for rule, matcher in self._by_op.get(node.op, ()):
