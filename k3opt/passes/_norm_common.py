@@ -9,9 +9,9 @@ prove exact); rewrites rebuild it from that with :func:`norm_input` and
 
 Rules come in tails, largest first: scale and bias, scale, bias, a Cast back
 to the input type, nothing. :func:`apply_in_order` gives each rule its own
-forward sweep in that order: one sweep for all would meet the statistics
-(where the small rules anchor) before the scale and bias, and the smallest
-fusion would win.
+sweep in that order, so the largest fusion of a norm always wins, whatever
+order the applier visits nodes in (a smaller rule anchors inside a larger
+match: at the statistics, before the scale and bias).
 """
 from __future__ import annotations
 

@@ -25,9 +25,9 @@ None), ``nm.epsilon`` (float), ``nm.axis``/``nm.axes``/``nm.normalized_shape``,
 names the norm). It returns the replacement tensor (of ``nm.output_dtype``, ``x``'s shape) or None
 to leave the norm decomposed. ``norm_input(op, nm)`` is the input in the output type and
 ``affine_input(op, nm, nm.weight, 1.0)`` the weight in exactly ``normalized_shape`` (ones if none).
-Apply the rules in their order, one sweep each (not in one RuleSetPass sweep, where the
-weightless rule would claim a norm before the weighted one sees it); a norm the callback
-declines is offered again by the next smaller rule.
+Apply the rules in their order, one sweep each, so the weighted rule sees a norm before the
+weightless one can claim its statistics; a norm the callback declines is offered again by the
+next smaller rule (so a callback may see one norm, named by ``nm.reduce``, more than once).
 """
 from __future__ import annotations
 
