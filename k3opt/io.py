@@ -119,6 +119,27 @@ def inline_copy(t: TensorProto) -> TensorProto:
     return out
 
 
+def weights_as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, TensorProto]]:
+    """A copy of ``model`` whose big or external initializers are typed graph inputs instead.
+
+    onnx's shape inference and version converter only need their types;
+    given the data they would read or materialize it. Returns the copy and
+    the original initializers taken out, by name.
+    """
+    big = {t.name: t for t in model.graph.initializer
+           if uses_external_data(t) or (t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD)}
+    light = onnx.ModelProto()
+    light.CopyFrom(model)
+    g = light.graph
+    declared = {vi.name for vi in g.input}
+    small = [t for t in g.initializer if t.name not in big]
+    del g.initializer[:]
+    g.initializer.extend(small)
+    g.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                   for t in big.values() if t.name not in declared)
+    return light, big
+
+
 class ExternalValues(LazyValues):
     """gs lazy values for a tensor in an external file with an absolute location.
 

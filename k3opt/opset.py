@@ -10,11 +10,10 @@ import re
 from typing import Optional
 
 import onnx
-from onnx import TensorProto, version_converter
-from onnx.external_data_helper import uses_external_data
+from onnx import version_converter
 
 from .errors import UsageError
-from .io import EXTERNAL_THRESHOLD, tensor_nbytes
+from .io import weights_as_inputs
 
 #: Models below this are raised to it by default; the CANN target needs exactly it.
 DEFAULT_OPSET = 17
@@ -69,16 +68,8 @@ def _single_default_import(model: onnx.ModelProto, version: int) -> onnx.ModelPr
 
 def _convert_weightless(model: onnx.ModelProto, wanted: int) -> onnx.ModelProto:
     """Convert with big initializers turned into typed graph inputs, then put them back in order."""
-    light = onnx.ModelProto()
-    light.CopyFrom(model)
-    big = {t.name: t for t in model.graph.initializer
-           if uses_external_data(t) or (t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD)}
-    declared = {vi.name for vi in light.graph.input}
-    small = [t for t in light.graph.initializer if t.name not in big]
-    del light.graph.initializer[:]
-    light.graph.initializer.extend(small)
-    light.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-                             for t in big.values() if t.name not in declared)
+    light, big = weights_as_inputs(model)
+    declared = {vi.name for vi in model.graph.input}
     converted = version_converter.convert_version(_single_default_import(light, model_opset(light)), wanted)
     onnx.checker.check_model(converted)
     g = converted.graph

@@ -7,14 +7,18 @@ then decline (see docs/design.md).
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Union
+import contextlib
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto
+from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .errors import UsageError
-from .io import EXTERNAL_THRESHOLD, tensor_nbytes
+from .io import EXTERNAL_THRESHOLD, weights_as_inputs
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
 
@@ -69,19 +73,7 @@ def infer_model(model: onnx.ModelProto) -> onnx.ModelProto:
     Big initializers become typed graph inputs: onnx would otherwise
     materialize them (gigabytes for a large model) just to read their shape.
     """
-    light = onnx.ModelProto()
-    light.CopyFrom(model)
-    g = light.graph
-    declared = {vi.name for vi in g.input}
-    kept = []
-    for t in g.initializer:
-        if t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD:
-            if t.name not in declared:
-                g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-        else:
-            kept.append(t)
-    del g.initializer[:]
-    g.initializer.extend(kept)
+    light, _ = weights_as_inputs(model)
     plain = onnx.shape_inference.infer_shapes(light, strict_mode=True)
     if _has_long_vector(plain.graph):
         return plain
@@ -113,7 +105,8 @@ class ShapeRefresher:
     def __call__(self, graph: gs.Graph) -> bool:
         self.calls += 1
         try:
-            model = gs.export_onnx(graph, do_type_check=False)
+            with _weights_hidden(graph):
+                model = gs.export_onnx(graph, do_type_check=False)
             del model.graph.value_info[:]  # stale after rewrites; re-infer from scratch
             inferred = infer_model(model)
         except Exception as exc:  # onnx raises many types here; a failure only loses shapes
@@ -124,6 +117,38 @@ class ShapeRefresher:
             return False
         apply_shapes(graph, inferred.graph)
         return True
+
+
+class _TypeOnly(LazyValues):
+    """Stands in for a big constant during export: dims and type, no data."""
+
+    def __init__(self, values: Any):
+        self.shape, self.dtype, self.nbytes = values.shape, values.dtype, values.nbytes
+        self.tensor = TensorProto(data_type=dtype_to_onnx(values.dtype), dims=[int(d) for d in values.shape])
+
+    def load(self) -> np.ndarray:  # pragma: no cover - never loaded: swapped back right after export
+        raise RuntimeError("a type-only stand-in has no values")
+
+
+@contextlib.contextmanager
+def _weights_hidden(graph: gs.Graph) -> Iterator[None]:
+    """Export-time stand-ins for big constants, so shape refreshes never read or build weights."""
+    swapped = []
+    for t in graph.tensors().values():
+        values = getattr(t, "_values", None)
+        if isinstance(t, gs.Constant) and getattr(values, "nbytes", 0) >= EXTERNAL_THRESHOLD \
+                and np.dtype(_np_dtype(values.dtype)).kind in "fiucb":
+            swapped.append((t, values))
+            t._values = _TypeOnly(values)
+    try:
+        yield
+    finally:
+        for t, values in swapped:
+            t._values = values
+
+
+def _np_dtype(dtype: Any) -> Any:
+    return onnx.helper.tensor_dtype_to_np_dtype(dtype) if isinstance(dtype, int) else dtype
 
 
 def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto) -> None:

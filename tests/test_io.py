@@ -16,6 +16,7 @@ from onnx.external_data_helper import uses_external_data
 import k3opt
 from k3opt import io
 from k3opt.errors import InputError, OutputError
+from k3opt.shapes import ShapeRefresher
 from tests.helpers import assert_equivalent, make_model, random_feeds, run_ort
 
 
@@ -214,3 +215,16 @@ def test_over_2gb_model_is_optimized_without_loading_its_weights(tmp_path):
     assert (out.parent / "big.k3opt.onnx.data").stat().st_size >= 3 * 4 * n
     saved = onnx.load(out, load_external_data=False)
     assert [io.external_info(t)["location"] for t in saved.graph.initializer] == ["big.k3opt.onnx.data"] * 3
+
+
+def test_shape_refresh_reads_no_weights(tmp_path, monkeypatch):
+    save_external(weighted_model(), tmp_path / "m.onnx")
+    graph = io.import_graph(io.load(tmp_path / "m.onnx"))
+
+    def refuse(self):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(io.ExternalValues, "load", refuse)
+    assert ShapeRefresher()(graph) is True
+    assert graph.tensors()["mm"].shape == [2, 64]
+    assert isinstance(graph.tensors()["w"]._values, io.ExternalValues)
