@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import onnx
 import onnx_graphsurgeon as gs
+from onnx.external_data_helper import uses_external_data
 
 from . import io, opset as opsets, shapes, verify as verifier
-from .errors import UsageError, VerificationError
+from .errors import OutputError, UsageError, VerificationError
 from .passes.base import PassContext, build_pipeline
 from .passes.manager import PassManager
 from .report import ModelSummary, Report
@@ -72,6 +73,10 @@ def optimize_file(
     pipeline_args = _pipeline_args(kwargs)
     run = _Run(report, **kwargs)
     model = run.optimize(src, **pipeline_args)
+    if not overwrite:
+        for path in (out, io.data_path(out)):
+            if os.path.abspath(path) in run.source_files:
+                raise OutputError(f"{path}: is an external-data file of the input; pass --overwrite to replace it")
     with run.step("saving", "save"):
         written = io.save(model, out, external_data=external_data)
     report.output = str(out)
@@ -105,6 +110,8 @@ class _Run:
         self.progress = progress
         self.rtol, self.atol, self.input_data, self.seed = rtol, atol, input_data, seed
         self.pass_options = pass_options
+        #: Absolute paths of the input's external-data files (the output must not clobber them).
+        self.source_files: set[str] = set()
 
     @contextlib.contextmanager
     def step(self, message: str, key: str) -> Iterator[None]:
@@ -133,6 +140,8 @@ class _Run:
         pipeline = build_pipeline(list(passes) if passes is not None else None, tuple(skip), target)
         with self.step("loading", "load"):
             model = _load(model, report)
+            self.source_files = {io.external_info(t)["location"] for t in io.all_tensors(model)
+                                 if uses_external_data(t)}
             opset_before = opsets.model_opset(model)
             report.before = ModelSummary.of(model, io.proto_size(model), opset_before)
         shapes.fix_inputs(model, input_shapes)

@@ -228,3 +228,12 @@ def test_shape_refresh_reads_no_weights(tmp_path, monkeypatch):
     assert ShapeRefresher()(graph) is True
     assert graph.tensors()["mm"].shape == [2, 64]
     assert isinstance(graph.tensors()["w"]._values, io.ExternalValues)
+
+
+def test_output_never_clobbers_the_inputs_data_file(tmp_path):
+    save_external(weighted_model(), tmp_path / "a.onnx", data_name="b.onnx.data")
+    before = digest(tmp_path / "b.onnx.data")
+    with pytest.raises(OutputError, match="external-data file of the input"):
+        k3opt.optimize_file(tmp_path / "a.onnx", tmp_path / "b.onnx")
+    assert digest(tmp_path / "b.onnx.data") == before
+    assert not (tmp_path / "b.onnx").exists()
