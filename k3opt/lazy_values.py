@@ -1,21 +1,17 @@
 """Weights computed from other weights, materialised only when the model is saved.
 
 A merged sibling projection's weight is the concatenation of its siblings'
-weights. Computing it at merge time would hold every merged weight of the
-model in memory at once; a 3.3 GB model must be optimized in a tenth of that.
-:class:`ConcatValues` is an onnx-graphsurgeon ``LazyValues`` that knows its
+weights. For a model whose weights live in external data, computing it at
+merge time would hold every merged weight in memory at once; a 3.3 GB model
+must be optimized in a tenth of that. :func:`concat_last_axis` then returns a
+:class:`ConcatValues`: an onnx-graphsurgeon ``LazyValues`` that knows its
 shape, dtype and sources. gs's exporter asks a ``LazyValues`` for its
-``.tensor`` (a ``TensorProto``) one constant at a time, so each merged weight
-is built only then:
-
-* when every source is in memory (a model without external data), the
-  result is an ordinary in-memory ``TensorProto``;
-* when a source lives in external data, the concatenation is written into a
-  spill file (``np.memmap``, one source at a time, so nothing but pages of
-  this one weight is held) and the returned ``TensorProto`` is an
-  external-data reference to it by absolute path. Spill files follow
-  ``k3opt.io``'s convention (``k3opt-spill-*`` in the system temp folder), so
-  ``k3opt.io.save`` copies the bytes into the model's own data file.
+``.tensor`` one constant at a time; that writes the concatenation into a
+spill file (``np.memmap``, one source at a time) and returns an
+external-data ``TensorProto`` pointing there by absolute path. Spill files
+follow ``k3opt.io``'s convention (``k3opt-spill-*`` in the system temp
+folder), so ``k3opt.io.save`` copies the bytes into the model's data file.
+Weights already in memory are simply concatenated.
 """
 from __future__ import annotations
 
@@ -26,7 +22,6 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
@@ -92,12 +87,20 @@ class SpillFile:
             os.remove(self.path)
 
 
+def concat_last_axis(sources: Sequence[Source]) -> Union[np.ndarray, "ConcatValues"]:
+    """2-D weights concatenated on the last axis: lazily when a source is in external data, else now."""
+    if any(is_external(s) for s in sources):
+        return ConcatValues(sources)
+    return np.concatenate([read(s) for s in sources], axis=-1)
+
+
 class ConcatValues(LazyValues):
     """The concatenation of 2-D weights on their last axis, computed when first needed.
 
     Sources are the siblings' own ``LazyValues`` or arrays (never a copy), so
     merging costs no memory; ``load()`` (a pass reading ``Constant.values``)
-    returns the array, ``tensor`` (gs export) the ``TensorProto``.
+    returns the array, ``tensor`` (gs export, or a pass looking at the proto)
+    spills it once and returns the external-data ``TensorProto``.
     """
 
     def __init__(self, sources: Sequence[Source]):
@@ -116,14 +119,10 @@ class ConcatValues(LazyValues):
 
     @property
     def tensor(self) -> onnx.TensorProto:
-        """The weight as a ``TensorProto``: in memory, or spilled when a source is external."""
-        if self._spilled is None and any(is_external(s) for s in self.sources):
+        """The weight as an external-data ``TensorProto`` in the spill file (written on first use)."""
+        if self._spilled is None:
             self._spilled = self._spill()
-        if self._spilled is not None:
-            proto = onnx.TensorProto()
-            proto.CopyFrom(self._spilled)
-            return proto
-        return numpy_helper.from_array(self.load())
+        return self._spilled
 
     def _spill(self) -> onnx.TensorProto:
         """Write the concatenation into the spill file, one source at a time."""

@@ -10,8 +10,8 @@ fuse-matmul-add (order 700) then turns into a Gemm. The Split's outputs are
 the siblings' own output tensors, so names and graph outputs are unchanged.
 
 Not a single-rooted pattern (a group is found from the shared input), so
-the pass works on gs directly. Merged weights are :class:`ConcatValues`:
-nothing is read or copied until the model is saved (see k3opt/lazy_values.py).
+the pass works on gs directly. Merged weights of external-data models are
+lazy: nothing is read or copied until the model is saved (k3opt/lazy_values.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..ir import Graph, Node, Tensor, is_graph_output, producer, rank
-from ..lazy_values import PACKED_TYPES, ConcatValues, onnx_type
+from ..lazy_values import PACKED_TYPES, concat_last_axis, onnx_type
 from .base import Pass, PassContext, register_pass
 
 
@@ -98,7 +98,7 @@ def _merge(graph: Graph, ctx: PassContext, group: list[tuple[Node, gs.Constant]]
 
     merged_w = gs.Constant(
         ctx.fresh_name(f"{base}_merged_weight"),
-        ConcatValues([w._values for w in weights]),
+        concat_last_axis([w._values for w in weights]),
     )
     mm_out = variable("merged")
     new = [gs.Node("MatMul", ctx.fresh_name(f"{base}_merged"), inputs=[x, merged_w], outputs=[mm_out])]
