@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .models import BIG, ModelSpec, cached_path, ensure_built
 from .optimizers import PROTOBUF_SAFE, model_bytes
-from .procs import python_module, run_measured, write_result
+from .procs import python_module, ram_gib, run_measured, write_result
 
 VARIANTS = ("gs-eager", "gs-lazy", "onnx-ir")
 
@@ -77,7 +77,7 @@ def worker(variant: str, src: Path) -> dict:
     return {"time_s": time.perf_counter() - t0, "phases": phases}
 
 
-def compare(names: list[str], timeout: float) -> list[dict]:
+def compare(names: list[str], limits: dict) -> list[dict]:
     """Every variant on every model, each in its own measured process."""
     rows = []
     for name in names:
@@ -86,7 +86,7 @@ def compare(names: list[str], timeout: float) -> list[dict]:
             if path is None:
                 rows.append({"model": name, "variant": variant, "status": "not built", "error": err})
                 continue
-            res = run_measured(python_module("bench.ir_compare", "--worker", variant, str(path)), timeout)
+            res = run_measured(python_module("bench.ir_compare", "--worker", variant, str(path)), **limits)
             rows.append({"model": name, "mbytes": model_bytes(path) / 1e6, "variant": variant, **res.to_dict()})
     return rows
 
@@ -108,6 +108,7 @@ def main(argv: "list[str] | None" = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.ir_compare")
     ap.add_argument("--models", default=None, help=f"comma-separated (default llama-d64, plus {BIG} if built)")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--max-rss-gb", type=float, default=round(ram_gib() / 2, 1))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--worker", nargs=2, metavar=("VARIANT", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -116,7 +117,7 @@ def main(argv: "list[str] | None" = None) -> None:
         return
     names = args.models.split(",") if args.models else ["llama-d64"] + (
         [BIG] if cached_path(ModelSpec(BIG, "llama")).exists() else [])
-    rows = compare(names, args.timeout)
+    rows = compare(names, {"timeout_s": args.timeout, "max_rss_mb": args.max_rss_gb * 1024})
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     sys.stdout.write(table(rows))

@@ -125,6 +125,11 @@ def write_result(payload: dict) -> None:
         json.dump({**payload, "vmhwm_mb": memory_mb()[1]}, f)
 
 
+def ram_gib() -> float:
+    """Physical memory of this machine in GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
 def python_module(module: str, *args: str) -> list[str]:
     """Command line running ``python -m module args`` with this interpreter."""
     return [sys.executable, "-m", module, *args]

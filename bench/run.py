@@ -23,7 +23,7 @@ import onnx
 
 from .models import CACHE, ModelSpec, ensure_built, model_set, select
 from .optimizers import OPTIMIZERS, model_bytes
-from .procs import python_module, run_measured
+from .procs import python_module, ram_gib, run_measured
 from .report import render
 
 _NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.DOUBLE: np.float64,
@@ -116,10 +116,6 @@ def _load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def _ram_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-
-
 def machine() -> str:
     """``nproc``, memory and CPU model of this machine."""
     cpu = platform.processor() or "unknown CPU"
@@ -128,7 +124,7 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{os.cpu_count()} CPUs, {_ram_gib():.0f} GiB RAM, {cpu}, Python {platform.python_version()}"
+    return f"{os.cpu_count()} CPUs, {ram_gib():.0f} GiB RAM, {cpu}, Python {platform.python_version()}"
 
 
 def versions() -> str:
@@ -151,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--model-file", action="append", default=[], type=Path, help="benchmark this .onnx too")
     ap.add_argument("--optimizers", help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per optimize or evaluate process")
-    ap.add_argument("--max-rss-gb", type=float, default=round(_ram_gib() / 2, 1),
+    ap.add_argument("--max-rss-gb", type=float, default=round(ram_gib() / 2, 1),
                     help="kill a child above this RSS (default: half the RAM; the machine may be shared)")
     ap.add_argument("--budget", type=float, help="seconds of timed runs per latency figure (default 2, quick 0.5)")
     ap.add_argument("--out", type=Path, help="result folder (default ~/.cache/k3opt-bench/results/<time>)")
