@@ -1,8 +1,9 @@
 """The library entry points: ``optimize`` (proto or path in, proto out) and ``optimize_file``.
 
 Both run the pipeline of docs/design.md: load (weights stay on disk) ->
-opset conversion -> --input-shape -> gs import -> passes to a fixed point
--> cleanup/toposort -> export -> verification -> [cann lowering] -> save.
+--input-shape -> opset conversion -> gs import -> passes to a fixed point
+-> cleanup/toposort -> export -> verification against the model as given
+-> [cann lowering] -> save.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from .passes.manager import PassManager
 from .report import ModelSummary, Report
 
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]
-Progress = Optional[Callable[[str], None]]
+ProgressSink = Optional[Callable[[str], None]]
 TARGETS = ("onnx", "cann")
 
 
@@ -41,10 +42,10 @@ def optimize(
 ) -> onnx.ModelProto:
     """Optimize ``model`` (a ModelProto, never mutated, or a path) and return the new ModelProto.
 
-    ``options`` also takes ``rtol``, ``atol``, ``input_data`` (verification),
-    ``progress`` (a callable receiving step messages) and ``report`` (a
-    Report to fill in); anything else is handed to the passes in
-    ``PassContext.options``. Raises a :class:`k3opt.K3optError` subclass.
+    ``options`` also takes ``rtol``, ``atol``, ``input_data``, ``seed``
+    (verification), ``progress`` (a callable receiving step messages) and
+    ``report`` (a Report to fill in); anything else is handed to the passes
+    in ``PassContext.options``. Raises a :class:`k3opt.K3optError` subclass.
     """
     report = options.pop("report", None) or Report()
     return _Run(report, **options).optimize(
@@ -103,7 +104,7 @@ class _Run:
     """One optimization run: its report, progress sink and verification settings."""
 
     def __init__(
-        self, report: Report, *, progress: Progress = None, rtol: Optional[float] = None,
+        self, report: Report, *, progress: ProgressSink = None, rtol: Optional[float] = None,
         atol: Optional[float] = None, input_data: Any = None, seed: int = 0, **pass_options: Any,
     ):
         self.report = report
@@ -177,7 +178,7 @@ class _Run:
         report.after = ModelSummary.of(out, io.proto_size(out), opsets.model_opset(out))
         return out
 
-    def _pass_progress(self) -> Progress:
+    def _pass_progress(self) -> ProgressSink:
         if self.progress is None:
             return None
         progress = self.progress
