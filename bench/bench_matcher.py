@@ -1,15 +1,16 @@
 """Pattern matcher throughput: a rule set over a ~100k-node graph must take seconds, not minutes.
 
-``python -m bench.bench_matcher [--blocks 5000] [--rules 6]`` builds, directly in onnx-graphsurgeon,
+``python -m bench.bench_matcher [--blocks 6250] [--rules 6]`` builds, directly in onnx-graphsurgeon,
 a chain of transformer-FFN-like blocks (MatMul + bias Add, decomposed erf GELU in one of its
-exporter forms, a residual Add, a decomposed square) of 20 nodes each, and times:
+exporter forms, a residual Add, a decomposed square) of 16 nodes each, and times:
 
 - ``first``: one rule-set pass run that rewrites every block (matches + commits);
 - ``fixpoint``: a second run over the rewritten graph (nothing left to match: the pure scan cost);
-- ``decoys``: the same rules over an unrewritable copy (every candidate refused deep in the pattern).
+- ``decoys``: the same rules over a copy whose GELUs all carry a wrong constant (every GELU
+  candidate is refused deep in the pattern; the bias and square rules still fire).
 
-Prints one line per phase (seconds, nodes, rewrites, µs per node) and exits 1 if any phase
-exceeds ``--limit`` seconds (default 30).
+Prints one line per phase (wall and CPU seconds, nodes, rewrites, µs of CPU per node; CPU time
+because the machine is shared) and exits 1 if any phase exceeds ``--limit`` CPU seconds (default 30).
 """
 from __future__ import annotations
 
@@ -90,16 +91,17 @@ def build(blocks: int, decoy: bool = False) -> gs.Graph:
     return gs.Graph(nodes=nodes, inputs=[x], outputs=[cur], opset=20)
 
 
-def timed(graph: gs.Graph, rule_set: list[Rule]) -> tuple[float, int]:
+def timed(graph: gs.Graph, rule_set: list[Rule]) -> tuple[float, float, int]:
+    """(wall s, CPU s, rewrites) of one rule-set run."""
     ctx = PassContext(opset=20, names=NameScope(graph))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n = RuleApplier(graph, ctx, rule_set).run()
-    return time.perf_counter() - t0, n
+    return time.perf_counter() - t0, time.process_time() - c0, n
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, default=5000, help="20 nodes each (default 5000: 100k nodes)")
+    ap.add_argument("--blocks", type=int, default=6250, help="16 nodes each (default 6250: 100k nodes)")
     ap.add_argument("--rules", type=int, default=6)
     ap.add_argument("--limit", type=float, default=30.0, help="fail above this many seconds per phase")
     args = ap.parse_args(argv)
@@ -108,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     graph = build(args.blocks)
     for phase, g in (("first", graph), ("fixpoint", graph), ("decoys", build(args.blocks, decoy=True))):
         nodes = len(g.nodes)
-        seconds, n = timed(g, rule_set)
-        print(f"{phase:9s} {seconds:7.2f} s  {nodes:7d} nodes  {n:6d} rewrites  "
-              f"{seconds / nodes * 1e6:6.1f} us/node")
-        slow |= seconds > args.limit
+        wall, cpu, n = timed(g, rule_set)
+        print(f"{phase:9s} {wall:7.2f} s wall {cpu:7.2f} s CPU  {nodes:7d} nodes  {n:6d} rewrites  "
+              f"{cpu / nodes * 1e6:6.1f} us/node")
+        slow |= cpu > args.limit
     return 1 if slow else 0
 
 

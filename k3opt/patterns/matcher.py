@@ -162,10 +162,13 @@ class Matcher:
             else:
                 self._fail(f"'{key[1]}' is bound to '{self.s.values[key].name}', here it would be '{t.name}'")
             return
+        if isinstance(p, Var):  # the most common case, without a nested generator
+            self.s.values[key] = t
+            yield
+            del self.s.values[key]
+            return
         if isinstance(p, NodeOutput):
             inner = self._node_output(p, t)
-        elif isinstance(p, Var):
-            inner = iter((None,))
         elif isinstance(p, ConstantPattern):
             inner = self._constant(p, t)
         elif isinstance(p, AnyConstantPattern):
@@ -253,22 +256,21 @@ class Matcher:
 
     def _header(self, p: NodePattern, n: Node) -> bool:
         """Op type, domain, arity and attributes (with schema defaults)."""
-        where = describe(n)
         if n.op != p.op_type:
-            return self._fail(f"{where}: expected op {p.op_type}")
+            return self._fail(f"{describe(n)}: expected op {p.op_type}")
         domain = "" if n.domain in (None, "ai.onnx") else n.domain
         if domain != p.domain:
-            return self._fail(f"{where}: domain '{domain}', expected '{p.domain}'")
+            return self._fail(f"{describe(n)}: domain '{domain}', expected '{p.domain}'")
         n_in = len(node_inputs(n))
         if n_in != len(p.inputs) and not (p.allow_other_inputs and n_in >= len(p.inputs)):
-            return self._fail(f"{where}: has {n_in} inputs, pattern has {len(p.inputs)}")
+            return self._fail(f"{describe(n)}: has {n_in} inputs, pattern has {len(p.inputs)}")
         if len(n.outputs) < p.n_outputs:
-            return self._fail(f"{where}: has {len(n.outputs)} outputs, pattern needs {p.n_outputs}")
+            return self._fail(f"{describe(n)}: has {len(n.outputs)} outputs, pattern needs {p.n_outputs}")
         for name, want in p.attrs.items():
             have = attr_value(n.attrs, n.op, domain, self.opset, name)
             if not attr_equal(want, have):
                 shown = "a predicate" if callable(want) else repr(want)
-                return self._fail(f"{where}: attribute {name}={have!r}, expected {shown}")
+                return self._fail(f"{describe(n)}: attribute {name}={have!r}, expected {shown}")
         return True
 
     def _orders(self, p: NodePattern, inputs: list[Tensor]) -> list[tuple[int, ...]]:
