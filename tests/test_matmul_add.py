@@ -228,3 +228,27 @@ def test_real_exports_merge_every_sibling_group_and_fuse_every_bias(name, export
     # comparison is about the rewrites, which the hand-made tests check together with their own shapes.
     del out.graph.value_info[:]
     assert_equivalent(model, out, feeds=zoo_inputs(name))
+
+
+def test_pairs_in_if_branches_do_not_share_nodes_across_graphs():
+    """Each If branch flattens the outer x itself; the main graph's pair must not reuse a branch's Reshape."""
+    def branch(tag: str) -> onnx.GraphProto:
+        nodes = [helper.make_node("Reshape", ["x", f"flat{tag}"], [f"r{tag}"]),
+                 helper.make_node("MatMul", [f"r{tag}", f"W{tag}"], [f"mm{tag}"]),
+                 helper.make_node("Add", [f"mm{tag}", f"b{tag}"], [f"y{tag}"])]
+        inits = [onnx.numpy_helper.from_array(w(*s), f"{p}{tag}") for p, s in (("W", (8, 6)), ("b", (6,)))]
+        inits.append(onnx.numpy_helper.from_array(np.array([-1, 8], np.int64), f"flat{tag}"))
+        outputs = [helper.make_tensor_value_info(f"y{tag}", F, ["BS", 6])]
+        return helper.make_graph(nodes, tag, [], outputs, inits,
+                                 value_info=[helper.make_tensor_value_info(f"r{tag}", F, ["BS", 8])])
+
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["main"]),
+             helper.make_node("If", ["cond"], ["branch"], then_branch=branch("T"), else_branch=branch("E"))]
+    model = make_model(nodes, [("x", F, ["B", "S", 8]), ("cond", TensorProto.BOOL, [])],
+                       [("main", F, ["B", "S", 6]), ("branch", F, ["BS", 6])], {"W": w(8, 6), "b": w(6)})
+    out, n = fused(model, target="cann")
+    assert n == 3 and op_counts(out)["Gemm"] == 1 and op_counts(out)["Reshape"] == 2
+    onnx.checker.check_model(out, full_check=True)
+    for cond in (True, False):
+        feeds = {"x": RNG.standard_normal((2, 3, 8)).astype(np.float32), "cond": np.array(cond)}
+        assert_equivalent(model, out, feeds=feeds)
