@@ -7,7 +7,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import k3opt
+from k3opt import io
 from k3opt.cann_bridge import invariant_violations, lower
+from k3opt.cann_bridge.lowering import cast_like_to_cast
 from k3opt.report import Report
 from tests.cann_models import decompose_npu_rmsnorm, rms_model, rmsnorm_nodes
 from tests.helpers import assert_equivalent, make_model, op_counts
@@ -108,3 +110,28 @@ def test_lower_refuses_to_return_a_model_breaking_the_invariants():
                        [("y", TensorProto.FLOAT, [2])], opset=18)
     with pytest.raises(k3opt.CompileError, match="cann target's invariants"):
         lower(model)
+
+
+
+@pytest.mark.parametrize("like_type", [TensorProto.FLOAT16, TensorProto.INT64, TensorProto.BFLOAT16])
+def test_cast_like_becomes_cast(like_type):
+    nodes = [helper.make_node("Constant", [], ["like"], value=helper.make_tensor("v", like_type, [1], [0])),
+             helper.make_node("CastLike", ["x", "like"], ["c"], name="cl"),
+             helper.make_node("CastLike", ["c", "x"], ["y"], name="back")]
+    model = make_model(nodes, [("x", TensorProto.FLOAT, [2, 3])], [("y", TensorProto.FLOAT, [2, 3])])
+    out, lines = lowered(model)
+    assert op_counts(out) == {"Cast": 2}
+    assert [a.i for n in out.graph.node for a in n.attribute if a.name == "to"] == [like_type, TensorProto.FLOAT]
+    assert lines[-1] == "CastLike -> Cast: 2 lowered"
+    feeds = {"x": (np.random.default_rng(0).standard_normal((2, 3)) * 10).astype(np.float32)}
+    assert_equivalent(model, out, feeds=feeds, rtol=0, atol=0)
+
+
+def test_cast_like_with_unknown_dtype_is_kept_and_reported():
+    model = make_model([helper.make_node("CastLike", ["x", "like"], ["y"], name="cl")],
+                       [("x", TensorProto.FLOAT, [2]), ("like", TensorProto.FLOAT16, [1])],
+                       [("y", TensorProto.FLOAT16, [2])])
+    graph = io.import_graph(model)
+    graph.inputs[1].dtype = None
+    assert cast_like_to_cast(graph) == ["CastLike -> Cast: 0 lowered; 1 kept (dtype of the second input unknown: cl)"]
+    assert graph.nodes[0].op == "CastLike"

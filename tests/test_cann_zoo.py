@@ -31,12 +31,19 @@ def expected_npu_rmsnorms(name: str) -> int:
 _CONVERSION_BLOCKED = {("llama", "dynamo"), ("qwen2", "dynamo"), ("deepseek_v3", "dynamo")}
 
 
+#: Exports left with SplitToSequence/SequenceAt (no ATC parser) until the sequence->Split clean-up handles them.
+_SEQUENCE_LEFT = {("gpt2", "dynamo")}
+
+
 def _cases():
     fast = {("llama", "torchscript")}
     blocked = pytest.mark.xfail(raises=k3opt.UsageError, strict=False,
                                 reason="core: opset 18 -> 17 conversion runs before folding the ReduceMean axes")
+    sequences = pytest.mark.xfail(raises=AssertionError, strict=False,
+                                  reason="SplitToSequence/SequenceAt left for ATC (clean-up pass, not the bridge)")
     return [pytest.param(n, e, marks=[m for m, on in ((pytest.mark.slow, (n, e) not in fast),
-                                                      (blocked, (n, e) in _CONVERSION_BLOCKED)) if on])
+                                                      (blocked, (n, e) in _CONVERSION_BLOCKED),
+                                                      (sequences, (n, e) in _SEQUENCE_LEFT)) if on])
             for n in NAMES for e in EXPORTERS]
 
 
@@ -48,6 +55,7 @@ def test_cann_target_invariants_on_exports(name, exporter):
     assert [(o.domain or "", o.version) for o in out.opset_import] == [("", 17)]
     assert invariant_violations(out) == []
     assert op_counts(out).get("NPURmsNorm", 0) == expected_npu_rmsnorms(name), report.lowering
+    assert [str(f) for f in check_model(out) if f.kind != "dynamic"] == []  # every node has an ATC parser
     # The lowered model computes what the export does (NPURmsNorm replaced by the plugin's formula).
     feeds = zoo_inputs(name)
     original = onnx.load(str(path))

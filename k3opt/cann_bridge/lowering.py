@@ -1,8 +1,9 @@
 """``lower``: the NPU lowerings of ``--target cann``, applied after verification, and the target's invariants.
 
-The only lowering: a recognised RMSNorm (``x / sqrt(mean(x^2) + eps) * w``,
-found by :func:`k3opt.passes.rms_norm.rmsnorm_rules`) becomes ``NPURmsNorm``
-when ATC's plugin computes exactly the same thing. Per the plugin sources
+Lowerings: ``CastLike`` -> ``Cast`` (ATC has no CastLike parser); and a
+recognised RMSNorm (``x / sqrt(mean(x^2) + eps) * w``, found by
+:func:`k3opt.passes.rms_norm.rmsnorm_rules`) becomes ``NPURmsNorm`` when
+ATC's plugin computes exactly the same thing. Per the plugin sources
 (hicann/ops-nn ``norm/rms_norm``): the ONNX node ``NPURmsNorm(x, gamma) -> (y,
 rstd)`` in the default domain maps to GE ``RmsNorm``; epsilon is hard-coded
 to 1e-6 (the node's attributes are ignored); gamma must have exactly the
@@ -26,6 +27,7 @@ from ..ir import NameScope
 from ..passes.base import PassContext
 from ..patterns import RewriteBuilder
 from ..passes._norm_common import NormMatch, OrderedRulesPass, affine_input, norm_input
+from ..passes.rms_norm import rmsnorm_rules
 from .atc_ops import NPU_OPS
 from .compat import all_nodes
 
@@ -113,8 +115,6 @@ def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     Raises CompileError when the result breaks the target's invariants
     (:func:`invariant_violations`), which would make ATC refuse it.
     """
-    from ..passes.rms_norm import rmsnorm_rules  # the norm-fusion pass's recogniser, reused
-
     graph = io.import_graph(model)
     shapes.ShapeRefresher()(graph)
     ctx = PassContext(opset=CANN_OPSET, target="cann", names=NameScope(graph))
@@ -123,8 +123,33 @@ def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     for node in graph.nodes:
         if node.domain == _STAGING_DOMAIN:
             node.domain = None
+    lines = rms.lines() + cast_like_to_cast(graph)
     out = api.export(graph, model)
     violations = invariant_violations(out)
     if violations:
         raise CompileError("the model breaks the cann target's invariants: " + "; ".join(violations[:5]))
-    return out, rms.lines()
+    return out, lines
+
+
+def cast_like_to_cast(graph: gs.Graph) -> list[str]:
+    """``CastLike(x, like)`` -> ``Cast(x, to=dtype(like))`` wherever ``like``'s dtype is known (exact).
+
+    ATC has no CastLike parser (k3opt's table; dynamo exports are full of
+    them). Returns the report line, if any CastLike was seen.
+    """
+    done, left = 0, []
+    for node in graph.nodes:
+        if node.op != "CastLike":
+            continue
+        dtype = node.inputs[1].dtype
+        if dtype is None:
+            left.append(node.name)
+            continue
+        to = dtype if isinstance(dtype, int) else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        node.op, node.attrs = "Cast", {"to": to}
+        del node.inputs[1]  # keeps gs's use-def links right (the like-tensor loses this consumer)
+        done += 1
+    if not done and not left:
+        return []
+    kept = f"; {len(left)} kept (dtype of the second input unknown: {', '.join(left[:5])})" if left else ""
+    return [f"CastLike -> Cast: {done} lowered{kept}"]
