@@ -156,7 +156,10 @@ def import_graph(model: onnx.ModelProto) -> gs.Graph:
 
     The graph shares TensorProtos with ``model``: import a proto you own.
     """
-    graph = gs.import_onnx(model)
+    try:
+        graph = gs.import_onnx(model)
+    except Exception as exc:  # gs raises assorted types on models it cannot represent
+        raise InputError(f"the graph cannot be imported ({type(exc).__name__}: {exc})") from exc
     graphs = [graph]
     for node in graph.nodes:
         graphs.extend(node.subgraphs(recursive=True))
@@ -226,6 +229,8 @@ def load(path: PathLike) -> onnx.ModelProto:
         raise InputError(f"{p}: is a directory, not an ONNX model file")
     if p.stat().st_size == 0:
         raise InputError(f"{p}: file is empty")
+    if not os.access(p, os.R_OK):
+        raise InputError(f"{p}: permission denied")
     try:
         model = onnx.load(str(p), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError, OSError, UnicodeDecodeError) as exc:
