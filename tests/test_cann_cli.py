@@ -178,3 +178,18 @@ def test_compile_quiet_prints_nothing(runner, tmp_path, atc):
     res = runner.invoke(main, ["compile", src, "--soc-version", "Ascend910B3", "-o", str(tmp_path / "o"), "-q",
                                "--no-verify"])
     assert res.exit_code == 0 and res.stdout == "" and (tmp_path / "o.om").is_file()
+
+
+def test_output_prefix_that_would_overwrite_the_input_is_refused(tmp_path, atc):
+    src = save(rms_model(), tmp_path / "m.onnx")
+    before = (tmp_path / "m.onnx").read_bytes()
+    with pytest.raises(UsageError, match="over the input"):
+        compile_model(src, tmp_path / "m", AtcOptions(soc_version="Ascend910B3"))
+    assert (tmp_path / "m.onnx").read_bytes() == before
+
+
+def test_recompiling_to_the_same_prefix_replaces_the_outputs(tmp_path, atc):
+    src = save(rms_model(), tmp_path / "m.onnx")
+    for _ in range(2):
+        res = compile_model(src, tmp_path / "out" / "m", AtcOptions(soc_version="Ascend910B3"), verify=False)
+        assert res.om_path.is_file()

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Union
 import onnx
 
 from .. import api, io
-from ..errors import CompileError
+from ..errors import CompileError, UsageError
 from ..report import Report
 from .atc_command import AtcOptions, build_command, check_output_prefix, render, validate
 from .atc_locate import find_atc
@@ -47,7 +47,7 @@ def _optimize(model: Union[str, os.PathLike, onnx.ModelProto], dst: Path, static
         report.files = [str(p) for p in io.save(out, dst)]
         report.output = str(dst)
         return report
-    return api.optimize_file(model, dst, target="cann", input_shapes=shapes, overwrite=True, **options)
+    return api.optimize_file(model, dst, target="cann", input_shapes=shapes, **options)
 
 
 def compile_model(
@@ -76,6 +76,8 @@ def compile_model(
     tool = _locate(atc, dry_run)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     onnx_path = prefix.with_name(prefix.name + ".onnx")
+    if not isinstance(model, onnx.ModelProto) and Path(model).absolute() == onnx_path:
+        raise UsageError(f"-o {output} would write the optimized model over the input {model}: choose another prefix")
     static = [str(s) for s in shapes if s.static]  # fixed sizes help folding; scalars have none to fix
     report = _optimize(model, onnx_path, static, optimize_options)
     for line in report.lowering:
