@@ -75,11 +75,6 @@ def load_entry_point_plugins() -> None:
             raise _entry_point_error from exc
 
 
-def loaded_plugins() -> dict[str, str]:
-    """Plugins loaded so far: spec -> plugin name."""
-    return dict(_loaded)
-
-
 def _resolve(spec: str) -> tuple[str, str, Callable[[], Any]]:
     """(plugin name, identity key, loader) for a string spec."""
     if spec.endswith(".py") or os.sep in spec or (os.altsep and os.altsep in spec):

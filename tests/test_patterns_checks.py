@@ -98,3 +98,8 @@ def test_constant_helpers():
     c = gs.Constant("c", np.array([2.5], np.float32))
     assert checks.const_scalar(c) == 2.5 and checks.const_value(_t("v", (2,))) is None
     assert checks.is_float(c) and checks.last_dim(c) == 1 and checks.static_shape(_t("v", ("n",))) is None
+    v = _t("v", (2,))
+    gs.Node("Relu", inputs=[v], outputs=[_t("r", (2,))])
+    assert checks.single_consumer(v) and not checks.single_consumer(c)
+    gs.Node("Neg", inputs=[v], outputs=[_t("n", (2,))])
+    assert not checks.single_consumer(v) and not checks.is_float(gs.Variable("i", np.int64))

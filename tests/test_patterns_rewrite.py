@@ -197,3 +197,27 @@ def test_number_in_rewrite_takes_the_dtype_of_the_other_inputs():
     onnx.checker.check_model(out, full_check=True)
     assert out.graph.initializer[0].data_type == TP.FLOAT16
     assert_equivalent(model, out, rtol=1e-3, atol=1e-3)
+
+
+def test_debug_is_silent_once_the_rule_has_matched_and_counts_matches(monkeypatch):
+    monkeypatch.setenv("K3OPT_DEBUG_RULES", "all")
+    _, pm, ctx = run_passes(relu_chain(2), [RuleSetPass([NEG_RELU], name="p")])
+    assert pm.rounds == 2 and ctx.counters["rule:neg-relu"] == 2 and not ctx.notes
+
+
+def test_match_api():
+    seen = {}
+
+    def check(m):
+        seen.update(x=m["x"].name, has=("x" in m, "nope" in m), get=m.get("nope", 7), neg=m.node("neg").op,
+                    nodes=sorted(n.op for n in m.nodes), outputs=[t.name for t in m.outputs],
+                    const=m.const("x"), is_const=m.is_const("x"), shape=m.shape("x"), rank=m.rank("x"))
+        with pytest.raises(KeyError, match="bound: \\['x'\\]"):
+            m["nope"]
+        with pytest.raises(KeyError, match="labels: \\['neg'\\]"):
+            m.node("nope")
+        return True
+
+    run_graph(relu_chain(1), RuleSetPass([Rule("api", relu_neg, lambda op, m: None, check)], name="p"))
+    assert seen == dict(x="t0", has=(True, False), get=7, neg="Neg", nodes=["Neg", "Relu"], outputs=["t2"],
+                        const=None, is_const=False, shape=(4,), rank=1)

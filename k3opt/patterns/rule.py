@@ -38,7 +38,6 @@ class Rule:
         debug: bool = False,
     ):
         self.name = name
-        self.pattern_fn = pattern
         self.pattern: Pattern = build_pattern(pattern)
         self.rewrite = rewrite
         self.check = check
@@ -128,11 +127,13 @@ class RuleApplier:
                         break
         finally:
             self.editor.flush()
-        for rule in self.rules:
-            if rule.name in self.closest and not self.matched[rule.name] and self.explain and not self.dry_run:
-                message = self.closest[rule.name].explain(rule)
-                log.warning(message)
-                self.ctx.note(message)
+        if not self.dry_run:
+            for rule in self.rules:
+                self.ctx.count(f"rule:{rule.name}", self.matched[rule.name])
+                if rule.name in self.closest and self.explain and not self.ctx.counters[f"rule:{rule.name}"]:
+                    message = self.closest[rule.name].explain(rule)  # never matched in this optimization
+                    log.warning(message)
+                    self.ctx.note(message)
         return rewrites
 
     def _try(self, rule: Rule, matcher: Matcher, node: Node) -> bool:
