@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir import Graph, Node, const_value
+from ..ir import Graph, Node
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass, is_used
+from .fold_eval import value_of
 
 
 def _const_is(t, value: float) -> bool:
-    v = const_value(t) if t is not None and t.name else None
+    v = value_of(t)
     return v is not None and np.asarray(v).size == 1 and float(np.asarray(v).ravel()[0]) == value
 
 

@@ -23,9 +23,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..ir import Graph, Node, Tensor, const_value, rank
+from ..ir import Graph, Node, Tensor, rank
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass, cast_target, int_list, onnx_type
+from .fold_eval import value_of
 
 INT64_MAX = np.iinfo(np.int64).max
 
@@ -122,7 +123,7 @@ def _neutral_arith(node: Node) -> Optional[Tensor]:
     sides = [(0, 1), (1, 0)] if node.op in ("Add", "Mul") else [(0, 1)]
     for xi, ci in sides:
         x, c = node.inputs[xi], node.inputs[ci]
-        v = const_value(c)
+        v = value_of(c)
         if v is None:
             continue
         v = np.asarray(v)

@@ -13,8 +13,9 @@ from typing import ClassVar, Iterable, Optional
 import numpy as np
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
-from ..ir import Graph, Node, Tensor, const_value, is_graph_output, producer, replace_uses
+from ..ir import Graph, Node, Tensor, is_graph_output, producer, replace_uses
 from .base import Pass, PassContext
+from .fold_eval import value_of
 
 
 def graphs(graph: Graph) -> Iterable[Graph]:
@@ -96,7 +97,7 @@ def onnx_type(t: Tensor) -> Optional[int]:
 
 def int_list(t: Tensor) -> Optional[list[int]]:
     """A constant int tensor as a list, else None."""
-    v = const_value(t) if t is not None and t.name else None
+    v = value_of(t)
     return None if v is None else [int(x) for x in np.asarray(v).ravel()]
 
 

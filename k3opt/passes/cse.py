@@ -25,6 +25,7 @@ from ..ir import Graph, Node, Tensor, is_graph_output, replace_uses
 from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import can_replace, detach, remove
 from .fold_constants import RANDOM_OPS
+from .fold_eval import peek
 
 DEFAULT_MAX_CONST_BYTES = 1 << 20
 _DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
@@ -39,7 +40,7 @@ def _attr_key(value: object) -> Optional[Hashable]:
     if isinstance(value, gs.Graph):
         return None
     if isinstance(value, gs.Constant):
-        v = np.asarray(value.values)
+        v = np.asarray(peek(value))
         return ("tensor", str(v.dtype), v.shape, _digest(v))
     if isinstance(value, (list, tuple)):
         items = [_attr_key(v) for v in value]
@@ -94,7 +95,7 @@ class EliminateCommonSubexpressions(Pass):
                 continue
             first: dict[str, Tensor] = {}
             for c in sorted(group, key=lambda c: c.name):
-                key = _digest(np.asarray(c.values))
+                key = _digest(np.asarray(peek(c)))
                 keep = first.setdefault(key, c)
                 if keep is not c and can_replace(graph, c, keep):
                     replace_uses(graph, c, keep)

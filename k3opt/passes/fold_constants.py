@@ -28,7 +28,9 @@ import onnx_graphsurgeon as gs
 from ..ir import Graph, Node, Tensor, is_graph_output, producer, replace_uses
 from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach, is_used, remove
-from .fold_eval import EvalError, as_array, folded_constant, outer_refs, run_ort, run_reference
+from .fold_eval import (
+    EvalError, as_array, constant_node_value, folded_constant, outer_refs, run_ort, run_reference, value_of,
+)
 from .fold_guard import too_big
 from .fold_shapes import fold_shape_value
 
@@ -36,7 +38,7 @@ from .fold_shapes import fold_shape_value
 RANDOM_OPS = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 )
-FOLDABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
+FOLDABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "com.microsoft"})
 SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "Slice"})
 MAX_SWEEPS = 32
 
@@ -70,7 +72,7 @@ class FoldConstants(Pass):
             out = node.outputs[0]
             if is_graph_output(graph, out) or not out.outputs:
                 continue
-            value = _constant_attr(node)
+            value = constant_node_value(node)
             if value is None:
                 continue
             name = out.name
@@ -136,7 +138,7 @@ class FoldConstants(Pass):
             return p is not None and p.op == "Constant"
 
         def value(t: Tensor) -> Optional[np.ndarray]:
-            return None if id(t) in pending else _maybe_value(t)
+            return None if id(t) in pending else value_of(t)
 
         def try_add(node: Node) -> None:
             if id(node) in seen or id(node) not in in_graph or not self._eligible(graph, node):
@@ -163,7 +165,7 @@ class FoldConstants(Pass):
         if id(node) in self._failed or not any(is_used(graph, t) for t in node.outputs):
             return False
         if node.op == "Dropout" and len(node.inputs) > 2 and node.inputs[2].name:
-            mode = _maybe_value(node.inputs[2])
+            mode = value_of(node.inputs[2])
             return mode is not None and not bool(np.asarray(mode))
         return True
 
@@ -199,29 +201,6 @@ def _is_static(t: Tensor) -> bool:
 
 def _arrays(known: dict[str, object]) -> dict[str, np.ndarray]:
     return {k: a for k, v in known.items() if (a := as_array(v)) is not None}
-
-
-def _maybe_value(t: Tensor) -> Optional[np.ndarray]:
-    if isinstance(t, gs.Constant):
-        return t.values
-    p = producer(t)
-    c = _constant_attr(p) if p is not None and p.op == "Constant" else None
-    return None if c is None else c.values
-
-
-def _constant_attr(node: Node) -> Optional[gs.Constant]:
-    """The value of a ``Constant`` node as a gs constant, or None (sparse or unknown attribute)."""
-    attrs = node.attrs
-    if isinstance(attrs.get("value"), gs.Constant):
-        return gs.Constant(node.outputs[0].name, attrs["value"]._values)
-    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32),
-                       ("value_int", np.int64), ("value_ints", np.int64)):
-        if key in attrs:
-            return folded_constant(node.outputs[0].name, np.array(attrs[key], dtype=dtype))
-    for key in ("value_string", "value_strings"):
-        if key in attrs:
-            return folded_constant(node.outputs[0].name, np.array(attrs[key], dtype=object))
-    return None
 
 
 def _escapes(graph: Graph, t: Tensor, members) -> bool:

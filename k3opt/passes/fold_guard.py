@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..ir import Node, Tensor, const_shape
+from .fold_eval import peek
 from .fold_shapes import shape_only_uses
 
 DEFAULT_MAX_BYTES = 1 << 20
@@ -30,7 +31,7 @@ def _itemsize(node: Node) -> int:
     """Bytes per element of the output (ConstantOfShape: its ``value``; others: their data input)."""
     if node.op == "ConstantOfShape":
         fill = node.attrs.get("value")
-        return fill.values.dtype.itemsize if fill is not None else 4
+        return peek(fill).dtype.itemsize if fill is not None else 4
     dtype = node.inputs[0].dtype
     try:
         return np.dtype(dtype).itemsize if dtype is not None else 4
