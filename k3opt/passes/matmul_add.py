@@ -85,30 +85,11 @@ def _restore_dims(x: ir.Tensor) -> Optional[list[int]]:
     return [-1 if i in dynamic else int(d) for i, d in enumerate(lead)]
 
 
-def _reuse(graph: ir.Graph, x: ir.Tensor, op_type: str, accept) -> Optional[ir.Tensor]:
-    """The output of an existing ``op_type`` node of ``graph`` reading ``x`` that ``accept(node)`` likes.
-
-    Siblings share their flatten Reshape and Shape this way. ``x.outputs`` also
-    lists readers inside subgraphs, whose values ``graph`` cannot see, hence
-    the membership test (only run for the rare candidate).
-    """
-    for node in x.outputs:
-        if node.op == op_type and node.inputs and node.inputs[0] is x and accept(node):
-            if any(n is node for n in graph.nodes):
-                return node.outputs[0]
-    return None
-
-
-def _const_equals(t: ir.Tensor, values: list[int]) -> bool:
-    return ir.is_const(t) and np.array_equal(np.asarray(ir.const_value(t)).reshape(-1), values)
-
-
 def _leading_shape(op, m: Match) -> ir.Tensor:
-    """``shape(x)[:-1]`` computed at run time, reusing an existing identical ``Shape`` node."""
+    """``shape(x)[:-1]`` computed at run time (identical ones are merged by CSE in the next round)."""
     x = m["x"]
     if m.ctx.opset >= 15:
-        found = _reuse(m.graph, x, "Shape", lambda n: n.attrs.get("start", 0) == 0 and n.attrs.get("end") == -1)
-        return found if found is not None else op.Shape(x, start=0, end=-1)
+        return op.Shape(x, start=0, end=-1)
     return op.Slice(op.Shape(x), op.const([0], np.int64), op.const([-1], np.int64), op.const([0], np.int64))
 
 
@@ -120,10 +101,7 @@ def rewrite(op, m: Match):
         b = op.const(np.asarray(m.const("b")).reshape(-1), name=f"{b.name}_flat")
     if m.rank("x") == 2:
         return op.Gemm(x, w, b)
-    flat = _reuse(m.graph, x, "Reshape", lambda node: len(node.inputs) > 1 and _const_equals(node.inputs[1], [-1, k]))
-    if flat is None:
-        flat = op.Reshape(x, op.const([-1, k], np.int64))
-    y = op.Gemm(flat, w, b)
+    y = op.Gemm(op.Reshape(x, op.const([-1, k], np.int64)), w, b)
     dims = _restore_dims(x)
     if dims is not None:
         return op.Reshape(y, op.const(dims + [n], np.int64))
