@@ -111,9 +111,22 @@ def load_model(source: ModelSource, task: Optional[str], seed: int) -> Any:
         raise InputError(f"cannot export a {type(source).__name__}: give a model, a config, a config JSON or a folder")
     auto = getattr(tf, TASKS[task or infer_task(config)].auto_class)
     if weights is not None:
-        return auto.from_pretrained(weights, config=config, local_files_only=True)
+        with _no_progress_bars(tf):
+            return auto.from_pretrained(weights, config=config, local_files_only=True)
     torch.manual_seed(seed)
     return auto.from_config(config)
+
+
+@contextlib.contextmanager
+def _no_progress_bars(tf: Any) -> Iterator[None]:
+    """transformers' "Loading weights" bars would break ``k3opt export -q`` (and library callers' logs)."""
+    enabled = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            tf.utils.logging.enable_progress_bar()
 
 
 def _read_source(path: Path) -> tuple[Any, Optional[Path]]:
