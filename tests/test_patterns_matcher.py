@@ -325,3 +325,33 @@ def test_pattern_ending_later_claims_nodes_first():
                        [("x", F, [4])], [("y", F, [4])])
     out, n = apply(model, inner, outer)
     assert n == 1 and op_counts(out) == {"Abs": 1, "Min": 1, "Neg": 1}
+
+
+def test_or_at_the_root_anchors_every_alternative_op():
+    rule = Rule("act", lambda op, x: op.Neg(op.Or(op.Relu(x), op.Sigmoid(x), _name="act")), lambda op, m: None)
+    for act in ("Relu", "Sigmoid", "Tanh"):
+        model = make_model([node(act, ["x"], ["a"]), node("Neg", ["a"], ["y"])], [("x", F, [4])], [("y", F, [4])])
+        assert explain(rule, model)[0].startswith("rule 'act': matches" if act != "Tanh" else "rule 'act': no match")
+    root_or = Rule("root", lambda op, x: op.Or(op.Relu(x), op.Sigmoid(x)), lambda op, m: None)
+    assert root_or.pattern.anchors == {"Relu", "Sigmoid"}
+
+
+def test_pattern_forms_outputs_labels_domain_other_inputs_and_commute():
+    def split_pattern(op, x):
+        a, b = op.Split(x, _outputs=["a", "b"], axis=0, _allow_other_inputs=True, _name="split")
+        return op.Sub(a, b, _commute=False)
+
+    seen = []
+    rule = Rule("split-sub", split_pattern, lambda op, m: seen.append((m["a"].name, m["b"].name)))
+    model = make_model([node("Split", ["x", "sizes"], ["p", "q"], axis=0), node("Sub", ["p", "q"], ["y"])],
+                       [("x", F, [4])], [("y", F, [2])], {"sizes": np.array([2, 2], np.int64)})
+    assert explain(rule, model)[0] == "rule 'split-sub': matches at 1 node(s)"
+    apply(model, rule)
+    assert seen == [("p", "q")]
+    swapped = make_model([node("Split", ["x"], ["p", "q"], axis=0, num_outputs=2), node("Sub", ["q", "p"], ["y"])],
+                         [("x", F, [4])], [("y", F, [2])], opset=18)
+    assert "is not output 0" in explain(rule, swapped)[0]
+    custom = Rule("custom", lambda op, x: op.Relu(op.FastGelu(x, _domain="com.microsoft")), lambda op, m: None)
+    ms = make_model([node("FastGelu", ["x"], ["g"], domain="com.microsoft"), node("Relu", ["g"], ["y"])],
+                    [("x", F, [4])], [("y", F, [4])], extra_opsets=[("com.microsoft", 1)])
+    assert explain(custom, ms)[0].endswith("matches at 1 node(s)")
