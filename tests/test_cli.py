@@ -103,3 +103,16 @@ def test_progress_prints_only_slow_steps():
 def test_bare_k3opt_prints_help():
     code, out, err = invoke([])
     assert code == 0 and "optimize" in out and err == ""
+
+
+def test_user_input_data_and_tolerances_reach_verification(tiny_transformer, tmp_path):
+    import numpy as np
+
+    ids = np.array([[5, 17, 99, 0]], dtype=np.int64)
+    np.savez(tmp_path / "in.npz", input_ids=ids, attention_mask=np.array([[1, 1, 1, 0]], dtype=np.int64))
+    code, out, err = invoke(["optimize", tiny_transformer, "-o", tmp_path / "o.onnx", "--input-data",
+                             tmp_path / "in.npz", "--rtol", "0.001", "--atol", "0.0001", "--report", tmp_path / "r.json"])
+    assert code == 0, err
+    verification = json.loads((tmp_path / "r.json").read_text())["verification"]
+    assert verification["status"] == "passed"
+    assert (verification["rtol"], verification["atol"]) == (0.001, 0.0001)
