@@ -79,6 +79,18 @@ def test_llama_fp16_form():
     assert_fused(model, leftover={}, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("opset", [17, 23])
+def test_fp16_with_double_statistics_cast_back(opset):
+    """Statistics in double, cast back to fp16: fused at 23 (float32 statistics suffice for an fp16 result), and
+    counted below 23 although only the weighted rule, with its Cast back, accepts it."""
+    model = rms_model(opset=opset, etype=TP.FLOAT16, cast_in=TP.DOUBLE, cast_out=TP.FLOAT16,
+                      weight=W.astype(np.float16), ctype=TP.DOUBLE)
+    if opset == 23:
+        assert_fused(model, leftover={}, rtol=1e-2, atol=1e-2)
+    else:
+        assert assert_untouched(model).counters["rmsnorm_found"] == 1
+
+
 def test_fp32_export_with_no_op_casts():
     """TorchScript keeps .to(float32) on an fp32 model as Casts to float."""
     model = rms_model(cast_in=TP.FLOAT, cast_out=TP.FLOAT, divide="div1", left=True)

@@ -67,13 +67,17 @@ RULES = rmsnorm_rules(to_rms_normalization)
 
 
 def find_rmsnorms(graph: Graph, ctx: PassContext) -> list[Node]:
-    """The ReduceMean (of the squares) of every RMSNorm the rules recognise; changes nothing."""
+    """The ReduceMean (of the squares) of every RMSNorm recognised; changes nothing.
+
+    The weightless rules suffice: a norm the weighted rule takes, one of them takes too (same checks
+    less the weight's; the one with the Cast back when the weighted match has it).
+    """
     found: dict[int, Node] = {}
 
     def record(op: RewriteBuilder, nm: NormMatch) -> None:
         found.setdefault(id(nm.reduce), nm.reduce)
 
-    apply_in_order(graph, ctx, rmsnorm_rules(record))
+    apply_in_order(graph, ctx, tail_rules("rmsnorm", rms_norm_core, (("cast",), ()), False, record, "RMSNorm"))
     return list(found.values())
 
 
