@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper
 
-from k3opt.errors import PluginError
+from k3opt.errors import PluginError, UsageError
 from k3opt.passes.base import PassContext, build_pipeline, registered_passes, unregister_pass
 from k3opt.passes.manager import PassManager
 from k3opt.patterns import Rule, RuleError, RuleSetPass, register_rules, rule, rules_pass
@@ -221,3 +221,9 @@ def test_match_api():
     run_graph(relu_chain(1), RuleSetPass([Rule("api", relu_neg, lambda op, m: None, check)], name="p"))
     assert seen == dict(x="t0", has=(True, False), get=7, neg="Neg", nodes=["Neg", "Relu"], outputs=["t2"],
                         const=None, is_const=False, shape=(4,), rank=1)
+
+
+def test_register_rules_never_extends_a_pass_it_did_not_make(cleanup_registry):
+    rules_pass("t-builtin-like", [NEG_RELU])
+    with pytest.raises(UsageError, match="already registered"):
+        register_rules(NEG_RELU, name="t-builtin-like")

@@ -94,7 +94,8 @@ def register_rules(
 ) -> Type[RuleSetPass]:
     """Register rules for library users and plugins: one pass named ``name`` (default: the single rule's name).
 
-    Registering into an existing rule-set pass of that name adds the rules to it.
+    Registering into a pass of that name made by ``register_rules`` adds the rules to it; any other
+    existing pass of that name (a built-in) is an error.
     """
     if not rules:
         raise TypeError("register_rules needs at least one rule")
@@ -103,11 +104,16 @@ def register_rules(
             raise TypeError("register_rules with several rules needs name=")
         name = rules[0].name
     existing = registered_passes().get(name)
-    if existing is not None and issubclass(existing, RuleSetPass) and before is None and after is None:
+    if existing is not None and existing in _OPEN_SETS and before is None and after is None:
         existing.rules = list(existing.rules) + [r for r in rules if r not in existing.rules]
         return existing
-    return rules_pass(name, rules, order=order, description=description, before=before, after=after,
-                      plugin=plugin)
+    cls = rules_pass(name, rules, order=order, description=description, before=before, after=after, plugin=plugin)
+    _OPEN_SETS.add(cls)
+    return cls
+
+
+#: Rule-set passes made by register_rules: only these take more rules later (never a built-in pass).
+_OPEN_SETS: set = set()
 
 
 def rule(
