@@ -51,9 +51,14 @@ def load_plugins(specs: Sequence[Union[str, object]]) -> None:
         if isinstance(spec, (str, os.PathLike)):
             name, key, loader = _resolve(os.fspath(spec))
         else:
-            name = getattr(spec, "__name__", type(spec).__name__)
+            name = getattr(spec, "__name__", None) or _str_attr(spec, "name") or type(spec).__name__
             key, loader = f"obj:{id(spec)}", (lambda obj=spec: obj)
         _activate(name, key, loader)
+
+
+def _str_attr(obj: object, attr: str) -> Optional[str]:
+    value = getattr(obj, attr, None)
+    return value if isinstance(value, str) else None
 
 
 def load_entry_point_plugins() -> None:

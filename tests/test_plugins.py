@@ -110,7 +110,7 @@ def test_object_specs_rule_pass_class_and_callable():
     single = Rule("t-obj-rule", lambda op, x: op.Relu(op.Neg(x)), lambda op, m: op.Neg(op.Min(m["x"], 0.0)))
     k3opt.plugins.load_plugins([single, NegReluPass, lambda: None])
     passes = base.registered_passes()
-    assert passes["t-obj-rule"].plugin == "Rule" and passes["t-obj-pass"].plugin == "NegReluPass"
+    assert passes["t-obj-rule"].plugin == "t-obj-rule" and passes["t-obj-pass"].plugin == "NegReluPass"
     assert_fused(k3opt.optimize(model(), passes=["t-obj-rule"]))
     k3opt.plugins.load_plugins([single])  # loading the same plugin again is a no-op
 
