@@ -380,3 +380,32 @@ def test_every_layer_norm_of_real_exports_is_fused(name, exporter):
     _, out, _ = optimize_zoo(name, exporter)
     counts = op_counts(out)
     assert counts.get("LayerNormalization") == norm_modules(name, "LayerNorm") and "ReduceMean" not in counts
+
+
+def export_fp16(module_fn, exporter: str, tmp_path) -> onnx.ModelProto:
+    """A tiny fp16 torch module (``module_fn(torch)``) exported on (2, 3, H) input: the real fp16 Cast forms."""
+    import torch
+
+    torch.manual_seed(0)
+    module = module_fn(torch).half().eval()
+    path = tmp_path / f"{exporter}.onnx"
+    x = torch.randn(2, 3, H, dtype=torch.float16)
+    kwargs = {"dynamo": True, "optimize": False, "opset_version": 18} if exporter == "dynamo" \
+        else {"dynamo": False, "opset_version": 14}
+    torch.onnx.export(module, (x,), str(path), input_names=["x"], **kwargs)
+    return onnx.load(str(path))
+
+
+def optimize_fp16(model: onnx.ModelProto, opset: int = 23) -> onnx.ModelProto:
+    out = k3opt.api.optimize(model, passes=ZOO_PASSES, opset=opset)
+    feeds = {"x": RNG.standard_normal((2, 3, H)).astype(np.float16)}
+    assert_equivalent(model, out, feeds=feeds, rtol=1e-2, atol=1e-2)
+    return out
+
+
+@needs_torch
+def test_torchscript_fp16_layer_norm_export(tmp_path):
+    """TorchScript on fp16: the Sub in fp16, a Cast to double for the statistics, a Cast back: all fused."""
+    model = export_fp16(lambda torch: torch.nn.LayerNorm(H), "torchscript", tmp_path)
+    assert "Cast" in op_counts(model)
+    assert op_counts(optimize_fp16(model)) == {"LayerNormalization": 1}

@@ -14,8 +14,8 @@ from k3opt.passes._norm_common import NormMatch, OrderedRulesPass, affine_input,
 from k3opt.passes.base import PassContext, get_pass
 from k3opt.passes.rms_norm import rmsnorm_rules
 from tests.helpers import assert_equivalent, op_counts, run_passes
-from tests.test_layer_norm import (H, RNG, Net, affine, assert_bf16_equivalent, attrs, needs_torch, norm_modules,
-                                   optimize_zoo, rms_core, zoo_cases)
+from tests.test_layer_norm import (H, RNG, Net, affine, assert_bf16_equivalent, attrs, export_fp16, needs_torch,
+                                   norm_modules, optimize_fp16, optimize_zoo, rms_core, zoo_cases)
 
 W = RNG.standard_normal(H).astype(np.float32) + 1.0
 
@@ -231,3 +231,29 @@ def test_every_rmsnorm_of_real_exports(name, exporter):
     _, kept, report = optimize_zoo(name, exporter)
     assert f"{expected} RMSNorm found, left decomposed: opset < 23" in report.notes
     assert op_counts(kept).get("ReduceMean") == expected
+
+
+def llama_rms_norm(torch):
+    """transformers' LlamaRMSNorm (Qwen2/DeepSeek-V3 have the same), fp32 statistics of an fp16 input."""
+
+    class RMSNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(H))
+
+        def forward(self, hidden):
+            dtype = hidden.dtype
+            hidden = hidden.to(torch.float32)
+            variance = hidden.pow(2).mean(-1, keepdim=True)
+            hidden = hidden * torch.rsqrt(variance + 1e-6)
+            return self.weight * hidden.to(dtype)
+
+    return RMSNorm()
+
+
+@needs_torch
+@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
+def test_fp16_llama_rms_norm_exports(exporter, tmp_path):
+    model = export_fp16(llama_rms_norm, exporter, tmp_path)
+    assert op_counts(model)["Cast"] == 2
+    assert op_counts(optimize_fp16(model)) == {"RMSNormalization": 1}
