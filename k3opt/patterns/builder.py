@@ -150,11 +150,13 @@ def _as_pattern(x: PatternLike) -> Optional[ValuePattern]:
 
 
 def _normalize_attr(v: Any) -> Any:
+    """Attribute values as compared: strings for bytes, tuples for lists and arrays."""
     if isinstance(v, bytes):
         return v.decode()
-    if isinstance(v, (list, tuple, np.ndarray)):
-        return tuple(_normalize_attr(e) for e in np.asarray(v).tolist()) if isinstance(v, np.ndarray) \
-            else tuple(_normalize_attr(e) for e in v)
+    if isinstance(v, np.ndarray):
+        v = v.tolist()
+    if isinstance(v, (list, tuple)):
+        return tuple(_normalize_attr(e) for e in v)
     return v
 
 
