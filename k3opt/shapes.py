@@ -7,15 +7,13 @@ then decline (see docs/design.md).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
-import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto
-from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
-from onnx_graphsurgeon.ir.tensor import LazyValues
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
+from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from .errors import UsageError
 from .io import EXTERNAL_THRESHOLD, weights_as_inputs
@@ -73,7 +71,10 @@ def infer_model(model: onnx.ModelProto) -> onnx.ModelProto:
     Big initializers become typed graph inputs: onnx would otherwise
     materialize them (gigabytes for a large model) just to read their shape.
     """
-    light, _ = weights_as_inputs(model)
+    return _infer(weights_as_inputs(model)[0])
+
+
+def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
     plain = onnx.shape_inference.infer_shapes(light, strict_mode=True)
     if _has_long_vector(plain.graph):
         return plain
@@ -105,10 +106,7 @@ class ShapeRefresher:
     def __call__(self, graph: gs.Graph) -> bool:
         self.calls += 1
         try:
-            with _weights_hidden(graph):
-                model = gs.export_onnx(graph, do_type_check=False)
-            del model.graph.value_info[:]  # stale after rewrites; re-infer from scratch
-            inferred = infer_model(model)
+            inferred = _infer(export_for_inference(graph))
         except Exception as exc:  # onnx raises many types here; a failure only loses shapes
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             note = f"shape inference failed ({type(exc).__name__}: {first}); passes that need shapes declined"
@@ -119,36 +117,31 @@ class ShapeRefresher:
         return True
 
 
-class _TypeOnly(LazyValues):
-    """Stands in for a big constant during export: dims and type, no data."""
+def export_for_inference(graph: gs.Graph) -> onnx.ModelProto:
+    """The graph as a model for onnx shape inference, built without reading any big weight.
 
-    def __init__(self, values: Any):
-        self.shape, self.dtype, self.nbytes = values.shape, values.dtype, values.nbytes
-        self.tensor = TensorProto(data_type=dtype_to_onnx(values.dtype), dims=[int(d) for d in values.shape])
-
-    def load(self) -> np.ndarray:  # pragma: no cover - never loaded: swapped back right after export
-        raise RuntimeError("a type-only stand-in has no values")
-
-
-@contextlib.contextmanager
-def _weights_hidden(graph: gs.Graph) -> Iterator[None]:
-    """Export-time stand-ins for big constants, so shape refreshes never read or build weights."""
-    swapped = []
+    No value_info (stale after rewrites: everything is re-inferred), and
+    constants of 1 KB or more are typed graph inputs instead of initializers.
+    """
+    inputs = [OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs]
+    initializers = []
     for t in graph.tensors().values():
-        values = getattr(t, "_values", None)
-        if isinstance(t, gs.Constant) and getattr(values, "nbytes", 0) >= EXTERNAL_THRESHOLD \
-                and np.dtype(_np_dtype(values.dtype)).kind in "fiucb":
-            swapped.append((t, values))
-            t._values = _TypeOnly(values)
-    try:
-        yield
-    finally:
-        for t, values in swapped:
-            t._values = values
-
-
-def _np_dtype(dtype: Any) -> Any:
-    return onnx.helper.tensor_dtype_to_np_dtype(dtype) if isinstance(dtype, int) else dtype
+        if not isinstance(t, gs.Constant) or isinstance(t._values, SparseValues):
+            continue
+        if getattr(t._values, "nbytes", 0) >= EXTERNAL_THRESHOLD:
+            shape = [int(d) for d in t._values.shape]
+            inputs.append(onnx.helper.make_tensor_value_info(t.name, dtype_to_onnx(t._values.dtype), shape))
+        else:
+            initializers.append(OnnxExporter.export_tensor_proto(t))
+    g = onnx.helper.make_graph(
+        [OnnxExporter.export_node(n) for n in graph.nodes], graph.name or "k3opt", inputs,
+        [OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs], initializers,
+    )
+    model = onnx.helper.make_model(g, opset_imports=update_import_domains(graph),
+                                   functions=[OnnxExporter.export_function(f) for f in graph.functions])
+    if graph.ir_version is not None:
+        model.ir_version = graph.ir_version
+    return model
 
 
 def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto) -> None:
