@@ -1,6 +1,6 @@
 """The in-memory IR question: onnx-graphsurgeon import + export vs onnx-ir (memory-mapped) load + save.
 
-``python -m bench.ir_compare [--models llama-d64,llama-3gb]`` runs each variant in a fresh process
+``python -m bench.ir_compare [--models llama-depth64,llama-3gb]`` runs each variant in a fresh process
 (time per phase, peak RSS) and prints a markdown table:
 
 - ``gs-eager``: ``onnx.load`` with all weights, ``gs.import_onnx``, ``gs.export_onnx``, ``onnx.save``;
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .models import BIG, ModelSpec, cached_path, ensure_built
+from .models import BIG, DEPTH_PREFIX, ModelSpec, cached_path, ensure_built
 from .optimizers import PROTOBUF_SAFE, model_bytes
 from .procs import python_module, ram_gib, run_measured, write_result
 
@@ -106,7 +106,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: "list[str] | None" = None) -> None:
     """Parent: compare and print the table (``--json FILE`` also saves the rows). Child: ``--worker``."""
     ap = argparse.ArgumentParser(prog="python -m bench.ir_compare")
-    ap.add_argument("--models", default=None, help=f"comma-separated (default llama-d64, plus {BIG} if built)")
+    ap.add_argument("--models", default=None, help=f"comma-separated (default llama-depth64, plus {BIG} if built)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--max-rss-gb", type=float, default=round(ram_gib() / 2, 1))
     ap.add_argument("--json", type=Path)
@@ -115,7 +115,7 @@ def main(argv: "list[str] | None" = None) -> None:
     if args.worker:
         write_result(worker(args.worker[0], Path(args.worker[1])))
         return
-    names = args.models.split(",") if args.models else ["llama-d64"] + (
+    names = args.models.split(",") if args.models else [f"{DEPTH_PREFIX}64"] + (
         [BIG] if cached_path(ModelSpec(BIG, "llama")).exists() else [])
     rows = compare(names, {"timeout_s": args.timeout, "max_rss_mb": args.max_rss_gb * 1024})
     if args.json:

@@ -1,13 +1,14 @@
 """The benchmark's model set, built on demand and cached outside the repo.
 
-- the test exports (``tests/zoo.py``: ``zoo_model(name, exporter)``), one entry per family and exporter;
+- the test exports (``tests/zoo.py``: ``zoo_model(name, exporter)``, cached by the zoo), one entry per
+  family and exporter, with the zoo's own inputs;
 - a depth series of one Llama-style model (8, 16, 32, 64 layers, small hidden size, TorchScript export);
 - ``llama-3gb``: the same architecture at hidden 2048 and 16 layers, 3.3 GB of fp32 weights in external
   data (opt-in: it takes disk and minutes).
 
 Builds run in a child process (``python -m bench.models NAME DST``) so torch's memory goes away with it.
-The cache key hashes what determines the graph (builder source, zoo source, torch/transformers versions),
-so a changed exporter or zoo rebuilds instead of benchmarking a stale file.
+The Llama cache key hashes what determines the graph (builder source, configs, torch/transformers
+versions), so a changed builder rebuilds instead of benchmarking a stale file.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ ZOO_FAMILIES = ("bert", "gpt2", "llama", "qwen2", "deepseek_v3", "vit")
 EXPORTERS = ("torchscript", "dynamo")
 DEPTHS = (8, 16, 32, 64)
 BIG = "llama-3gb"
+DEPTH_PREFIX = "llama-depth"
 ENCODERS = {"bert": "bert", "vit": "vit"}
 
 # Llama-style configs: the depth series is small and fast; the big one is TinyLlama-sized (3.3 GB fp32).
@@ -48,6 +50,11 @@ class ModelSpec:
     path: Optional[Path] = None  # a user-given file: no build, no cache
 
     @property
+    def is_zoo(self) -> bool:
+        """A test export from ``tests/zoo.py`` (which caches it itself)."""
+        return self.path is None and self.name != BIG and depth_of(self.name) is None
+
+    @property
     def ort_model_type(self) -> str:
         """Model type for onnxruntime.transformers' optimizer: encoders as such, decoders as gpt2."""
         return ENCODERS.get(self.family, "gpt2")
@@ -58,10 +65,16 @@ def model_set(quick: bool = False, big: bool = False) -> list[ModelSpec]:
     exporters = EXPORTERS[:1] if quick else EXPORTERS
     depths = DEPTHS[:2] if quick else DEPTHS
     specs = [ModelSpec(f"{fam}-{exp}", fam) for fam in ZOO_FAMILIES for exp in exporters]
-    specs += [ModelSpec(f"llama-d{d}", "llama") for d in depths]
+    specs += [ModelSpec(f"{DEPTH_PREFIX}{d}", "llama") for d in depths]
     if big:
         specs.append(ModelSpec(BIG, "llama"))
     return specs
+
+
+def depth_of(name: str) -> Optional[int]:
+    """Layer count of a depth-series model name (``llama-depth16`` -> 16), else None."""
+    tail = name[len(DEPTH_PREFIX):] if name.startswith(DEPTH_PREFIX) else ""
+    return int(tail) if tail.isdigit() else None
 
 
 def select(specs: list[ModelSpec], patterns: Optional[list[str]]) -> list[ModelSpec]:
@@ -71,38 +84,40 @@ def select(specs: list[ModelSpec], patterns: Optional[list[str]]) -> list[ModelS
     return [s for s in specs if any(fnmatch.fnmatch(s.name, p) for p in patterns)]
 
 
-def _cache_key(name: str) -> str:
-    """Hash of what determines the graph ``name`` builds into (builder, configs, zoo, torch versions)."""
+def _cache_key() -> str:
+    """Hash of what determines the Llama graphs (builder code, configs, torch/transformers versions)."""
     import torch
     import transformers
 
-    parts = [torch.__version__, transformers.__version__]
-    if name.startswith("llama-"):
-        parts += [inspect.getsource(f) for f in (_export_llama, _logits_only, _placeholder_llama,
-                                                    _weights_to_external_data)]
-        parts += [repr(SMALL_LLAMA), repr(BIG_LLAMA)]
-    else:
-        zoo = REPO / "tests" / "zoo.py"
-        parts.append(zoo.read_text() if zoo.exists() else "")
+    parts = [torch.__version__, transformers.__version__, repr(SMALL_LLAMA), repr(BIG_LLAMA)]
+    parts += [inspect.getsource(f) for f in (_export_llama, _logits_only, _placeholder_llama, _weights_to_external_data)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
 def cached_path(spec: ModelSpec) -> Path:
-    """Where ``spec``'s model file lives (built or not): one folder per model and cache key."""
-    if spec.path is not None:
-        return spec.path
-    return CACHE / "models" / f"{spec.name}-{_cache_key(spec.name)}" / "model.onnx"
+    """Where a Llama model lives (built or not): one folder per model and cache key."""
+    return CACHE / "models" / f"{spec.name}-{_cache_key()}" / "model.onnx"
 
 
 def ensure_built(spec: ModelSpec, timeout_s: float = 1800) -> tuple[Optional[Path], str]:
-    """Build ``spec`` into the cache unless present; returns (path, "") or (None, why it failed)."""
-    path = cached_path(spec)
-    if path.exists():
+    """Path of ``spec``'s model, building it in a child process if needed; (None, why) when that fails."""
+    if spec.path is not None:
+        return spec.path, ""
+    path = None if spec.is_zoo else cached_path(spec)
+    if path is not None and path.exists():
         return path, ""
-    res = run_measured(python_module("bench.models", spec.name, str(path)), timeout_s)
-    if res.status != "ok" or not path.exists():
+    res = run_measured(python_module("bench.models", spec.name, str(path or "")), timeout_s)
+    if res.status != "ok":
         return None, f"build {res.status}: {res.error}"
-    return path, ""
+    return Path(res.payload["path"]), ""
+
+
+def zoo_feeds(spec: ModelSpec) -> dict:
+    """The zoo's own seeded inputs for a test export (batch 2, a padded row, so masks matter)."""
+    sys.path.insert(0, str(REPO))
+    from tests.zoo import zoo_inputs
+
+    return zoo_inputs(spec.family)
 
 
 def _logits_only(model):
@@ -196,60 +211,51 @@ def _weights_to_external_data(path: Path, keep: set[str]) -> None:
     onnx.save(model, str(path))
 
 
-def _export_zoo(name: str, tmp: Path) -> None:
-    """Export ``family-exporter`` with the test zoo (``tests/zoo.py``) into ``tmp``."""
-    import onnx
-
-    sys.path.insert(0, str(REPO))
-    from tests.zoo import zoo_model
-
-    family, exporter = name.rsplit("-", 1)
-    model = zoo_model(family, exporter)
-    if isinstance(model, (str, os.PathLike)):
-        model = onnx.load(str(model))
-    onnx.save(model, str(tmp))
-
-
 def _store(tmp: Path, dst: Path) -> None:
-    """Move the export ``tmp`` to ``dst``; over 2 GB, its weights go to one ``model.onnx.data`` file."""
+    """Move the export ``tmp`` (and its one external-data file, if any) to ``dst``."""
     import onnx
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     data = tmp.parent / (tmp.name + ".data")
-    if data.exists():  # already one external-data file (streamed weights): rename it, rewrite the locations
-        model = onnx.load(str(tmp), load_external_data=False)
-        os.replace(data, dst.parent / (dst.name + ".data"))
-        for init in model.graph.initializer:
-            for entry in init.external_data:
-                if entry.key == "location":
-                    entry.value = dst.name + ".data"
-        onnx.save(model, str(dst))
+    if not data.exists():
+        os.replace(tmp, dst)
         return
-    model = onnx.load(str(tmp))
-    if sum(p.stat().st_size for p in tmp.parent.iterdir()) > 1_800_000_000:
-        onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=dst.name + ".data", size_threshold=1024)
-    else:
-        onnx.save(model, str(dst))
+    model = onnx.load(str(tmp), load_external_data=False)
+    os.replace(data, dst.parent / (dst.name + ".data"))
+    for init in model.graph.initializer:
+        for entry in init.external_data:
+            if entry.key == "location":
+                entry.value = dst.name + ".data"
+    onnx.save(model, str(dst))
 
 
 def build(name: str, dst: Path) -> None:
-    """Build model ``name`` at ``dst`` (in the child process), exporting into a scratch folder first."""
+    """Export Llama model ``name`` to ``dst`` (in the child process) through a scratch folder."""
     CACHE.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=name + "-", dir=CACHE))
     try:
         tmp = scratch / "export.onnx"
         if name == BIG:
             _export_llama(tmp, stream_weights=True, **BIG_LLAMA)
-        elif name.startswith("llama-d"):
-            _export_llama(tmp, num_hidden_layers=int(name[len("llama-d"):]), **SMALL_LLAMA)
         else:
-            _export_zoo(name, tmp)
+            _export_llama(tmp, num_hidden_layers=depth_of(name), **SMALL_LLAMA)
         _store(tmp, dst)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def main(name: str, dst: str) -> None:
+    """Child entry: a zoo export (``dst`` empty: the zoo's cached path) or a Llama build at ``dst``."""
+    if dst:
+        build(name, Path(dst))
+        write_result({"path": dst})
+        return
+    sys.path.insert(0, str(REPO))
+    from tests.zoo import zoo_model
+
+    family, exporter = name.rsplit("-", 1)
+    write_result({"path": str(zoo_model(family, exporter))})
+
+
 if __name__ == "__main__":
-    build(sys.argv[1], Path(sys.argv[2]))
-    write_result({"path": sys.argv[2]})
+    main(*sys.argv[1:3])

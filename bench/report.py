@@ -9,6 +9,7 @@ import json
 import sys
 from typing import Optional
 
+from .models import BIG, DEPTH_PREFIX, depth_of
 from .optimizers import SUBJECT
 
 RTOL, ATOL = 1e-4, 1e-5  # "equal outputs": max abs diff within ATOL, or within RTOL of the output's max magnitude
@@ -66,21 +67,29 @@ def derive(model: dict) -> None:
 
 
 def goals(model: dict) -> dict:
-    """The per-model goals for k3opt: fewest nodes, latency (ORT optimizations off) vs best peer, equal outputs."""
+    """k3opt's per-model goals, each (verdict or None, figures): fewest nodes, latency with ORT
+    optimizations off vs the best peer (within the noise), equal outputs."""
     rows = {r["optimizer"]: r for r in model.get("results", [])}
     subject = rows.get(SUBJECT)
     if not subject or not subject.get("eval"):
-        return {"fewest_nodes": None, "latency": None, "equal": None}
+        reason = subject["status"] if subject else "not run"
+        return {"fewest_nodes": (None, reason), "latency": (None, reason), "equal": (None, reason)}
     nodes = subject["eval"]["nodes"]
-    peer_nodes = [r["eval"]["nodes"] for n, r in rows.items() if n != SUBJECT and r.get("eval") and r["equal"]]
+    peers = [(r["eval"]["nodes"], n) for n, r in rows.items() if n != SUBJECT and r.get("eval") and r["equal"]]
+    fewest = (None, "no peer")
+    if peers:
+        least, who = min(peers)
+        fewest = (nodes <= least, f"{nodes} vs {least} ({who})")
+    latency: tuple = (None, "no peer")
     best = model["best_peer"].get("disabled")
-    latency_ok = None
     if best:
         mine, theirs = _lat(subject["eval"], "disabled"), _lat(rows[best]["eval"], "disabled")
         tolerance = max(_spread(mine), _spread(theirs), NOISE_FLOOR)
-        latency_ok = mine["median_ms"] <= theirs["median_ms"] * (1 + tolerance)
-    return {"fewest_nodes": all(nodes <= p for p in peer_nodes) if peer_nodes else None,
-            "latency": latency_ok, "equal": subject["equal"]}
+        ratio = mine["median_ms"] / theirs["median_ms"]
+        latency = (ratio <= 1 + tolerance, f"x{ratio:.2f} of {best}, noise {tolerance:.0%}")
+    diff = (subject["eval"].get("diff") or {})
+    return {"fewest_nodes": fewest, "latency": latency,
+            "equal": (subject["equal"], f"max rel {_num(diff.get('max_rel'), '{:.1e}')}")}
 
 
 def _mark(flag: Optional[bool]) -> str:
@@ -138,23 +147,24 @@ def scaling(run: dict) -> dict:
 
     out: dict = {"depth": {}, "goals": {}}
     for name, model in by_name.items():
-        if name.startswith("llama-d"):
-            out["depth"][int(name[len("llama-d"):])] = {
+        if depth_of(name) is not None:
+            out["depth"][depth_of(name)] = {
                 r["optimizer"]: {"time_s": (r.get("payload") or {}).get("time_s"), "peak_rss_mb": r.get("peak_rss_mb")}
                 for r in model.get("results", []) if r["status"] == "ok"}
-    t8, t64 = (opt_row(f"llama-d{d}", SUBJECT) for d in (8, 64))
+    deep = f"{DEPTH_PREFIX}64"
+    t8, t64 = opt_row(f"{DEPTH_PREFIX}8", SUBJECT), opt_row(deep, SUBJECT)
     if t8 and t64:
         ratio = t64["payload"]["time_s"] / t8["payload"]["time_s"]
         out["goals"]["linear 8->64 layers (time ratio <= 9)"] = (ratio <= LINEAR_LIMIT, f"x{ratio:.1f}")
     if t64:
-        fast = [opt_row("llama-d64", p) for p in ("onnxsim", "onnxslim")]
+        fast = [opt_row(deep, p) for p in ("onnxsim", "onnxslim")]
         fast = [r["payload"]["time_s"] for r in fast if r]
         if fast:
             mine = t64["payload"]["time_s"]
             out["goals"]["64 layers: faster than fastest of onnxsim/onnxslim"] = (
                 mine < min(fast), f"{mine:.2f} s vs {min(fast):.2f} s")
-    big = by_name.get("llama-3gb")
-    mine = opt_row("llama-3gb", SUBJECT)
+    big = by_name.get(BIG)
+    mine = opt_row(BIG, SUBJECT)
     if big and mine:
         peers = [r for r in big["results"] if r["optimizer"] != SUBJECT and r["status"] == "ok"]
         fastest = min((r["payload"]["time_s"] for r in peers), default=None)
@@ -199,8 +209,8 @@ def render(run: dict) -> str:
         if model.get("error"):
             lines.append(f"| {model['model']} | n/a | n/a | n/a |")
             continue
-        g = goals(model)
-        lines.append(f"| {model['model']} | {_mark(g['fewest_nodes'])} | {_mark(g['latency'])} | {_mark(g['equal'])} |")
+        cells = [f"{_mark(flag)} ({figures})" for flag, figures in goals(model).values()]
+        lines.append(f"| {model['model']} | " + " | ".join(cells) + " |")
     sc = scaling(run)
     lines += ["", "## Scaling", "", "| goal | verdict | figures |", "|---|---|---|"]
     lines += [f"| {k} | {_mark(v)} | {fig} |" for k, (v, fig) in sc["goals"].items()] or ["| (no depth series run) | n/a | |"]

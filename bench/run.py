@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import onnx
 
-from .models import CACHE, ModelSpec, ensure_built, model_set, select
+from .models import CACHE, ModelSpec, ensure_built, model_set, select, zoo_feeds
 from .optimizers import OPTIMIZERS, model_bytes
 from .procs import python_module, ram_gib, run_measured
 from .report import render
@@ -87,7 +87,7 @@ def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, limits: dict
         return {"model": spec.name, "error": err}
     work.mkdir(parents=True, exist_ok=True)
     feeds, ref = work / "feeds.npz", work / "reference.npz"
-    np.savez(feeds, **make_feeds(path))
+    np.savez(feeds, **(zoo_feeds(spec) if spec.is_zoo else make_feeds(path)))
     original = _evaluate(path, feeds, limits, budget, save=ref)
     entry = {"model": spec.name, "family": spec.family, "path": str(path), "mbytes": model_bytes(path) / 1e6,
              "original": original, "results": []}
@@ -143,7 +143,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="TorchScript exports and depths 8/16 only, short latency runs")
     ap.add_argument("--big", action="store_true", help="also the 3.3 GB Llama (builds once: ~4 GB disk, minutes)")
-    ap.add_argument("--models", help="comma-separated globs over model names, e.g. 'llama-d*,bert-*'")
+    ap.add_argument("--models", help="comma-separated globs over model names, e.g. 'llama-depth*,bert-*'")
     ap.add_argument("--model-file", action="append", default=[], type=Path, help="benchmark this .onnx too")
     ap.add_argument("--optimizers", help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per optimize or evaluate process")
