@@ -64,12 +64,18 @@ def assert_untouched(model, target="onnx"):
 
 # -- every spelling at opset 23 -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("opset", [17, 23])
 @pytest.mark.parametrize("weight", ["right", "left", "none"])
 @pytest.mark.parametrize("divide", ["div", "reciprocal", "div1", "pow"])
 @pytest.mark.parametrize("square", ["pow", "mul"])
-def test_every_form_becomes_rms_normalization(square, divide, weight):
-    model = rms_model(square=square, divide=divide, weight=None if weight == "none" else W, left=weight == "left")
-    assert_fused(model, leftover={})
+def test_every_form_is_recognised(square, divide, weight, opset):
+    """Fused at opset 23 (axes as input); at 17 (axes as attribute) counted and left as it is."""
+    model = rms_model(opset=opset, square=square, divide=divide, weight=None if weight == "none" else W,
+                      left=weight == "left")
+    if opset == 23:
+        assert_fused(model, leftover={})
+    else:
+        assert assert_untouched(model).counters["rmsnorm_found"] == 1
 
 
 def test_llama_fp16_form():
