@@ -104,11 +104,12 @@ class FoldConstants(Pass):
         dead: list[Node] = []
         installed: list = []
         for group in _groups(order):
-            values = self._evaluate(graph, group)
+            members = {id(n) for n in group}
+            values = self._evaluate(graph, group, members)
             for node in group:
                 for t in node.outputs:
                     arr = as_array(values.get(t.name)) if t.name else None
-                    if arr is not None and _escapes(graph, t, group) and _install(graph, ctx, t, arr, installed):
+                    if arr is not None and _escapes(graph, t, members) and _install(graph, ctx, t, arr, installed):
                         changed += 1
             dead.extend(reversed(group))
         if not changed:
@@ -169,9 +170,8 @@ class FoldConstants(Pass):
             return mode is not None and not bool(np.asarray(mode))
         return True
 
-    def _evaluate(self, graph: Graph, group: list[Node]) -> dict[str, object]:
+    def _evaluate(self, graph: Graph, group: list[Node], members: set[int]) -> dict[str, object]:
         """Values of the group's outputs: one session, else node by node with fallbacks."""
-        members = {id(n) for n in group}
         wanted = [t.name for n in group for t in n.outputs if t.name and _escapes(graph, t, members)]
         try:
             return run_ort(graph, group, wanted, {})
@@ -203,10 +203,9 @@ def _arrays(known: dict[str, object]) -> dict[str, np.ndarray]:
     return {k: a for k, v in known.items() if (a := as_array(v)) is not None}
 
 
-def _escapes(graph: Graph, t: Tensor, members) -> bool:
+def _escapes(graph: Graph, t: Tensor, members: set[int]) -> bool:
     """True when ``t`` is needed outside the group (a graph output or read by a non-member)."""
-    ids = members if isinstance(members, set) else {id(n) for n in members}
-    return is_graph_output(graph, t) or any(id(c) not in ids for c in t.outputs)
+    return is_graph_output(graph, t) or any(id(c) not in members for c in t.outputs)
 
 
 def _install(graph: Graph, ctx: PassContext, t: Tensor, value: np.ndarray, installed: list) -> Optional[gs.Constant]:
