@@ -86,6 +86,10 @@ class Report:
                     lines.append(f"{label:32}{p['rewrites']:>10}{p['time_s']:>9.2f}s")
         if self.verification:
             lines.append("verification: " + verification_line(self.verification))
+            outputs = self.verification["outputs"]
+            if 1 < len(outputs) <= 8:
+                lines.extend(f"  {o['name']}: max abs err {o['max_abs']:.3g}, max rel err {o['max_rel']:.3g}"
+                             + ("" if o["passed"] else "  FAILED") for o in outputs)
         lines.extend(f"note: {n}" for n in self.notes)
         lines.extend(f"cann: {n}" for n in self.lowering)
         if self.output:

@@ -131,3 +131,11 @@ def test_optimized_model_that_does_not_run_fails(register):
     register(Breaks)
     with pytest.raises(VerificationError, match="cannot run the optimized model.*first diverging pass: test-breaks"):
         k3opt.optimize(relu_chain(), passes=["test-breaks"], verify=True)
+
+
+def test_report_lists_each_output_when_there_are_several():
+    a = np.ones(3, np.float32)
+    report = Report(verification=verify.compare([a, a], [a, a * 2], ["a", "b"]))
+    table = report.table()
+    assert "verification: failed (2 outputs" in table
+    assert "  a: max abs err 0, max rel err 0\n" in table and table.rstrip().endswith("b: max abs err 1, max rel err 1  FAILED")
