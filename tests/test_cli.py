@@ -9,6 +9,7 @@ import sys
 import time
 
 import onnx
+import pytest
 from click.testing import CliRunner
 
 from k3opt.cli import main
@@ -116,3 +117,17 @@ def test_user_input_data_and_tolerances_reach_verification(tiny_transformer, tmp
     verification = json.loads((tmp_path / "r.json").read_text())["verification"]
     assert verification["status"] == "passed"
     assert (verification["rtol"], verification["atol"]) == (0.001, 0.0001)
+
+
+@pytest.mark.slow
+def test_output_is_byte_identical_across_processes(tiny_transformer, tmp_path):
+    """Names and order must not depend on Python's per-process string hashing."""
+    import os
+
+    outputs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"o{seed}.onnx"
+        subprocess.run([sys.executable, "-m", "k3opt", "optimize", tiny_transformer, "-o", out, "-q"],
+                       check=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
