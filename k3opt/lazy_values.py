@@ -25,6 +25,8 @@ import onnx
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from .io import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
+
 Source = Union[np.ndarray, LazyValues]
 
 #: Sub-byte ONNX types are stored packed: concatenating their rows is not a byte copy.
@@ -33,8 +35,6 @@ PACKED_TYPES = frozenset(
     for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
     if hasattr(onnx.TensorProto, n)
 )
-#: Must equal ``k3opt.io.SPILL_PREFIX`` (io accepts absolute locations only for its spill files).
-SPILL_PREFIX = "k3opt-spill-"
 _ALIGN = 4096
 
 
