@@ -133,7 +133,7 @@ def _tail_rule(name: str, core: Callable[[PatternBuilder, Any], Any], tail: tupl
 
 
 def apply_in_order(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
-    """Apply ``rules`` one forward sweep each, in order (largest pattern first); returns the rewrites."""
+    """Apply ``rules`` one sweep each, in order (largest pattern first); returns the rewrites."""
     return sum(RuleApplier(graph, ctx, [rule]).run() for rule in rules)
 
 
@@ -234,7 +234,7 @@ def analyze(m: Match, centered: bool) -> Optional[NormMatch]:
         return _fail(m, f"normalized dims {normalized_shape} are not static")
     normalized_shape = tuple(int(d) for d in normalized_shape)
     eps = checks.const_value(m["eps"])
-    if eps is None or eps.size != 1 or eps.ndim > rank or not np.issubdtype(eps.dtype, np.floating) \
+    if eps is None or eps.size != 1 or eps.ndim > rank or _elem_type(eps.dtype) not in _WIDTH \
             or not math.isfinite(float(eps.reshape(-1)[0])) or float(eps.reshape(-1)[0]) < 0:
         return _fail(m, "epsilon is not a constant finite scalar >= 0")
     dtypes = _dtypes(m, _elem_type(eps.dtype))
