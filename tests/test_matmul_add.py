@@ -87,6 +87,12 @@ def test_nd_dynamic_refused_below_opset_14():
     assert n == 0 and op_counts(out) == {"MatMul": 1, "Add": 1, "Relu": 1}
 
 
+def test_nd_refused_with_a_static_zero_leading_dim():
+    model = linear(["B", 0, 8])
+    out, n = fused(model, target="cann")
+    assert n == 0 and op_counts(out)["MatMul"] == 1
+
+
 def test_nd_kept_by_default_for_onnx_target():
     model = linear(["B", "S", 8])
     out, n = fused(model, target="onnx")

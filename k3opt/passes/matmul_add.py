@@ -71,6 +71,8 @@ def check(m: Match) -> bool:
     if x_rank > 2:
         if nd_mode(m.ctx) == "keep":
             return m.fail("rank > 2 activation and matmul_add_nd resolves to 'keep'")
+        if 0 in m["x"].shape[:-1]:
+            return m.fail("a static leading dim is 0 (a -1 in the restore shape would be ambiguous)")
         if _restore_dims(m["x"]) is None and m.ctx.opset < 14:
             return m.fail("two or more dynamic leading dims need Reshape allowzero (opset 14)")
     return True
@@ -79,7 +81,7 @@ def check(m: Match) -> bool:
 def _restore_dims(x: ir.Tensor) -> Optional[list[int]]:
     """``x``'s leading dims as a Reshape target (one dynamic dim becomes -1), or None if 2+ are dynamic."""
     lead = list(x.shape[:-1])
-    dynamic = [i for i, d in enumerate(lead) if not isinstance(d, (int, np.integer)) or d <= 0]
+    dynamic = [i for i, d in enumerate(lead) if not isinstance(d, (int, np.integer)) or d < 0]
     if len(dynamic) > 1:
         return None
     return [-1 if i in dynamic else int(d) for i, d in enumerate(lead)]
