@@ -103,9 +103,11 @@ class FoldConstants(Pass):
         changed = 0
         dead: list[Node] = []
         installed: list = []
-        for group in _groups(order):
+        groups = _groups(order)
+        everything = self._evaluate_all(graph, order) if len(groups) > 1 else None
+        for group in groups:
             members = {id(n) for n in group}
-            values = self._evaluate(graph, group, members)
+            values = everything if everything is not None else self._evaluate(graph, group)
             for node in group:
                 for t in node.outputs:
                     arr = as_array(values.get(t.name)) if t.name else None
@@ -170,13 +172,21 @@ class FoldConstants(Pass):
             return mode is not None and not bool(np.asarray(mode))
         return True
 
-    def _evaluate(self, graph: Graph, group: list[Node], members: set[int]) -> dict[str, object]:
-        """Values of the group's outputs: one session, else node by node with fallbacks."""
-        wanted = [t.name for n in group for t in n.outputs if t.name and _escapes(graph, t, members)]
+    @staticmethod
+    def _evaluate_all(graph: Graph, order: list[Node]) -> Optional[dict[str, object]]:
+        """The outputs ``order`` hands to the rest of the graph, in one onnxruntime session; None on failure."""
+        members = {id(n) for n in order}
+        wanted = [t.name for n in order for t in n.outputs if t.name and _escapes(graph, t, members)]
         try:
-            return run_ort(graph, group, wanted, {})
+            return run_ort(graph, order, wanted, {})
         except EvalError:
-            pass
+            return None
+
+    def _evaluate(self, graph: Graph, group: list[Node]) -> dict[str, object]:
+        """Values of the group's outputs: one session, else node by node with fallbacks."""
+        values = self._evaluate_all(graph, group)
+        if values is not None:
+            return values
         known: dict[str, object] = {}
         for node in group:
             if any(t.name and t.name not in known and not _is_static(t) for t in node.inputs + outer_refs(node)):
