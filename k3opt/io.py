@@ -115,7 +115,7 @@ def inline_copy(t: TensorProto) -> TensorProto:
     if uses_external_data(t):
         out.raw_data = read_external_bytes(t)
         del out.external_data[:]
-        out.data_location = TensorProto.DEFAULT
+        out.ClearField("data_location")
     return out
 
 
@@ -123,16 +123,18 @@ def weights_as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str
     """A copy of ``model`` whose big or external initializers are typed graph inputs instead.
 
     onnx's shape inference and version converter only need their types;
-    given the data they would read or materialize it. Returns the copy and
-    the original initializers taken out, by name.
+    given the data they would read or materialize it. Small initializers
+    stay, with any external data read in. Returns the copy and the original
+    initializers taken out, by name.
     """
     big = {t.name: t for t in model.graph.initializer
-           if uses_external_data(t) or (t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD)}
+           if t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD}
     light = onnx.ModelProto()
     light.CopyFrom(model)
     g = light.graph
     declared = {vi.name for vi in g.input}
-    small = [t for t in g.initializer if t.name not in big]
+    # small ones (shape constants, axes...) stay, inlined: onnx cannot read external data
+    small = [inline_copy(t) for t in g.initializer if t.name not in big]
     del g.initializer[:]
     g.initializer.extend(small)
     g.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
@@ -398,9 +400,17 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
 
 
 def _temp_in(folder: Path, name: str) -> Path:
+    """An empty temporary file next to the target, with the permissions a new file would get."""
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder if str(folder) else ".")
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_umask())
     return Path(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _sync(f) -> None:

@@ -11,9 +11,10 @@ from typing import Optional
 
 import onnx
 from onnx import version_converter
+from onnx.external_data_helper import uses_external_data
 
 from .errors import UsageError
-from .io import weights_as_inputs
+from .io import inline_copy, weights_as_inputs
 
 #: Models below this are raised to it by default; the CANN target needs exactly it.
 DEFAULT_OPSET = 17
@@ -77,12 +78,19 @@ def _convert_weightless(model: onnx.ModelProto, wanted: int) -> onnx.ModelProto:
     del g.input[:]
     g.input.extend(inputs)
     fresh = {t.name: t for t in g.initializer}  # small ones, converted, plus any the converter added
-    ordered = [big[t.name] if t.name in big else fresh.pop(t.name)
+    ordered = [big[t.name] if t.name in big else _unchanged_original(t, fresh.pop(t.name))
                for t in model.graph.initializer if t.name in big or t.name in fresh]
     ordered += fresh.values()
     del g.initializer[:]
     g.initializer.extend(ordered)
     return _single_default_import(converted, wanted)
+
+
+def _unchanged_original(original: onnx.TensorProto, converted: onnx.TensorProto) -> onnx.TensorProto:
+    """The original (maybe external) tensor when the converter left its inlined copy as it was."""
+    if uses_external_data(original) and inline_copy(original) == converted:
+        return original
+    return converted
 
 
 def _blocking_reason(model: onnx.ModelProto, wanted: int, exc: Exception) -> str:

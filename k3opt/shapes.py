@@ -16,7 +16,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onn
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from .errors import UsageError
-from .io import EXTERNAL_THRESHOLD, weights_as_inputs
+from .io import EXTERNAL_THRESHOLD, inline_copy, weights_as_inputs
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
 
@@ -131,8 +131,8 @@ def export_for_inference(graph: gs.Graph) -> onnx.ModelProto:
         if getattr(t._values, "nbytes", 0) >= EXTERNAL_THRESHOLD:
             shape = [int(d) for d in t._values.shape]
             inputs.append(onnx.helper.make_tensor_value_info(t.name, dtype_to_onnx(t._values.dtype), shape))
-        else:
-            initializers.append(OnnxExporter.export_tensor_proto(t))
+        else:  # small: shape constants, axes... inference reads their values
+            initializers.append(inline_copy(OnnxExporter.export_tensor_proto(t)))
     g = onnx.helper.make_graph(
         [OnnxExporter.export_node(n) for n in graph.nodes], graph.name or "k3opt", inputs,
         [OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs], initializers,

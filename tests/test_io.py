@@ -237,3 +237,24 @@ def test_output_never_clobbers_the_inputs_data_file(tmp_path):
         k3opt.optimize_file(tmp_path / "a.onnx", tmp_path / "b.onnx")
     assert digest(tmp_path / "b.onnx.data") == before
     assert not (tmp_path / "b.onnx").exists()
+
+
+def test_all_external_model_optimizes_like_the_inline_one(tiny_transformer, tmp_path):
+    """Even shape constants in the data file: inference still sees them, the result is the same graph."""
+    save_external(onnx.load(tiny_transformer), tmp_path / "t.onnx", data_name="t.onnx.data")
+    ext = k3opt.optimize_file(tmp_path / "t.onnx", tmp_path / "o.onnx", verify=True)
+    inline = k3opt.optimize_file(tiny_transformer, tmp_path / "i.onnx")
+    assert not [n for n in ext.notes if "shape inference failed" in n]
+    assert ext.after.ops == inline.after.ops
+    assert ext.verification["status"] == "passed"
+
+
+def test_outputs_get_ordinary_file_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        onnx.save(weighted_model(), tmp_path / "m.onnx")
+        k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "o.onnx", external_data=True)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "o.onnx").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "o.onnx.data").stat().st_mode & 0o777 == 0o644
