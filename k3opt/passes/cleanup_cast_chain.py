@@ -11,8 +11,8 @@ from __future__ import annotations
 from onnx import TensorProto as T
 
 from ..ir import Graph, Node
-from .base import PassContext, register_pass
-from .cleanup_rewire import NodeRewritePass, cast_target, chain_producer, detach, onnx_type
+from .base import register_pass
+from .cleanup_rewire import ChainPass, cast_target, detach, onnx_type
 
 _INTS = {T.INT8: (True, 8), T.UINT8: (False, 8), T.INT16: (True, 16), T.UINT16: (False, 16),
          T.INT32: (True, 32), T.UINT32: (False, 32), T.INT64: (True, 64), T.UINT64: (False, 64)}
@@ -39,16 +39,13 @@ def lossless(src: int, dst: int) -> bool:
     return False
 
 
-class MergeCastChains(NodeRewritePass):
+class MergeCastChains(ChainPass):
     name = "merge-cast-chains"
     description = "Merge Cast(Cast(x)) when the middle type holds every value of x's type."
     order = 230
     ops = frozenset({"Cast"})
 
-    def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        first = chain_producer(graph, node, "Cast")
-        if first is None:
-            return False
+    def merge(self, graph: Graph, first: Node, node: Node, dead: list[Node]) -> bool:
         src, middle = onnx_type(first.inputs[0]), cast_target(first)
         if src is None or middle is None or not lossless(src, middle):
             return False

@@ -9,19 +9,18 @@ reader or is a graph output.
 from __future__ import annotations
 
 from ..ir import Graph, Node
-from .base import PassContext, register_pass
-from .cleanup_rewire import NodeRewritePass, chain_producer, detach, int_list
+from .base import register_pass
+from .cleanup_rewire import ChainPass, detach, int_list
 
 
-class MergeReshapes(NodeRewritePass):
+class MergeReshapes(ChainPass):
     name = "merge-reshapes"
     description = "Merge consecutive Reshapes whose second shape does not depend on the first."
     order = 250
     ops = frozenset({"Reshape"})
 
-    def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        first = chain_producer(graph, node, "Reshape")
-        if first is None or len(node.inputs) < 2 or len(first.inputs) < 2:  # opset < 5: shape attribute
+    def merge(self, graph: Graph, first: Node, node: Node, dead: list[Node]) -> bool:
+        if len(node.inputs) < 2 or len(first.inputs) < 2:  # opset < 5: shape attribute
             return False
         target = int_list(node.inputs[1])
         if target is None or (0 in target and not node.attrs.get("allowzero", 0)):

@@ -128,3 +128,14 @@ class NodeRewritePass(Pass):
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:  # pragma: no cover
         raise NotImplementedError
+
+
+class ChainPass(NodeRewritePass):
+    """Merges ``op(op(x))`` pairs: :meth:`merge` sees both nodes when the inner result has no other reader."""
+
+    def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
+        first = chain_producer(graph, node, node.op)
+        return first is not None and self.merge(graph, first, node, dead)
+
+    def merge(self, graph: Graph, first: Node, second: Node, dead: list[Node]) -> bool:  # pragma: no cover
+        raise NotImplementedError

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Optional
 
 from ..ir import Graph, Node, rank
-from .base import PassContext, register_pass
-from .cleanup_rewire import NodeRewritePass, bypass, chain_producer, detach
+from .base import register_pass
+from .cleanup_rewire import ChainPass, bypass, detach
 
 
 def perm_of(node: Node) -> Optional[list[int]]:
@@ -22,16 +22,13 @@ def perm_of(node: Node) -> Optional[list[int]]:
     return None if r is None else list(reversed(range(r)))
 
 
-class MergeTransposes(NodeRewritePass):
+class MergeTransposes(ChainPass):
     name = "merge-transposes"
     description = "Compose consecutive Transposes into one (or none)."
     order = 240
     ops = frozenset({"Transpose"})
 
-    def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        first = chain_producer(graph, node, "Transpose")
-        if first is None:
-            return False
+    def merge(self, graph: Graph, first: Node, node: Node, dead: list[Node]) -> bool:
         p1, p2 = perm_of(first), perm_of(node)
         if p1 is None or p2 is None or len(p1) != len(p2):
             return False
