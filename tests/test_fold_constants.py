@@ -10,6 +10,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
+import k3opt
 from k3opt.passes import fold_constants as fc
 from k3opt.passes.base import PassContext
 from k3opt.passes.fold_constants import FoldConstants
@@ -320,3 +321,30 @@ def test_only_weights_feeding_foldable_nodes_are_read(tmp_path, monkeypatch):
     out, _ = fold(lazy)
     assert loaded == ["b"]
     assert op_counts(out) == {"MatMul": 1, "Add": 1}
+
+
+def test_external_weights_feeding_foldable_nodes_fold_through_optimize(tmp_path):
+    """A transposed weight in external data folds (read through k3opt.io's lazy loader) and stays exact."""
+    w = np.random.default_rng(1).standard_normal((16, 32)).astype(np.float32)
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    model = make_model(nodes, [("x", F, [2, 32])], [("y", F, [2, 16])], {"w": w})
+    path = tmp_path / "ext.onnx"
+    onnx.save(onnx.ModelProto.FromString(model.SerializeToString()), path, save_as_external_data=True,
+              location="ext.bin", size_threshold=0)
+    out = k3opt.optimize(str(path), passes=["fold-constants", "remove-dead-nodes"])
+    assert op_counts(out) == {"MatMul": 1}
+    assert_equivalent(model, out)
+
+
+def test_constant_node_read_inside_a_branch_becomes_an_initializer():
+    then_g = helper.make_graph([helper.make_node("Add", ["x", "k"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", F, [2])])
+    else_g = helper.make_graph([helper.make_node("Sub", ["x", "k"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", F, [2])])
+    nodes = [helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.float32([1, 2]), "kv")),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then_g, else_branch=else_g)]
+    model = make_model(nodes, [("x", F, [2]), ("cond", T.BOOL, [])], [("y", F, [2])])
+    out, n = fold(model)
+    assert n == 1 and op_counts(out) == {"If": 1}
+    for cond in (True, False):
+        assert_equivalent(model, out, feeds={"x": np.float32([3, 4]), "cond": np.array(cond)})
