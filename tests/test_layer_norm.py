@@ -237,8 +237,6 @@ def test_bf16_with_float32_statistics():
     assert_bf16_equivalent(model, out)
 
 
-@pytest.mark.xfail(reason="k3opt.patterns' ConstantPattern rejects bfloat16 constants (Pow's exponent 2 here): "
-                          "np.issubdtype(bfloat16, np.number) is False", strict=False)
 def test_bf16_throughout():
     """No Casts at all (a bf16 epsilon): LayerNormalization in bf16 with float32 statistics."""
     bf = ml_dtypes.bfloat16

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+import ml_dtypes
 import numpy as np
 
 #: Ops whose operands can be reordered without changing the result.
@@ -19,6 +20,17 @@ COMMUTATIVE_OPS = frozenset(
     {"Add", "Mul", "Sum", "Max", "Min", "Mean", "And", "Or", "Xor", "Equal",
      "BitwiseAnd", "BitwiseOr", "BitwiseXor"}
 )
+
+
+def _is_numeric(dtype: np.dtype) -> bool:
+    """True for numpy numbers and bools, and for ml_dtypes' floats (bfloat16, float8) that numpy calls 'V'."""
+    if np.issubdtype(dtype, np.number) or dtype == np.bool_:
+        return True
+    try:
+        ml_dtypes.finfo(dtype)
+    except ValueError:
+        return False
+    return True
 
 
 class PatternError(ValueError):
@@ -66,7 +78,7 @@ class ConstantPattern(ValuePattern):
 
     def accepts(self, actual: np.ndarray) -> bool:
         actual = np.asarray(actual)
-        if not (np.issubdtype(actual.dtype, np.number) or actual.dtype == np.bool_):
+        if not _is_numeric(actual.dtype):
             return False
         if self.value.ndim == 0:
             if actual.size != 1 or actual.ndim > self.max_rank:
