@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper
 
-from k3opt.passes.base import Pass
+from k3opt.passes.base import Pass, PassContext
 from k3opt.passes.cleanup_dropout import RemoveDropout
 from k3opt.passes.cleanup_identity import RemoveIdentity
 from k3opt.passes.cleanup_noop import RemoveNoopOps
+from k3opt.passes.manager import PassManager
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
 F = T.FLOAT
@@ -180,3 +182,13 @@ def test_noop_feeding_output_from_input_is_refused():
     model = make_model([helper.make_node("Transpose", ["x"], ["y"], perm=[0, 1])], [("x", F, [2, 3])],
                        [("y", F, [2, 3])])
     check(model, RemoveNoopOps(), False, "Transpose")
+
+
+def test_cast_between_float8_variants_is_not_a_noop():
+    """gs maps float8e4m3fnuz to float8e4m3fn; the no-op check must not believe it."""
+    nodes = [helper.make_node("Cast", ["x"], ["a"], to=T.FLOAT8E4M3FNUZ),
+             helper.make_node("Cast", ["a"], ["b"], to=T.FLOAT8E4M3FN), helper.make_node("Cast", ["b"], ["y"], to=F)]
+    model = make_model(nodes, [("x", F, [4])], [("y", F, [4])], opset=21)
+    graph = gs.import_onnx(model)
+    graph.nodes[0].outputs[0].dtype = helper.tensor_dtype_to_np_dtype(T.FLOAT8E4M3FNUZ)  # as a shape refresh sets it
+    assert PassManager([RemoveNoopOps()]).run(graph, PassContext(opset=21)) == 0

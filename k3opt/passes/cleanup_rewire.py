@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import ClassVar, Iterable, Optional
 
 import numpy as np
-from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
+from onnx import helper
 
 from ..ir import Graph, Node, Tensor, is_graph_output, producer, replace_uses
 from .base import Pass, PassContext
@@ -86,12 +86,18 @@ def chain_producer(graph: Graph, node: Node, op: str) -> Optional[Node]:
 
 
 def onnx_type(t: Tensor) -> Optional[int]:
-    """The ONNX element type of ``t``, when known."""
+    """The ONNX element type of ``t``, when known.
+
+    Not gs's ``dtype_to_onnx``: it maps ml_dtypes' float8e4m3fnuz to
+    float8e4m3fn, which would make a real Cast look like a no-op.
+    """
     if t.dtype is None:
         return None
+    if isinstance(t.dtype, (int, np.integer)):
+        return int(t.dtype)
     try:
-        return int(dtype_to_onnx(t.dtype))
-    except Exception:  # unknown/odd dtype objects: treat as unknown
+        return int(helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)))
+    except (TypeError, ValueError, KeyError):  # odd dtype objects: treat as unknown
         return None
 
 
