@@ -391,6 +391,7 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
             os.replace(temps[0], data_path(out))
             written.append(data_path(out))
         os.replace(model_tmp, out)
+        _sync_folder(out.parent)
         return written
     except OSError as exc:
         raise OutputError(f"{out}: cannot write ({exc.strerror or exc})") from None
@@ -405,6 +406,15 @@ def _temp_in(folder: Path, name: str) -> Path:
     os.close(fd)
     os.chmod(tmp, 0o666 & ~_umask())
     return Path(tmp)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make the renames durable (a crash right after save keeps the new files)."""
+    fd = os.open(folder if str(folder) else ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:
