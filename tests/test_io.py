@@ -258,3 +258,12 @@ def test_outputs_get_ordinary_file_permissions(tmp_path):
         os.umask(old)
     assert (tmp_path / "o.onnx").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "o.onnx.data").stat().st_mode & 0o777 == 0o644
+
+
+def test_spill_file_is_removed_when_the_process_exits():
+    script = ("import numpy as np; from k3opt import io; "
+              "c = io.spill_constant('w', np.ones(4096, np.float32)); "
+              "print(io.external_info(c._values.tensor)['location'])")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    spill = Path(proc.stdout.strip())
+    assert spill.name.startswith(io.SPILL_PREFIX) and not spill.exists()
