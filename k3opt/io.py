@@ -286,7 +286,12 @@ def check_graph(graph: onnx.GraphProto, source: str = "model", outer: frozenset 
     """Every node input is produced somewhere and the nodes form no cycle."""
     known = set(outer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
     known |= {t.name for t in graph.sparse_initializer}
-    produced = {o: n for n in graph.node for o in n.output if o}
+    produced: dict[str, onnx.NodeProto] = {}
+    for node in graph.node:
+        for o in node.output:
+            if o and (o in produced or o in known):
+                raise InputError(f"{source}: tensor '{o}' is defined twice (node '{node.name or node.op_type}')")
+            produced[o] = node
     visible = frozenset(known | set(produced))
     for node in graph.node:
         for name in node.input:
