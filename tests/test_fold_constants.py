@@ -348,3 +348,12 @@ def test_constant_node_read_inside_a_branch_becomes_an_initializer():
     assert n == 1 and op_counts(out) == {"If": 1}
     for cond in (True, False):
         assert_equivalent(model, out, feeds={"x": np.float32([3, 4]), "cond": np.array(cond)})
+
+
+def test_long_constant_chain_folds_without_recursion_limits():
+    nodes = [helper.make_node("Neg", [f"c{i}"], [f"c{i + 1}"]) for i in range(3000)]
+    nodes.append(helper.make_node("Add", ["x", "c3000"], ["y"]))
+    model = make_model(nodes, [("x", F, [2])], [("y", F, [2])], {"c0": np.float32([1, 2])})
+    out, _ = fold(model)
+    assert op_counts(out) == {"Add": 1}
+    assert_equivalent(model, out)

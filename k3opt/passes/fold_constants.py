@@ -143,23 +143,20 @@ class FoldConstants(Pass):
         def value(t: Tensor) -> Optional[np.ndarray]:
             return None if id(t) in pending else value_of(t)
 
-        def try_add(node: Node) -> None:
+        stack = list(reversed(graph.nodes))  # depth-first from constant-fed nodes, no recursion limit
+        while stack:
+            node = stack.pop()
             if id(node) in seen or id(node) not in in_graph or not self._eligible(graph, node):
-                return
+                continue
             deps = list(node.inputs) + outer_refs(node)
             if not all(ready(t) for t in deps) or too_big(node, value, ctx.options):
-                return
+                continue
             seen.add(id(node))
             chosen.append(node)
-            for t in node.outputs:
-                pending.add(id(t))
+            pending.update(id(t) for t in node.outputs)
             for t in node.outputs:
                 for c in t.outputs:
-                    for n in [c] if id(c) in in_graph else holders:
-                        try_add(n)
-
-        for node in list(graph.nodes):
-            try_add(node)
+                    stack.extend([c] if id(c) in in_graph else holders)
         return chosen
 
     def _eligible(self, graph: Graph, node: Node) -> bool:
