@@ -143,30 +143,30 @@ def _external_inputs(nodes: Iterable[Node]) -> Iterable[Tensor]:
 
 
 def outer_refs(node: Node) -> list[Tensor]:
-    """Tensors that ``node``'s subgraphs (If/Loop/Scan bodies) read from enclosing scopes."""
-    refs: list[Tensor] = []
-    for attr in node.attrs.values():
-        if isinstance(attr, gs.Graph):
-            _collect_outer(attr, set(), refs)
-    return refs
+    """Non-constant tensors that ``node``'s subgraphs (If/Loop/Scan bodies) read from enclosing scopes."""
+    return _unique(t for attr in node.attrs.values() if isinstance(attr, gs.Graph) for t in _reads_from_outside(attr))
 
 
-def _collect_outer(sub: Graph, outer_seen: set, refs: list) -> None:
+def _reads_from_outside(sub: Graph) -> list[Tensor]:
+    """Tensors ``sub`` (nested bodies included) reads but does not define; constants excluded
+    (gs exports those inside the body)."""
     local = {id(t) for t in sub.inputs}
     local.update(id(t) for n in sub.nodes for t in n.outputs)
-    for n in sub.nodes:
-        inner: list[Tensor] = []
-        for attr in n.attrs.values():
-            if isinstance(attr, gs.Graph):
-                _collect_outer(attr, set(), inner)
-        for t in list(n.inputs) + inner:
-            if t.name and id(t) not in local and id(t) not in outer_seen:
-                outer_seen.add(id(t))
-                refs.append(t)
-    for t in sub.outputs:
-        if id(t) not in local and id(t) not in outer_seen:
-            outer_seen.add(id(t))
-            refs.append(t)
+    reads = [t for n in sub.nodes for t in n.inputs]
+    reads += [t for n in sub.nodes for a in n.attrs.values() if isinstance(a, gs.Graph) for t in _reads_from_outside(a)]
+    reads += list(sub.outputs)
+    return _unique(t for t in reads if t.name and not isinstance(t, gs.Constant) and id(t) not in local)
+
+
+def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """``tensors`` without repeats (by identity), in first-seen order."""
+    seen: set[int] = set()
+    out: list[Tensor] = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
 
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
