@@ -105,19 +105,20 @@ class ShapeRefresher:
 
     def __call__(self, graph: gs.Graph) -> bool:
         self.calls += 1
+        tensors = graph.tensors()  # one walk of the graph for export and update
         try:
-            inferred = _infer(export_for_inference(graph))
+            inferred = _infer(export_for_inference(graph, tensors))
         except Exception as exc:  # onnx raises many types here; a failure only loses shapes
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             note = f"shape inference failed ({type(exc).__name__}: {first}); passes that need shapes declined"
             if note not in self.notes:
                 self.notes.append(note)
             return False
-        apply_shapes(graph, inferred.graph)
+        apply_shapes(graph, inferred.graph, tensors)
         return True
 
 
-def export_for_inference(graph: gs.Graph) -> onnx.ModelProto:
+def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]] = None) -> onnx.ModelProto:
     """The graph as a model for onnx shape inference, built without reading any big weight.
 
     No value_info (stale after rewrites: everything is re-inferred), and
@@ -125,7 +126,7 @@ def export_for_inference(graph: gs.Graph) -> onnx.ModelProto:
     """
     inputs = [OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs]
     initializers = []
-    for t in graph.tensors().values():
+    for t in (tensors if tensors is not None else graph.tensors()).values():
         if not isinstance(t, gs.Constant) or isinstance(t._values, SparseValues):
             continue
         if getattr(t._values, "nbytes", 0) >= EXTERNAL_THRESHOLD:
@@ -144,11 +145,12 @@ def export_for_inference(graph: gs.Graph) -> onnx.ModelProto:
     return model
 
 
-def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto) -> None:
+def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto,
+                 tensors: Optional[dict[str, gs.Tensor]] = None) -> None:
     """Copy inferred dtypes and shapes onto the graph's variables (graph inputs untouched)."""
     infos = {vi.name: vi for vi in list(inferred.value_info) + list(inferred.output)}
     inputs = {id(t) for t in graph.inputs}
-    for name, tensor in graph.tensors().items():
+    for name, tensor in (tensors if tensors is not None else graph.tensors()).items():
         vi = infos.get(name)
         if vi is None or isinstance(tensor, gs.Constant) or id(tensor) in inputs:
             continue
