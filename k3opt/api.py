@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.logger import G_LOGGER
 from onnx.external_data_helper import uses_external_data
 
 from . import io, opset as opsets, shapes, verify as verifier
@@ -48,10 +49,11 @@ def optimize(
     in ``PassContext.options``. Raises a :class:`k3opt.K3optError` subclass.
     """
     report = options.pop("report", None) or Report()
-    return _Run(report, **options).optimize(
-        model, passes=passes, skip=skip, target=target, opset=opset, input_shapes=input_shapes,
-        plugins=plugins, verify=verify,
-    )
+    with _gs_quiet():
+        return _Run(report, **options).optimize(
+            model, passes=passes, skip=skip, target=target, opset=opset, input_shapes=input_shapes,
+            plugins=plugins, verify=verify,
+        )
 
 
 def optimize_file(
@@ -73,7 +75,8 @@ def optimize_file(
     report = kwargs.pop("report", None) or Report()
     pipeline_args = _pipeline_args(kwargs)
     run = _Run(report, **kwargs)
-    model = run.optimize(src, **pipeline_args)
+    with _gs_quiet():
+        model = run.optimize(src, **pipeline_args)
     if not overwrite:
         for path in (out, io.data_path(out)):
             if os.path.abspath(path) in run.source_files:
@@ -84,6 +87,17 @@ def optimize_file(
     report.files = [str(p) for p in written]
     report.after.size_bytes = sum(p.stat().st_size for p in written)
     return report
+
+
+@contextlib.contextmanager
+def _gs_quiet() -> Iterator[None]:
+    """Silence onnx-graphsurgeon's warnings (e.g. duplicate node names) for the run: k3opt reports, not gs."""
+    old = G_LOGGER.severity
+    G_LOGGER.severity = max(old, G_LOGGER.ERROR)
+    try:
+        yield
+    finally:
+        G_LOGGER.severity = old
 
 
 def default_output(src: Union[str, os.PathLike]) -> Path:

@@ -131,3 +131,14 @@ def test_output_is_byte_identical_across_processes(tiny_transformer, tmp_path):
                        check=True, env={**os.environ, "PYTHONHASHSEED": seed})
         outputs.append(out.read_bytes())
     assert outputs[0] == outputs[1]
+
+
+def test_quiet_means_quiet_even_when_graphsurgeon_would_warn(tmp_path, capfd):
+    from onnx import TensorProto, helper
+
+    dup = make_model([helper.make_node("Relu", ["x"], ["a"], name="n"), helper.make_node("Relu", ["a"], ["y"], name="n")],
+                     [("x", TensorProto.FLOAT, [2])], [("y", TensorProto.FLOAT, [2])])
+    onnx.save(dup, tmp_path / "dup.onnx")
+    code, out, err = invoke(["optimize", tmp_path / "dup.onnx", "-q"])
+    captured = capfd.readouterr()
+    assert (code, out, err, captured.out, captured.err) == (0, "", "", "", "")
