@@ -120,12 +120,26 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def explain_failure(exporter: str, opset: int, exc: BaseException) -> str:
-    """One line: which exporter failed, on which op (when the message names one), and why."""
-    text = f"{exc}\n{exc.__cause__ or ''}"
+    """One line: which exporter failed, on which op (when the message names one), and why (with the root cause)."""
+    chain = _chain(exc)
+    text = "\n".join(str(e) for e in chain)
     op = next((m.group(1) for p in _OP_PATTERNS if (m := p.search(text))), None)
-    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-    reason = re.split(r"\s*This is step|\s*Next steps", _ANSI.sub("", first))[0]
+    reasons = list(dict.fromkeys(_first_line(e) for e in (chain[0], chain[-1])))
     where = f" on op {op}" if op else ""
     other = "dynamo" if exporter == "torchscript" else "torchscript"
-    return (f"the {exporter} exporter (opset {opset}) failed{where}: {reason[:300]} "
+    return (f"the {exporter} exporter (opset {opset}) failed{where}: {'; caused by: '.join(reasons)[:400]} "
             f"[{type(exc).__name__}; try exporter={other!r} or another opset]")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes/contexts, outermost first."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def _first_line(exc: BaseException) -> str:
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    return re.split(r"\s*This is step|\s*Next steps|\s*For more information", _ANSI.sub("", first))[0]

@@ -75,7 +75,7 @@ def from_transformers(
     folder (its weights when it has any, else random ones). ``task`` defaults
     to the one the architecture implies (see :data:`TASKS`). ``seq_len`` and
     ``batch`` size the example inputs only: batch and sequence are dynamic
-    axes. ``options`` go to :func:`k3opt.export.from_torch` (opset, optimize,
+    axes (at least 2 with the dynamo exporter, which would fix a size-1 dim). ``options`` go to :func:`k3opt.export.from_torch` (opset, optimize,
     target, passes, verify...).
     """
     if use_cache:
@@ -85,6 +85,8 @@ def from_transformers(
     require_torch()
     model = load_model(model_or_config, task, seed)
     spec = TASKS[task or infer_task(model)]
+    if exporter == "dynamo":  # torch.export specializes dims of size 1: they could not stay dynamic
+        batch, seq_len = max(batch, 2), max(seq_len, 2)
     inputs = example_inputs(model.config, spec, batch, seq_len, seed)
     from .task_module import TaskModule
 
