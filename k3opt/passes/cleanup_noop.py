@@ -19,9 +19,11 @@ Refused whenever a needed shape or dtype is unknown.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import numpy as np
+import onnx_graphsurgeon as gs
 
 from ..ir import Graph, Node, Tensor, rank
 from .base import PassContext, register_pass
@@ -29,6 +31,8 @@ from .cleanup_rewire import NodeRewritePass, bypass, cast_target, int_list, onnx
 from .fold_eval import value_of
 
 INT64_MAX = np.iinfo(np.int64).max
+#: Constants bigger than this are not read to look for an all-0/all-1 operand.
+MAX_NEUTRAL_ELEMENTS = 1 << 16
 
 
 def _known(d: object) -> bool:
@@ -123,13 +127,14 @@ def _neutral_arith(node: Node) -> Optional[Tensor]:
     sides = [(0, 1), (1, 0)] if node.op in ("Add", "Mul") else [(0, 1)]
     for xi, ci in sides:
         x, c = node.inputs[xi], node.inputs[ci]
+        if isinstance(c, gs.Constant) and (math.prod(c.shape) > MAX_NEUTRAL_ELEMENTS
+                                           or not _broadcast_keeps_shape(x, tuple(c.shape))):
+            continue  # decided from the shape alone: a big weight is never read here
         v = value_of(c)
         if v is None:
             continue
         v = np.asarray(v)
-        if v.dtype.kind not in "fiu" or not np.all(v == _NEUTRAL[node.op]):
-            continue
-        if _broadcast_keeps_shape(x, v.shape):
+        if v.dtype.kind in "fiu" and np.all(v == _NEUTRAL[node.op]) and _broadcast_keeps_shape(x, v.shape):
             return x
     return None
 
