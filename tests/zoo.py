@@ -109,6 +109,9 @@ def zoo_inputs(name: str, batch: int = BATCH, seq: int = TEXT_SEQ, seed: int = S
 def zoo_torch_model(name: str) -> Any:
     """The torch module exported as zoo model ``name``: eval mode, seeded random weights, positional inputs.
 
+    Every parameter gets seeded noise on top of transformers' initialization,
+    so no bias is zero and no norm scale is one (numerics would hide a lost bias).
+
     It is k3opt.export's ``TaskModule`` around the transformers model (``.model``).
     """
     _require()
@@ -125,6 +128,10 @@ def zoo_torch_model(name: str) -> Any:
         hf = tf.ViTModel(config)
     else:
         hf = tf.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers initializes biases to 0 and norm scales to 1: a fusion dropping one would pass
+        gen = torch.Generator().manual_seed(SEED)
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
     return TaskModule(hf, tuple(input_names(name)), tuple(output_names(name))).eval()
 
 
