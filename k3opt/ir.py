@@ -114,6 +114,40 @@ def _graphs(graph: Graph) -> Iterable[Graph]:
             yield from _graphs(sub)
 
 
+def _unlink(items: list, obj: object) -> None:
+    """Remove one occurrence of ``obj`` from gs's link list ``items``, by identity.
+
+    gs's own ``SynchronizedList.remove`` finds the entry with ``Node.__eq__``,
+    which compares names, attributes and inputs: slow (quadratic over a
+    tensor's readers) and wrong for look-alike nodes such as the duplicate
+    that CSE drops, whose twin it may unlink instead.
+    """
+    for i, item in enumerate(items):
+        if item is obj:
+            list.__delitem__(items, i)
+            return
+
+
+def set_input(node: Node, i: int, new: Tensor) -> None:
+    """``node.inputs[i] = new``, keeping the consumer links exact and cheap (identity, not ``__eq__``)."""
+    old = node.inputs[i]
+    if old is new:
+        return
+    list.__setitem__(node.inputs, i, new)
+    _unlink(old.outputs, node)
+    list.append(new.outputs, node)
+
+
+def disconnect(node: Node) -> None:
+    """Unlink ``node`` from every tensor it reads or writes (by identity; see :func:`_unlink`)."""
+    for t in node.inputs:
+        _unlink(t.outputs, node)
+    for t in node.outputs:
+        _unlink(t.inputs, node)
+    list.clear(node.inputs)
+    list.clear(node.outputs)
+
+
 def replace_uses(graph: Graph, old: Tensor, new: Tensor) -> None:
     """Make every consumer of ``old`` (and the graph outputs) read ``new`` instead.
 
@@ -123,7 +157,7 @@ def replace_uses(graph: Graph, old: Tensor, new: Tensor) -> None:
     for node in list(old.outputs):
         for i, inp in enumerate(node.inputs):
             if inp is old:
-                node.inputs[i] = new
+                set_input(node, i, new)
     for i, out in enumerate(graph.outputs):
         if out is old:
             name = old.name

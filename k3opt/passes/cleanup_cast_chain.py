@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from onnx import TensorProto as T
 
-from ..ir import Graph, Node
+from ..ir import Graph, Node, set_input
 from .base import register_pass
 from .cleanup_rewire import ChainPass, cast_target, detach, onnx_type
 
@@ -49,7 +49,7 @@ class MergeCastChains(ChainPass):
         src, middle = onnx_type(first.inputs[0]), cast_target(first)
         if src is None or middle is None or not lossless(src, middle):
             return False
-        node.inputs[0] = first.inputs[0]
+        set_input(node, 0, first.inputs[0])
         detach(first, dead)
         return True
 

@@ -8,7 +8,7 @@ reader or is a graph output.
 """
 from __future__ import annotations
 
-from ..ir import Graph, Node
+from ..ir import Graph, Node, set_input
 from .base import register_pass
 from .cleanup_rewire import ChainPass, detach, int_list
 
@@ -25,7 +25,7 @@ class MergeReshapes(ChainPass):
         target = int_list(node.inputs[1])
         if target is None or (0 in target and not node.attrs.get("allowzero", 0)):
             return False
-        node.inputs[0] = first.inputs[0]
+        set_input(node, 0, first.inputs[0])
         detach(first, dead)
         return True
 

@@ -13,7 +13,7 @@ from typing import ClassVar, Iterable, Optional
 import numpy as np
 from onnx import helper
 
-from ..ir import Graph, Node, Tensor, is_graph_output, producer, replace_uses
+from ..ir import Graph, Node, Tensor, disconnect, is_graph_output, producer, replace_uses
 from .base import Pass, PassContext
 from .fold_eval import value_of
 
@@ -58,10 +58,8 @@ def detach(node: Node, dead: list[Node]) -> None:
     """Disconnect ``node`` (and the nodes of its subgraphs, which read outer tensors) and queue it for removal."""
     for sub in node.subgraphs(recursive=True):
         for inner in sub.nodes:
-            inner.inputs.clear()
-            inner.outputs.clear()
-    node.inputs.clear()
-    node.outputs.clear()
+            disconnect(inner)
+    disconnect(node)
     dead.append(node)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..ir import Graph, Node, rank
+from ..ir import Graph, Node, rank, set_input
 from .base import register_pass
 from .cleanup_rewire import ChainPass, bypass, detach
 
@@ -38,7 +38,7 @@ class MergeTransposes(ChainPass):
             if not bypass(graph, node, x, dead):
                 return False
         else:
-            node.inputs[0] = x
+            set_input(node, 0, x)
             node.attrs["perm"] = composed
         detach(first, dead)
         return True
