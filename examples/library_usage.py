@@ -45,8 +45,9 @@ def export_gpt2(path: Path, exporter: str) -> None:
     with torch.no_grad():
         if exporter == "dynamo":
             batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
-            torch.onnx.export(Logits(), (ids, mask), str(path), dynamo=True, input_names=["input_ids", "attention_mask"],
-                              output_names=["logits"], dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
+            torch.onnx.export(Logits(), (ids, mask), str(path), dynamo=True,
+                              input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                              dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
         else:
             torch.onnx.export(Logits(), (ids, mask), str(path), dynamo=False, opset_version=14,
                               input_names=["input_ids", "attention_mask"], output_names=["logits"], dynamic_axes=axes)

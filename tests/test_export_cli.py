@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from k3opt.cli import main
+from k3opt.export.exporters import INSTALL_HINT
 from tests.helpers import op_counts, run_ort
 from tests.zoo import needs_torch, zoo_config, zoo_inputs
 
@@ -53,7 +54,8 @@ def test_export_checkpoint_folder_with_options(tmp_path) -> None:
 def test_export_no_optimize_and_bad_task(tmp_path) -> None:
     zoo_config("vit").to_json_file(tmp_path / "vit.json")
     runner = CliRunner()
-    result = runner.invoke(main, ["export", str(tmp_path / "vit.json"), "--no-optimize", "-o", str(tmp_path / "v.onnx")])
+    args = ["export", str(tmp_path / "vit.json"), "--no-optimize", "-o", str(tmp_path / "v.onnx")]
+    result = runner.invoke(main, args)
     assert result.exit_code == 0 and "wrote" in result.output
     assert onnx.load(tmp_path / "v.onnx").opset_import[0].version == 14
     result = runner.invoke(main, ["export", str(tmp_path / "vit.json"), "--task", "translate"])
@@ -69,7 +71,7 @@ def test_export_without_torch_says_how_to_install(tmp_path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "k3opt: error: torch and transformers are needed for export: pip install 'k3opt[export]'"
+    assert proc.stderr.strip() == f"k3opt: error: {INSTALL_HINT}"
 
 
 def test_k3opt_works_without_torch() -> None:

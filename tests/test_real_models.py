@@ -17,12 +17,12 @@ from onnx import numpy_helper
 
 import k3opt
 from tests.helpers import op_counts, run_ort
-from tests.zoo import EXPORTERS, NAMES, needs_torch, torch_outputs, zoo_inputs, zoo_model, zoo_torch_model
+from tests.zoo import (max_rel_err, needs_torch, torch_outputs, zoo_inputs, zoo_model, zoo_params,
+                       zoo_torch_model)
 
 pytestmark = needs_torch
 
-PAIRS = [pytest.param(n, e, marks=[pytest.mark.slow] if e == "dynamo" else [], id=f"{n}-{e}")
-         for n in NAMES for e in EXPORTERS]
+PAIRS = zoo_params()
 
 # (invariant, model, exporter) -> why it does not hold yet; such a failure is an xfail, anything else fails.
 KNOWN_GAPS: dict[tuple[str, str, str], str] = {}
@@ -125,10 +125,6 @@ def _signature(model: onnx.ModelProto) -> tuple:
             tuple(sorted(t.name for t in model.graph.initializer)))
 
 
-def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
-
-
 # ---- tests -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,exporter", PAIRS)
@@ -137,8 +133,8 @@ def test_outputs_match_original_and_torch(name: str, exporter: str) -> None:
     for model in (optimized(name, exporter), flattened(name, exporter)):
         for feeds in (zoo_inputs(name), zoo_inputs(name, batch=3, seq=5, seed=1)):
             got = run_ort(model, feeds)
-            for g, want_onnx, want_torch in zip(got, run_ort(original, feeds), torch_outputs(name, feeds)):
-                assert _rel(g, want_onnx) < 1e-4 and _rel(g, want_torch) < 1e-4
+            assert max_rel_err(got, run_ort(original, feeds)) < 1e-4
+            assert max_rel_err(got, torch_outputs(name, feeds)) < 1e-4
 
 
 @pytest.mark.parametrize("name,exporter", PAIRS)

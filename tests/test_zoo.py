@@ -6,26 +6,19 @@ import onnx
 import pytest
 
 from tests.helpers import op_counts, run_ort
-from tests.zoo import EXPORTERS, NAMES, needs_torch, torch_outputs, zoo_inputs, zoo_model, zoo_torch_model
+from tests.zoo import (max_rel_err, needs_torch, torch_outputs, zoo_inputs, zoo_model, zoo_params,
+                       zoo_torch_model)
 
 pytestmark = needs_torch
 
-PAIRS = [pytest.param(n, e, marks=[pytest.mark.slow] if e == "dynamo" else [], id=f"{n}-{e}")
-         for n in NAMES for e in EXPORTERS]
-
-
-def _rel_err(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
-    return max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got, ref))
-
-
-@pytest.mark.parametrize("name,exporter", PAIRS)
+@pytest.mark.parametrize("name,exporter", zoo_params())
 def test_export_matches_torch(name: str, exporter: str) -> None:
     model = onnx.load(zoo_model(name, exporter))
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     assert opset == {"torchscript": 14, "dynamo": 18}[exporter]
     other_shape = zoo_inputs(name, batch=3, seq=5, seed=1)  # the axes are dynamic
     for feeds in (zoo_inputs(name), other_shape):
-        assert _rel_err(run_ort(model, feeds), torch_outputs(name, feeds)) < 1e-5
+        assert max_rel_err(run_ort(model, feeds), torch_outputs(name, feeds)) < 1e-5
 
 
 def test_padding_mask_is_part_of_the_traced_graph() -> None:

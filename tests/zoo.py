@@ -37,7 +37,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -48,15 +48,27 @@ TEXT_SEQ, BATCH, VOCAB, IMAGE = 8, 2, 100, 16
 SEED = 0
 
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers not installed (pip install 'k3opt[export]')")
+NO_TORCH = "torch and transformers not installed (pip install 'k3opt[export]')"
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason=NO_TORCH)
 
 _HERE = Path(__file__).resolve()
 _EXPORT_PKG = _HERE.parent.parent / "k3opt" / "export"
 
 
+def zoo_params() -> list:
+    """``pytest.param(name, exporter)`` for every zoo pair (ids ``bert-torchscript``...); dynamo ones marked slow."""
+    return [pytest.param(n, e, marks=[pytest.mark.slow] if e == "dynamo" else [], id=f"{n}-{e}")
+            for n in NAMES for e in EXPORTERS]
+
+
+def max_rel_err(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> float:
+    """Largest ``max|got - want| / max|want|`` over paired outputs."""
+    return max(float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-12)) for g, w in zip(got, want))
+
+
 def _require() -> None:
     if not HAVE_TORCH:
-        pytest.skip("torch and transformers not installed (pip install 'k3opt[export]')")
+        pytest.skip(NO_TORCH)
 
 
 def zoo_config(name: str) -> Any:
@@ -69,7 +81,8 @@ def zoo_config(name: str) -> Any:
     decoder = dict(text, use_cache=False, tie_word_embeddings=False)
     configs = {
         "bert": lambda: tf.BertConfig(**text),
-        "gpt2": lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, use_cache=False),
+        "gpt2": lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                      use_cache=False),
         "llama": lambda: tf.LlamaConfig(num_key_value_heads=2, **decoder),
         "qwen2": lambda: tf.Qwen2Config(num_key_value_heads=2, **decoder),
         "deepseek_v3": lambda: tf.DeepseekV3Config(

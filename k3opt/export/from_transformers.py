@@ -1,4 +1,4 @@
-"""``from_transformers``: export a transformers model (instance, config, config JSON or local checkpoint) and optimize it.
+"""``from_transformers``: export a transformers model (instance, config, JSON, checkpoint folder) and optimize it.
 
 Per task it knows the model class, the example inputs, the graph input and
 output names and the dynamic axes. The model is exported in eval mode with
@@ -75,7 +75,8 @@ def from_transformers(
     folder (its weights when it has any, else random ones). ``task`` defaults
     to the one the architecture implies (see :data:`TASKS`). ``seq_len`` and
     ``batch`` size the example inputs only: batch and sequence are dynamic
-    axes (at least 2 with the dynamo exporter, which would fix a size-1 dim). ``options`` go to :func:`k3opt.export.from_torch` (opset, optimize,
+    axes (at least 2 with the dynamo exporter, which would fix a size-1 dim).
+    ``options`` go to :func:`k3opt.export.from_torch` (opset, optimize,
     target, passes, verify...).
     """
     if use_cache:
