@@ -101,3 +101,18 @@ def test_merging_never_compares_nodes_structurally(monkeypatch):
     monkeypatch.undo()
     assert len(graph.nodes) == 3 and len(graph.inputs[0].outputs) == 1
     assert_equivalent(model, gs.export_onnx(graph))
+
+
+def test_later_rounds_do_not_rehash_constants(monkeypatch):
+    """A fixed-point round that changes nothing must be cheap: each constant is read once per run."""
+    import k3opt.passes.cse as cse
+
+    reads = []
+    monkeypatch.setattr(cse, "peek", lambda c: reads.append(c.name) or c._values.load())
+    nodes = [helper.make_node("Mul", ["x", "c1"], ["a"]), helper.make_node("Mul", ["x", "c2"], ["b"]),
+             helper.make_node("Sub", ["a", "b"], ["y"])]
+    model = make_model(nodes, [("x", F, [3])], [("y", F, [3])], {"c1": np.float32([1, 2, 3]), "c2": np.float32([1, 2, 4])})
+    graph, p = gs.import_onnx(model), EliminateCommonSubexpressions()
+    for _ in range(3):
+        assert p.run(graph, PassContext(opset=17)) == 0
+    assert sorted(reads) == ["c1", "c2"]

@@ -78,25 +78,36 @@ class EliminateCommonSubexpressions(Pass):
     description = "Merge nodes with the same op, attributes and inputs, and equal constants."
     order = 300
 
+    def __init__(self) -> None:
+        # Digest of each constant already hashed, by identity (kept alive so ids stay unique):
+        # later fixed-point rounds hash only new constants.
+        self._digests: dict[int, tuple[gs.Constant, str]] = {}
+
     def run(self, graph: Graph, ctx: PassContext) -> int:
         limit = int(ctx.options.get("cse_max_const_bytes", DEFAULT_MAX_CONST_BYTES))
         return self._constants(graph, limit) + self._nodes(graph)
 
+    def _digest_of(self, c: gs.Constant) -> str:
+        hit = self._digests.get(id(c))
+        if hit is None or hit[0] is not c:
+            hit = self._digests[id(c)] = (c, _digest(np.asarray(peek(c))))
+        return hit[1]
+
     def _constants(self, graph: Graph, limit: int) -> int:
         overridable = {id(t) for t in graph.inputs}
-        groups: dict[tuple, list[gs.Constant]] = {}
-        for t in graph.tensors().values():
-            if isinstance(t, gs.Constant) and id(t) not in overridable and t.outputs:
-                if t._values.nbytes <= limit and not _external(t):
-                    groups.setdefault((str(t.dtype), tuple(t.shape)), []).append(t)
+        groups: dict[tuple, dict[int, gs.Constant]] = {}
+        for node in graph.nodes:
+            for t in node.inputs:
+                if isinstance(t, gs.Constant) and id(t) not in overridable:
+                    if t._values.nbytes <= limit and not _external(t):
+                        groups.setdefault((str(t.dtype), tuple(t.shape)), {})[id(t)] = t
         merged = 0
         for group in groups.values():
             if len(group) < 2:
                 continue
             first: dict[str, Tensor] = {}
-            for c in sorted(group, key=lambda c: c.name):
-                key = _digest(np.asarray(peek(c)))
-                keep = first.setdefault(key, c)
+            for c in sorted(group.values(), key=lambda c: c.name):
+                keep = first.setdefault(self._digest_of(c), c)
                 if keep is not c and can_replace(graph, c, keep):
                     replace_uses(graph, c, keep)
                     merged += 1
