@@ -7,7 +7,7 @@ rescan the graph to find uses.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -88,7 +88,7 @@ class NameScope:
 
     def __init__(self, graph: Graph):
         self._used: set[str] = set()
-        for g in _graphs(graph):
+        for g in all_graphs(graph):
             self._used.update(g.tensors().keys())
             self._used.update(n.name for n in g.nodes if n.name)
         self._next: dict[str, int] = {}
@@ -107,11 +107,21 @@ class NameScope:
         return name
 
 
-def _graphs(graph: Graph) -> Iterable[Graph]:
+def node_subgraphs(node: Node) -> list[Graph]:
+    """The bodies ``node`` holds directly (If branches, Loop/Scan bodies).
+
+    Cheaper than gs's ``Node.subgraphs`` generator, which passes call for
+    every node of the graph on every run.
+    """
+    return [a for a in node.attrs.values() if isinstance(a, gs.Graph)]
+
+
+def all_graphs(graph: Graph) -> Iterator[Graph]:
+    """``graph`` and every body nested in it, outermost first."""
     yield graph
     for node in graph.nodes:
-        for sub in node.subgraphs(recursive=False) if hasattr(node, "subgraphs") else ():
-            yield from _graphs(sub)
+        for sub in node_subgraphs(node):
+            yield from all_graphs(sub)
 
 
 def _unlink(items: list, obj: object) -> None:

@@ -8,22 +8,14 @@ initializer. :func:`bypass` refuses those cases, so every clean-up does too.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Iterable, Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 from onnx import helper
 
-from ..ir import Graph, Node, Tensor, disconnect, is_graph_output, producer, replace_uses
+from ..ir import Graph, Node, Tensor, all_graphs, disconnect, is_graph_output, node_subgraphs, producer, replace_uses
 from .base import Pass, PassContext
 from .fold_eval import value_of
-
-
-def graphs(graph: Graph) -> Iterable[Graph]:
-    """``graph`` and every subgraph (If/Loop/Scan bodies), outermost first."""
-    yield graph
-    for node in graph.nodes:
-        for sub in node.subgraphs(recursive=True):
-            yield sub
 
 
 def is_used(graph: Graph, t: Tensor) -> bool:
@@ -56,9 +48,10 @@ def bypass(graph: Graph, node: Node, new: Tensor, dead: list[Node]) -> bool:
 
 def detach(node: Node, dead: list[Node]) -> None:
     """Disconnect ``node`` (and the nodes of its subgraphs, which read outer tensors) and queue it for removal."""
-    for sub in node.subgraphs(recursive=True):
-        for inner in sub.nodes:
-            disconnect(inner)
+    for body in node_subgraphs(node):
+        for sub in all_graphs(body):
+            for inner in sub.nodes:
+                disconnect(inner)
     disconnect(node)
     dead.append(node)
 
@@ -122,7 +115,7 @@ class NodeRewritePass(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         total = 0
-        for g in list(graphs(graph)):
+        for g in list(all_graphs(graph)):
             dead: list[Node] = []
             for node in list(g.nodes):
                 if node.op in self.ops and (node.domain or "") in ("", "ai.onnx") and node.outputs:

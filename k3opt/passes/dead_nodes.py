@@ -9,9 +9,9 @@ read. Graph inputs are never removed (they are the model's interface).
 """
 from __future__ import annotations
 
-from ..ir import Graph, Node, producer
+from ..ir import Graph, Node, all_graphs, producer
 from .base import Pass, PassContext, register_pass
-from .cleanup_rewire import detach, graphs, remove
+from .cleanup_rewire import detach, remove
 from .fold_eval import outer_refs
 
 
@@ -38,7 +38,7 @@ class RemoveDeadNodes(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         removed = 0
-        for g in list(graphs(graph)):
+        for g in list(all_graphs(graph)):
             live = live_nodes(g)
             dead: list[Node] = []
             for node in g.nodes:
