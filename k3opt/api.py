@@ -161,9 +161,14 @@ class _Run:
             report.before = ModelSummary.of(model, io.proto_size(model), opset_before)
         shapes.fix_inputs(model, input_shapes)
         original = self._runnable_original(model) if verify else None
-        with self.step("converting opset", "opset"):
-            converted, notes = opsets.convert(model, opset, target=target)
-            report.notes.extend(notes)
+        # Up before the passes (fusions may need the newer opset), down after them (see opset.converts_down).
+        down = opsets.converts_down(model, opset, target=target)
+        if not down:
+            with self.step("converting opset", "opset"):
+                converted, notes = opsets.convert(model, opset, target=target)
+                report.notes.extend(notes)
+        else:
+            converted = model
         # Verification compares with the model as given; bisection restarts from the converted one.
         start = original
         if original is not None and converted is not model:
@@ -177,12 +182,18 @@ class _Run:
             graph = io.import_graph(model)
             manager.run(graph, ctx)
             out = export(graph, model)
+        before_down = None
+        if down:
+            with self.step("converting opset", "opset"):
+                before_down = out
+                out, notes = opsets.convert(out, opset, target=target)
+                report.notes.extend(notes)
         report.passes = [manager.stats[p.name].as_dict() for p in pipeline]
         report.rounds = manager.rounds
         report.notes.extend(refresher.notes + [n for n in ctx.notes if n not in report.notes])
         if original is not None:
             with self.step("verifying", "verify"):
-                self._verify(original, start, out, manager, pipeline, ctx)
+                self._verify(original, start, out, manager, pipeline, ctx, before_down)
         if target == "cann":
             from .cann_bridge import lower
 
@@ -215,10 +226,11 @@ class _Run:
         self.report.warnings.append(f"verification skipped: {reason}")
 
     def _verify(self, original: bytes, start: bytes, out: onnx.ModelProto, manager: PassManager,
-                pipeline: list, ctx: PassContext) -> None:
+                pipeline: list, ctx: PassContext, before_down: Optional[onnx.ModelProto] = None) -> None:
         """Compare original and optimized; on divergence bisect and raise VerificationError.
 
-        ``start`` is the model the passes started from (``original`` after opset conversion).
+        ``start`` is the model the passes started from (``original`` after an upward opset
+        conversion); ``before_down`` the passes' output when the opset was then converted down.
         """
         proto = onnx.load_from_string(original)
         feeds = verifier.make_feeds(proto, seed=self.seed, input_data=self.input_data)
@@ -249,7 +261,11 @@ class _Run:
         self.report.verification = result
         if result["status"] == "passed":
             return None
-        culprit = self._bisect(start, start is not original, manager, pipeline, ctx, result_of)
+        if before_down is not None and result_of(before_down)["status"] == "passed":
+            self.report.verification["first_diverging_pass"] = "opset conversion"
+            culprit = f"; the opset conversion to {opsets.model_opset(out)} after the passes diverges"
+        else:
+            culprit = self._bisect(start, start is not original, manager, pipeline, ctx, result_of)
         detail = result.get("reason") or _worst(result)
         raise VerificationError(f"optimized model differs from the original ({detail}){culprit}")
 

@@ -27,6 +27,26 @@ def model_opset(model: onnx.ModelProto) -> int:
     return max(versions, default=1)
 
 
+def wanted_opset(model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx") -> int:
+    """The opset the output gets: ``opset`` if given, exactly 17 for cann, else at least 17."""
+    if target == "cann":
+        if opset is not None and opset != DEFAULT_OPSET:
+            raise UsageError(f"--target cann needs opset {DEFAULT_OPSET}, not {opset}")
+        return DEFAULT_OPSET
+    return opset if opset is not None else max(model_opset(model), DEFAULT_OPSET)
+
+
+def converts_down(model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx") -> bool:
+    """Is the wanted opset below the model's? Then convert after the passes, not before.
+
+    Going down often needs constants the passes make (opset 18's ReduceMean
+    takes its axes as an input, often a Reshape of a constant, and opset 17
+    needs them as an attribute), while going up must come first so the
+    passes needing the newer opset (LayerNormalization: 17) can run.
+    """
+    return wanted_opset(model, opset, target=target) < model_opset(model)
+
+
 def convert(
     model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx"
 ) -> tuple[onnx.ModelProto, list[str]]:
@@ -39,14 +59,7 @@ def convert(
     """
     current = model_opset(model)
     strict = opset is not None or target == "cann"
-    if target == "cann":
-        if opset is not None and opset != DEFAULT_OPSET:
-            raise UsageError(f"--target cann needs opset {DEFAULT_OPSET}, not {opset}")
-        wanted = DEFAULT_OPSET
-    elif opset is not None:
-        wanted = opset
-    else:
-        wanted = max(current, DEFAULT_OPSET)
+    wanted = wanted_opset(model, opset, target=target)
     if wanted == current:
         return _single_default_import(model, current), []
     try:
@@ -71,7 +84,7 @@ def _convert_weightless(model: onnx.ModelProto, wanted: int) -> onnx.ModelProto:
     """Convert with big initializers turned into typed graph inputs, then put them back in order."""
     light, big = weights_as_inputs(model)
     declared = {vi.name for vi in model.graph.input}
-    converted = version_converter.convert_version(_single_default_import(light, model_opset(light)), wanted)
+    converted = _convert_hiding_unadapted(_single_default_import(light, model_opset(light)), wanted)
     onnx.checker.check_model(converted)
     g = converted.graph
     inputs = [vi for vi in g.input if vi.name not in big or vi.name in declared]
@@ -86,6 +99,78 @@ def _convert_weightless(model: onnx.ModelProto, wanted: int) -> onnx.ModelProto:
     return _single_default_import(converted, wanted)
 
 
+#: Domain that hides nodes from the converter (see _convert_hiding_unadapted).
+_HIDDEN = "k3opt.opset.unchanged"
+
+
+def _convert_hiding_unadapted(model: onnx.ModelProto, wanted: int) -> onnx.ModelProto:
+    """onnx's converter, going down, with nodes it has no adapter for passed through unchanged
+    when they are already valid at the older version (e.g. opset 18's Split with a ``split`` input
+    is an opset-13 Split: onnx has no Split 18 -> 17 adapter).
+
+    Such nodes are moved to a private domain while converting, then back. ``model`` is modified.
+    """
+    _drop_new_default_attributes(model.graph, model_opset(model), wanted)
+    hidden: set[str] = set()
+    while True:
+        try:
+            converted = version_converter.convert_version(model, wanted)
+            break
+        except Exception as exc:  # the converter raises RuntimeError/ValueError/IndexError...
+            m = re.search(r"No Adapter From Version \$?\d+ for (\w+)", str(exc))
+            op = m.group(1) if m else None
+            if op is None or op in hidden or not _valid_at(model.graph, op, wanted):
+                raise
+            hidden.add(op)
+            for node in model.graph.node:
+                if node.op_type == op and node.domain in _DEFAULT_DOMAINS:
+                    node.domain = _HIDDEN
+            if _HIDDEN not in {o.domain for o in model.opset_import}:
+                model.opset_import.append(onnx.helper.make_opsetid(_HIDDEN, 1))
+    for node in converted.graph.node:
+        if node.domain == _HIDDEN:
+            node.domain = ""
+    imports = [o for o in converted.opset_import if o.domain != _HIDDEN]
+    del converted.opset_import[:]
+    converted.opset_import.extend(imports)
+    return converted
+
+
+def _drop_new_default_attributes(graph: onnx.GraphProto, current: int, wanted: int) -> None:
+    """Remove attributes the op at opset ``wanted`` lacks when they hold their default at ``current``
+    (same meaning either way): onnx's ReduceMean 18 -> 17 adapter keeps ``noop_with_empty_axes=0``
+    and then fails on it."""
+    for node in graph.node:
+        if node.domain not in _DEFAULT_DOMAINS:
+            continue
+        try:
+            old = onnx.defs.get_schema(node.op_type, wanted, "")
+            new = onnx.defs.get_schema(node.op_type, current, "")
+        except onnx.defs.SchemaError:
+            continue
+        keep = [a for a in node.attribute if a.name in old.attributes or not _is_default(a, new)]
+        if len(keep) < len(node.attribute):
+            del node.attribute[:]
+            node.attribute.extend(keep)
+
+
+def _is_default(attr: onnx.AttributeProto, schema: onnx.defs.OpSchema) -> bool:
+    spec = schema.attributes.get(attr.name)
+    if spec is None or spec.default_value.type == onnx.AttributeProto.UNDEFINED:
+        return False
+    return onnx.helper.get_attribute_value(attr) == onnx.helper.get_attribute_value(spec.default_value)
+
+
+def _valid_at(graph: onnx.GraphProto, op: str, version: int) -> bool:
+    """Do all ``op`` nodes fit the op's schema at ``version`` (input count and attribute names)?"""
+    try:
+        schema = onnx.defs.get_schema(op, version, "")
+    except onnx.defs.SchemaError:
+        return False
+    return all(len(n.input) <= schema.max_input and {a.name for a in n.attribute} <= set(schema.attributes)
+               for n in graph.node if n.op_type == op and n.domain in _DEFAULT_DOMAINS)
+
+
 def _unchanged_original(original: onnx.TensorProto, converted: onnx.TensorProto) -> onnx.TensorProto:
     """The original (maybe external) tensor when the converter left its inlined copy as it was."""
     if uses_external_data(original) and inline_copy(original) == converted:
@@ -94,15 +179,37 @@ def _unchanged_original(original: onnx.TensorProto, converted: onnx.TensorProto)
 
 
 def _blocking_reason(model: onnx.ModelProto, wanted: int, exc: Exception) -> str:
+    current = model_opset(model)
+    constants = {t.name for t in model.graph.initializer}
+    constants.update(o for n in model.graph.node if n.op_type == "Constant" and n.domain in _DEFAULT_DOMAINS
+                     for o in n.output)
     for node in model.graph.node:
-        if node.domain in _DEFAULT_DOMAINS:
-            try:
-                onnx.defs.get_schema(node.op_type, wanted, "")
-            except onnx.defs.SchemaError:
-                where = f" (node '{node.name}')" if node.name else ""
-                return f"op {node.op_type}{where} does not exist at opset {wanted}"
+        if node.domain not in _DEFAULT_DOMAINS:
+            continue
+        where = f" (node '{node.name}')" if node.name else ""
+        try:
+            old = onnx.defs.get_schema(node.op_type, wanted, "")
+        except onnx.defs.SchemaError:
+            return f"op {node.op_type}{where} does not exist at opset {wanted}"
+        computed = _computed_input_turned_attribute(node, old, current, constants)
+        if computed is not None:
+            return (f"op {node.op_type}{where}: its '{computed}' input is computed, not a constant, "
+                    f"and opset {wanted} needs it as an attribute")
     text = str(exc)
     m = re.search(r"No Adapter (From|To) Version \$?(\d+) for (\w+)", text)
     if m:
         return f"onnx's version converter cannot convert op {m.group(3)} ({m.group(1).lower()} version {m.group(2)})"
     return ((text.strip().splitlines() or [type(exc).__name__])[0])[:300]
+
+
+def _computed_input_turned_attribute(node: onnx.NodeProto, old: onnx.defs.OpSchema, current: int,
+                                     constants: set[str]) -> Optional[str]:
+    """Name of an input of ``node`` (at opset ``current``) that the ``old`` schema only has as an
+    attribute and that is not a constant (the converter cannot move it), else None."""
+    if len(node.input) <= old.max_input:
+        return None
+    new = onnx.defs.get_schema(node.op_type, current, "")
+    for i in range(old.max_input, len(node.input)):
+        if node.input[i] and node.input[i] not in constants:
+            return new.inputs[min(i, len(new.inputs) - 1)].name
+    return None

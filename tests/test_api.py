@@ -190,17 +190,22 @@ def test_shapes_are_refreshed_for_passes_that_need_them(register):
     assert op_counts(k3opt.optimize(small_model(), passes=[])) == op_counts(small_model())
 
 
-def test_verification_compares_with_the_model_before_opset_conversion(monkeypatch):
+def _break_converter(monkeypatch, op_type: str, into: str) -> None:
+    """Make onnx's version converter turn every ``op_type`` node into ``into`` (a wrong conversion)."""
     real = opsets.version_converter.convert_version
 
     def wrong_converter(model, version):
         out = real(model, version)
         for node in out.graph.node:
-            if node.op_type == "Relu":
-                node.op_type = "Sigmoid"
+            if node.op_type == op_type:
+                node.op_type = into
         return out
 
     monkeypatch.setattr(opsets.version_converter, "convert_version", wrong_converter)
+
+
+def test_verification_compares_with_the_model_before_opset_conversion(monkeypatch):
+    _break_converter(monkeypatch, "Relu", "Sigmoid")
     with pytest.raises(VerificationError, match="the opset conversion to 17 already diverges"):
         k3opt.optimize(small_model(13), verify=True)
 
@@ -213,3 +218,57 @@ def test_opset_conversion_keeps_external_weights_on_disk(tmp_path):
     saved = onnx.load(tmp_path / "o.onnx", load_external_data=False)
     assert saved.graph.initializer[0].data_location == TensorProto.EXTERNAL
     assert_equivalent(model, onnx.load(tmp_path / "o.onnx"))
+
+
+def _reduce_mean_18(axes_from_input: bool) -> onnx.ModelProto:
+    """Opset 18 ReduceMean whose axes come from a Reshape: of constants (foldable) or of a graph input."""
+    nodes = [helper.make_node("Reshape", ["axes_src", "one"], ["axes"], name="axes_reshape"),
+             helper.make_node("ReduceMean", ["x", "axes"], ["y"], name="mean")]
+    inputs = [("x", TensorProto.FLOAT, [2, 3, 4])]
+    inits = {"one": np.array([1], dtype=np.int64)}
+    if axes_from_input:
+        inputs.append(("axes_src", TensorProto.INT64, [1]))
+    else:
+        inits["axes_src"] = np.array([-1], dtype=np.int64)
+    return make_model(nodes, inputs, [("y", TensorProto.FLOAT, [2, 3, 1])], inits, opset=18)
+
+
+def test_converting_down_happens_after_the_passes_fold_the_axes():
+    model = _reduce_mean_18(axes_from_input=False)
+    report = Report()
+    out = k3opt.optimize(model, opset=17, verify=True, report=report)
+    assert opsets.model_opset(out) == 17 and "opset converted from 18 to 17" in report.notes
+    assert report.verification["status"] == "passed"
+    onnx.checker.check_model(out)
+    assert_equivalent(model, out)
+    assert [(o.domain, o.version) for o in k3opt.optimize(model, target="cann").opset_import] == [("", 17)]
+
+
+def test_converting_down_names_a_reduce_whose_axes_stay_computed():
+    with pytest.raises(UsageError, match="cannot convert opset 18 to 17: op ReduceMean \\(node 'mean'\\): "
+                                         "its 'axes' input is computed"):
+        k3opt.optimize(_reduce_mean_18(axes_from_input=True), opset=17)
+
+
+def test_a_wrong_down_conversion_is_blamed_on_the_conversion(monkeypatch):
+    _break_converter(monkeypatch, "ReduceMean", "ReduceMax")
+    with pytest.raises(VerificationError, match="the opset conversion to 17 after the passes diverges"):
+        k3opt.optimize(_reduce_mean_18(axes_from_input=False), opset=17, verify=True)
+
+
+def test_converting_down_keeps_nodes_already_valid_at_the_lower_opset():
+    """onnx has no Split 18 -> 17 adapter, and its ReduceMean one trips on noop_with_empty_axes=0."""
+    nodes = [helper.make_node("Split", ["x", "sizes"], ["a", "b"], axis=-1),
+             helper.make_node("ReduceMean", ["a", "axes"], ["m"], noop_with_empty_axes=0),
+             helper.make_node("Add", ["m", "b"], ["y"])]
+    model = make_model(nodes, [("x", TensorProto.FLOAT, [2, 4])], [("y", TensorProto.FLOAT, [2, 2])],
+                       {"sizes": np.array([2, 2], dtype=np.int64), "axes": np.array([-1], dtype=np.int64)}, opset=18)
+    out = k3opt.optimize(model, opset=17, passes=[])
+    assert opsets.model_opset(out) == 17 and [o.domain for o in out.opset_import] == [""]
+    onnx.checker.check_model(out)
+    assert_equivalent(model, out)
+    with pytest.raises(UsageError, match="op Split"):  # Split-18's num_outputs has no opset-17 form
+        k3opt.optimize(make_model([helper.make_node("Split", ["x"], ["a", "b"], axis=-1, num_outputs=2)],
+                                  [("x", TensorProto.FLOAT, [2, 4])], [("a", TensorProto.FLOAT, [2, 2]),
+                                                                       ("b", TensorProto.FLOAT, [2, 2])], opset=18),
+                       opset=17, passes=[])

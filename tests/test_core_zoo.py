@@ -1,0 +1,27 @@
+"""The core pipeline (opset conversion, shapes written to the output) on the zoo's real exports."""
+from __future__ import annotations
+
+import onnx
+import pytest
+
+import k3opt
+from k3opt import opset as opsets
+from k3opt.report import Report
+from tests.helpers import assert_equivalent
+from tests.zoo import zoo_inputs, zoo_model
+
+#: The dynamo exports at opset 18 whose ReduceMean axes are a Reshape of constants until folding.
+DOWN_TO_17 = [pytest.param(n, marks=pytest.mark.slow) for n in ("llama", "qwen2", "deepseek_v3")]
+
+
+@pytest.mark.parametrize("name", DOWN_TO_17)
+def test_dynamo_exports_go_down_to_17_after_the_passes(name):
+    path = zoo_model(name, "dynamo")
+    report = Report()
+    cann = k3opt.optimize(str(path), target="cann", verify=True, input_data=zoo_inputs(name), report=report)
+    assert [(o.domain, o.version) for o in cann.opset_import] == [("", 17)]
+    assert report.verification["status"] == "passed" and "opset converted from 18 to 17" in report.notes
+    out = k3opt.optimize(str(path), opset=17)
+    assert opsets.model_opset(out) == 17
+    onnx.checker.check_model(out)
+    assert_equivalent(onnx.load(str(path)), out, feeds=zoo_inputs(name))
