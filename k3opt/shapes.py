@@ -147,9 +147,17 @@ def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]
 
 def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto,
                  tensors: Optional[dict[str, gs.Tensor]] = None) -> None:
-    """Copy inferred dtypes and shapes onto the graph's variables (graph inputs untouched)."""
+    """Copy inferred dtypes and shapes onto the graph's variables (graph inputs untouched).
+
+    Only symbolic dimensions the graph's inputs and outputs declare are kept;
+    the ones onnx makes up for unknown dimensions (``unk__N``) become None.
+    onnx hands one made-up symbol to several tensors whose sizes differ (the
+    SequenceAt outputs of an uneven SplitToSequence share their sequence's
+    element type), and onnxruntime trusts equal symbols to mean equal sizes.
+    """
     infos = {vi.name: vi for vi in list(inferred.value_info) + list(inferred.output)}
     inputs = {id(t) for t in graph.inputs}
+    declared = {d for t in list(graph.inputs) + list(graph.outputs) for d in (t.shape or ()) if isinstance(d, str)}
     for name, tensor in (tensors if tensors is not None else graph.tensors()).items():
         vi = infos.get(name)
         if vi is None or isinstance(tensor, gs.Constant) or id(tensor) in inputs:
@@ -160,5 +168,6 @@ def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto,
         tensor.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
         if tt.HasField("shape"):
             tensor.shape = [
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+                d.dim_value if d.HasField("dim_value") else (d.dim_param if d.dim_param in declared else None)
+                for d in tt.shape.dim
             ]

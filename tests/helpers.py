@@ -101,3 +101,27 @@ def op_counts(model: onnx.ModelProto) -> dict[str, int]:
     for n in model.graph.node:
         counts[n.op_type] = counts.get(n.op_type, 0) + 1
     return counts
+
+
+def assert_value_info_holds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
+    """Every shape the model declares (inputs, value_info, outputs) is what onnxruntime computes:
+    fixed dims equal, and one symbol stands for one size throughout the graph."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    declared = list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)
+    outputs = {o.name for o in model.graph.output}
+    probe.graph.output.extend(vi for vi in model.graph.value_info if vi.name not in outputs)
+    actual = dict(zip([o.name for o in probe.graph.output], run_ort(probe, feeds)))
+    actual.update(feeds)
+    sizes: dict[str, int] = {}
+    for vi in declared:
+        if vi.name not in actual or not vi.type.tensor_type.HasField("shape"):
+            continue
+        dims, shape = vi.type.tensor_type.shape.dim, actual[vi.name].shape
+        assert len(dims) == len(shape), f"{vi.name}: declared rank {len(dims)}, actual shape {shape}"
+        for d, n in zip(dims, shape):
+            if d.HasField("dim_value"):
+                assert d.dim_value == n, f"{vi.name}: declared {d.dim_value}, actual shape {shape}"
+            elif d.dim_param:
+                assert sizes.setdefault(d.dim_param, n) == n, \
+                    f"{vi.name}: symbol {d.dim_param} is {n} here, {sizes[d.dim_param]} elsewhere"

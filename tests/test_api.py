@@ -12,7 +12,7 @@ from k3opt import opset as opsets
 from k3opt.errors import UsageError, VerificationError
 from k3opt.passes.base import Pass
 from k3opt.report import Report
-from tests.helpers import assert_equivalent, make_model, op_counts
+from tests.helpers import assert_equivalent, assert_value_info_holds, make_model, op_counts
 
 
 def small_model(opset: int = 17) -> onnx.ModelProto:
@@ -272,3 +272,16 @@ def test_converting_down_keeps_nodes_already_valid_at_the_lower_opset():
                                   [("x", TensorProto.FLOAT, [2, 4])], [("a", TensorProto.FLOAT, [2, 2]),
                                                                        ("b", TensorProto.FLOAT, [2, 2])], opset=18),
                        opset=17, passes=[])
+
+
+def test_shapes_written_to_the_output_hold():
+    """onnx gives both SequenceAt outputs of an uneven split one made-up symbol for the split axis."""
+    nodes = [helper.make_node("SplitToSequence", ["x", "sizes"], ["seq"], axis=1),
+             helper.make_node("SequenceAt", ["seq", "i0"], ["a"]), helper.make_node("SequenceAt", ["seq", "i1"], ["b"]),
+             helper.make_node("Relu", ["a"], ["y1"]), helper.make_node("Relu", ["b"], ["y2"])]
+    model = make_model(nodes, [("x", TensorProto.FLOAT, ["B", 12])],
+                       [("y1", TensorProto.FLOAT, ["B", 4]), ("y2", TensorProto.FLOAT, ["B", 8])],
+                       {"sizes": np.array([4, 8], np.int64), "i0": np.array(0, np.int64),
+                        "i1": np.array(1, np.int64)})
+    out = k3opt.optimize(model, passes=["fuse-matmul-add"])  # a pass that needs shapes
+    assert_value_info_holds(out, {"x": np.ones((3, 12), np.float32)})
