@@ -190,6 +190,7 @@ class _Run:
                 report.notes.extend(notes)
         report.passes = [manager.stats[p.name].as_dict() for p in pipeline]
         report.rounds = manager.rounds
+        report.counters = {k: v for k, v in sorted(ctx.counters.items()) if v}
         report.notes.extend(refresher.notes + [n for n in ctx.notes if n not in report.notes])
         if original is not None:
             with self.step("verifying", "verify"):

@@ -45,6 +45,9 @@ class Report:
     after: Optional[ModelSummary] = None
     passes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     rounds: int = 0
+    #: The passes' own counters (``PassContext.counters``, e.g. rmsnorm_found) over the run;
+    #: each entry of ``passes`` has the part that pass counted.
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     verification: Optional[dict[str, Any]] = None
@@ -75,7 +78,7 @@ class Report:
             for op in sorted(set(b.ops) | set(a.ops)):
                 if b.ops.get(op, 0) != a.ops.get(op, 0):
                     lines.append(f"{'  ' + op:24}{b.ops.get(op, 0):>12}{a.ops.get(op, 0):>12}")
-        active = [p for p in self.passes if p["rewrites"] or p["skipped"]]
+        active = [p for p in self.passes if p["rewrites"] or p["skipped"] or p.get("counters")]
         if active:
             lines.append(f"{'pass':32}{'rewrites':>10}{'time':>10}")
             for p in active:
@@ -84,6 +87,7 @@ class Report:
                     lines.append(f"{label:32}{'skipped':>10}{'':>10}")
                 else:
                     lines.append(f"{label:32}{p['rewrites']:>10}{p['time_s']:>9.2f}s")
+                lines.extend(f"{'  ' + key:32}{value:>10}" for key, value in sorted(p.get("counters", {}).items()))
         if self.verification:
             lines.append("verification: " + verification_line(self.verification))
             outputs = self.verification["outputs"]

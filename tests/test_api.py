@@ -285,3 +285,24 @@ def test_shapes_written_to_the_output_hold():
                         "i1": np.array(1, np.int64)})
     out = k3opt.optimize(model, passes=["fuse-matmul-add"])  # a pass that needs shapes
     assert_value_info_holds(out, {"x": np.ones((3, 12), np.float32)})
+
+
+def test_pass_counters_reach_the_report(tmp_path):
+    """fuse-rmsnorm counts an RMSNorm it leaves decomposed (opset < 23): per pass, in total, JSON and table."""
+    nodes = [helper.make_node("Mul", ["x", "x"], ["sq"]), helper.make_node("ReduceMean", ["sq", "axes"], ["ms"]),
+             helper.make_node("Add", ["ms", "eps"], ["mse"]), helper.make_node("Sqrt", ["mse"], ["rms"]),
+             helper.make_node("Div", ["x", "rms"], ["n"]), helper.make_node("Mul", ["n", "w"], ["y"])]
+    model = make_model(nodes, [("x", TensorProto.FLOAT, [2, 8])], [("y", TensorProto.FLOAT, [2, 8])],
+                       {"axes": np.array([-1], np.int64), "eps": np.array(1e-6, np.float32),
+                        "w": np.ones(8, np.float32)}, opset=18)
+    onnx.save(model, tmp_path / "m.onnx")
+    report = k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "o.onnx")
+    assert report.counters == {"rmsnorm_found": 1}
+    assert {p["name"]: p["counters"] for p in report.passes}["fuse-rmsnorm"] == {"rmsnorm_found": 1}
+    report.write_json(tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["counters"] == {"rmsnorm_found": 1}
+    assert next(p for p in data["passes"] if p["name"] == "fuse-rmsnorm")["counters"] == {"rmsnorm_found": 1}
+    table = report.table().splitlines()
+    assert table[table.index(next(l for l in table if l.startswith("fuse-rmsnorm"))) + 1].split() == \
+        ["rmsnorm_found", "1"]

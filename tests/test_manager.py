@@ -154,3 +154,29 @@ def test_fresh_names_are_deterministic():
         PassManager([]).run(graph, ctx)
         names.append([ctx.fresh_name("i0"), ctx.fresh_name("i0"), ctx.fresh_name("new")])
     assert names[0] == names[1] == ["i0_1", "i0_2", "new"]
+
+
+def test_counters_are_kept_per_pass():
+    """Each pass's stats get what it added to ctx.counters; a counter set to its latest value (not summed)
+    nets out to that value."""
+    class Latest(Pass):
+        name = "test-latest"
+
+        def run(self, graph, ctx):
+            seen = len(graph.nodes)
+            ctx.count("nodes_seen", seen - ctx.counters.get("nodes_seen", 0))
+            ctx.count("runs")
+            return 0
+
+    class Other(Pass):
+        name = "test-other"
+
+        def run(self, graph, ctx):
+            ctx.count("runs", 10)
+            return 0
+
+    _, pm, ctx, _ = run(identity_chain(2), [DropOneIdentity(), Latest(), Other()])
+    assert ctx.counters == {"nodes_seen": 1, "runs": 3 + 30}
+    assert pm.stats["test-latest"].counters == {"nodes_seen": 1, "runs": 3}
+    assert pm.stats["test-other"].counters == {"runs": 30}
+    assert pm.stats["test-drop-one-identity"].counters == {}

@@ -28,6 +28,8 @@ class PassStats:
     nodes_after: Optional[int] = None
     skipped: Optional[str] = None
     plugin: Optional[str] = None
+    #: What the pass added to ``PassContext.counters`` (e.g. rmsnorm_found), over all its runs.
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -114,6 +116,7 @@ class PassManager:
         before = len(graph.nodes)
         if st.nodes_before is None:
             st.nodes_before = before
+        counted = dict(ctx.counters)
         t0 = time.perf_counter()
         try:
             n = int(p.run(graph, ctx) or 0)
@@ -129,5 +132,9 @@ class PassManager:
             st.time_s += time.perf_counter() - t0
         st.runs += 1
         st.rewrites += n
+        for key, value in ctx.counters.items():
+            if value != counted.get(key, 0):
+                st.counters[key] = st.counters.get(key, 0) + value - counted.get(key, 0)
+        st.counters = {k: v for k, v in st.counters.items() if v}
         st.nodes_after = len(graph.nodes)
         return n
