@@ -11,6 +11,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import numpy_helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 Tensor = gs.Tensor
 Node = gs.Node
@@ -32,28 +34,61 @@ def is_graph_output(graph: Graph, t: Tensor) -> bool:
     return any(o is t for o in graph.outputs)
 
 
+def peek(c: gs.Constant) -> np.ndarray:
+    """The value of gs constant ``c``, read without caching it in ``c``.
+
+    ``gs.Constant.values`` keeps what it loads: the weight then stays in
+    memory and gs re-encodes it on export from numpy, which loses strings,
+    4-bit and other dtypes numpy lacks. Reading through the lazy loader
+    leaves the original TensorProto to be exported untouched.
+    """
+    v = c._values
+    return v.load() if isinstance(v, LazyValues) else v
+
+
+def as_constant(name: str, value: np.ndarray) -> gs.Constant:
+    """A gs constant holding ``value`` exactly (dtype included) as a ready-made TensorProto."""
+    return gs.Constant(name, LazyValues(numpy_helper.from_array(np.asarray(value), name)))
+
+
+def constant_node_value(node: Node) -> Optional[gs.Constant]:
+    """The value of a ``Constant`` node as a gs constant, or None (sparse or unknown attribute)."""
+    attrs = node.attrs
+    if isinstance(attrs.get("value"), gs.Constant):
+        return gs.Constant(node.outputs[0].name, attrs["value"]._values)
+    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32),
+                       ("value_int", np.int64), ("value_ints", np.int64),
+                       ("value_string", object), ("value_strings", object)):
+        if key in attrs:
+            return as_constant(node.outputs[0].name, np.array(attrs[key], dtype=dtype))
+    return None
+
+
+def const_tensor(t: Optional[Tensor]) -> Optional[gs.Constant]:
+    """The gs constant behind ``t`` (``t`` itself, or a ``Constant`` node's value), else None.
+
+    Its ``shape`` and ``dtype`` are known without reading any data.
+    """
+    if t is None or not t.name:
+        return None
+    if isinstance(t, gs.Constant):
+        return t
+    p = producer(t)
+    if p is not None and p.op == "Constant" and len(p.outputs) == 1:
+        return constant_node_value(p)
+    return None
+
+
 def const_value(t: Optional[Tensor]) -> Optional[np.ndarray]:
     """The value of ``t`` when it is a constant (initializer or Constant node), else None.
 
-    Reads lazily-loaded (external) weights, so call it only when the value
-    matters to the rewrite; use :func:`const_shape` to look at sizes.
+    Read through the lazy loader and never cached (see :func:`peek`), so a
+    weight read here is freed after use; still, call it only when the value
+    matters to the rewrite and look at sizes first (:func:`const_tensor`,
+    :func:`const_shape`).
     """
-    if t is None:
-        return None
-    if isinstance(t, gs.Constant):
-        return t.values
-    p = producer(t)
-    if p is not None and p.op == "Constant" and len(p.outputs) == 1:
-        attr = p.attrs.get("value")
-        if isinstance(attr, gs.Constant):
-            return attr.values
-        for key, dtype in (("value_float", np.float32), ("value_int", np.int64)):
-            if key in p.attrs:
-                return np.array(p.attrs[key], dtype=dtype)
-        for key, dtype in (("value_floats", np.float32), ("value_ints", np.int64)):
-            if key in p.attrs:
-                return np.array(p.attrs[key], dtype=dtype)
-    return None
+    c = const_tensor(t)
+    return None if c is None else peek(c)
 
 
 def is_const(t: Optional[Tensor]) -> bool:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir import Graph, Node
+from ..ir import Graph, Node, const_value
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass, is_used
-from .fold_eval import value_of
 
 
 def _const_is(t, value: float) -> bool:
-    v = value_of(t)
+    v = const_value(t)
     return v is not None and np.asarray(v).size == 1 and float(np.asarray(v).ravel()[0]) == value
 
 

@@ -25,10 +25,9 @@ from typing import Callable, Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir import Graph, Node, Tensor, rank
+from ..ir import Graph, Node, Tensor, const_value, rank
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass, cast_target, int_list, onnx_type
-from .fold_eval import value_of
 
 INT64_MAX = np.iinfo(np.int64).max
 #: Constants bigger than this are not read to look for an all-0/all-1 operand.
@@ -130,7 +129,7 @@ def _neutral_arith(node: Node) -> Optional[Tensor]:
         if isinstance(c, gs.Constant) and (math.prod(c.shape) > MAX_NEUTRAL_ELEMENTS
                                            or not _broadcast_keeps_shape(x, tuple(c.shape))):
             continue  # decided from the shape alone: a big weight is never read here
-        v = value_of(c)
+        v = const_value(c)
         if v is None:
             continue
         v = np.asarray(v)

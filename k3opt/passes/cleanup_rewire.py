@@ -13,9 +13,8 @@ from typing import ClassVar, Optional
 import numpy as np
 from onnx import helper
 
-from ..ir import Graph, Node, Tensor, all_graphs, disconnect, is_graph_output, node_subgraphs, producer, replace_uses
+from ..ir import Graph, Node, Tensor, all_graphs, const_value, disconnect, is_graph_output, node_subgraphs, producer, replace_uses
 from .base import Pass, PassContext
-from .fold_eval import value_of
 
 
 def is_used(graph: Graph, t: Tensor) -> bool:
@@ -94,7 +93,7 @@ def onnx_type(t: Tensor) -> Optional[int]:
 
 def int_list(t: Tensor) -> Optional[list[int]]:
     """A constant int tensor as a list, else None."""
-    v = value_of(t)
+    v = const_value(t)
     return None if v is None else [int(x) for x in np.asarray(v).ravel()]
 
 

@@ -14,10 +14,9 @@ from typing import Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir import Graph, Node, Tensor, is_graph_output, replace_uses
+from ..ir import Graph, Node, Tensor, const_value, is_graph_output, replace_uses
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, detach, int_list
-from .fold_eval import value_of
 
 
 def chunk_sizes(node: Node) -> Optional[list[int]]:
@@ -28,7 +27,7 @@ def chunk_sizes(node: Node) -> Optional[list[int]]:
     sizes = int_list(split) if split is not None else None
     if split is not None and sizes is None:
         return None
-    if split is not None and np.asarray(value_of(split)).ndim == 1:
+    if split is not None and np.asarray(const_value(split)).ndim == 1:
         return sizes
     if x.shape is None or not -len(x.shape) <= axis < len(x.shape):
         return None

@@ -21,11 +21,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto
 
-from ..ir import Graph, Node, Tensor, is_graph_output, replace_uses
+from ..ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
 from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import can_replace, detach, remove
 from .fold_constants import RANDOM_OPS
-from .fold_eval import peek
 
 DEFAULT_MAX_CONST_BYTES = 1 << 20
 _DOMAINS = ("", "ai.onnx", "ai.onnx.ml")

@@ -25,12 +25,12 @@ from typing import Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir import Graph, Node, Tensor, is_graph_output, producer, replace_uses
+from ..ir import (
+    Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, producer, replace_uses,
+)
 from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach, is_used, remove
-from .fold_eval import (
-    EvalError, as_array, constant_node_value, folded_constant, outer_refs, run_ort, run_reference, value_of,
-)
+from .fold_eval import EvalError, as_array, outer_refs, run_ort, run_reference
 from .fold_guard import too_big
 from .fold_shapes import fold_shape_value
 
@@ -141,7 +141,7 @@ class FoldConstants(Pass):
             return p is not None and p.op == "Constant"
 
         def value(t: Tensor) -> Optional[np.ndarray]:
-            return None if id(t) in pending else value_of(t)
+            return None if id(t) in pending else const_value(t)
 
         stack = list(reversed(graph.nodes))  # depth-first from constant-fed nodes, no recursion limit
         while stack:
@@ -165,7 +165,7 @@ class FoldConstants(Pass):
         if id(node) in self._failed or not any(is_used(graph, t) for t in node.outputs):
             return False
         if node.op == "Dropout" and len(node.inputs) > 2 and node.inputs[2].name:
-            mode = value_of(node.inputs[2])
+            mode = const_value(node.inputs[2])
             return mode is not None and not bool(np.asarray(mode))
         return True
 
@@ -225,7 +225,7 @@ def _install(graph: Graph, ctx: PassContext, t: Tensor, value: np.ndarray, insta
     ``value`` cannot be stored as a tensor.
     """
     try:
-        const = folded_constant(ctx.fresh_name(t.name), value)
+        const = as_constant(ctx.fresh_name(t.name), value)
     except Exception:  # e.g. an object array onnx cannot encode: leave the node
         return None
     if is_graph_output(graph, t):

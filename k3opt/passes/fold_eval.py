@@ -22,9 +22,8 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
-from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from ..ir import Graph, Node, Tensor, producer
+from ..ir import Graph, Node, Tensor, peek, producer
 
 # ORT type string -> (type to widen to inside the model, ONNX type to narrow back to).
 _WIDEN = {
@@ -43,55 +42,12 @@ class EvalError(Exception):
     """A group or node could not be evaluated (the caller leaves it unfolded)."""
 
 
-def peek(t: gs.Constant) -> np.ndarray:
-    """The value of gs constant ``t`` without caching it in ``t``.
-
-    ``gs.Constant.values`` keeps what it loads: the weight then stays in
-    memory and gs re-encodes it on export from numpy, which loses strings,
-    4-bit and other dtypes numpy lacks. Reading through the lazy loader
-    leaves the original TensorProto to be exported untouched.
-    """
-    v = t._values
-    return v.load() if isinstance(v, LazyValues) else v
-
-
-def constant_node_value(node: Node) -> Optional[gs.Constant]:
-    """The value of a ``Constant`` node as a gs constant, or None (sparse or unknown attribute)."""
-    attrs = node.attrs
-    if isinstance(attrs.get("value"), gs.Constant):
-        return gs.Constant(node.outputs[0].name, attrs["value"]._values)
-    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32),
-                       ("value_int", np.int64), ("value_ints", np.int64)):
-        if key in attrs:
-            return folded_constant(node.outputs[0].name, np.array(attrs[key], dtype=dtype))
-    for key in ("value_string", "value_strings"):
-        if key in attrs:
-            return folded_constant(node.outputs[0].name, np.array(attrs[key], dtype=object))
-    return None
-
-
-def value_of(t: Optional[Tensor]) -> Optional[np.ndarray]:
-    """The value of ``t`` when it is an initializer or a ``Constant`` node's output (never cached), else None."""
-    if t is None or not t.name:
-        return None
-    if isinstance(t, gs.Constant):
-        return peek(t)
-    p = producer(t)
-    c = constant_node_value(p) if p is not None and p.op == "Constant" and len(p.outputs) == 1 else None
-    return None if c is None else peek(c)
-
-
 def const_proto(t: Tensor) -> TensorProto:
     """The initializer for gs constant ``t``, with external data read in (the sub-model has no base path)."""
     proto = OnnxExporter.export_tensor_proto(t)
     if proto.data_location == TensorProto.EXTERNAL:
         proto = numpy_helper.from_array(np.asarray(peek(t)), t.name)
     return proto
-
-
-def folded_constant(name: str, value: np.ndarray) -> gs.Constant:
-    """A gs constant holding ``value`` exactly (dtype included) as a ready-made TensorProto."""
-    return gs.Constant(name, LazyValues(numpy_helper.from_array(np.asarray(value), name)))
 
 
 def _sub_model(

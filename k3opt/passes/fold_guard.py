@@ -16,8 +16,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..ir import Node, Tensor, const_shape
-from .fold_eval import peek
+from ..ir import Node, Tensor, const_shape, peek
 from .fold_shapes import shape_only_uses
 
 DEFAULT_MAX_BYTES = 1 << 20

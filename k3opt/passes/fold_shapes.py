@@ -12,8 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..ir import Node, Tensor, producer
-from .fold_eval import value_of
+from ..ir import Node, Tensor, const_value, producer
 
 
 def _dim(d: object) -> Optional[int]:
@@ -62,7 +61,7 @@ def fold_shape_value(node: Node) -> Optional[np.ndarray]:
 
 
 def _gather(node: Node, n: int) -> Optional[np.ndarray]:
-    idx = value_of(node.inputs[1]) if len(node.inputs) > 1 else None
+    idx = const_value(node.inputs[1]) if len(node.inputs) > 1 else None
     if idx is None or int(node.attrs.get("axis", 0)) not in (0, -1):
         return None
     idx = np.asarray(idx).astype(np.int64)
@@ -74,7 +73,7 @@ def _gather(node: Node, n: int) -> Optional[np.ndarray]:
 def _slice(node: Node, n: int) -> Optional[np.ndarray]:
     if len(node.inputs) < 3:
         return None
-    vals = [value_of(t) for t in node.inputs[1:]]
+    vals = [const_value(t) for t in node.inputs[1:]]
     if any(v is None for v in vals[:2]) or any(
         v is None and t.name for v, t in zip(vals[2:], node.inputs[3:])
     ):
