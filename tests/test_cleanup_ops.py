@@ -7,6 +7,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper
 
+from k3opt import ir
 from k3opt.passes.base import Pass, PassContext
 from k3opt.passes.cleanup_dropout import RemoveDropout
 from k3opt.passes.cleanup_identity import RemoveIdentity
@@ -193,3 +194,18 @@ def test_cast_between_float8_variants_is_not_a_noop():
     graph = gs.import_onnx(model)
     graph.nodes[0].outputs[0].dtype = helper.tensor_dtype_to_np_dtype(T.FLOAT8E4M3FNUZ)  # as a shape refresh sets it
     assert PassManager([RemoveNoopOps()]).run(graph, PassContext(opset=21)) == 0
+
+
+def test_big_neutral_candidates_are_never_read(monkeypatch):
+    """Add/Mul constants are sized up before any read: an 800 MB weight once cost 1.3 GB of peak memory.
+    Also for a Constant node's value (its output tensor may have no known shape)."""
+    import k3opt.passes.cleanup_noop as noop
+
+    read = []
+    monkeypatch.setattr(noop, "peek", lambda c: read.append(c.name) or ir.peek(c))
+    big = helper.make_tensor("big", F, [70_000], np.zeros(70_000, np.float32).tobytes(), raw=True)
+    nodes = [helper.make_node("Constant", [], ["k"], value=big), helper.make_node("Add", ["x", "k"], ["a"]),
+             helper.make_node("Mul", ["a", "w"], ["y"])]
+    model = make_model(nodes, [("x", F, [70_000])], [("y", F, [70_000])], {"w": np.ones(70_000, np.float32)})
+    graph = gs.import_onnx(model)
+    assert RemoveNoopOps().run(graph, PassContext(opset=17)) == 0 and read == []

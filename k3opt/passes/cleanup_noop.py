@@ -23,9 +23,8 @@ import math
 from typing import Callable, Optional
 
 import numpy as np
-import onnx_graphsurgeon as gs
 
-from ..ir import Graph, Node, Tensor, const_value, rank
+from ..ir import Graph, Node, Tensor, const_tensor, peek, rank
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass, cast_target, int_list, onnx_type
 
@@ -125,15 +124,11 @@ def _neutral_arith(node: Node) -> Optional[Tensor]:
         return None
     sides = [(0, 1), (1, 0)] if node.op in ("Add", "Mul") else [(0, 1)]
     for xi, ci in sides:
-        x, c = node.inputs[xi], node.inputs[ci]
-        if isinstance(c, gs.Constant) and (math.prod(c.shape) > MAX_NEUTRAL_ELEMENTS
-                                           or not _broadcast_keeps_shape(x, tuple(c.shape))):
+        x, c = node.inputs[xi], const_tensor(node.inputs[ci])
+        if c is None or math.prod(c.shape) > MAX_NEUTRAL_ELEMENTS or not _broadcast_keeps_shape(x, tuple(c.shape)):
             continue  # decided from the shape alone: a big weight is never read here
-        v = const_value(c)
-        if v is None:
-            continue
-        v = np.asarray(v)
-        if v.dtype.kind in "fiu" and np.all(v == _NEUTRAL[node.op]) and _broadcast_keeps_shape(x, v.shape):
+        v = np.asarray(peek(c))
+        if v.dtype.kind in "fiu" and np.all(v == _NEUTRAL[node.op]):
             return x
     return None
 
