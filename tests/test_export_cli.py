@@ -51,6 +51,16 @@ def test_export_checkpoint_folder_with_options(tmp_path) -> None:
 
 
 @needs_torch
+def test_export_with_kv_cache(tmp_path) -> None:
+    zoo_config("llama").to_json_file(tmp_path / "llama.json")
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "llama.json"), "--use-cache", "-q"])
+    assert result.exit_code == 0, result.output
+    model = onnx.load(tmp_path / "llama.k3opt.onnx")
+    assert [i.name for i in model.graph.input][2:4] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert [o.name for o in model.graph.output][-1] == "present.1.value"
+
+
+@needs_torch
 def test_export_no_optimize_and_bad_task(tmp_path) -> None:
     zoo_config("vit").to_json_file(tmp_path / "vit.json")
     runner = CliRunner()

@@ -83,6 +83,34 @@ def test_moe_model_exports_with_input_independent_routing(tmp_path) -> None:
     _check(tmp_path / "m.onnx", model, "deepseek_v3")
 
 
+@pytest.mark.parametrize("name,exporter", [("llama", "torchscript"), ("deepseek_v3", "torchscript"),
+                                           pytest.param("qwen2", "dynamo", marks=pytest.mark.slow)])
+def test_kv_cache_round_trip(tmp_path, name: str, exporter: str) -> None:
+    """use_cache=True: one decoding step, past in and present out, equal to torch at other batch/past/new sizes."""
+    from tests.zoo import zoo_torch_model
+    from k3opt.export.task_module import CachedCausalLM, prefix_cache
+
+    model = zoo_torch_model(name).model
+    report = from_transformers(model, tmp_path / "m.onnx", use_cache=True, exporter=exporter, verify=True)
+    assert report.verification["status"] == "passed"  # on the example inputs (random ones break total = past + new)
+    onnx_model = onnx.load(tmp_path / "m.onnx")
+    names = [i.name for i in onnx_model.graph.input]
+    layers = model.config.num_hidden_layers
+    assert names[:3] == ["input_ids", "attention_mask", "past_key_values.0.key"] and len(names) == 2 + 2 * layers
+    assert [o.name for o in onnx_model.graph.output][:2] == ["logits", "present.0.key"]
+    batch, past_len, new = 3, 5, 2
+    past = prefix_cache(model, torch.randint(0, 100, (batch, past_len)))
+    ids = torch.randint(0, 100, (batch, new))
+    mask = torch.ones(batch, past_len + new, dtype=torch.int64)
+    mask[0, -1] = 0
+    with torch.no_grad():
+        want = CachedCausalLM(model)(ids, mask, tuple(p.clone() for p in past))
+    got = run_ort(onnx_model, dict(zip(names, (t.numpy() for t in (ids, mask, *past)))))
+    assert len(got) == 1 + 2 * layers
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-5)
+
+
 def test_model_settings_are_restored(tmp_path) -> None:
     config = zoo_config("llama")
     config.use_cache = True
@@ -116,8 +144,8 @@ def test_classification_head(tmp_path) -> None:
 def test_refusals(tmp_path) -> None:
     with pytest.raises(UsageError, match="unknown task 'translate'"):
         from_transformers(zoo_config("bert"), tmp_path / "m.onnx", task="translate")
-    with pytest.raises(UsageError, match="KV cache"):
-        from_transformers(zoo_config("llama"), tmp_path / "m.onnx", use_cache=True)
+    with pytest.raises(UsageError, match="KV cache: task text-generation, not feature-extraction"):
+        from_transformers(zoo_config("bert"), tmp_path / "m.onnx", use_cache=True)
     (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 4}))
     with pytest.raises(InputError, match="needs a 'model_type'"):
         from_transformers(tmp_path / "bad.json", tmp_path / "m.onnx")

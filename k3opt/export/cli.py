@@ -32,13 +32,14 @@ def default_export_output(source: str) -> Path:
 @click.option("--export-opset", type=click.IntRange(1), help="Exporter opset (default 14 torchscript, 18 dynamo).")
 @click.option("--seq-len", type=click.IntRange(1), default=8, show_default=True, help="Example sequence length.")
 @click.option("--batch", type=click.IntRange(1), default=1, show_default=True, help="Example batch size.")
+@click.option("--use-cache", is_flag=True, help="text-generation: export one decoding step with the KV cache.")
 @click.option("--no-optimize", is_flag=True, help="Write the raw export (no k3opt passes).")
 @output_options
 @pipeline_options
 @verify_options
 @run_options
 def export_cmd(source: str, task: Optional[str], exporter: str, export_opset: Optional[int], seq_len: int,
-               batch: int, no_optimize: bool, output: Optional[str], external_data: Optional[bool], overwrite: bool,
+               batch: int, use_cache: bool, no_optimize: bool, output: Optional[str], external_data: Optional[bool], overwrite: bool,
                report_path: Optional[str], quiet: bool, debug: bool, **params: Any) -> None:
     """Export SOURCE (a checkpoint folder or a config JSON) to ONNX and optimize it (default SOURCE.k3opt.onnx)."""
     if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
@@ -50,7 +51,7 @@ def export_cmd(source: str, task: Optional[str], exporter: str, export_opset: Op
     report = Report()
     try:
         from_transformers(source, output or default_export_output(source), task=task, seq_len=seq_len, batch=batch,
-                          exporter=exporter, opset=export_opset, optimize=not no_optimize,
+                          use_cache=use_cache, exporter=exporter, opset=export_opset, optimize=not no_optimize,
                           external_data=external_data, report=report, progress=progress_for({"quiet": quiet}),
                           **kwargs)
     except VerificationError:

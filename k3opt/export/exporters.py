@@ -71,7 +71,7 @@ def export_onnx(
     if exporter == "torchscript":
         kwargs.update(dynamo=False, dynamic_axes=dict(dynamic_axes or {}))
     else:
-        shapes = dynamic_shapes if dynamic_shapes is not None else _dims(torch, input_names, dynamic_axes)
+        shapes = dynamic_shapes if dynamic_shapes is not None else _dims(torch, args, input_names, dynamic_axes)
         kwargs.update(dynamo=True, optimize=False, dynamic_shapes=shapes,
                       external_data=wants_external_data(module, external_data))
     torch_log = logging.getLogger("torch.onnx")
@@ -96,16 +96,25 @@ def wants_external_data(module: Any, external_data: Optional[bool]) -> bool:
     return sum(t.numel() * t.element_size() for t in tensors) > LARGE_BYTES
 
 
-def _dims(torch: Any, input_names: Sequence[str], dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]) -> Any:
-    """``dynamic_axes`` as the tuple of ``{axis: Dim}`` that torch.export wants (None when all static)."""
+def _dims(torch: Any, args: tuple, input_names: Sequence[str],
+          dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]) -> Any:
+    """``dynamic_axes`` as torch.export's ``dynamic_shapes``: ``{axis: Dim}`` per tensor, nested like ``args``.
+
+    Input names label the flattened tensors in order (as for the TorchScript
+    exporter); equal labels share one ``Dim``. None when nothing is dynamic.
+    """
     if not dynamic_axes:
         return None
     dims: dict[str, Any] = {}
-    return tuple(
-        {axis: dims.setdefault(label, torch.export.Dim(label)) for axis, label in dict(dynamic_axes.get(n, {})).items()}
-        or None
-        for n in input_names
-    )
+    names = iter(input_names)
+
+    def spec(arg: Any) -> Any:
+        if isinstance(arg, (tuple, list)):
+            return tuple(spec(a) for a in arg)
+        axes = dict(dynamic_axes.get(next(names, ""), {}))
+        return {axis: dims.setdefault(label, torch.export.Dim(label)) for axis, label in axes.items()} or None
+
+    return tuple(spec(a) for a in args)
 
 
 _OP_PATTERNS = (

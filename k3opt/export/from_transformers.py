@@ -76,28 +76,66 @@ def from_transformers(
     to the one the architecture implies (see :data:`TASKS`). ``seq_len`` and
     ``batch`` size the example inputs only: batch and sequence are dynamic
     axes (at least 2 with the dynamo exporter, which would fix a size-1 dim).
+    ``use_cache=True`` (text-generation only) exports one decoding step with
+    the KV cache as inputs and outputs (see :func:`_with_cache`).
     ``options`` go to :func:`k3opt.export.from_torch` (opset, optimize,
     target, passes, verify...).
     """
-    if use_cache:
-        raise UsageError("exporting with the KV cache (use_cache=True) is not supported yet; export without it")
     if task is not None and task not in TASKS:
         raise UsageError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     require_torch()
     model = load_model(model_or_config, task, seed)
-    spec = TASKS[task or infer_task(model)]
+    task = task or infer_task(model)
+    if use_cache and task != "text-generation":
+        raise UsageError(f"use_cache=True exports a decoder's KV cache: task text-generation, not {task}")
+    spec = TASKS[task]
     if exporter == "dynamo":  # torch.export specializes dims of size 1: they could not stay dynamic
         batch, seq_len = max(batch, 2), max(seq_len, 2)
     inputs = example_inputs(model.config, spec, batch, seq_len, seed)
+    with exportable(model):
+        module, inputs, names, outputs, axes = (_with_cache(model, inputs) if use_cache
+                                                else _without_cache(model, spec, inputs))
+        if use_cache:  # random inputs would not respect total = past + new: verify on the example instead
+            options.setdefault("input_data", dict(zip(names, (t.numpy() for t in _flat(inputs)))))
+        return from_torch(module, inputs, path, input_names=names, output_names=outputs, dynamic_axes=axes,
+                          exporter=exporter, **options)
+
+
+ExportPlan = tuple[Any, tuple, tuple[str, ...], tuple[str, ...], dict[str, dict[int, str]]]
+
+
+def _without_cache(model: Any, spec: Task, inputs: tuple) -> ExportPlan:
+    """(module, example inputs, input names, output names, dynamic axes) for the task's plain forward."""
     from .task_module import TaskModule
 
-    with exportable(model):
-        module = TaskModule(model, spec.inputs, spec.outputs)
-        outputs = module.present_outputs(inputs)
-        module.outputs = outputs
-        axes = {0: "batch"} if spec.is_image else {0: "batch", 1: "sequence"}
-        return from_torch(module, inputs, path, input_names=spec.inputs, output_names=outputs,
-                          dynamic_axes={n: axes for n in spec.inputs}, exporter=exporter, **options)
+    module = TaskModule(model, spec.inputs, spec.outputs)
+    module.outputs = module.present_outputs(inputs)
+    axes = {0: "batch"} if spec.is_image else {0: "batch", 1: "sequence"}
+    return module, inputs, spec.inputs, module.outputs, {n: axes for n in spec.inputs}
+
+
+def _with_cache(model: Any, inputs: tuple) -> ExportPlan:
+    """The same for a decoder step with a KV cache: past of ``seq_len`` tokens in, present out.
+
+    Names follow the usual convention: ``past_key_values.{layer}.key|value``
+    in, ``present.{layer}.key|value`` out; the mask covers past + new tokens.
+    """
+    import torch
+
+    from .task_module import CachedCausalLM, prefix_cache
+
+    ids, mask = inputs
+    past = prefix_cache(model, ids)
+    kv = [f"{layer}.{part}" for layer in range(len(past) // 2) for part in ("key", "value")]
+    names = ("input_ids", "attention_mask", *(f"past_key_values.{k}" for k in kv))
+    axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total_sequence"}}
+    axes.update({n: {0: "batch", 2: "past_sequence"} for n in names[2:]})
+    example = (ids, torch.cat([torch.ones_like(mask), mask], dim=1), tuple(past))
+    return CachedCausalLM(model), example, names, ("logits", *(f"present.{k}" for k in kv)), axes
+
+
+def _flat(values: Any) -> list[Any]:
+    return [t for v in values for t in (_flat(v) if isinstance(v, (tuple, list)) else [v])]
 
 
 def load_model(source: ModelSource, task: Optional[str], seed: int) -> Any:
