@@ -10,6 +10,7 @@ The two exporters behave differently enough that callers pick one by name:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import logging
 import os
@@ -30,10 +31,13 @@ class ExportError(K3optError):
     """The exporter (torch.onnx) could not turn the module into ONNX; names the exporter and the op."""
 
 
-def require_torch() -> Any:
-    """Import torch, or raise a K3optError telling how to install the export extra."""
+def require_torch(*also: str) -> Any:
+    """Import torch (and the modules in ``also``), or raise a K3optError telling how to install the export extra."""
     try:
         import torch
+
+        for name in also:
+            importlib.import_module(name)
     except ImportError as exc:
         raise K3optError(INSTALL_HINT) from exc
     return torch

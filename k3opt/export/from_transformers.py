@@ -2,7 +2,7 @@
 
 Per task it knows the model class, the example inputs, the graph input and
 output names and the dynamic axes. The model is exported in eval mode with
-the KV cache off, and MoE experts switched to transformers' ``batched_mm``
+the KV cache off unless asked, and MoE experts switched to transformers' ``batched_mm``
 implementation: the default ``grouped_mm`` uses ops neither exporter
 translates, and the eager loop would bake the example's routing into a
 traced graph. The example attention mask pads the last position of the last
@@ -83,7 +83,7 @@ def from_transformers(
     """
     if task is not None and task not in TASKS:
         raise UsageError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    require_torch()
+    require_torch("transformers")
     model = load_model(model_or_config, task, seed)
     task = task or infer_task(model)
     if use_cache and task != "text-generation":
