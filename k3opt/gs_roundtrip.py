@@ -1,0 +1,126 @@
+"""Importing into and exporting from onnx-graphsurgeon without changing the model's interface.
+
+gs gets two things wrong at the edges of a graph:
+
+- a graph input that also has an initializer (a default value the user may
+  override) is imported as a plain constant and dropped from the graph's
+  inputs: the exported model loses that input, and passes would fold the
+  default as if it could never change. :func:`import_onnx` makes it a graph
+  input again (a variable, so no pass treats its value as known) and keeps
+  the default's TensorProto, untouched, for :func:`export_onnx` to write back.
+- a tensor of optional type (a graph input, output or value_info entry)
+  makes ``gs.export_onnx`` crash (``UnboundLocalError``): gs writes only
+  tensor, sequence and sparse types. :func:`export_onnx` exports such
+  tensors untyped and then writes their real type (:func:`value_info_proto`).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import onnx
+import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+from .ir import Graph, Tensor, all_graphs, set_input
+
+#: Tensor kinds gs's exporter can write.
+_GS_TYPES = frozenset({"tensor_type", "sequence_type", "sparse_tensor_type"})
+#: Graph attribute holding ``{input name: default TensorProto}`` between import and export.
+_DEFAULTS = "k3opt_input_defaults"
+
+
+def import_onnx(model: onnx.ModelProto) -> Graph:
+    """``gs.import_onnx(model)``, keeping graph inputs that have a default initializer."""
+    graph = gs.import_onnx(model)
+    restore_default_inputs(model, graph)
+    return graph
+
+
+def restore_default_inputs(model: onnx.ModelProto, graph: Graph) -> None:
+    """Put back the graph inputs gs dropped because an initializer gives them a default.
+
+    Each becomes a variable with the input's declared type, read by the
+    constant's former readers; the initializer is remembered on ``graph``
+    (shared with ``model``, never loaded).
+    """
+    inits = {t.name: t for t in model.graph.initializer}
+    by_name = {t.name: t for t in graph.inputs}
+    if not any(vi.name in inits and vi.name not in by_name for vi in model.graph.input):
+        return  # the usual case: no walk over the graph
+    tensors: dict[str, Tensor] = {}
+    for g in all_graphs(graph):  # a default read only inside an If/Loop body too
+        for name, t in g.tensors().items():
+            tensors.setdefault(name, t)
+    defaults = {}
+    for vi in model.graph.input:
+        if vi.name not in inits or vi.name in by_name:
+            continue
+        var = gs.Variable(vi.name, dtype=_elem_dtype(vi), shape=_shape(vi))
+        old = tensors.get(vi.name)
+        if old is not None:
+            for node in list(old.outputs):
+                for i, t in enumerate(node.inputs):
+                    if t is old:
+                        set_input(node, i, var)
+            graph.outputs = [var if t is old else t for t in graph.outputs]
+        by_name[vi.name] = var
+        defaults[vi.name] = inits[vi.name]
+    graph.inputs = [by_name[vi.name] for vi in model.graph.input if vi.name in by_name]
+    setattr(graph, _DEFAULTS, defaults)
+
+
+def _elem_dtype(vi: onnx.ValueInfoProto):
+    elem = vi.type.tensor_type.elem_type
+    return onnx.helper.tensor_dtype_to_np_dtype(elem) if elem else None
+
+
+def _shape(vi: onnx.ValueInfoProto):
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+
+
+def export_onnx(graph: Graph) -> onnx.ModelProto:
+    """``gs.export_onnx(graph, do_type_check=False)`` that writes optional types and input defaults."""
+    odd = [t for t in _tensors(graph) if getattr(t, "type", "tensor_type") not in _GS_TYPES and t.dtype is not None]
+    saved = [(t, t.dtype) for t in odd]
+    for t in odd:
+        t.dtype = None  # gs writes an untyped entry instead of crashing
+    try:
+        model = gs.export_onnx(graph, do_type_check=False)
+    finally:
+        for t, dtype in saved:
+            t.dtype = dtype
+    if odd:
+        real = {t.name: value_info_proto(t) for t in odd}
+        for vi in _value_infos(model.graph):
+            if vi.name in real:
+                vi.type.CopyFrom(real[vi.name].type)
+    defaults = vars(graph).get(_DEFAULTS, {})  # not getattr: gs.Graph looks unknown names up as ops
+    inputs = {vi.name for vi in model.graph.input}
+    have = {t.name for t in model.graph.initializer}
+    model.graph.initializer.extend(t for name, t in defaults.items() if name in inputs and name not in have)
+    return model
+
+
+def value_info_proto(t: Tensor) -> onnx.ValueInfoProto:
+    """``t``'s ValueInfoProto, optional types included (gs keeps their element type as a TypeProto)."""
+    if getattr(t, "type", "tensor_type") == "optional_type" and isinstance(t.dtype, onnx.TypeProto):
+        return onnx.helper.make_value_info(t.name, onnx.helper.make_optional_type_proto(t.dtype))
+    return OnnxExporter.export_value_info_proto(t, False)
+
+
+def _tensors(graph: Graph) -> Iterator[Tensor]:
+    for g in all_graphs(graph):
+        yield from g.tensors().values()
+
+
+def _value_infos(g: onnx.GraphProto) -> Iterator[onnx.ValueInfoProto]:
+    yield from g.input
+    yield from g.output
+    yield from g.value_info
+    for node in g.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _value_infos(sub)
