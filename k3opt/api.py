@@ -75,6 +75,7 @@ def optimize_file(
     report = kwargs.pop("report", None) or Report()
     pipeline_args = _pipeline_args(kwargs)
     run = _Run(report, **kwargs)
+    run.measure_output = False
     with _gs_quiet():
         model = run.optimize(src, **pipeline_args)
     if not overwrite:
@@ -127,6 +128,8 @@ class _Run:
         self.pass_options = pass_options
         #: Absolute paths of the input's external-data files (the output must not clobber them).
         self.source_files: set[str] = set()
+        #: Size the optimized proto for the report (optimize_file takes the saved files' sizes).
+        self.measure_output = True
 
     @contextlib.contextmanager
     def step(self, message: str, key: str) -> Iterator[None]:
@@ -180,6 +183,8 @@ class _Run:
         manager = PassManager(pipeline, shape_inference=refresher, progress=self._pass_progress())
         with self.step("running passes", "passes"):
             graph = io.import_graph(model)
+            if any(p.needs_shapes for p in pipeline):  # the manager then skips a first refresh
+                ctx.shapes_available = refresher.seed(graph, model)
             manager.run(graph, ctx)
             out = export(graph, model)
         before_down = None
@@ -201,7 +206,9 @@ class _Run:
             with self.step("lowering for CANN", "lower"):
                 out, lines = lower(out)
             report.lowering = list(lines)
-        report.after = ModelSummary.of(out, io.proto_size(out), opsets.model_opset(out))
+        # optimize_file measures the files it writes instead (sizing the proto costs a pass over it)
+        size = io.proto_size(out) if self.measure_output else 0
+        report.after = ModelSummary.of(out, size, opsets.model_opset(out))
         return out
 
     def _pass_progress(self) -> ProgressSink:

@@ -39,12 +39,19 @@ SPILL_PREFIX = "k3opt-spill-"
 # --------------------------------------------------------------------------- tensors
 
 
+_A = onnx.AttributeProto
+#: Attribute types that may hold tensors or subgraphs (UNDEFINED: a sloppy writer may have left it unset).
+_MAY_HOLD_TENSORS = frozenset((_A.UNDEFINED, _A.TENSOR, _A.TENSORS, _A.GRAPH, _A.GRAPHS))
+
+
 def all_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
     """Every TensorProto of the model: initializers and tensor attributes, subgraphs included."""
     def graph_tensors(g: onnx.GraphProto) -> Iterator[TensorProto]:
         yield from g.initializer
         for node in g.node:
             for attr in node.attribute:
+                if attr.type not in _MAY_HOLD_TENSORS:  # one field read for the common int/float/ints attrs
+                    continue
                 if attr.HasField("t"):
                     yield attr.t
                 yield from attr.tensors

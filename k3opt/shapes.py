@@ -7,7 +7,7 @@ then decline (see docs/design.md).
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -17,6 +17,7 @@ from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from .errors import UsageError
 from .io import EXTERNAL_THRESHOLD, inline_copy, weights_as_inputs
+from .proto_cache import ProtoCache
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
 
@@ -102,12 +103,30 @@ class ShapeRefresher:
     def __init__(self) -> None:
         self.notes: list[str] = []
         self.calls = 0
+        #: Unchanged nodes and constants are not exported again at the next refresh.
+        self.protos = ProtoCache()
 
     def __call__(self, graph: gs.Graph) -> bool:
-        self.calls += 1
         tensors = graph.tensors()  # one walk of the graph for export and update
+        return self._refresh(graph, tensors, lambda: export_for_inference(graph, tensors, self.protos))
+
+    def seed(self, graph: gs.Graph, model: onnx.ModelProto) -> bool:
+        """Refresh ``graph`` freshly imported from ``model`` by inferring ``model`` itself.
+
+        Same result as calling the refresher, without exporting the graph
+        again (the first export is the costliest: nothing is folded yet).
+        """
+        def light() -> onnx.ModelProto:
+            copy = weights_as_inputs(model)[0]
+            del copy.graph.value_info[:]  # everything is re-inferred, as after an export
+            return copy
+
+        return self._refresh(graph, graph.tensors(), light)
+
+    def _refresh(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], model: Callable[[], onnx.ModelProto]) -> bool:
+        self.calls += 1
         try:
-            inferred = _infer(export_for_inference(graph, tensors))
+            inferred = _infer(model())
         except Exception as exc:  # onnx raises many types here; a failure only loses shapes
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             note = f"shape inference failed ({type(exc).__name__}: {first}); passes that need shapes declined"
@@ -118,12 +137,16 @@ class ShapeRefresher:
         return True
 
 
-def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]] = None) -> onnx.ModelProto:
+def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]] = None,
+                         protos: Optional[ProtoCache] = None) -> onnx.ModelProto:
     """The graph as a model for onnx shape inference, built without reading any big weight.
 
     No value_info (stale after rewrites: everything is re-inferred), and
     constants of 1 KB or more are typed graph inputs instead of initializers.
+    ``protos`` reuses what the previous export of this graph built.
     """
+    protos = protos if protos is not None else ProtoCache()
+    protos.start()
     inputs = [OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs]
     initializers = []
     for t in (tensors if tensors is not None else graph.tensors()).values():
@@ -133,9 +156,9 @@ def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]
             shape = [int(d) for d in t._values.shape]
             inputs.append(onnx.helper.make_tensor_value_info(t.name, dtype_to_onnx(t._values.dtype), shape))
         else:  # small: shape constants, axes... inference reads their values
-            initializers.append(inline_copy(OnnxExporter.export_tensor_proto(t)))
+            initializers.append(protos.constant(t, _small_initializer))
     g = onnx.helper.make_graph(
-        [OnnxExporter.export_node(n) for n in graph.nodes], graph.name or "k3opt", inputs,
+        [protos.node(n) for n in graph.nodes], graph.name or "k3opt", inputs,
         [OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs], initializers,
     )
     model = onnx.helper.make_model(g, opset_imports=update_import_domains(graph),
@@ -143,6 +166,10 @@ def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]
     if graph.ir_version is not None:
         model.ir_version = graph.ir_version
     return model
+
+
+def _small_initializer(t: gs.Constant) -> onnx.TensorProto:
+    return inline_copy(OnnxExporter.export_tensor_proto(t))
 
 
 def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto,
