@@ -16,6 +16,7 @@ from ..cli_options import optimize_kwargs, output_options, pipeline_options, pro
 from ..errors import K3optError, VerificationError
 from ..report import Report
 from .exporters import EXPORTERS, INSTALL_HINT
+from .from_transformers import TASKS, from_transformers
 
 
 def default_export_output(source: str) -> Path:
@@ -26,8 +27,7 @@ def default_export_output(source: str) -> Path:
 
 @click.command("export")
 @click.argument("source", type=click.Path(exists=True))
-@click.option("--task", help="text-generation, feature-extraction, fill-mask, text-classification, "
-                             "image-feature-extraction, image-classification (default: from the architecture)")
+@click.option("--task", type=click.Choice(list(TASKS)), help="Default: the one the architecture implies.")
 @click.option("--exporter", type=click.Choice(EXPORTERS), default="torchscript", show_default=True)
 @click.option("--export-opset", type=click.IntRange(1), help="Exporter opset (default 14 torchscript, 18 dynamo).")
 @click.option("--seq-len", type=click.IntRange(1), default=8, show_default=True, help="Example sequence length.")
@@ -41,11 +41,12 @@ def default_export_output(source: str) -> Path:
 def export_cmd(source: str, task: Optional[str], exporter: str, export_opset: Optional[int], seq_len: int,
                batch: int, use_cache: bool, no_optimize: bool, output: Optional[str], external_data: Optional[bool], overwrite: bool,
                report_path: Optional[str], quiet: bool, debug: bool, **params: Any) -> None:
-    """Export SOURCE (a checkpoint folder or a config JSON) to ONNX and optimize it (default SOURCE.k3opt.onnx)."""
+    """Export SOURCE (a checkpoint folder or a config JSON) to ONNX and optimize it.
+
+    Writes -o OUT, by default FOLDER/model.k3opt.onnx or NAME.k3opt.onnx next to NAME.json.
+    """
     if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
         raise K3optError(INSTALL_HINT)
-    from .from_transformers import from_transformers
-
     kwargs = optimize_kwargs(params)
     kwargs["output_opset"] = kwargs.pop("opset", None)
     report = Report()
