@@ -24,10 +24,6 @@ pytestmark = needs_torch
 
 PAIRS = zoo_params()
 
-# (invariant, model, exporter) -> why it does not hold yet; such a failure is an xfail, anything else fails.
-KNOWN_GAPS: dict[tuple[str, str, str], str] = {}
-
-
 @functools.lru_cache(maxsize=None)
 def optimized(name: str, exporter: str, **options) -> onnx.ModelProto:
     """``k3opt.optimize`` of a zoo export (cached per run: several tests read the same result)."""
@@ -37,16 +33,6 @@ def optimized(name: str, exporter: str, **options) -> onnx.ModelProto:
 def flattened(name: str, exporter: str) -> onnx.ModelProto:
     """Optimized with rank > 2 MatMul+Add fused too (the default leaves them for --target onnx)."""
     return optimized(name, exporter, matmul_add_nd="flatten")
-
-
-def expect(ok: bool, invariant: str, name: str, exporter: str, detail: str) -> None:
-    """Assert ``ok``, or xfail when the gap is a known, documented one (see KNOWN_GAPS)."""
-    if ok:
-        return
-    gap = KNOWN_GAPS.get((invariant, name, exporter))
-    if gap:
-        pytest.xfail(f"{invariant}: {gap} ({detail})")
-    raise AssertionError(f"{invariant} on {name}/{exporter}: {detail}")
 
 
 # ---- graph queries on a ModelProto -------------------------------------------------------------------------
@@ -149,28 +135,23 @@ def test_idempotent(name: str, exporter: str) -> None:
 @pytest.mark.parametrize("name,exporter", PAIRS)
 def test_layernorms_fused(name: str, exporter: str) -> None:
     model = optimized(name, exporter)
-    left = decomposed_layernorms(model)
-    expect(not left, "decomposed LayerNorm left", name, exporter, f"{len(left)} at {left[:3]}")
-    count, want = op_counts(model).get("LayerNormalization", 0), torch_layernorms(name)
-    expect(count == want, "LayerNormalization count", name, exporter, f"{count} fused, torch has {want}")
+    assert not decomposed_layernorms(model)
+    assert op_counts(model).get("LayerNormalization", 0) == torch_layernorms(name)
 
 
 @pytest.mark.parametrize("name,exporter", PAIRS)
 def test_matmul_bias_pairs_fused(name: str, exporter: str) -> None:
-    left = unfused_matmul_bias(flattened(name, exporter))
-    expect(not left, "MatMul+bias left", name, exporter, f"{len(left)} at {left[:3]}")
+    assert not unfused_matmul_bias(flattened(name, exporter))
 
 
 @pytest.mark.parametrize("name,exporter", PAIRS)
 def test_sibling_projections_merged(name: str, exporter: str) -> None:
-    left = unmerged_siblings(optimized(name, exporter))
-    expect(not left, "sibling MatMuls left", name, exporter, f"{len(left)} activations, e.g. {left[:3]}")
+    assert not unmerged_siblings(optimized(name, exporter))
 
 
 @pytest.mark.parametrize("name,exporter", PAIRS)
 def test_no_identity_or_dead_node(name: str, exporter: str) -> None:
-    left = dead_or_identity(optimized(name, exporter))
-    expect(not left, "Identity/dead node left", name, exporter, f"{left[:3]}")
+    assert not dead_or_identity(optimized(name, exporter))
 
 
 def test_invariant_checks_see_what_they_look_for() -> None:
