@@ -1,6 +1,10 @@
 """The test model zoo: every (model, exporter) pair exports, runs in onnxruntime and matches torch."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -58,3 +62,15 @@ def test_cache_is_reused(tmp_path, monkeypatch) -> None:
 def test_unknown_name_is_refused() -> None:
     with pytest.raises(KeyError, match="no zoo model"):
         zoo_model("gpt5")
+
+
+@pytest.mark.slow
+def test_parallel_workers_export_once(tmp_path) -> None:
+    """Two processes asking for the same model at once (pytest-xdist workers) get one export, whole."""
+    code = "from tests.zoo import zoo_model; print(zoo_model('vit'), zoo_model('vit').stat().st_mtime_ns)"
+    env = {**os.environ, "K3OPT_ZOO_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = {p.communicate()[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(outs) == 1  # same file, written once
+    assert len(list(tmp_path.glob("*.onnx"))) == 1
