@@ -47,6 +47,7 @@ def test_from_torch_optimizes_and_matches_torch(tmp_path, exporter: str) -> None
     report = _export_block(tmp_path / "m.onnx", exporter, verify=True)
     model = onnx.load(tmp_path / "m.onnx")
     assert report.verification["status"] == "passed" and report.after.opset >= 17
+    assert report.input == f"Block ({exporter} exporter)" and report.output == str(tmp_path / "m.onnx")
     assert op_counts(model).get("LayerNormalization") == 1 and "ReduceMean" not in op_counts(model)
     x = np.random.default_rng(0).standard_normal((3, 4, 16)).astype(np.float32)  # batch 3: the axis is dynamic
     with torch.no_grad():

@@ -50,9 +50,11 @@ def from_torch(
                           output_names=output_names, dynamic_axes=dynamic_axes, dynamic_shapes=dynamic_shapes,
                           exporter=exporter, opset=opset, external_data=external_data)
         if optimize:
-            return optimize_file(raw, path, overwrite=True, external_data=external_data, target=target,
-                                 **optimize_options)
-        written = io.save(io.load(raw), path, external_data=external_data)
-    report = optimize_options.get("report") or Report()
-    report.output, report.files = str(path), [str(p) for p in written]
+            report = optimize_file(raw, path, overwrite=True, external_data=external_data, target=target,
+                                   **optimize_options)
+        else:
+            report = optimize_options.get("report") or Report()
+            written = io.save(io.load(raw), path, external_data=external_data)
+            report.output, report.files = str(path), [str(p) for p in written]
+    report.input = f"{type(module).__name__} ({exporter} exporter)"  # the temporary raw export is gone
     return report
