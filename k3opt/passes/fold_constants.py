@@ -146,10 +146,12 @@ class FoldConstants(Pass):
         stack = list(reversed(graph.nodes))  # depth-first from constant-fed nodes, no recursion limit
         while stack:
             node = stack.pop()
-            if id(node) in seen or id(node) not in in_graph or not self._eligible(graph, node):
+            # Cheapest test first: most nodes read a non-constant input.
+            if id(node) in seen or not all(ready(t) for t in node.inputs) or id(node) not in in_graph:
                 continue
-            deps = list(node.inputs) + outer_refs(node)
-            if not all(ready(t) for t in deps) or too_big(node, value, ctx.options):
+            if not self._eligible(graph, node) or not all(ready(t) for t in outer_refs(node)):
+                continue
+            if too_big(node, value, ctx.options):
                 continue
             seen.add(id(node))
             chosen.append(node)
