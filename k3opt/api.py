@@ -157,11 +157,13 @@ class _Run:
             load_plugins(list(plugins))
         pipeline = build_pipeline(list(passes) if passes is not None else None, tuple(skip), target)
         with self.step("loading", "load"):
+            on_disk = None if isinstance(model, onnx.ModelProto) else model
             model = _load(model, report)
             self.source_files = {io.external_info(t)["location"] for t in io.all_tensors(model)
                                  if uses_external_data(t)}
             opset_before = opsets.model_opset(model)
-            report.before = ModelSummary.of(model, io.proto_size(model), opset_before)
+            size = io.proto_size(model, None if on_disk is None else os.path.getsize(on_disk))
+            report.before = ModelSummary.of(model, size, opset_before)
         shapes.fix_inputs(model, input_shapes)
         original = self._runnable_original(model) if verify else None
         # Up before the passes (fusions may need the newer opset), down after them (see opset.converts_down).

@@ -293,33 +293,48 @@ def check_graph(graph: onnx.GraphProto, source: str = "model", outer: frozenset 
     """Every node input is produced somewhere and the nodes form no cycle."""
     known = set(outer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
     known |= {t.name for t in graph.sparse_initializer}
+    # (inputs, outputs, node) read once: proto field access is the cost on a big graph
+    nodes = [(list(n.input), list(n.output), n) for n in graph.node]
     produced: dict[str, onnx.NodeProto] = {}
-    for node in graph.node:
-        for o in node.output:
+    for _, outputs, node in nodes:
+        for o in outputs:
             if o and (o in produced or o in known):
                 raise InputError(f"{source}: tensor '{o}' is defined twice (node '{node.name or node.op_type}')")
             produced[o] = node
     visible = frozenset(known | set(produced))
-    for node in graph.node:
-        for name in node.input:
+    for inputs, _, node in nodes:
+        for name in inputs:
             if name and name not in visible:
                 raise InputError(
                     f"{source}: input '{name}' of node '{node.name or node.op_type}' is produced by nothing"
                 )
         for attr in node.attribute:
+            if attr.type not in _MAY_HOLD_TENSORS:
+                continue
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 check_graph(sub, source, visible)
     for name in graph.output:
         if name.name not in visible:
             raise InputError(f"{source}: graph output '{name.name}' is produced by nothing")
-    _check_acyclic(graph, known, source)
+    if not _in_order(nodes, known):
+        _check_acyclic(nodes, known, source)
 
 
-def _check_acyclic(graph: onnx.GraphProto, known: set, source: str) -> None:
-    pending = {i: sum(1 for x in n.input if x and x not in known) for i, n in enumerate(graph.node)}
+def _in_order(nodes: list[tuple[list[str], list[str], onnx.NodeProto]], known: set) -> bool:
+    """Is every node after the producers of its inputs? (Then there is no cycle; exporters write this order.)"""
+    available = set(known)
+    for inputs, outputs, _ in nodes:
+        if any(x and x not in available for x in inputs):
+            return False
+        available.update(outputs)
+    return True
+
+
+def _check_acyclic(nodes: list[tuple[list[str], list[str], onnx.NodeProto]], known: set, source: str) -> None:
+    pending = {i: sum(1 for x in inputs if x and x not in known) for i, (inputs, _, _) in enumerate(nodes)}
     users: dict[str, list[int]] = {}
-    for i, n in enumerate(graph.node):
-        for x in n.input:
+    for i, (inputs, _, _) in enumerate(nodes):
+        for x in inputs:
             if x and x not in known:
                 users.setdefault(x, []).append(i)
     ready = [i for i, c in pending.items() if c == 0]
@@ -327,13 +342,13 @@ def _check_acyclic(graph: onnx.GraphProto, known: set, source: str) -> None:
     while ready:
         i = ready.pop()
         done += 1
-        for out in graph.node[i].output:
+        for out in nodes[i][1]:
             for j in users.pop(out, ()):
                 pending[j] -= 1
                 if pending[j] == 0:
                     ready.append(j)
-    if done < len(graph.node):
-        stuck = next(graph.node[i] for i, c in pending.items() if c > 0)
+    if done < len(nodes):
+        stuck = next(nodes[i][2] for i, c in pending.items() if c > 0)
         raise InputError(f"{source}: the graph has a cycle (through node '{stuck.name or stuck.op_type}')")
 
 
@@ -361,9 +376,14 @@ def data_path(dst: PathLike) -> Path:
     return Path(str(dst) + ".data")
 
 
-def proto_size(model: onnx.ModelProto) -> int:
-    """Bytes the model would take inline: proto plus external data."""
-    return model.ByteSize() + sum(tensor_nbytes(t) for t in all_tensors(model) if uses_external_data(t))
+def proto_size(model: onnx.ModelProto, serialized: Optional[int] = None) -> int:
+    """Bytes the model would take inline: proto plus external data.
+
+    ``serialized``: the proto's own size when already known (the size of the
+    file it was read from), which saves a pass over the proto.
+    """
+    size = model.ByteSize() if serialized is None else serialized
+    return size + sum(tensor_nbytes(t) for t in all_tensors(model) if uses_external_data(t))
 
 
 def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool] = None) -> list[Path]:

@@ -267,3 +267,26 @@ def test_spill_file_is_removed_when_the_process_exits():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     spill = Path(proc.stdout.strip())
     assert spill.name.startswith(io.SPILL_PREFIX) and not spill.exists()
+
+
+def test_nodes_out_of_order_load_and_a_cycle_behind_an_ordered_prefix_is_found():
+    """The order check is a fast path only: an unsorted acyclic graph still loads, a late cycle still fails."""
+    unsorted = helper.make_graph([helper.make_node("Relu", ["a"], ["y"], name="late"),
+                                  helper.make_node("Neg", ["x"], ["a"], name="early")], "g",
+                                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    io.check_graph(unsorted)
+    cyclic = helper.make_graph([helper.make_node("Neg", ["x"], ["a"], name="ok"),
+                                helper.make_node("Add", ["a", "c"], ["b"], name="n1"),
+                                helper.make_node("Relu", ["b"], ["c"], name="n2")], "g",
+                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                               [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2])])
+    with pytest.raises(InputError, match="has a cycle"):
+        io.check_graph(cyclic)
+
+
+def test_report_size_before_is_the_file_size(tmp_path):
+    onnx.save(weighted_model(), tmp_path / "m.onnx")
+    report = k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "o.onnx")
+    assert report.before.size_bytes == (tmp_path / "m.onnx").stat().st_size
+    assert report.after.size_bytes == (tmp_path / "o.onnx").stat().st_size
