@@ -24,6 +24,7 @@ from onnx.external_data_helper import uses_external_data
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .errors import InputError, OutputError
+from .ir import all_graphs
 
 PathLike = Union[str, os.PathLike]
 
@@ -169,10 +170,9 @@ def import_graph(model: onnx.ModelProto) -> gs.Graph:
         graph = gs.import_onnx(model)
     except Exception as exc:  # gs raises assorted types on models it cannot represent
         raise InputError(f"the graph cannot be imported ({type(exc).__name__}: {exc})") from exc
-    graphs = [graph]
-    for node in graph.nodes:
-        graphs.extend(node.subgraphs(recursive=True))
-    for g in graphs:
+    if not any(uses_external_data(t) for t in all_tensors(model)):
+        return graph  # nothing to make lazy: skip walking every graph's tensors
+    for g in all_graphs(graph):
         for t in g.tensors().values():
             if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues):
                 if uses_external_data(t._values.tensor):
