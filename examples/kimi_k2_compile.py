@@ -1,9 +1,10 @@
 """A Kimi-K2-architecture model (DeepSeek-V3: MLA attention + MoE with shared and routed experts), end to end.
 
 Small random-weight version of the Kimi K2 layout (no download): exported
-with k3opt.export, optimized and verified, checked for ATC with
-``k3opt check --target cann``, and compiled with ``k3opt compile --dry-run``
-(prints the ATC command; drop --dry-run on a machine with CANN)::
+with k3opt.export, optimized and verified, lowered for Ascend with
+``k3opt optimize --target cann`` and checked for ATC with ``k3opt check
+--target cann``, then compiled with ``k3opt compile --dry-run`` (prints the
+ATC command; drop --dry-run on a machine with CANN)::
 
     python examples/kimi_k2_compile.py --out-dir build/ [--exporter dynamo]
 """
@@ -31,11 +32,10 @@ def kimi_k2_config(vocab_size: int = 256):
     )
 
 
-def k3opt_cli(*args: str, echo: bool = True) -> subprocess.CompletedProcess:
+def k3opt_cli(*args: str) -> subprocess.CompletedProcess:
     """Run the ``k3opt`` command line (as a user would) and echo what it prints."""
     proc = subprocess.run([sys.executable, "-m", "k3opt", *args], capture_output=True, text=True)
-    if echo:
-        print(f"$ k3opt {' '.join(args)}\n{proc.stdout}{proc.stderr}".rstrip())
+    print(f"$ k3opt {' '.join(args)}\n{proc.stdout}{proc.stderr}".rstrip())
     return proc
 
 
@@ -55,12 +55,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(report.table())
 
     shapes = ["--input-shape", f"input_ids:1,{SEQ}", "--input-shape", f"attention_mask:1,{SEQ}"]
-    commands = ["check", "compile"]
-    missing = [c for c in commands if k3opt_cli(c, "--help", echo=False).returncode != 0]
-    if missing:
-        print(f"skipped: this k3opt has no `k3opt {'/'.join(missing)}` yet (the CANN bridge provides them)")
-        return 0
-    if k3opt_cli("check", "--target", "cann", str(onnx_path), *shapes).returncode != 0:
+    cann_path = args.out_dir / "kimi_k2_cann.onnx"
+    if k3opt_cli("optimize", str(onnx_path), "--target", "cann", "-o", str(cann_path), "--overwrite").returncode != 0:
+        return 1
+    if k3opt_cli("check", "--target", "cann", str(cann_path), *shapes).returncode != 0:
         return 1
     compiled = k3opt_cli("compile", str(onnx_path), "--soc-version", args.soc_version,
                          "-o", str(args.out_dir / "kimi_k2_npu"), "--dry-run", *shapes)

@@ -89,7 +89,7 @@ DATA_PROP_MAX_LEN = 2**16
 def _has_long_vector(graph: onnx.GraphProto) -> bool:
     for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
         dims = vi.type.tensor_type.shape.dim
-        if len(dims) == 1 and (not dims[0].HasField("dim_value") or dims[0].dim_value > DATA_PROP_MAX_LEN):
+        if len(dims) == 1 and dims[0].HasField("dim_value") and dims[0].dim_value > DATA_PROP_MAX_LEN:
             return True
     return False
 

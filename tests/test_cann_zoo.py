@@ -26,24 +26,9 @@ def expected_npu_rmsnorms(name: str) -> int:
     return _RMS_PER_LAYER[name] * config.num_hidden_layers + 1
 
 
-#: Opset-18 dynamo exports whose ReduceMean axes come from a Reshape: onnx's converter cannot take them to 17
-#: before constant folding has run (k3opt/opset.py, core pipeline); reported, not the bridge's to fix.
-_CONVERSION_BLOCKED = {("llama", "dynamo"), ("qwen2", "dynamo"), ("deepseek_v3", "dynamo")}
-
-
-#: Exports left with SplitToSequence/SequenceAt (no ATC parser) until the sequence->Split clean-up handles them.
-_SEQUENCE_LEFT = {("gpt2", "dynamo")}
-
-
 def _cases():
     fast = {("llama", "torchscript")}
-    blocked = pytest.mark.xfail(raises=k3opt.UsageError, strict=False,
-                                reason="core: opset 18 -> 17 conversion runs before folding the ReduceMean axes")
-    sequences = pytest.mark.xfail(raises=AssertionError, strict=False,
-                                  reason="SplitToSequence/SequenceAt left for ATC (clean-up pass, not the bridge)")
-    return [pytest.param(n, e, marks=[m for m, on in ((pytest.mark.slow, (n, e) not in fast),
-                                                      (blocked, (n, e) in _CONVERSION_BLOCKED),
-                                                      (sequences, (n, e) in _SEQUENCE_LEFT)) if on])
+    return [pytest.param(n, e, marks=[pytest.mark.slow] if (n, e) not in fast else [])
             for n in NAMES for e in EXPORTERS]
 
 
