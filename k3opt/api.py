@@ -20,7 +20,7 @@ from onnx.external_data_helper import uses_external_data
 
 from . import io, opset as opsets, shapes, verify as verifier
 from .errors import OutputError, UsageError, VerificationError
-from .passes.base import PassContext, build_pipeline
+from .passes.base import PassContext, build_pipeline, check_pass_options
 from .passes.manager import PassManager
 from .report import ModelSummary, Report
 
@@ -156,6 +156,7 @@ class _Run:
 
             load_plugins(list(plugins))
         pipeline = build_pipeline(list(passes) if passes is not None else None, tuple(skip), target)
+        check_pass_options(self.pass_options)
         with self.step("loading", "load"):
             on_disk = None if isinstance(model, onnx.ModelProto) else model
             model = _load(model, report)

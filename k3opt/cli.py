@@ -120,6 +120,8 @@ def passes_cmd(plugins: tuple[str, ...], quiet: bool, debug: bool) -> None:
         tags = [t for t in ("" if cls.default else "not default", f"plugin {cls.plugin}" if cls.plugin else "") if t]
         suffix = f" [{', '.join(tags)}]" if tags else ""
         click.echo(f"{name:34} {cls.description}{suffix}")
+        for key, text in cls.options.items():
+            click.echo(f"{'':36}--pass-option {key}=...: {text}")
 
 
 def _add_package_commands() -> None:

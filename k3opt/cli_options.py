@@ -45,6 +45,24 @@ def _comma_list(ctx: click.Context, param: click.Parameter, value: Optional[str]
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings -> dict; values that read as numbers become int/float."""
+    parsed: dict[str, Any] = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE, got '{item}'")
+        value: Any = raw.strip()
+        for convert in (int, float):
+            try:
+                value = convert(raw)
+                break
+            except ValueError:
+                continue
+        parsed[key.strip()] = value
+    return parsed
+
+
 def _set_flag(name: str) -> Callable[[click.Context, click.Parameter, bool], bool]:
     def callback(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
         if value:
@@ -72,6 +90,8 @@ def pipeline_options(f: F) -> F:
                      help="Fix an input's dimensions, e.g. input_ids:1,128 (repeatable)."),
         click.option("--plugin", "plugins", multiple=True, metavar="MODULE|FILE.py",
                      help="Load fusion rules from a plugin (repeatable)."),
+        click.option("--pass-option", "pass_options", multiple=True, callback=_key_values, metavar="KEY=VALUE",
+                     help="Set a pass option, e.g. matmul_add_nd=flatten (repeatable; `k3opt passes` lists them)."),
     ])
 
 
@@ -117,6 +137,7 @@ def optimize_kwargs(params: dict[str, Any]) -> dict[str, Any]:
         kwargs["input_shapes"] = list(params["input_shapes"])
     if "plugins" in kwargs:
         kwargs["plugins"] = list(kwargs["plugins"])
+    kwargs.update(params.get("pass_options") or {})
     return kwargs
 
 

@@ -6,6 +6,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from k3opt.errors import UsageError
 from k3opt.passes.base import PassContext
 from k3opt.passes.cse import EliminateCommonSubexpressions
 from k3opt.passes.matmul_add import FuseMatMulAdd, nd_mode
@@ -104,7 +105,7 @@ def test_nd_mode_option():
     assert nd_mode(PassContext(opset=17, target="cann")) == "flatten"
     assert nd_mode(PassContext(opset=17, options={"matmul_add_nd": "flatten"})) == "flatten"
     assert nd_mode(PassContext(opset=17, target="cann", options={"matmul_add_nd": "keep"})) == "keep"
-    with pytest.raises(ValueError):
+    with pytest.raises(UsageError):
         nd_mode(PassContext(opset=17, options={"matmul_add_nd": "always"}))
 
 

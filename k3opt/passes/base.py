@@ -67,6 +67,9 @@ class Pass:
     default: ClassVar[bool] = True
     #: Name of the plugin that registered the pass, None for built-ins.
     plugin: ClassVar[Optional[str]] = None
+    #: Keys the pass reads from ``PassContext.options`` -> one-line help (with the default).
+    #: ``k3opt passes`` lists them; ``--pass-option KEY=VALUE`` sets them.
+    options: ClassVar[dict[str, str]] = {}
 
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - interface
         raise NotImplementedError
@@ -129,6 +132,15 @@ def get_pass(name: str) -> Type[Pass]:
     if name not in passes:
         raise UsageError(f"unknown pass '{name}'; known passes: {', '.join(passes)}")
     return passes[name]
+
+
+def check_pass_options(options: dict[str, Any]) -> None:
+    """Refuse option keys no registered pass reads (a typo would otherwise be silently ignored)."""
+    known = {key: cls.name for cls in registered_passes().values() for key in cls.options}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        listing = ", ".join(f"{key} ({owner})" for key, owner in sorted(known.items())) or "none"
+        raise UsageError(f"unknown pass option(s) {', '.join(unknown)}; known: {listing}")
 
 
 def build_pipeline(

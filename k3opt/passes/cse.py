@@ -76,6 +76,7 @@ class EliminateCommonSubexpressions(Pass):
     name = "eliminate-common-subexpressions"
     description = "Merge nodes with the same op, attributes and inputs, and equal constants."
     order = 300
+    options = {"cse_max_const_bytes": "largest constant compared by value, in bytes (default 1 MiB)"}
 
     def __init__(self) -> None:
         # Digest of each constant already hashed, by identity (kept alive so ids stay unique):

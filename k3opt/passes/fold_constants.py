@@ -47,6 +47,10 @@ class FoldConstants(Pass):
     name = "fold-constants"
     description = "Evaluate constant subgraphs and statically known shape computations at compile time."
     order = 100
+    options = {
+        "fold_max_bytes": "largest Expand/Tile/ConstantOfShape/Range result folded, in bytes (default 1 MiB)",
+        "fold_max_elements": "largest such result folded, in elements (default 1Mi)",
+    }
     needs_shapes = True
 
     def __init__(self) -> None:

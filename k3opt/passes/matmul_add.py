@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 
 from .. import ir
+from ..errors import UsageError
 from ..lazy_values import onnx_type
 from ..patterns import Match, Rule, rules_pass
 
@@ -39,7 +40,7 @@ def nd_mode(ctx) -> str:
     """How rank > 2 pairs are fused: ``flatten`` or ``keep`` (``auto`` resolved by target)."""
     mode = ctx.options.get("matmul_add_nd", "auto")
     if mode not in ND_MODES:
-        raise ValueError(f"matmul_add_nd must be one of {', '.join(ND_MODES)}, got {mode!r}")
+        raise UsageError(f"matmul_add_nd must be one of {', '.join(ND_MODES)}, got {mode!r}")
     if mode == "auto":
         return "flatten" if ctx.target == "cann" else "keep"
     return mode
@@ -116,5 +117,6 @@ RULE = Rule("matmul-add", pattern, rewrite, check=check,
 
 FuseMatMulAdd = rules_pass(
     "fuse-matmul-add", [RULE], order=700, needs_shapes=True, min_opset=11,
+    options={"matmul_add_nd": "rank > 2 pairs: auto (flatten for --target cann, keep for onnx), flatten, keep"},
     description="MatMul + per-column bias -> Gemm (rank > 2: flatten-Gemm-restore, option matmul_add_nd)",
 )
