@@ -23,6 +23,7 @@ from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from . import gs_roundtrip
 from .errors import InputError, OutputError
 from .ir import all_graphs
 
@@ -167,7 +168,7 @@ def import_graph(model: onnx.ModelProto) -> gs.Graph:
     The graph shares TensorProtos with ``model``: import a proto you own.
     """
     try:
-        graph = gs.import_onnx(model)
+        graph = gs_roundtrip.import_onnx(model)
     except Exception as exc:  # gs raises assorted types on models it cannot represent
         raise InputError(f"the graph cannot be imported ({type(exc).__name__}: {exc})") from exc
     if not any(uses_external_data(t) for t in all_tensors(model)):

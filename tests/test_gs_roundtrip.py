@@ -7,9 +7,8 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
+import k3opt
 from k3opt import gs_roundtrip as rt
-from k3opt.passes.base import PassContext, build_pipeline
-from k3opt.passes.manager import PassManager
 from tests.helpers import assert_equivalent, random_feeds
 
 F = T.FLOAT
@@ -27,11 +26,8 @@ def _with_default(nodes, extra_inputs=(), outputs=(("y", [3]),)):
 
 
 def _optimize(model: onnx.ModelProto) -> onnx.ModelProto:
-    graph = rt.import_onnx(model)
-    PassManager(build_pipeline()).run(graph, PassContext(opset=17))
-    graph.cleanup().toposort()
-    out = rt.export_onnx(graph)
-    out.ir_version = model.ir_version
+    """The whole k3opt pipeline, which imports and exports through gs_roundtrip."""
+    out = k3opt.optimize(model)
     onnx.checker.check_model(out, full_check=True)
     return out
 
