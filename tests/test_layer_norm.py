@@ -339,6 +339,16 @@ def test_normalized_output_used_twice_keeps_the_affine_outside():
     assert_fused(model, leftover={"Mul": 1, "Add": 1, "Relu": 1})
 
 
+def test_rank0_input_is_left_alone():
+    """A scalar "normalized" over all of its (zero) axes: LayerNormalization needs an axis to exist."""
+    net = Net(17)
+    mean = net("ReduceMean", "x", keepdims=1)  # no axes: every axis, here none
+    d = net("Sub", "x", mean)
+    sq = net("Mul", d, d)
+    std = net("Sqrt", net("Add", net("ReduceMean", sq, keepdims=1), net.const(1e-5)))
+    assert_untouched(net.model(net("Div", d, std), [("x", TP.FLOAT, [])]))
+
+
 def test_unknown_normalized_dim_is_left_alone():
     assert_untouched(ln_model(shape=["b", "s", "h"], scale=None, bias=None))
 

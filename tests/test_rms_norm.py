@@ -170,6 +170,16 @@ def test_non_constant_epsilon_is_left_alone():
     assert_untouched(net.model(y, [("x", TP.FLOAT, [2, 3, H]), ("e", TP.FLOAT, [])]))
 
 
+def test_rank0_input_is_left_alone():
+    """RMSNormalization's axis must exist: a scalar input is never fused (nor counted)."""
+    net = Net(23)
+    sq = net("Mul", "x", "x")
+    std = net("Sqrt", net("Add", net("ReduceMean", sq, keepdims=1), net.const(1e-6)))
+    model = net.model(net("Div", "x", std), [("x", TP.FLOAT, [])])
+    assert not assert_untouched(model).counters.get("rmsnorm_found")
+    assert not assert_untouched(model, target="cann").counters.get("rmsnorm_found")
+
+
 def test_weight_over_other_axes_stays_outside():
     per_pos = RNG.standard_normal((3, H)).astype(np.float32)
     assert_fused(rms_model(weight=per_pos), leftover={"Mul": 1})

@@ -180,10 +180,12 @@ def _shape(m: Match) -> Optional[list]:
 
 
 def _axes(node: Node, rank: int) -> Optional[tuple[int, ...]]:
+    """The reduced axes, non-negative; None unless constant and at least one (a rank-0 input has none to fuse)."""
     axes = checks.reduce_axes(node)
     if axes is None or axes == ():
         return None
-    return tuple(range(rank)) if axes == checks.ALL else checks.normalized_axes(axes, rank)
+    axes = tuple(range(rank)) if axes == checks.ALL else checks.normalized_axes(axes, rank)
+    return axes or None
 
 
 def fits(shape: tuple[int, ...], normalized_shape: tuple[int, ...], rank: int) -> bool:
