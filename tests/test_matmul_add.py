@@ -82,6 +82,16 @@ def test_nd_flatten_with_dynamic_leading_dims(opset, bias_shape):
     assert_equivalent(model, out, feeds=empty)
 
 
+@pytest.mark.parametrize("elem_type,np_dtype", [(TensorProto.DOUBLE, np.float64), (TensorProto.FLOAT16, np.float16)],
+                         ids=["double", "fp16"])
+def test_nd_flatten_keeps_the_dtype_of_a_reshaped_bias(elem_type, np_dtype):
+    """A (1, 1, N) bias is flattened to (N,) for Gemm: in its own dtype (a float64 bias came out float32)."""
+    model = linear(["B", 3, 8], bias_shape=(1, 1, 6), dtype=elem_type, np_dtype=np_dtype)
+    out, n = fused(model, target="cann")
+    assert n == 1 and op_counts(out)["Gemm"] == 1
+    assert_equivalent(model, out, rtol=1e-2, atol=1e-2)
+
+
 def test_nd_dynamic_refused_below_opset_14():
     model = linear(["B", "S", 8], opset=13)
     out, n = fused(model, target="cann")

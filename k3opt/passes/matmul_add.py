@@ -101,7 +101,8 @@ def rewrite(op, m: Match):
     k, n = m.shape("w")
     b = m["b"]
     if len(m.shape("b")) > 2:  # (1,..,1,N) -> (N,): Gemm's C broadcasts to (M, N) from rank <= 2
-        b = op.const(np.asarray(m.const("b")).reshape(-1), name=f"{b.name}_flat")
+        value = np.asarray(m.const("b"))
+        b = op.const(value.reshape(-1), value.dtype, name=f"{b.name}_flat")  # own dtype (op.const makes float64 float32)
     if m.rank("x") == 2:
         return op.Gemm(x, w, b)
     y = op.Gemm(op.Reshape(x, op.const([-1, k], np.int64)), w, b)
