@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import onnx
+import onnx.reference
 import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as TP
@@ -197,6 +198,21 @@ def test_number_in_rewrite_takes_the_dtype_of_the_other_inputs():
     onnx.checker.check_model(out, full_check=True)
     assert out.graph.initializer[0].data_type == TP.FLOAT16
     assert_equivalent(model, out, rtol=1e-3, atol=1e-3)
+
+
+def test_number_in_rewrite_takes_a_type_numpy_lacks():
+    """gs keeps bfloat16 (a type numpy lacks) as an ONNX enum: the constant still gets it (it came out float32)."""
+    elem_type = TP.BFLOAT16
+    twice = Rule("twice", lambda op, x: op.Add(x, x), lambda op, m: op.Mul(m["x"], 2.0))
+    model = make_model([helper.make_node("Add", ["x", "x"], ["y"])], [("x", elem_type, [4])], [("y", elem_type, [4])],
+                       opset=21)
+    out, _, _ = run_passes(model, [RuleSetPass([twice], name="p")])
+    onnx.checker.check_model(out, full_check=True)
+    assert op_counts(out) == {"Mul": 1} and out.graph.initializer[0].data_type == elem_type
+    x = onnx.numpy_helper.to_array(helper.make_tensor("x", elem_type, [4], [0.5, -1.0, 2.0, 3.0]))
+    ref = onnx.reference.ReferenceEvaluator
+    np.testing.assert_array_equal(ref(out).run(None, {"x": x})[0].astype(np.float32),
+                                  ref(model).run(None, {"x": x})[0].astype(np.float32))
 
 
 def test_debug_is_silent_once_the_rule_has_matched_and_counts_matches(monkeypatch):

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from .. import ir
@@ -96,11 +97,13 @@ class RewriteBuilder:
 
 
 def _numpy_dtype(dtype: Any) -> Any:
-    """gs dtypes are numpy dtypes, or ONNX enums for types numpy lacks (bfloat16): those stay float32."""
+    """gs dtypes are numpy dtypes, or ONNX enums for types numpy lacks (bfloat16, float8): those map to
+    ml_dtypes' types, so the constant has its tensor's type (a float32 one would make the node invalid).
+    """
     try:
         return np.dtype(dtype)
     except TypeError:
-        return np.float32
+        return onnx.helper.tensor_dtype_to_np_dtype(int(dtype))
 
 
 class GraphEditor:
