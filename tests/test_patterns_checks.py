@@ -103,3 +103,10 @@ def test_constant_helpers():
     assert checks.single_consumer(v) and not checks.single_consumer(c)
     gs.Node("Neg", inputs=[v], outputs=[_t("n", (2,))])
     assert not checks.single_consumer(v) and not checks.is_float(gs.Variable("i", np.int64))
+
+
+@pytest.mark.parametrize("dtype,ok", [(TP.BFLOAT16, True), (TP.FLOAT8E4M3FN, True), (np.float16, True),
+                                      (TP.INT4, False), (np.bool_, False), (None, False)])
+def test_is_float_on_types_numpy_lacks(dtype, ok):
+    """gs gives bfloat16/float8/int4 dtypes as ONNX enums: a check asking is_float must not raise on them."""
+    assert checks.is_float(gs.Variable("v", dtype, (2,))) is ok

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 import numpy as np
+from onnx import TensorProto
+from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
 from .. import ir
 from ..ir import Node, Tensor
@@ -47,8 +49,12 @@ def last_dim(t: Tensor) -> Optional[int]:
 
 
 def is_float(t: Tensor) -> bool:
-    """True when ``t``'s element type is known and floating point."""
-    return t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.floating)
+    """True when ``t``'s element type is known and floating point (bfloat16 and float8, which gs gives as
+    ONNX enums, included)."""
+    if t.dtype is None:
+        return False
+    name = TensorProto.DataType.Name(dtype_to_onnx(t.dtype))
+    return name.startswith("FLOAT") or name in ("DOUBLE", "BFLOAT16")
 
 
 def single_consumer(t: Tensor) -> bool:
