@@ -184,6 +184,26 @@ def test_attribute_predicate():
 
 # --- alternatives, variable consistency, DAG patterns ------------------------------------------------
 
+def test_which_of_an_or_the_match_did_not_take_is_unknown():
+    """An inner Or tried in an alternative that failed later is no part of the match: which() must not answer."""
+    seen = []
+
+    def pattern(op, x, z):
+        inner = op.Or(op.Relu(x), op.Sigmoid(x), _name="inner")
+        return op.Sub(op.Or(op.Neg(inner), op.Neg(z), _name="outer"), x)
+
+    def check(m):
+        seen.append(m.which("outer"))
+        with pytest.raises(KeyError):
+            m.which("inner")
+        return True
+
+    rule = Rule("nested", pattern, lambda op, m: op.Neg(op.Add(m["z"], m["x"])), check=check)
+    model = make_model([node("Relu", ["a"], ["r"]), node("Neg", ["r"], ["n"]), node("Sub", ["n", "b"], ["y"])],
+                       [("a", F, [5]), ("b", F, [5])], [("y", F, [5])])
+    assert apply(model, rule)[1] == 1 and seen == [1]
+
+
 @pytest.mark.parametrize("inner", ["pow", "mul"])
 def test_or_alternatives_and_which(inner):
     seen = []

@@ -202,6 +202,8 @@ class Matcher:
                 if p.name:
                     self.s.which[p.name] = i
                 yield
+                if p.name:  # backtracking out of this alternative: no longer part of the match
+                    del self.s.which[p.name]
 
     def _node_output(self, p: NodeOutput, t: Tensor) -> Iterator[None]:
         np_ = p.node
