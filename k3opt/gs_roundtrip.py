@@ -30,10 +30,34 @@ _DEFAULTS = "k3opt_input_defaults"
 
 
 def import_onnx(model: onnx.ModelProto) -> Graph:
-    """``gs.import_onnx(model)``, keeping graph inputs that have a default initializer."""
+    """``gs.import_onnx(model)``, keeping graph inputs that have a default initializer
+    and node attributes of the kinds gs skips."""
     graph = gs.import_onnx(model)
     restore_default_inputs(model, graph)
+    restore_skipped_attributes(model.graph, graph)
     return graph
+
+
+#: Attribute kinds gs's importer skips with a warning (and exports nothing for).
+_SKIPPED_KINDS = frozenset({onnx.AttributeProto.TYPE_PROTO, onnx.AttributeProto.TYPE_PROTOS,
+                            onnx.AttributeProto.SPARSE_TENSOR, onnx.AttributeProto.SPARSE_TENSORS,
+                            onnx.AttributeProto.TENSORS, onnx.AttributeProto.GRAPHS})
+
+
+def restore_skipped_attributes(proto: onnx.GraphProto, graph: Graph) -> None:
+    """Give back the attributes gs dropped on import (e.g. ``Optional``'s ``type``).
+
+    gs imports a graph's nodes in proto order, so the i-th node of each graph
+    and body corresponds to the i-th NodeProto. The values are kept as onnx
+    protos, which gs's exporter writes back through ``onnx.helper.make_attribute``,
+    and which CSE compares like any other attribute value.
+    """
+    for node_proto, node in zip(proto.node, graph.nodes):
+        for attr in node_proto.attribute:
+            if attr.type in _SKIPPED_KINDS and not attr.ref_attr_name and attr.name not in node.attrs:
+                node.attrs[attr.name] = onnx.helper.get_attribute_value(attr)
+            elif attr.type == onnx.AttributeProto.GRAPH and isinstance(node.attrs.get(attr.name), gs.Graph):
+                restore_skipped_attributes(attr.g, node.attrs[attr.name])
 
 
 def restore_default_inputs(model: onnx.ModelProto, graph: Graph) -> None:

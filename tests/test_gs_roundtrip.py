@@ -103,3 +103,42 @@ def test_optional_input_and_value_info_export_with_their_types():
     assert graph.inputs[0].dtype is not None  # the graph itself is left as it was
     optimized = _optimize(model)
     assert optimized.graph.input == model.graph.input
+
+
+def _optionals(first: int, second: int) -> onnx.ModelProto:
+    """Two empty Optionals whose only difference is their ``type`` attribute, both graph outputs."""
+    def opt_type(elem: int) -> onnx.TypeProto:
+        return helper.make_optional_type_proto(helper.make_tensor_type_proto(elem, [2]))
+
+    nodes = [helper.make_node("Optional", [], ["a"], type=helper.make_tensor_type_proto(first, [2])),
+             helper.make_node("Optional", [], ["b"], type=helper.make_tensor_type_proto(second, [2])),
+             helper.make_node("OptionalHasElement", ["a"], ["ha"]),
+             helper.make_node("OptionalHasElement", ["b"], ["hb"])]
+    g = helper.make_graph(nodes, "t", [], [helper.make_value_info("a", opt_type(first)),
+                                           helper.make_value_info("b", opt_type(second)),
+                                           helper.make_tensor_value_info("ha", T.BOOL, []),
+                                           helper.make_tensor_value_info("hb", T.BOOL, [])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_type_attributes_gs_skips_survive_the_pipeline():
+    """gs skips TYPE_PROTO attributes on import: an Optional lost its type and the model became invalid."""
+    model = _optionals(T.FLOAT, T.INT64)
+    out = _optimize(model)
+    types = {n.output[0]: onnx.helper.get_attribute_value(n.attribute[0]) for n in out.graph.node if n.op_type == "Optional"}
+    assert types["a"].tensor_type.elem_type == T.FLOAT and types["b"].tensor_type.elem_type == T.INT64
+
+
+def test_cse_compares_type_attributes_by_value():
+    from k3opt.passes.base import PassContext
+    from k3opt.passes.cse import EliminateCommonSubexpressions
+
+    def merged(first: int, second: int) -> int:
+        graph = rt.import_onnx(_optionals(first, second))
+        graph.outputs = graph.outputs[2:]  # only the Has results: the Optionals may merge
+        return EliminateCommonSubexpressions().run(graph, PassContext(opset=18))
+
+    assert merged(T.FLOAT, T.INT64) == 0
+    assert merged(T.FLOAT, T.FLOAT) >= 1

@@ -19,6 +19,7 @@ from typing import Hashable, Optional
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from google.protobuf.message import Message
 from onnx import TensorProto
 
 from ..ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
@@ -46,6 +47,8 @@ def _attr_key(value: object) -> Optional[Hashable]:
         return None if any(i is None for i in items) else tuple(items)
     if isinstance(value, np.ndarray):
         return ("array", str(value.dtype), value.shape, _digest(value))
+    if isinstance(value, Message):  # e.g. Optional's TypeProto, kept as a proto by gs_roundtrip
+        return (type(value).__name__, value.SerializeToString(deterministic=True))
     if isinstance(value, float):
         return ("float", np.float64(value).tobytes())  # NaN == NaN, 0.0 != -0.0
     try:

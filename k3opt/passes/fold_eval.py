@@ -68,12 +68,12 @@ def _sub_model(
         elif isinstance(t, gs.Constant):
             inits[t.name] = const_proto(t)
         elif (p := producer(t)) is not None and p.op == "Constant":
-            extra_nodes.append(OnnxExporter.export_node(p))
+            extra_nodes.append(_export_node(p))
             produced.add(t.name)
         else:
             raise EvalError(f"input {t.name} is not constant")
     g = helper.make_graph(
-        extra_nodes + [OnnxExporter.export_node(n) for n in nodes],
+        extra_nodes + [_export_node(n) for n in nodes],
         "k3opt_fold",
         [],
         [helper.make_value_info(o, onnx.TypeProto()) for o in outputs],
@@ -82,6 +82,14 @@ def _sub_model(
     model = helper.make_model(g, opset_imports=_opset_imports(graph))
     model.ir_version = graph.ir_version or 10
     return model
+
+
+def _export_node(node: Node) -> onnx.NodeProto:
+    """gs's node export; what gs cannot write (e.g. a body with optional-typed values) is not foldable."""
+    try:
+        return OnnxExporter.export_node(node)
+    except Exception as exc:  # gs raises assorted types (UnboundLocalError for optional types)
+        raise EvalError(f"{node.op} cannot be exported for evaluation: {type(exc).__name__}") from exc
 
 
 def _opset_imports(graph: Graph) -> list[onnx.OperatorSetIdProto]:
