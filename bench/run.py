@@ -26,8 +26,6 @@ from .optimizers import OPTIMIZERS, model_bytes
 from .procs import python_module, ram_gib, run_measured
 from .report import render
 
-_NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.DOUBLE: np.float64,
-       onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_}
 PACKAGES = ("k3opt", "onnx", "onnxruntime", "onnx-graphsurgeon", "onnx-ir", "onnxscript", "onnxsim", "onnxslim",
             "onnxoptimizer", "torch", "transformers", "numpy")
 
@@ -52,7 +50,7 @@ def make_feeds(path: Path, seed: int = 0, batch: int = 1, seq: int = 16) -> dict
         tt = vi.type.tensor_type
         shape = [d.dim_value if d.HasField("dim_value") else (batch if k == 0 else seq)
                  for k, d in enumerate(tt.shape.dim)]
-        dtype = _NP[tt.elem_type]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
         if "mask" in vi.name.lower():
             feeds[vi.name] = np.ones(shape, dtype)
         elif np.issubdtype(dtype, np.floating):
