@@ -270,3 +270,21 @@ def test_pairs_in_if_branches_do_not_share_nodes_across_graphs():
     for cond in (True, False):
         feeds = {"x": RNG.standard_normal((2, 3, 8)).astype(np.float32), "cond": np.array(cond)}
         assert_equivalent(model, out, feeds=feeds)
+
+
+def test_a_pair_split_across_a_branch_boundary_is_left_alone():
+    """MatMul outside, its bias Add inside an If branch: fusing would pull the outer MatMul into the branch
+    (into every iteration of a Loop body) and leave a detached node in the outer graph until clean-up."""
+    then_g = helper.make_graph([helper.make_node("Add", ["mm", "b"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", F, [4, 6])])
+    else_g = helper.make_graph([helper.make_node("Identity", ["zeros"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", F, [4, 6])])
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then_g, else_branch=else_g)]
+    model = make_model(nodes, [("x", F, [4, 8]), ("cond", TensorProto.BOOL, [])], [("y", F, [4, 6])],
+                       {"W": w(8, 6), "b": w(6), "zeros": np.zeros((4, 6), np.float32)})
+    out, n = fused(model)
+    assert n == 0 and op_counts(out) == {"MatMul": 1, "If": 1}
+    for cond in (True, False):
+        assert_equivalent(model, out, feeds={"x": RNG.standard_normal((4, 8)).astype(np.float32),
+                                             "cond": np.array(cond)})

@@ -133,10 +133,13 @@ class GraphEditor:
             raise RewriteError("rewrite returned the value it replaces")
 
     def commit(self, anchor: Node, staged: Sequence[_Staged], replaced: Sequence[Tensor],
-               results: Sequence[Tensor], matched: Sequence[Node]) -> None:
-        """Create the staged nodes before ``anchor``, redirect uses, detach dead matched nodes."""
+               results: Sequence[Tensor], matched: Sequence[Node]) -> list[Node]:
+        """Create the staged nodes before ``anchor``, redirect uses, detach dead matched nodes; returns the
+        nodes created (Identity nodes keeping graph output names included)."""
         created = [gs.Node(s.op, s.name, s.attrs, s.inputs, s.outputs, s.domain or None) for s in staged]
-        self._inserts.setdefault(id(anchor), []).extend(created)
+        inserts = self._inserts.setdefault(id(anchor), [])
+        first = len(inserts)
+        inserts.extend(created)
         staged_outs = {id(o) for s in staged for o in s.outputs}
         for old, new in zip(replaced, results):
             if ir.is_graph_output(self.graph, old) and (id(new) not in staged_outs or ir.is_graph_output(self.graph, new)):
@@ -147,6 +150,7 @@ class GraphEditor:
                 new.shape = old.shape
             ir.replace_uses(self.graph, old, new)
         self._detach_dead(matched)
+        return inserts[first:]
 
     def _identity(self, anchor: Node, src: Tensor, old: Tensor) -> Tensor:
         out = gs.Variable(self.ctx.fresh_name(old.name + "_id"))

@@ -104,6 +104,7 @@ class RuleApplier:
             for op in r.pattern.anchors:
                 self._by_op.setdefault(op, []).append((r, Matcher(r.pattern, ctx.opset, trace)))
         self._anchor: Optional[Node] = None
+        self._members: Optional[set[int]] = None  # ids of this graph's nodes (built on the first match)
 
     def _tracer(self, rule: Rule) -> Callable[[int, str], None]:
         closest = self.closest[rule.name]
@@ -147,7 +148,7 @@ class RuleApplier:
                 break
             outputs = [state.root] + [state.bound(p.node).outputs[p.index] for p in rule.pattern.outputs[1:]]
             m = Match(state, outputs, self.graph, self.ctx)
-            why = None if rule.allow_escaping else self._escapes(m)
+            why = self._foreign(m) or (None if rule.allow_escaping else self._escapes(m))
             if why is None:
                 why = self._check(rule, m)
             if why is not None:
@@ -168,6 +169,16 @@ class RuleApplier:
             for state in matcher.matches(root):
                 state.root = root
                 yield state
+
+    def _foreign(self, m: Match) -> Optional[str]:
+        """Why the match reaches out of this graph (into an enclosing one, through an outer-scope tensor), else None.
+
+        Rewriting such a match would move the outer nodes' work into this (branch or loop) body.
+        """
+        if self._members is None:
+            self._members = {id(n) for n in self.graph.nodes}
+        outer = next((n for n in m.nodes if id(n) not in self._members), None)
+        return None if outer is None else f"{describe(outer)} belongs to an enclosing graph"
 
     def _escapes(self, m: Match) -> Optional[str]:
         """Why an intermediate of the match would be lost (used outside, or a graph output), else None."""
@@ -208,5 +219,7 @@ class RuleApplier:
             self.editor.validate(builder.staged, m.outputs, results)
         except RewriteError as exc:
             raise RuleError(rule.name, f"invalid rewrite: {exc}") from exc
-        self.editor.commit(anchor, builder.staged, m.outputs, results, m.nodes)
+        created = self.editor.commit(anchor, builder.staged, m.outputs, results, m.nodes)
+        if self._members is not None:
+            self._members.update(id(n) for n in created)
         return True
