@@ -20,22 +20,9 @@ from typing import Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir import Graph, Node, Tensor, is_graph_output, producer, rank
+from ..ir import Graph, Node, const_tensor, is_graph_output, peek, rank
 from ..lazy_values import PACKED_TYPES, concat_last_axis, onnx_type
 from .base import Pass, PassContext, register_pass
-
-
-def const_tensor(t: Tensor) -> Optional[gs.Constant]:
-    """The ``gs.Constant`` holding ``t``'s value (``t`` itself or a Constant node's ``value``), else None.
-
-    Never loads the data: callers look at ``shape``/``dtype``/``_values``.
-    """
-    if isinstance(t, gs.Constant):
-        return t
-    p = producer(t)
-    if p is not None and p.op == "Constant" and isinstance(p.attrs.get("value"), gs.Constant):
-        return p.attrs["value"]
-    return None
 
 
 def _projection_weight(node: Node) -> Optional[gs.Constant]:
@@ -81,7 +68,7 @@ def _bias_add(graph: Graph, node: Node, weight: gs.Constant) -> Optional[tuple[N
     out_rank = x_rank if x_rank is not None else 1  # unknown x: only a 1-D bias is surely not widening
     if len(shape) > out_rank or any(d != 1 for d in shape[:-1]) or (shape and shape[-1] not in (1, n)):
         return None
-    return add, np.broadcast_to(np.asarray(bias.values).reshape(-1), (n,))
+    return add, np.broadcast_to(peek(bias).reshape(-1), (n,))  # peek: never cached on the Constant
 
 
 def _merge(graph: Graph, ctx: PassContext, group: list[tuple[Node, gs.Constant]]) -> tuple[list[Node], list[Node]]:
