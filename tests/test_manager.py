@@ -176,7 +176,25 @@ def test_counters_are_kept_per_pass():
             return 0
 
     _, pm, ctx, _ = run(identity_chain(2), [DropOneIdentity(), Latest(), Other()])
-    assert ctx.counters == {"nodes_seen": 1, "runs": 3 + 30}
-    assert pm.stats["test-latest"].counters == {"nodes_seen": 1, "runs": 3}
-    assert pm.stats["test-other"].counters == {"runs": 30}
+    # Rounds 1 and 2 each drop an Identity; in round 3 only the dropper reruns (nothing else changed).
+    assert ctx.counters == {"nodes_seen": 1, "runs": 2 + 20}
+    assert pm.stats["test-latest"].counters == {"nodes_seen": 1, "runs": 2}
+    assert pm.stats["test-other"].counters == {"runs": 20}
     assert pm.stats["test-drop-one-identity"].counters == {}
+
+
+def test_a_pass_that_found_nothing_is_not_rerun_on_an_unchanged_graph():
+    """MLIR-style: only a change by another pass can give an idle pass new work."""
+    calls = []
+
+    class Idle(Pass):
+        name = "test-idle"
+
+        def run(self, graph, ctx):
+            calls.append(len(graph.nodes))
+            return 0
+
+    _, pm, _, _ = run(identity_chain(3), [Idle(), DropOneIdentity()])
+    # Idle runs before each drop (3 changes) and once more after the last one; then nothing changes.
+    assert calls == [4, 3, 2, 1]  # 3 Identities + Relu, one Identity fewer each round
+    assert pm.stats["test-idle"].runs == 4

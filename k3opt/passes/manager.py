@@ -1,7 +1,8 @@
 """The pass manager: runs a pipeline to a fixed point and keeps statistics.
 
 A round runs every pass once in order; rounds repeat until one makes no
-rewrite (or ``max_rounds`` is reached). Each pass execution is a "step";
+rewrite (or ``max_rounds`` is reached). A pass that found nothing to do is
+not rerun until some other pass has changed the graph. Each pass execution is a "step";
 ``max_steps`` stops after that many steps, which is how verification
 bisects to the first pass whose output diverges.
 """
@@ -78,10 +79,16 @@ class PassManager:
         runnable = [p for p in self.passes if self._applicable(p, ctx)]
         shapes_fresh = ctx.shapes_available
         total = 0
+        # The graph's version bumps with every rewrite; a pass that found nothing
+        # to do at the current version would find nothing again, so it is not rerun.
+        version = 0
+        idle_at: dict[int, int] = {}
         for rnd in range(1, self.max_rounds + 1):
             self.rounds = rnd
             round_rewrites = 0
             for p in runnable:
+                if idle_at.get(id(p)) == version:
+                    continue
                 if max_steps is not None and len(self.steps) >= max_steps:
                     return total
                 if p.needs_shapes and not shapes_fresh and self.shape_inference is not None:
@@ -93,6 +100,9 @@ class PassManager:
                 self.steps.append(Step(rnd, p.name, n))
                 if n:
                     shapes_fresh = False
+                    version += 1
+                else:
+                    idle_at[id(p)] = version
                 round_rewrites += n
             total += round_rewrites
             if round_rewrites == 0:
