@@ -349,6 +349,28 @@ def test_rank0_input_is_left_alone():
     assert_untouched(net.model(net("Div", d, std), [("x", TP.FLOAT, [])]))
 
 
+def test_rank_raising_epsilon_and_eps_outside_the_sqrt_are_left_alone():
+    """A (1, 1, 1) eps on a 2-D input makes the result 3-D; sqrt(var) + eps is another function."""
+    assert_untouched(ln_model(shape=(4, H), eps=np.full((1, 1, 1), 1e-5, np.float32), scale=None, bias=None))
+    net = Net(17)
+    mean = net.mean("x", (-1,))
+    d = net("Sub", "x", mean)
+    std = net("Add", net("Sqrt", net.mean(net("Mul", d, d), (-1,))), net.const(1e-3))
+    assert_untouched(net.model(net("Div", d, std), [("x", TP.FLOAT, [2, 3, H])]))
+
+
+def test_intermediate_read_inside_a_branch_is_left_alone():
+    """An outer-scope use (a node in an If branch) is a use like any other: the statistics escape."""
+    net = Net(17)
+    y = layer_norm(net, "x")
+    kept = net.nodes[1].output[0]  # x - mean
+    branch = [helper.make_graph([helper.make_node(op, [kept], [f"{op}_out"])], op, [],
+                                [helper.make_tensor_value_info(f"{op}_out", TP.FLOAT, None)]) for op in ("Neg", "Abs")]
+    net.nodes.append(helper.make_node("If", ["c"], ["z"], then_branch=branch[0], else_branch=branch[1]))
+    model = net.model(y, [("x", TP.FLOAT, [2, 3, H]), ("c", TP.BOOL, [])], outputs=(("z", TP.FLOAT),))
+    assert_untouched(model)
+
+
 def test_unknown_normalized_dim_is_left_alone():
     assert_untouched(ln_model(shape=["b", "s", "h"], scale=None, bias=None))
 

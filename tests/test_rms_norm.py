@@ -180,6 +180,12 @@ def test_rank0_input_is_left_alone():
     assert not assert_untouched(model, target="cann").counters.get("rmsnorm_found")
 
 
+def test_eps_outside_the_sqrt_is_left_alone():
+    net = Net(23)
+    std = net("Add", net("Sqrt", net.mean(net("Mul", "x", "x"), (-1,))), net.const(1e-3))
+    assert_untouched(net.model(affine(net, net("Div", "x", std), W), [("x", TP.FLOAT, [2, 3, H])]))
+
+
 def test_weight_over_other_axes_stays_outside():
     per_pos = RNG.standard_normal((3, H)).astype(np.float32)
     assert_fused(rms_model(weight=per_pos), leftover={"Mul": 1})

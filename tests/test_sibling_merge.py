@@ -377,3 +377,36 @@ def test_peak_memory_of_merging_a_180mb_model_stays_far_below_its_size(tmp_path)
     assert peak - base < size / 5, (peak - base, size)
     out = onnx.load(str(tmp_path / "out.onnx"), load_external_data=False)
     assert op_counts(out)["Split"] == 16 and op_counts(out)["MatMul"] == 8 * 4
+
+
+# -- adversarial review: sharing, integers, the whole pipeline -------------------------------------------------
+
+def test_shared_and_elsewhere_used_weights_and_integer_siblings():
+    """A weight read by two siblings is concatenated twice; one also read by another activation stays for it;
+    integer MatMuls merge exactly (no Gemm is involved)."""
+    x_in = [("x", F, [2, 8]), ("z", F, [2, 8])]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("MatMul", ["x", "W"], ["b"]),
+             helper.make_node("MatMul", ["x", "V"], ["c"]), helper.make_node("MatMul", ["z", "V"], ["d"])]
+    model = make_model(nodes, x_in, [(t, F, [2, n]) for t, n in (("a", 4), ("b", 4), ("c", 3), ("d", 3))],
+                       {"W": w(8, 4), "V": w(8, 3)})
+    out, n, _ = merged(model)
+    assert n == 1 and op_counts(out) == {"MatMul": 2, "Split": 1}
+    assert_equivalent(model, out, rtol=0, atol=0)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("MatMul", ["x", "V"], ["c"])]
+    ints = make_model(nodes, [("x", TensorProto.INT64, [2, 8])], [("a", TensorProto.INT64, [2, 4]),
+                      ("c", TensorProto.INT64, [2, 3])], {"W": np.arange(32).reshape(8, 4), "V": np.ones((8, 3), np.int64)})
+    out, n, _ = merged(ints)
+    assert n == 1 and op_counts(out) == {"MatMul": 1, "Split": 1}
+    assert_equivalent(ints, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("target", ["onnx", "cann"])
+def test_whole_pipeline_keeps_outputs_of_merged_biased_projections(target):
+    """k3opt.optimize (every default pass) on fp32 projections with biases, one bias output also a graph output."""
+    import k3opt
+
+    model = projections([8, 4, 4], bias=[(8,), (1, 4), (4,)], extra_outputs=[("y1", F, dims("o", 3))])
+    out = k3opt.optimize(model, target=target)
+    assert [o.name for o in out.graph.output] == [o.name for o in model.graph.output]
+    assert "Add" not in op_counts(out) or target == "onnx"
+    assert_equivalent(model, out)
