@@ -375,3 +375,19 @@ def test_pattern_forms_outputs_labels_domain_other_inputs_and_commute():
     ms = make_model([node("FastGelu", ["x"], ["g"], domain="com.microsoft"), node("Relu", ["g"], ["y"])],
                     [("x", F, [4])], [("y", F, [4])], extra_opsets=[("com.microsoft", 1)])
     assert explain(custom, ms)[0].endswith("matches at 1 node(s)")
+
+
+def test_constant_of_another_shape_is_refused_without_reading_it(monkeypatch):
+    """op.Constant(2.0) against a (64, 64) weight: the shape says no, so the weight is never loaded."""
+    import k3opt.patterns.matcher as matcher_module
+
+    reads = []
+    real = matcher_module.const_value
+    monkeypatch.setattr(matcher_module, "const_value", lambda t: reads.append(t.name) or real(t))
+    model = make_model([node("Mul", ["x", "w"], ["y"])], [("x", F, [64, 64])], [("y", F, [64, 64])],
+                       {"w": np.full((64, 64), 2.0, np.float32)})
+    assert apply(model, DOUBLE)[1] == 0 and reads == []
+    model = make_model([node("Mul", ["x", "two"], ["y"])], [("x", F, [4])], [("y", F, [4])],
+                       {"two": np.array([2.0], np.float32)})
+    assert apply(model, DOUBLE)[1] == 1 and reads == ["two"]
+

@@ -76,6 +76,12 @@ class ConstantPattern(ValuePattern):
     def key(self) -> Any:
         return ("v", self.name) if self.name else None
 
+    def fits_shape(self, shape: tuple) -> bool:
+        """Whether a constant of ``shape`` can be accepted at all (checked before its data is read)."""
+        if self.value.ndim == 0:
+            return len(shape) <= self.max_rank and int(np.prod(shape, dtype=np.int64)) == 1
+        return tuple(shape) == self.value.shape
+
     def accepts(self, actual: np.ndarray) -> bool:
         actual = np.asarray(actual)
         if not _is_numeric(actual.dtype):

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from ..ir import Node, Tensor, const_value, is_const, producer
+from ..ir import Node, Tensor, const_tensor, const_value, is_const, producer
 from .builder import (
     AnyConstantPattern,
     ConstantPattern,
@@ -188,7 +188,11 @@ class Matcher:
         return iter(())
 
     def _constant(self, p: ConstantPattern, t: Tensor) -> Iterator[None]:
-        value = const_value(t) if is_const(t) else None
+        c = const_tensor(t)
+        if c is not None and not p.fits_shape(tuple(c.shape)):  # size it up before reading it
+            self._fail(f"constant '{t.name}' has shape {tuple(c.shape)}, expected {_show(p.value)}")
+            return
+        value = const_value(t) if c is not None else None
         if value is None:
             self._fail(f"'{t.name}' is not a constant (expected {_show(p.value)})")
         elif not p.accepts(value):
