@@ -39,7 +39,7 @@ RANDOM_OPS = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 )
 FOLDABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "com.microsoft"})
-SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "Slice"})
+SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "Slice", "Equal"})
 MAX_SWEEPS = 32
 
 
