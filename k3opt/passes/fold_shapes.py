@@ -6,33 +6,151 @@ the dims they read are statically known; ``Gather(Shape(x), i)`` and
 common "batch is dynamic, hidden size is not" case). Everything downstream
 then folds as ordinary constants.
 
+Dims inference left unknown are traced through their producer (Reshape
+target elements, the Reshape's -1 as a quotient, Transpose, elementwise
+ops); equal ``dim_param`` names are taken as equal sizes, as ONNX defines.
+
 ``Equal`` of a shape computation (``Shape``, ``Gather``/``Slice`` of it,
 ``Unsqueeze`` of a scalar, ``Concat`` of 1-D pieces, small integer
 constants) with another folds when every element pair is decided: two known
-numbers compare, and an unknown dim (never negative) differs from any
-negative number. This is TorchScript's ``expand`` spelling
+numbers compare, a symbol equals itself, and an unknown dim (never
+negative) differs from any negative number. This is TorchScript's ``expand`` spelling
 ``Where(Equal(shape, -1), 1, shape)``, whose ``Equal`` is all known even
 when the batch and sequence are not.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from ..ir import Node, Tensor, const_value, producer
 
+#: Longest integer constant read as part of a shape computation.
+MAX_SHAPE_ELEMENTS = 64
+#: How many producers deep :func:`shape_elements` and :func:`tensor_dims` look.
+MAX_SHAPE_DEPTH = 6
 
-def _dim(d: object) -> Optional[int]:
-    return int(d) if isinstance(d, (int, np.integer)) and d >= 0 else None
+
+#: A dim as far as it is known: a number, a symbol (a ``dim_param``: equal names are equal sizes), or None.
+Dim = Union[int, str, None]
+#: Elements of a shape computation (symbols and None: dims, never negative) and its tensor shape.
+Elements = tuple[list[Dim], tuple[int, ...]]
 
 
-def shape_dims(node: Node) -> Optional[list[Optional[int]]]:
-    """The dims a ``Shape`` node returns, None for unknown ones; None when the rank is unknown."""
-    shape = node.inputs[0].shape
+def _dim(d: object) -> Dim:
+    if isinstance(d, (int, np.integer)):
+        return int(d) if d >= 0 else None
+    return d if isinstance(d, str) and d else None
+
+
+def known(dims: Sequence[Dim]) -> bool:
+    """True when every dim is a number."""
+    return all(isinstance(d, int) for d in dims)
+
+
+def tensor_dims(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[list[Dim]]:
+    """``t``'s dims (numbers, symbols, None for unknown ones); None when the rank is unknown.
+
+    A dim inference left symbolic or unknown is traced back through the
+    producer (:func:`_traced_dim`), since shape inference often loses what a
+    Reshape target spelled out (``Reshape(x, [b, s, -1, 8])`` of a
+    ``[b, s, 16]`` tensor has 2 at dim 2).
+    """
+    shape = t.shape
     if shape is None:
         return None
-    dims = [_dim(d) for d in shape]
+    return [_dim_at(t, i, depth) for i in range(len(shape))]
+
+
+def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
+    """Dim ``i`` of ``t``: a number when inference or the producer says so, else its symbol, else None."""
+    shape = t.shape
+    if shape is None or not 0 <= i < len(shape):
+        return None
+    d = _dim(shape[i])
+    if isinstance(d, int) or depth <= 0:
+        return d
+    traced = _traced_dim(t, i, len(shape), depth - 1)
+    return traced if isinstance(traced, int) or d is None else d
+
+
+def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of ``t`` (rank ``rank``) from its producer: an exact consequence of the op's definition."""
+    node = producer(t)
+    if node is None or (node.domain or "") not in ("", "ai.onnx") or not node.inputs or t is not node.outputs[0]:
+        return None
+    x = node.inputs[0]
+    if node.op == "Reshape" and len(node.inputs) > 1:
+        return _reshaped_dim(node, i, rank, depth)
+    if node.op == "Transpose":
+        perm = node.attrs.get("perm")
+        perm = list(range(rank))[::-1] if perm is None else [int(p) for p in perm]
+        return _dim_at(x, perm[i], depth) if len(perm) == rank else None
+    if node.op in UNARY_SAME_SHAPE:
+        return _dim_at(x, i, depth)
+    if node.op in BROADCAST_BINARY and len(node.inputs) == 2:
+        return _broadcast_dim(node.inputs, i, rank, depth)
+    return None
+
+
+def _broadcast_dim(operands: Sequence[Tensor], i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of a broadcast: a number other than 1 wins (the other is 1 or equal); a symbol wins over 1 or itself."""
+    dims = []
+    for x in operands:
+        if x.shape is None:
+            return None
+        j = i - (rank - len(x.shape))
+        dims.append(1 if j < 0 else _dim_at(x, j, depth))
+    numbers = [d for d in dims if isinstance(d, int) and d != 1]
+    if numbers:
+        return numbers[0]
+    rest = {d for d in dims if d != 1}
+    return rest.pop() if len(rest) == 1 else (1 if not rest else None)
+
+
+def _reshaped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of a Reshape: the target's element, the input's dim for a 0, and for the -1 the quotient
+    of the input's dims by the target's others, when their symbols cancel and numbers remain."""
+    x = node.inputs[0]
+    target = shape_elements(node.inputs[1], depth)
+    if target is None or len(target[0]) != rank:
+        return None
+    copy = not node.attrs.get("allowzero", 0)
+    elements = [_dim_at(x, j, depth) if k == 0 and copy else k for j, k in enumerate(target[0])]
+    k = elements[i]
+    if k != -1:
+        return k if k is None or isinstance(k, str) or k >= 0 else None
+    numerator = tensor_dims(x, depth)
+    others = elements[:i] + elements[i + 1:]
+    if numerator is None or None in numerator or None in others or -1 in others:
+        return None
+    for d in others:
+        if isinstance(d, str):
+            if d not in numerator:
+                return None
+            numerator.remove(d)
+    if not known(numerator):
+        return None
+    den = int(np.prod([d for d in others if isinstance(d, int)], dtype=np.int64))
+    num = int(np.prod(numerator, dtype=np.int64))
+    return num // den if den > 0 and num % den == 0 else None
+
+
+#: Ops whose output has their first input's shape.
+UNARY_SAME_SHAPE = frozenset({
+    "Cast", "CastLike", "Neg", "Sigmoid", "Tanh", "Relu", "Gelu", "Erf", "Sqrt", "Reciprocal", "Exp", "Softmax",
+    "Identity", "Cos", "Sin", "Abs", "Not",
+})
+#: Elementwise ops with multidirectional broadcasting over two inputs.
+BROADCAST_BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Equal", "Less", "Greater", "And", "Or"})
+
+
+def shape_dims(node: Node, depth: int = MAX_SHAPE_DEPTH) -> Optional[list[Dim]]:
+    """The dims a ``Shape`` node returns, None for unknown ones; None when the rank is unknown."""
+    dims = tensor_dims(node.inputs[0], depth)
+    if dims is None:
+        return None
     n = len(dims)
     start = int(node.attrs.get("start", 0))
     end = node.attrs.get("end")
@@ -45,18 +163,17 @@ def fold_shape_value(node: Node) -> Optional[np.ndarray]:
     """The constant value of a Shape/Size/Gather-of-Shape/Slice-of-Shape node, if its dims are known."""
     if node.op == "Shape":
         dims = shape_dims(node)
-        if dims is None or any(d is None for d in dims):
+        if dims is None or not known(dims):
             return None
         return np.array(dims, dtype=np.int64)
     if node.op == "Size":
-        shape = node.inputs[0].shape
-        dims = None if shape is None else [_dim(d) for d in shape]
-        if dims is None or any(d is None for d in dims):
+        dims = tensor_dims(node.inputs[0])
+        if dims is None or not known(dims):
             return None
         return np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
     if node.op in ("Gather", "Slice") and node.inputs:
         picked = _picked_dims(node)
-        if picked is None or any(d is None for d in picked[0]):
+        if picked is None or not known(picked[0]):
             return None
         return np.array(picked[0], dtype=np.int64).reshape(picked[1])
     if node.op == "Equal" and len(node.inputs) == 2:
@@ -64,12 +181,12 @@ def fold_shape_value(node: Node) -> Optional[np.ndarray]:
     return None
 
 
-def _picked_dims(node: Node) -> Optional[tuple[list[Optional[int]], tuple[int, ...]]]:
-    """The dims a Gather/Slice of a ``Shape`` picks (None for unknown ones) and the result's shape."""
+def _picked_dims(node: Node, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements]:
+    """The dims a Gather/Slice of a ``Shape`` picks and the result's shape."""
     src = producer(node.inputs[0])
     if src is None or src.op != "Shape":
         return None
-    dims = shape_dims(src)
+    dims = shape_dims(src, depth)
     if dims is None:
         return None
     picked = _gather(node, len(dims)) if node.op == "Gather" else _slice(node, len(dims))
@@ -78,20 +195,12 @@ def _picked_dims(node: Node) -> Optional[tuple[list[Optional[int]], tuple[int, .
     return [dims[i] for i in picked.ravel()], picked.shape
 
 
-#: Longest integer constant read as part of a shape computation.
-MAX_SHAPE_ELEMENTS = 64
-#: How many producers deep :func:`shape_elements` looks.
-MAX_SHAPE_DEPTH = 8
-
-#: Elements of a shape computation (None: a dim known only to be >= 0) and its tensor shape.
-Elements = tuple[list[Optional[int]], tuple[int, ...]]
-
-
 def shape_elements(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements]:
     """What is known of a small integer tensor computed from shapes, element by element.
 
-    Known elements are ints; None marks a dim of some tensor, unknown but
-    never negative. None as a whole when ``t`` is not such a computation.
+    Known elements are ints; a symbol or None marks a dim of some tensor,
+    unknown but never negative. None as a whole when ``t`` is not such a
+    computation.
     """
     v = const_value(t)
     if v is not None:
@@ -103,10 +212,10 @@ def shape_elements(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements
     if node is None or depth <= 0 or (node.domain or "") not in ("", "ai.onnx") or not node.inputs:
         return None
     if node.op == "Shape":
-        dims = shape_dims(node)
+        dims = shape_dims(node, depth - 1)
         return None if dims is None else (dims, (len(dims),))
     if node.op in ("Gather", "Slice"):
-        return _picked_dims(node)
+        return _picked_dims(node, depth - 1)
     if node.op == "Unsqueeze":
         inner = shape_elements(node.inputs[0], depth - 1)
         axes = _unsqueeze_axes(node)
@@ -136,10 +245,10 @@ def _fold_equal(node: Node) -> Optional[np.ndarray]:
         return None
     out = []
     for x, y in zip(a[0], b[0]):
-        known = y if x is None else x
-        if x is not None and y is not None:
+        numbers = [d for d in (x, y) if isinstance(d, int)]
+        if len(numbers) == 2 or (isinstance(x, str) and x == y):
             out.append(x == y)
-        elif known is not None and known < 0:
+        elif numbers and numbers[0] < 0:
             out.append(False)
         else:
             return None
