@@ -103,10 +103,10 @@ def test_equal_of_shapes_with_symbols(b_dim, folds):
 
 @needs_torch
 def test_llama_torchscript_head_counts_fold():
-    """The Llama TorchScript export's head dims (Reshape to [b, s, -1, 8]) fold: 255 -> 247 nodes."""
+    """The Llama TorchScript export's head dims (Reshape to [b, s, -1, 8]) fold in every layer: 255 -> 239 nodes."""
     model = onnx.load(zoo_model("llama", "torchscript"))
     out = k3opt.optimize(model)
-    assert len(out.graph.node) <= 247
+    assert len(out.graph.node) <= 239
     feeds = zoo_inputs("llama")
     for a, b in zip(run_ort(model, feeds), run_ort(out, feeds)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)

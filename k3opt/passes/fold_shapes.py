@@ -29,7 +29,7 @@ from ..ir import Node, Tensor, const_value, producer
 #: Longest integer constant read as part of a shape computation.
 MAX_SHAPE_ELEMENTS = 64
 #: How many producers deep :func:`shape_elements` and :func:`tensor_dims` look.
-MAX_SHAPE_DEPTH = 6
+MAX_SHAPE_DEPTH = 8
 
 
 #: A dim as far as it is known: a number, a symbol (a ``dim_param``: equal names are equal sizes), or None.
