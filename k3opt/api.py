@@ -50,10 +50,12 @@ def optimize(
     """
     report = options.pop("report", None) or Report()
     with _gs_quiet():
-        return _Run(report, **options).optimize(
+        out = _Run(report, **options).optimize(
             model, passes=passes, skip=skip, target=target, opset=opset, input_shapes=input_shapes,
             plugins=plugins, verify=verify,
         )
+    io.materialize_all()  # the returned proto may point into the spill file: its bytes must be there
+    return out
 
 
 def optimize_file(
@@ -76,6 +78,7 @@ def optimize_file(
     pipeline_args = _pipeline_args(kwargs)
     run = _Run(report, **kwargs)
     run.measure_output = False
+    deferred = io.deferred_regions()
     with _gs_quiet():
         model = run.optimize(src, **pipeline_args)
     if not overwrite:
@@ -83,7 +86,9 @@ def optimize_file(
             if os.path.abspath(path) in run.source_files:
                 raise OutputError(f"{path}: is an external-data file of the input; pass --overwrite to replace it")
     with run.step("saving", "save"):
+        # merged weights are written straight into the output's data file, never spilled first
         written = io.save(model, out, external_data=external_data)
+    io.forget_deferred(io.deferred_regions() - deferred)  # this run's graph and protos are gone
     report.output = str(out)
     report.files = [str(p) for p in written]
     report.after.size_bytes = sum(p.stat().st_size for p in written)

@@ -13,7 +13,7 @@ import atexit
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import BinaryIO, Callable, Iterator, Optional, Union
 
 import numpy as np
 import onnx
@@ -106,15 +106,54 @@ def _external_span(t: TensorProto) -> tuple[str, int, int]:
     return info["location"], int(info.get("offset", 0)), tensor_nbytes(t)
 
 
-def read_external_bytes(t: TensorProto) -> bytes:
-    """The raw bytes of a tensor whose (absolute) location k3opt resolved."""
-    location, offset, length = _external_span(t)
+def read_external_bytes(t: TensorProto, start: int = 0, length: Optional[int] = None) -> bytes:
+    """The raw bytes of a tensor whose (absolute) location k3opt resolved (``length`` bytes from ``start``)."""
+    location, offset, size = _external_span(t)
+    length = size - start if length is None else length
+    materialize(location, offset)
     with open(location, "rb") as f:
-        f.seek(offset)
+        f.seek(offset + start)
         data = f.read(length)
     if len(data) != length:
         raise InputError(f"external data file {location} is too short for tensor '{t.name}'")
     return data
+
+
+#: Spill-file regions reserved but not written yet: (path, offset) -> a writer of their bytes at a
+#: file's current position. :func:`save` has the writer produce them straight into the output's data
+#: file (no spill write and copy back); any reader of the region writes them into the spill file first.
+_PENDING: dict[tuple[str, int], Callable[[BinaryIO], None]] = {}
+
+
+def defer_spill(location: str, offset: int, writer: Callable[[BinaryIO], None]) -> None:
+    """Register the bytes of spill-file region ``(location, offset)`` as written on demand by ``writer``."""
+    _PENDING[(location, offset)] = writer
+
+
+def materialize(location: str, offset: int) -> None:
+    """Write a deferred spill region into its spill file (no-op for any other region)."""
+    writer = _PENDING.pop((location, offset), None)
+    if writer is not None:
+        with open(location, "r+b") as f:
+            f.seek(offset)
+            writer(f)
+
+
+def materialize_all() -> None:
+    """Write every deferred spill region: protos that leave k3opt must point at real bytes."""
+    for key in list(_PENDING):
+        materialize(*key)
+
+
+def deferred_regions() -> set[tuple[str, int]]:
+    """The deferred spill regions now registered, as (path, offset)."""
+    return set(_PENDING)
+
+
+def forget_deferred(regions: set[tuple[str, int]]) -> None:
+    """Drop deferred regions no proto refers to any more (their bytes are saved), releasing their sources."""
+    for key in regions:
+        _PENDING.pop(key, None)
 
 
 def inline_copy(t: TensorProto) -> TensorProto:
@@ -474,9 +513,14 @@ def _write_external(model: onnx.ModelProto, f, location: str) -> None:
         offset = f.tell()
         if uses_external_data(t):
             src, src_offset, length = _external_span(t)
-            with open(src, "rb") as data:
-                data.seek(src_offset)
-                _copy_exact(data, f, length, src)
+            writer = _PENDING.get((src, src_offset))
+            if writer is not None:  # a deferred spill region: its bytes go straight here
+                writer(f)
+            else:
+                with open(src, "rb") as data:
+                    _copy_exact(data, src_offset, f, length, src)
+            if f.tell() != offset + length:
+                raise OutputError(f"tensor '{t.name}': wrote {f.tell() - offset} bytes, expected {length}")
         else:
             f.write(_raw_bytes(t))
             for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
@@ -490,8 +534,22 @@ def _raw_bytes(t: TensorProto) -> bytes:
     return onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t)).raw_data
 
 
-def _copy_exact(src, dst, length: int, name: str) -> None:
-    remaining = length
+def _copy_exact(src, offset: int, dst, length: int, name: str) -> None:
+    """Copy ``length`` bytes at ``offset`` of ``src`` to ``dst``'s position, in the kernel where it can."""
+    dst.flush()
+    start = dst.tell()
+    done = 0
+    try:
+        while done < length:
+            n = os.copy_file_range(src.fileno(), dst.fileno(), length - done, offset + done, start + done)
+            if n == 0:
+                raise InputError(f"external-data file {name} ended early")
+            done += n
+    except (AttributeError, OSError):  # no copy_file_range here (or not between these files): plain copy
+        pass
+    dst.seek(start + done)
+    src.seek(offset + done)
+    remaining = length - done
     while remaining:
         chunk = src.read(min(_CHUNK, remaining))
         if not chunk:

@@ -6,25 +6,27 @@ merge time would hold every merged weight in memory at once; a 3.3 GB model
 must be optimized in a tenth of that. :func:`concat_last_axis` then returns a
 :class:`ConcatValues`: an onnx-graphsurgeon ``LazyValues`` that knows its
 shape, dtype and sources. gs's exporter asks a ``LazyValues`` for its
-``.tensor`` one constant at a time; that writes the concatenation into a
-spill file (``np.memmap``, one source at a time) and returns an
-external-data ``TensorProto`` pointing there by absolute path. Spill files
-follow ``k3opt.io``'s convention (``k3opt-spill-*`` in the system temp
-folder), so ``k3opt.io.save`` copies the bytes into the model's data file.
-Weights already in memory are simply concatenated.
+``.tensor`` one constant at a time; that reserves a region of a spill file
+and returns an external-data ``TensorProto`` pointing there by absolute
+path. The bytes are written later, a block of rows at a time: by
+``k3opt.io.save`` straight into the model's data file, or into the spill
+file when something reads the region first (``k3opt.io.defer_spill``). Spill
+files follow ``k3opt.io``'s convention (``k3opt-spill-*`` in the system temp
+folder). Weights already in memory are simply concatenated.
 """
 from __future__ import annotations
 
 import atexit
 import os
 import tempfile
-from typing import Optional, Sequence, Union
+from typing import BinaryIO, Optional, Sequence, Union
 
 import numpy as np
 import onnx
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from . import io
 from .io import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
 
 Source = Union[np.ndarray, LazyValues]
@@ -36,6 +38,8 @@ PACKED_TYPES = frozenset(
     if hasattr(onnx.TensorProto, n)
 )
 _ALIGN = 4096
+#: Bytes of merged rows written at a time.
+_BLOCK = 16 * 2**20
 
 
 def onnx_type(dtype) -> int:
@@ -100,7 +104,7 @@ class ConcatValues(LazyValues):
     Sources are the siblings' own ``LazyValues`` or arrays (never a copy), so
     merging costs no memory; ``load()`` (a pass reading ``Constant.values``)
     returns the array, ``tensor`` (gs export, or a pass looking at the proto)
-    spills it once and returns the external-data ``TensorProto``.
+    reserves its spill region once and returns the external-data ``TensorProto``.
     """
 
     def __init__(self, sources: Sequence[Source]):
@@ -125,27 +129,40 @@ class ConcatValues(LazyValues):
         return self._spilled
 
     def _spill(self) -> onnx.TensorProto:
-        """Write the concatenation into the spill file, one source at a time."""
+        """Reserve the concatenation's region in the spill file; its bytes are written on demand.
+
+        ``k3opt.io.save`` has :meth:`write_to` produce them straight into the
+        output's data file; a reader of the region writes them into the spill
+        file first (see ``k3opt.io.defer_spill``).
+        """
         spill = SpillFile.get()
         offset = spill.allocate(self.nbytes)
-        raw = np.dtype((np.void, self.nbytes // (self.shape[0] * self.shape[1])))
-        out = np.memmap(spill.path, dtype=raw, mode="r+", offset=offset, shape=self.shape)
-        col = 0
-        for source in self.sources:
-            part = np.ascontiguousarray(read(source))
-            out[:, col : col + part.shape[1]] = part.view(raw)
-            col += part.shape[1]
-            del part
-        out.flush()
-        del out
-        proto = onnx.TensorProto()
-        proto.data_type = onnx_type(self.dtype)
-        proto.dims.extend(self.shape)
-        proto.data_location = onnx.TensorProto.EXTERNAL
-        for key, value in (("location", spill.path), ("offset", offset), ("length", self.nbytes)):
-            entry = proto.external_data.add()
-            entry.key, entry.value = key, str(value)
-        return proto
+        io.defer_spill(spill.path, offset, self.write_to)
+        return io.external_tensor("", onnx_type(self.dtype), self.shape, spill.path, offset, self.nbytes)
+
+    def write_to(self, f: BinaryIO) -> None:
+        """Write the concatenation's bytes at ``f``'s position, a block of rows at a time (flat memory)."""
+        rows = self.shape[0]
+        itemsize = self.nbytes // (rows * self.shape[1]) if self.nbytes else 1
+        raw = np.dtype((np.void, itemsize))
+        widths = [int(s.shape[1]) for s in self.sources]
+        step = max(1, _BLOCK // max(1, self.shape[1] * itemsize))
+        in_memory = {i: np.ascontiguousarray(read(s)).view(raw) for i, s in enumerate(self.sources)
+                     if not is_external(s)}
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            block = np.empty((r1 - r0, self.shape[1]), dtype=raw)
+            col = 0
+            for i, (source, width) in enumerate(zip(self.sources, widths)):
+                if i in in_memory:
+                    block[:, col : col + width] = in_memory[i][r0:r1]
+                else:
+                    data = io.read_external_bytes(source.tensor, r0 * width * itemsize, (r1 - r0) * width * itemsize)
+                    block[:, col : col + width] = np.frombuffer(data, dtype=raw).reshape(r1 - r0, width)
+                    del data
+                col += width
+            f.write(block.data)
+            del block
 
     def __str__(self) -> str:
         return f"ConcatValues (shape={self.shape}, dtype={self.dtype}, sources={len(self.sources)})"

@@ -12,6 +12,7 @@ from k3opt import opset as opsets
 from k3opt.errors import UsageError, VerificationError
 from k3opt.passes.base import Pass
 from k3opt.report import Report
+from k3opt.verify import runnable_bytes
 from tests.helpers import assert_equivalent, assert_value_info_holds, make_model, op_counts
 
 
@@ -306,3 +307,29 @@ def test_pass_counters_reach_the_report(tmp_path):
     table = report.table().splitlines()
     assert table[table.index(next(l for l in table if l.startswith("fuse-rmsnorm"))) + 1].split() == \
         ["rmsnorm_found", "1"]
+
+
+def _sibling_projections_on_disk(folder) -> tuple[onnx.ModelProto, str]:
+    """x @ Wq, x @ Wk, x @ Wv (mergeable siblings) with the weights in external data."""
+    rng = np.random.default_rng(2)
+    ws = {f"w{i}": rng.standard_normal((64, n)).astype(np.float32) for i, n in enumerate((64, 32, 32))}
+    nodes = [helper.make_node("MatMul", ["x", name], [f"y{i}"]) for i, name in enumerate(ws)]
+    model = make_model(nodes, [("x", TensorProto.FLOAT, [2, 64])],
+                       [(f"y{i}", TensorProto.FLOAT, [2, w.shape[1]]) for i, w in enumerate(ws.values())], ws)
+    path = str(folder / "m.onnx")
+    onnx.save(onnx.ModelProto.FromString(model.SerializeToString()), path, save_as_external_data=True,
+              location="m.onnx.data", size_threshold=0)
+    return model, path
+
+
+def test_optimize_returns_merged_weights_written_and_optimize_file_leaves_nothing_deferred(tmp_path):
+    from k3opt import io
+
+    model, path = _sibling_projections_on_disk(tmp_path)
+    before = io.deferred_regions()
+    out = k3opt.optimize(path)
+    assert op_counts(out)["MatMul"] == 1 and io.deferred_regions() == before  # spilled before returning
+    assert_equivalent(model, onnx.load_from_string(runnable_bytes(out)))
+    k3opt.optimize_file(path, tmp_path / "o.onnx")
+    assert io.deferred_regions() == before
+    assert_equivalent(model, onnx.load(tmp_path / "o.onnx"))

@@ -290,3 +290,63 @@ def test_report_size_before_is_the_file_size(tmp_path):
     report = k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "o.onnx")
     assert report.before.size_bytes == (tmp_path / "m.onnx").stat().st_size
     assert report.after.size_bytes == (tmp_path / "o.onnx").stat().st_size
+
+
+def _deferred_concat(tmp_path):
+    """A ConcatValues over two external weights, exported (its spill region reserved, not written)."""
+    from k3opt.lazy_values import ConcatValues
+
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((40, 24)).astype(np.float32), rng.standard_normal((40, 8)).astype(np.float32)
+    with open(tmp_path / "src.data", "wb") as f:
+        f.write(a.tobytes())
+        f.write(b.tobytes())
+    sources = [io.ExternalValues(io.external_tensor(n, TensorProto.FLOAT, arr.shape, str(tmp_path / "src.data"),
+                                                    off, arr.nbytes))
+               for n, arr, off in (("a", a, 0), ("b", b, a.nbytes))]
+    merged = ConcatValues(sources)
+    proto = onnx.TensorProto()
+    proto.CopyFrom(merged.tensor)
+    proto.name = "w"
+    return proto, np.concatenate([a, b], axis=1)
+
+
+def test_merged_weight_is_written_straight_into_the_output_not_the_spill_file(tmp_path, monkeypatch):
+    import k3opt.lazy_values as lazy_values
+
+    monkeypatch.setattr(lazy_values, "_BLOCK", 24 * 4 * 7)  # several row blocks, the last one short
+    proto, expected = _deferred_concat(tmp_path)
+    location, offset, _ = io._external_span(proto)
+    assert (location, offset) in io.deferred_regions()
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [helper.make_tensor_value_info("x", 1, [2, 40])],
+        [helper.make_tensor_value_info("y", 1, [2, 32])], [proto]), opset_imports=[helper.make_opsetid("", 17)])
+    io.save(model, tmp_path / "o.onnx")
+    with open(location, "rb") as f:  # the spill region is still a hole: nothing was written there
+        f.seek(offset)
+        assert not any(f.read(expected.nbytes))
+    saved = onnx.load(tmp_path / "o.onnx")
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(saved.graph.initializer[0]), expected)
+
+
+def test_reading_a_deferred_region_writes_it_into_the_spill_file_first(tmp_path):
+    proto, expected = _deferred_concat(tmp_path)
+    location, offset, _ = io._external_span(proto)
+    got = np.frombuffer(io.read_external_bytes(proto), np.float32).reshape(expected.shape)
+    np.testing.assert_array_equal(got, expected)
+    assert (location, offset) not in io.deferred_regions()
+    np.testing.assert_array_equal(io.ExternalValues(proto).load(), expected)
+
+
+def test_read_external_bytes_reads_a_slice(tmp_path):
+    proto, expected = _deferred_concat(tmp_path)
+    flat = expected.tobytes()
+    assert io.read_external_bytes(proto, 100, 40) == flat[100:140]
+
+
+def test_save_copies_external_bytes_without_copy_file_range(tmp_path, monkeypatch):
+    monkeypatch.delattr(os, "copy_file_range")  # the plain chunked copy is the fallback
+    model = weighted_model()
+    save_external(model, tmp_path / "m.onnx")
+    io.save(io.load(tmp_path / "m.onnx"), tmp_path / "o.onnx")
+    assert_equivalent(model, onnx.load(tmp_path / "o.onnx"))
