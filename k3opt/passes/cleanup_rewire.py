@@ -97,6 +97,13 @@ def int_list(t: Tensor) -> Optional[list[int]]:
     return None if v is None else [int(x) for x in np.asarray(v).ravel()]
 
 
+def unsqueeze_axes(node: Node) -> Optional[list[int]]:
+    """An Unsqueeze's axes (attribute before opset 13, constant input after), else None."""
+    if "axes" in node.attrs:
+        return [int(a) for a in node.attrs["axes"]]
+    return int_list(node.inputs[1]) if len(node.inputs) > 1 else None
+
+
 def cast_target(node: Node) -> Optional[int]:
     """The ``to`` type of a Cast as an ONNX type int (None for opset-1 string types)."""
     to = node.attrs.get("to")

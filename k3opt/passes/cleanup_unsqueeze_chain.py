@@ -14,14 +14,7 @@ import numpy as np
 
 from ..ir import Graph, Node, Tensor, as_constant, rank, set_input
 from .base import PassContext, register_pass
-from .cleanup_rewire import NodeRewritePass, chain_producer, detach, int_list
-
-
-def unsqueeze_axes(node: Node) -> Optional[list[int]]:
-    """An Unsqueeze's axes (attribute before opset 13, constant input after), else None."""
-    if "axes" in node.attrs:
-        return [int(a) for a in node.attrs["axes"]]
-    return int_list(node.inputs[1]) if len(node.inputs) > 1 else None
+from .cleanup_rewire import NodeRewritePass, chain_producer, detach, unsqueeze_axes
 
 
 def merged_axes(x_rank: int, a1: list[int], a2: list[int]) -> Optional[list[int]]:

@@ -25,6 +25,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from ..ir import Node, Tensor, const_value, producer
+from .cleanup_rewire import unsqueeze_axes
 
 #: Longest integer constant read as part of a shape computation.
 MAX_SHAPE_ELEMENTS = 64
@@ -218,7 +219,7 @@ def shape_elements(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements
         return _picked_dims(node, depth - 1)
     if node.op == "Unsqueeze":
         inner = shape_elements(node.inputs[0], depth - 1)
-        axes = _unsqueeze_axes(node)
+        axes = unsqueeze_axes(node)
         if inner is None or inner[1] != () or axes not in ([0], [-1]):
             return None
         return inner[0], (1,)
@@ -229,13 +230,6 @@ def shape_elements(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements
         elements = [e for p in parts for e in p[0]]
         return elements, (len(elements),)
     return None
-
-
-def _unsqueeze_axes(node: Node) -> Optional[list[int]]:
-    if "axes" in node.attrs:
-        return [int(a) for a in node.attrs["axes"]]
-    axes = const_value(node.inputs[1]) if len(node.inputs) > 1 else None
-    return None if axes is None else [int(a) for a in np.asarray(axes).ravel()]
 
 
 def _fold_equal(node: Node) -> Optional[np.ndarray]:
