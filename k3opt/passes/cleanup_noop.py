@@ -3,7 +3,9 @@
 Each check proves the output has the input's shape, dtype and values:
 
 - ``Reshape`` to the input's own shape (dim by dim: a literal equal known dim,
-  a 0 copying the dim when ``allowzero`` is off, at most one -1);
+  a 0 copying the dim when ``allowzero`` is off, at most one -1, or a
+  target element computed from a shape that is the same symbol as the
+  input's dim, as in ``Reshape(x, [dim0(x), -1, dim2(x), 8])``);
 - ``Expand`` whose shape broadcasts to the input's own shape;
 - ``Transpose`` with the identity permutation;
 - ``Cast``/``CastLike`` to the type the input already has;
@@ -26,6 +28,7 @@ import numpy as np
 
 from ..ir import Graph, Node, Tensor, const_tensor, peek, rank
 from .base import PassContext, register_pass
+from .fold_shapes import shape_elements, tensor_dims
 from .cleanup_rewire import NodeRewritePass, bypass, cast_target, int_list, onnx_type
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -39,12 +42,13 @@ def _known(d: object) -> bool:
 
 def _same_reshape(node: Node) -> Optional[Tensor]:
     x = node.inputs[0]
-    target = int_list(node.inputs[1])
-    if target is None or x.shape is None or len(target) != len(x.shape) or target.count(-1) > 1:
+    elements = shape_elements(node.inputs[1])
+    dims = tensor_dims(x)
+    if elements is None or dims is None or len(elements[0]) != len(dims) or elements[0].count(-1) > 1:
         return None
     allowzero = bool(node.attrs.get("allowzero", 0))
-    for s, d in zip(target, x.shape):
-        if s == -1 or (s == 0 and not allowzero) or (_known(d) and s == d):
+    for s, d in zip(elements[0], dims):
+        if s == -1 or (s == 0 and not allowzero) or (s is not None and s == d):
             continue
         return None
     return x

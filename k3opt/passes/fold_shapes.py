@@ -73,7 +73,9 @@ def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
     if isinstance(d, int) or depth <= 0:
         return d
     traced = _traced_dim(t, i, len(shape), depth - 1)
-    return traced if isinstance(traced, int) or d is None else d
+    # A traced symbol names the same size as an inferred one, and names it as the producers do
+    # (inference invents a fresh ``unk__N`` wherever it loses track).
+    return d if traced is None else traced
 
 
 def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
@@ -90,8 +92,14 @@ def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
         return _dim_at(x, perm[i], depth) if len(perm) == rank else None
     if node.op in UNARY_SAME_SHAPE:
         return _dim_at(x, i, depth)
-    if node.op in BROADCAST_BINARY and len(node.inputs) == 2:
+    if node.op in BROADCASTING and len(node.inputs) >= 2:
         return _broadcast_dim(node.inputs, i, rank, depth)
+    if node.op == "MatMul" and len(node.inputs) == 2 and rank >= 2 and i >= rank - 2:
+        # [..., M, K] @ [..., K, N]: the rows come from the first operand, the columns from the second.
+        src = node.inputs[0] if i == rank - 2 else node.inputs[1]
+        if src.shape is None or len(src.shape) < 2:
+            return None
+        return _dim_at(src, len(src.shape) - (rank - i), depth)
     return None
 
 
@@ -141,10 +149,10 @@ def _reshaped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
 #: Ops whose output has their first input's shape.
 UNARY_SAME_SHAPE = frozenset({
     "Cast", "CastLike", "Neg", "Sigmoid", "Tanh", "Relu", "Gelu", "Erf", "Sqrt", "Reciprocal", "Exp", "Softmax",
-    "Identity", "Cos", "Sin", "Abs", "Not",
+    "Identity", "Cos", "Sin", "Abs", "Not", "IsNaN",
 })
-#: Elementwise ops with multidirectional broadcasting over two inputs.
-BROADCAST_BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Equal", "Less", "Greater", "And", "Or"})
+#: Elementwise ops with multidirectional broadcasting over all their inputs.
+BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Equal", "Less", "Greater", "And", "Or", "Where"})
 
 
 def shape_dims(node: Node, depth: int = MAX_SHAPE_DEPTH) -> Optional[list[Dim]]:

@@ -1,0 +1,72 @@
+"""remove-noop-ops: a Reshape whose target is read from shapes is a no-op when each element is the input's own dim."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T, helper
+
+import k3opt
+from k3opt.passes.cleanup_noop import RemoveNoopOps
+from tests.helpers import assert_equivalent, make_model, op_counts, run_ort
+from tests.test_cleanup_ops import apply
+from tests.zoo import needs_torch, zoo_inputs, zoo_model
+
+F = T.FLOAT
+
+
+def _reshape_from_shapes(picks: list, z_dim: str = "S") -> onnx.ModelProto:
+    """Reshape(x[N, 4, S, 8], Concat(pieces)): a piece is ("x", i) or ("z", 0) for a dim, or a literal int."""
+    nodes = [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Shape", ["z"], ["sz"])]
+    inits: dict = {"ax": np.int64([0])}
+    pieces = []
+    for k, p in enumerate(picks):
+        if isinstance(p, int):
+            inits[f"c{k}"] = np.int64([p])
+            pieces.append(f"c{k}")
+            continue
+        src, i = p
+        inits[f"i{k}"] = np.int64(i)
+        nodes += [helper.make_node("Gather", [f"s{src}", f"i{k}"], [f"g{k}"], axis=0),
+                  helper.make_node("Unsqueeze", [f"g{k}", "ax"], [f"u{k}"])]
+        pieces.append(f"u{k}")
+    nodes += [helper.make_node("Concat", pieces, ["target"], axis=0),
+              helper.make_node("Reshape", ["x", "target"], ["r"]),
+              helper.make_node("Add", ["r", "z"], ["y"])]
+    return make_model(nodes, [("x", F, ["N", 4, "S", 8]), ("z", F, [z_dim, 1])], [("y", F, ["N", 4, "S", 8])],
+                      inits, opset=14)
+
+
+def _feeds(n: int, s: int) -> dict:
+    return {"x": np.random.rand(n, 4, s, 8).astype(np.float32), "z": np.random.rand(s, 1).astype(np.float32)}
+
+
+@pytest.mark.parametrize("picks", [
+    [("x", 0), -1, ("x", 2), 8], [("x", 0), 4, ("z", 0), 8], [0, -1, ("x", 2), 8],
+], ids=["own-dims", "same-symbol-elsewhere", "zero-copies"])
+def test_reshape_to_own_symbolic_shape_goes(picks):
+    model = _reshape_from_shapes(picks)
+    out, _ = apply(model, RemoveNoopOps())
+    assert "Reshape" not in op_counts(out)
+    for n, s in ((2, 3), (1, 5)):
+        assert_equivalent(model, out, feeds=_feeds(n, s))
+
+
+@pytest.mark.parametrize("picks,z_dim", [
+    ([("x", 0), 4, ("z", 0), 8], "M"), ([("x", 2), -1, ("x", 0), 8], "S"), ([("x", 0), -1, -1, 8], "S"),
+], ids=["other-symbol", "dims-swapped", "two-minus-ones"])
+def test_reshape_refused_when_an_element_is_not_the_own_dim(picks, z_dim):
+    model = _reshape_from_shapes(picks, z_dim)
+    out, _ = apply(model, RemoveNoopOps())
+    assert op_counts(out)["Reshape"] == 1
+
+
+@needs_torch
+def test_gpt2_torchscript_attention_reshapes_go():
+    """GPT-2's TorchScript Reshape(x, [dim0(x), dim1(x), ...]) no-ops go: 238 -> 231 nodes (onnxslim: 241)."""
+    model = onnx.load(zoo_model("gpt2", "torchscript"))
+    out = k3opt.optimize(model)
+    assert len(out.graph.node) <= 231
+    feeds = zoo_inputs("gpt2")
+    for a, b in zip(run_ort(model, feeds), run_ort(out, feeds)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
