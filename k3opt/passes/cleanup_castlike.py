@@ -1,0 +1,34 @@
+"""castlike-to-cast: ``CastLike(x, like)`` becomes ``Cast(x, to=type(like))`` when like's type is known.
+
+Exact by definition: CastLike reads only the element type of its second
+input, and is specified as that Cast (same attributes, e.g. ``saturate``).
+The Cast no longer reads ``like``, so a constant ``x`` folds (the dynamo
+exporter's ``CastLike(1.0, hidden)`` in every RMSNorm), and the tensor
+``like`` loses a reader. Refused when like's element type is unknown.
+"""
+from __future__ import annotations
+
+from ..ir import Graph, Node
+from .base import PassContext, register_pass
+from .cleanup_rewire import NodeRewritePass, onnx_type
+
+
+class CastLikeToCast(NodeRewritePass):
+    name = "castlike-to-cast"
+    description = "CastLike to a known type becomes Cast (a constant operand then folds)."
+    order = 225
+    ops = frozenset({"CastLike"})
+
+    def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
+        if len(node.inputs) != 2:
+            return False
+        to = onnx_type(node.inputs[1])
+        if to is None:
+            return False
+        del node.inputs[1]
+        node.op = "Cast"
+        node.attrs["to"] = to
+        return True
+
+
+register_pass(CastLikeToCast)
