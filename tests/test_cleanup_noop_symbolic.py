@@ -70,3 +70,56 @@ def test_gpt2_torchscript_attention_reshapes_go():
     feeds = zoo_inputs("gpt2")
     for a, b in zip(run_ort(model, feeds), run_ort(out, feeds)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def _undo_model(inner: onnx.NodeProto, target_from_shape: bool, x_shape: list, target: list | None = None) -> onnx.ModelProto:
+    """y = Neg(Reshape(inner(x), Shape(x) or ``target``))."""
+    nodes = [inner]
+    inits: dict = {"ax": np.int64([1]), "ax0": np.int64([0])}
+    if target_from_shape:
+        nodes.append(helper.make_node("Shape", ["x"], ["t"]))
+    else:
+        inits["t"] = np.int64(target)
+    nodes += [helper.make_node("Reshape", ["m", "t"], ["r"]), helper.make_node("Neg", ["r"], ["y"])]
+    out_shape = x_shape if target is None else [None] * len(target)
+    return make_model(nodes, [("x", F, x_shape)], [("y", F, out_shape)], inits, opset=14)
+
+
+@pytest.mark.parametrize("inner", [
+    helper.make_node("Unsqueeze", ["x", "ax"], ["m"]),
+    helper.make_node("Flatten", ["x"], ["m"], axis=1),
+    helper.make_node("Squeeze", ["x", "ax0"], ["m"]),
+], ids=["unsqueeze", "flatten", "squeeze"])
+def test_reshape_back_to_the_regrouped_input_goes(inner):
+    """Squeeze: the dynamo exporter's Reshape(Squeeze(Shape(x)[i:i+1]), [1])."""
+    squeeze = inner.op_type == "Squeeze"
+    model = _undo_model(inner, False, [1], [1]) if squeeze else _undo_model(inner, True, ["N", 4])
+    out, _ = apply(model, RemoveNoopOps())
+    assert "Reshape" not in op_counts(out)
+    x = np.random.rand(*([1] if squeeze else [3, 4])).astype(np.float32)
+    assert_equivalent(model, out, feeds={"x": x})
+
+
+@pytest.mark.parametrize("inner,target", [
+    (helper.make_node("Reshape", ["x", "mid"], ["m"]), [2, 6]),
+    (helper.make_node("Transpose", ["x"], ["m"], perm=[1, 0]), [6, 2]),
+], ids=["different-shape", "transpose-is-not-a-regrouping"])
+def test_reshape_of_regrouped_input_refused(inner, target):
+    nodes = [inner, helper.make_node("Reshape", ["m", "t"], ["r"]), helper.make_node("Neg", ["r"], ["y"])]
+    model = make_model(nodes, [("x", F, [6, 2])], [("y", F, target)],
+                       {"mid": np.int64([3, 4]), "t": np.int64(target)}, opset=14)
+    out, _ = apply(model, RemoveNoopOps())
+    assert op_counts(out).get("Reshape", 0) >= 1
+    assert_equivalent(model, out)
+
+
+@needs_torch
+@pytest.mark.slow
+def test_llama_dynamo_squeezed_dims_reshape_back():
+    """The Llama dynamo export's Reshape(Squeeze(Shape(x)[i:i+1]), [1]) go: 187 -> 185 nodes (onnxscript: 187)."""
+    model = onnx.load(zoo_model("llama", "dynamo"))
+    out = k3opt.optimize(model)
+    assert len(out.graph.node) <= 185
+    feeds = zoo_inputs("llama")
+    for a, b in zip(run_ort(model, feeds), run_ort(out, feeds)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)

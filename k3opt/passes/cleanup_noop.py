@@ -5,7 +5,9 @@ Each check proves the output has the input's shape, dtype and values:
 - ``Reshape`` to the input's own shape (dim by dim: a literal equal known dim,
   a 0 copying the dim when ``allowzero`` is off, at most one -1, or a
   target element computed from a shape that is the same symbol as the
-  input's dim, as in ``Reshape(x, [dim0(x), -1, dim2(x), 8])``);
+  input's dim, as in ``Reshape(x, [dim0(x), -1, dim2(x), 8])``); and a
+  ``Reshape`` of a Reshape/Squeeze/Unsqueeze/Flatten of x back to x's own
+  shape (the pair undoes itself: x replaces the result);
 - ``Expand`` whose shape broadcasts to the input's own shape;
 - ``Transpose`` with the identity permutation;
 - ``Cast``/``CastLike`` to the type the input already has;
@@ -26,7 +28,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..ir import Graph, Node, Tensor, const_tensor, peek, rank
+from ..ir import Graph, Node, Tensor, const_tensor, peek, producer, rank
 from .base import PassContext, register_pass
 from .fold_shapes import shape_elements, tensor_dims
 from .cleanup_rewire import NodeRewritePass, bypass, cast_target, int_list, onnx_type
@@ -40,18 +42,39 @@ def _known(d: object) -> bool:
     return isinstance(d, (int, np.integer)) and d >= 0
 
 
+#: Ops that only regroup the dims: their output holds the input's elements in the same order.
+REGROUPING = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+
+
 def _same_reshape(node: Node) -> Optional[Tensor]:
+    """The Reshape's input when the target is its own shape; else, when the input merely regroups
+    some x (Reshape/Squeeze/Unsqueeze/Flatten), x when the target is x's shape (the pair undoes itself)."""
     x = node.inputs[0]
-    elements = shape_elements(node.inputs[1])
-    dims = tensor_dims(x)
+    if _reshapes_to(node, x):
+        return x
+    src = producer(x)
+    if src is not None and src.op in REGROUPING and (src.domain or "") in ("", "ai.onnx") and src.inputs:
+        return src.inputs[0] if _reshapes_to(node, src.inputs[0]) else None
+    return None
+
+
+def _reshapes_to(node: Node, t: Tensor) -> bool:
+    """True when Reshape ``node``'s target is exactly ``t``'s shape, element by element (a literal equal
+    known dim, the same symbol, a 0 copying an equal dim of the Reshape's input, at most one -1)."""
+    elements, dims = shape_elements(node.inputs[1]), tensor_dims(t)
     if elements is None or dims is None or len(elements[0]) != len(dims) or elements[0].count(-1) > 1:
-        return None
-    allowzero = bool(node.attrs.get("allowzero", 0))
-    for s, d in zip(elements[0], dims):
-        if s == -1 or (s == 0 and not allowzero) or (s is not None and s == d):
+        return False
+    copy = not node.attrs.get("allowzero", 0)
+    copied = tensor_dims(node.inputs[0]) if copy and t is not node.inputs[0] else None
+    for i, (s, d) in enumerate(zip(elements[0], dims)):
+        if s == 0 and copy:
+            if t is node.inputs[0]:
+                continue
+            s = copied[i] if copied is not None and i < len(copied) else None
+        if s == -1 or (s is not None and s == d):
             continue
-        return None
-    return x
+        return False
+    return True
 
 
 def _broadcast_keeps_shape(x: Tensor, other_shape: tuple) -> bool:
