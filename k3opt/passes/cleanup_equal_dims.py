@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..ir import Graph, Node, Tensor, producer
 from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import bypass, remove
-from .fold_shapes import shape_elements
+from .fold_shapes import remembered_dims, shape_elements
 
 
 def _dim_key(node: Node) -> object:
@@ -39,15 +39,17 @@ class MergeEqualDims(Pass):
         first: dict[object, Tensor] = {}
         dead: list[Node] = []
         merged = 0
-        for node in list(graph.nodes):
-            if node.op != "Gather" or (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1:
-                continue
-            key = _dim_key(node)
-            if key is None:
-                continue
-            kept = first.setdefault(key, node.outputs[0])
-            if kept is not node.outputs[0] and bypass(graph, node, kept, dead):
-                merged += 1
+        with remembered_dims() as memo:
+            for node in list(graph.nodes):
+                if node.op != "Gather" or (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1:
+                    continue
+                key = _dim_key(node)
+                if key is None:
+                    continue
+                kept = first.setdefault(key, node.outputs[0])
+                if kept is not node.outputs[0] and bypass(graph, node, kept, dead):
+                    merged += 1
+                    memo.clear()  # readers were rewired: what was traced through them may change
         remove(graph, dead)
         return merged
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..ir import Graph, Node, Tensor, const_tensor, peek, producer, rank
 from .base import PassContext, register_pass
-from .fold_shapes import shape_elements, tensor_dims
+from .fold_shapes import remembered_dims, shape_elements, tensor_dims
 from .cleanup_rewire import NodeRewritePass, bypass, cast_target, int_list, onnx_type
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -178,9 +178,16 @@ class RemoveNoopOps(NodeRewritePass):
     order = 220
     ops = frozenset(CHECKS)
 
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        with remembered_dims() as self._memo:
+            return super().run(graph, ctx)
+
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         src = CHECKS[node.op](node)
-        return src is not None and bypass(graph, node, src, dead)
+        if src is None or not bypass(graph, node, src, dead):
+            return False
+        self._memo.clear()  # readers were rewired: what was traced through them may change
+        return True
 
 
 register_pass(RemoveNoopOps)

@@ -32,7 +32,7 @@ from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach, is_used, remove
 from .fold_eval import EvalError, as_array, outer_refs, run_ort, run_reference
 from .fold_guard import too_big
-from .fold_shapes import fold_shape_value
+from .fold_shapes import fold_shape_value, remembered_dims
 
 #: Ops whose result is not a function of their inputs.
 RANDOM_OPS = frozenset(
@@ -90,11 +90,13 @@ class FoldConstants(Pass):
     def _fold_shapes(self, graph: Graph, ctx: PassContext) -> int:
         folded: list[Node] = []
         installed: list = []
-        for node in graph.nodes:
-            if node.op in SHAPE_OPS and (node.domain or "") in ("", "ai.onnx") and is_used(graph, node.outputs[0]):
-                value = fold_shape_value(node)
-                if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
-                    folded.append(node)
+        with remembered_dims() as memo:
+            for node in graph.nodes:
+                if node.op in SHAPE_OPS and (node.domain or "") in ("", "ai.onnx") and is_used(graph, node.outputs[0]):
+                    value = fold_shape_value(node)
+                    if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
+                        folded.append(node)
+                        memo.clear()  # readers now read a constant: what was traced through them may change
         n = _drop_dead(graph, folded)
         _take_names(installed)
         return n

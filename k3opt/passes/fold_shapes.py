@@ -20,7 +20,8 @@ when the batch and sequence are not.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -64,6 +65,22 @@ def tensor_dims(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[list[Dim]]:
     return [_dim_at(t, i, depth) for i in range(len(shape))]
 
 
+#: Traced dims by ``(id(tensor), dim, depth)`` while :func:`remembered_dims` is active (tensor kept to check the id).
+_memo: Optional[dict[tuple[int, int, int], tuple[Tensor, Dim]]] = None
+
+
+@contextmanager
+def remembered_dims() -> Iterator[dict]:
+    """Within the block, each traced dim is computed once: tracing re-walks the same producers for every
+    Shape of a deep model. The caller must ``clear()`` the yielded memo whenever it changes the graph."""
+    global _memo
+    outer, _memo = _memo, {}
+    try:
+        yield _memo
+    finally:
+        _memo = outer
+
+
 def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
     """Dim ``i`` of ``t``: a number when inference or the producer says so, else its symbol, else None."""
     shape = t.shape
@@ -72,7 +89,19 @@ def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
     d = _dim(shape[i])
     if isinstance(d, int) or depth <= 0:
         return d
-    traced = _traced_dim(t, i, len(shape), depth - 1)
+    memo = _memo
+    if memo is None:
+        return _traced_or(d, t, i, len(shape), depth)
+    key = (id(t), i, depth)
+    hit = memo.get(key)
+    if hit is None or hit[0] is not t:
+        hit = memo[key] = (t, _traced_or(d, t, i, len(shape), depth))
+    return hit[1]
+
+
+def _traced_or(d: Dim, t: Tensor, i: int, rank: int, depth: int) -> Dim:
+    """The traced dim ``i`` of ``t``, else ``d`` (inference's)."""
+    traced = _traced_dim(t, i, rank, depth - 1)
     # A traced symbol names the same size as an inferred one, and names it as the producers do
     # (inference invents a fresh ``unk__N`` wherever it loses track).
     return d if traced is None else traced
