@@ -72,14 +72,31 @@ def infer_model(model: onnx.ModelProto) -> onnx.ModelProto:
     Big initializers become typed graph inputs: onnx would otherwise
     materialize them (gigabytes for a large model) just to read their shape.
     """
-    return _infer(weights_as_inputs(model)[0])
+    return _infer(weights_as_inputs(model)[0])[0]
 
 
-def _infer(light: onnx.ModelProto) -> onnx.ModelProto:
+def _infer(light: onnx.ModelProto, propagate_first: bool = False) -> tuple[onnx.ModelProto, bool]:
+    """Inference with data propagation unless a 1-D tensor is long (then without); and whether it propagated.
+
+    ``propagate_first`` (the caller knows of no long vector: the last inference
+    of this graph propagated) tries data propagation alone first, one run
+    instead of two; the result (or error) is the same, since the usual two
+    runs are still made whenever that one fails or shows a long vector.
+    """
+    propagated = None
+    if propagate_first and not _has_long_vector(light.graph):
+        try:
+            propagated = onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+        except Exception:  # noqa: BLE001 -- the usual order below reports the error as before
+            propagated = None
+        if propagated is not None and not _has_long_vector(propagated.graph):
+            return propagated, True
     plain = onnx.shape_inference.infer_shapes(light, strict_mode=True)
     if _has_long_vector(plain.graph):
-        return plain
-    return onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+        return plain, False
+    if propagated is not None:
+        return propagated, True
+    return onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True), True
 
 
 #: onnx's data propagation materializes 1-D tensors; past this length it costs gigabytes.
@@ -87,10 +104,11 @@ DATA_PROP_MAX_LEN = 2**16
 
 
 def _has_long_vector(graph: onnx.GraphProto) -> bool:
-    for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
-        dims = vi.type.tensor_type.shape.dim
-        if len(dims) == 1 and dims[0].HasField("dim_value") and dims[0].dim_value > DATA_PROP_MAX_LEN:
-            return True
+    for infos in (graph.input, graph.value_info, graph.output):
+        for vi in infos:
+            dims = vi.type.tensor_type.shape.dim
+            if len(dims) == 1 and dims[0].dim_value > DATA_PROP_MAX_LEN:  # 0 when not set
+                return True
     return False
 
 
@@ -105,6 +123,8 @@ class ShapeRefresher:
         self.calls = 0
         #: Unchanged nodes and constants are not exported again at the next refresh.
         self.protos = ProtoCache()
+        #: The last inference propagated data (no long 1-D tensor): it is tried first next time.
+        self._short = False
 
     def __call__(self, graph: gs.Graph) -> bool:
         tensors = graph.tensors()  # one walk of the graph for export and update
@@ -126,7 +146,7 @@ class ShapeRefresher:
     def _refresh(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], model: Callable[[], onnx.ModelProto]) -> bool:
         self.calls += 1
         try:
-            inferred = _infer(model())
+            inferred, self._short = _infer(model(), self._short)
         except Exception as exc:  # onnx raises many types here; a failure only loses shapes
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             note = f"shape inference failed ({type(exc).__name__}: {first}); passes that need shapes declined"
