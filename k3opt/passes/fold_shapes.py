@@ -21,7 +21,7 @@ when the batch and sequence are not.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -65,8 +65,25 @@ def tensor_dims(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[list[Dim]]:
     return [_dim_at(t, i, depth) for i in range(len(shape))]
 
 
-#: Traced dims by ``(id(tensor), dim, depth)`` while :func:`remembered_dims` is active (tensor kept to check the id).
-_memo: Optional[dict[tuple[int, int, int], tuple[Tensor, Dim]]] = None
+#: While :func:`remembered_dims` is active: traced dims by ``(id(tensor), dim, depth)``, shape elements by
+#: ``(id(tensor), -1, depth)`` and constant values by ``(id(tensor), -2, 0)`` (the tensor is kept to check the id).
+_memo: Optional[dict[tuple[int, int, int], tuple[Tensor, object]]] = None
+
+
+def _remembered(t: Tensor, slot: int, depth: int, compute: Callable[[], object]) -> object:
+    """``compute()``, once per ``(t, slot, depth)`` while :func:`remembered_dims` is active."""
+    memo = _memo
+    if memo is None:
+        return compute()
+    key = (id(t), slot, depth)
+    hit = memo.get(key)
+    if hit is None or hit[0] is not t:
+        hit = memo[key] = (t, compute())
+    return hit[1]
+
+
+def _const(t: Tensor) -> object:
+    return _remembered(t, -2, 0, lambda: const_value(t))
 
 
 @contextmanager
@@ -89,14 +106,7 @@ def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
     d = _dim(shape[i])
     if isinstance(d, int) or depth <= 0:
         return d
-    memo = _memo
-    if memo is None:
-        return _traced_or(d, t, i, len(shape), depth)
-    key = (id(t), i, depth)
-    hit = memo.get(key)
-    if hit is None or hit[0] is not t:
-        hit = memo[key] = (t, _traced_or(d, t, i, len(shape), depth))
-    return hit[1]
+    return _remembered(t, i, depth, lambda: _traced_or(d, t, i, len(shape), depth))
 
 
 def _traced_or(d: Dim, t: Tensor, i: int, rank: int, depth: int) -> Dim:
@@ -238,9 +248,13 @@ def shape_elements(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements
 
     Known elements are ints; a symbol or None marks a dim of some tensor,
     unknown but never negative. None as a whole when ``t`` is not such a
-    computation.
+    computation. Callers must not modify the result (it may be remembered).
     """
-    v = const_value(t)
+    return _remembered(t, -1, depth, lambda: _shape_elements(t, depth))
+
+
+def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
+    v = _const(t)
     if v is not None:
         v = np.asarray(v)
         if v.dtype.kind not in "iu" or v.ndim > 1 or v.size > MAX_SHAPE_ELEMENTS:
@@ -287,7 +301,7 @@ def _fold_equal(node: Node) -> Optional[np.ndarray]:
 
 
 def _gather(node: Node, n: int) -> Optional[np.ndarray]:
-    idx = const_value(node.inputs[1]) if len(node.inputs) > 1 else None
+    idx = _const(node.inputs[1]) if len(node.inputs) > 1 else None
     if idx is None or int(node.attrs.get("axis", 0)) not in (0, -1):
         return None
     idx = np.asarray(idx).astype(np.int64)
@@ -299,7 +313,7 @@ def _gather(node: Node, n: int) -> Optional[np.ndarray]:
 def _slice(node: Node, n: int) -> Optional[np.ndarray]:
     if len(node.inputs) < 3:
         return None
-    vals = [const_value(t) for t in node.inputs[1:]]
+    vals = [_const(t) for t in node.inputs[1:]]
     if any(v is None for v in vals[:2]) or any(
         v is None and t.name for v, t in zip(vals[2:], node.inputs[3:])
     ):
