@@ -125,3 +125,15 @@ def assert_value_info_holds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]
             elif d.dim_param:
                 assert sizes.setdefault(d.dim_param, n) == n, \
                     f"{vi.name}: symbol {d.dim_param} is {n} here, {sizes[d.dim_param]} elsewhere"
+
+
+def assert_optimizes_within(path, feeds: dict[str, np.ndarray], max_nodes: int) -> onnx.ModelProto:
+    """``k3opt.optimize(path)`` has at most ``max_nodes`` nodes and the original's outputs on ``feeds``."""
+    import k3opt
+
+    model = onnx.load(path)
+    out = k3opt.optimize(model)
+    assert len(out.graph.node) <= max_nodes
+    for a, b in zip(run_ort(model, feeds), run_ort(out, feeds)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    return out
