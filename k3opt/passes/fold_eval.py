@@ -133,34 +133,36 @@ def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
     return out
 
 
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+def _session(data: bytes) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
 def run_model(model: onnx.ModelProto, feeds: Optional[dict[str, np.ndarray]] = None) -> list[object]:
     """Outputs of ``model`` in onnxruntime (no graph optimizations), every dtype exact.
 
     Outputs numpy cannot hold (bfloat16, float8, int4...) are widened by a
-    ``Cast`` appended to the model (exact) and narrowed back with ml_dtypes.
+    ``Cast`` appended to a copy of the model (exact) and narrowed back with ml_dtypes.
     """
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    sess = _session(model)
+    data = model.SerializeToString()
+    sess = _session(data)
     narrow = {}
+    widened: Optional[onnx.ModelProto] = None
     for i, o in enumerate(sess.get_outputs()):
         if o.type in _WIDEN:
+            widened = widened or onnx.ModelProto.FromString(data)
             wide, narrow[i] = _WIDEN[o.type]
             cast = helper.make_node("Cast", [o.name], [o.name + "__k3opt_wide"], to=wide)
-            model.graph.node.append(cast)
-            model.graph.output[i].name = cast.output[0]
-            if model.graph.output[i].type.HasField("tensor_type"):
-                model.graph.output[i].type.tensor_type.elem_type = wide
-    if narrow:
-        sess = _session(model)
+            widened.graph.node.append(cast)
+            widened.graph.output[i].name = cast.output[0]
+            if widened.graph.output[i].type.HasField("tensor_type"):
+                widened.graph.output[i].type.tensor_type.elem_type = wide
+    if widened is not None:
+        sess = _session(widened.SerializeToString())
     values = sess.run(None, feeds or {})
     for i, onnx_type in narrow.items():
         values[i] = np.asarray(values[i]).astype(helper.tensor_dtype_to_np_dtype(onnx_type))
