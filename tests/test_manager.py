@@ -89,6 +89,32 @@ def test_shapes_refreshed_only_when_graph_changed():
     assert len(calls) == 2
 
 
+def test_a_pass_that_preserves_shapes_does_not_trigger_a_refresh():
+    calls = []
+
+    class NeedsShapes(Pass):
+        name = "test-needs-shapes"
+        needs_shapes = True
+
+        def run(self, graph, ctx):
+            return 0
+
+    class DropKeepingShapes(DropOneIdentity):
+        name = "test-drop-keeping-shapes"
+        preserves_shapes = True
+
+    graph = gs.import_onnx(identity_chain(2))
+    pm = PassManager([DropKeepingShapes(), NeedsShapes()], shape_inference=lambda g: calls.append(1) or True)
+    pm.run(graph, PassContext(opset=17))
+    assert len(calls) == 1  # the first refresh only: the rewrites since kept every shape
+    # a pass that does not preserve shapes still makes the next shape-needing pass re-infer
+    calls.clear()
+    pm = PassManager([DropOneIdentity(), DropKeepingShapes(), NeedsShapes()],
+                     shape_inference=lambda g: calls.append(1) or True)
+    pm.run(gs.import_onnx(identity_chain(4)), PassContext(opset=17))
+    assert len(calls) == 2  # rounds 1 and 2 each drop two Identities, one by the non-preserving pass
+
+
 def test_builtin_pass_bug_propagates_plugin_bug_is_plugin_error(register):
     with pytest.raises(ValueError, match="boom"):
         run(identity_chain(1), [Crash()])

@@ -59,6 +59,11 @@ class Pass:
     order: ClassVar[float] = 1000.0
     #: Run shape inference before this pass if the graph changed since the last one.
     needs_shapes: ClassVar[bool] = False
+    #: The pass's rewrites leave shape inference nothing new to learn (like LLVM's preserved
+    #: analyses): every tensor they keep has its value, and so its shape, unchanged, and tensors
+    #: they create carry their dtype/shape or none. The manager then does not re-infer shapes
+    #: for the next pass that needs them. False (re-infer) is always safe.
+    preserves_shapes: ClassVar[bool] = False
     #: The pass is skipped (with a note) below this default-domain opset.
     min_opset: ClassVar[int] = 1
     #: Targets the pass applies to; None means every target.

@@ -34,6 +34,7 @@ class RemoveDropout(NodeRewritePass):
     name = "remove-dropout"
     description = "Remove inference-time Dropout whose mask is unused."
     order = 210
+    preserves_shapes = True
     ops = frozenset({"Dropout"})
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

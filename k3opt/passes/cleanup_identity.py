@@ -15,6 +15,7 @@ class RemoveIdentity(NodeRewritePass):
     name = "remove-identity"
     description = "Remove Identity nodes (graph outputs keep their names)."
     order = 200
+    preserves_shapes = True
     ops = frozenset({"Identity"})
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

@@ -79,6 +79,7 @@ class EliminateCommonSubexpressions(Pass):
     name = "eliminate-common-subexpressions"
     description = "Merge nodes with the same op, attributes and inputs, and equal constants."
     order = 300
+    preserves_shapes = True
     options = {"cse_max_const_bytes": "largest constant compared by value, in bytes (default 1 MiB)"}
 
     def __init__(self) -> None:

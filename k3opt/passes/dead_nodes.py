@@ -35,6 +35,7 @@ class RemoveDeadNodes(Pass):
     name = "remove-dead-nodes"
     description = "Remove nodes (and with them initializers and value_info) that reach no graph output."
     order = 390
+    preserves_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         removed = 0

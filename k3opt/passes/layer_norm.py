@@ -42,6 +42,7 @@ class FuseLayerNorm(OrderedRulesPass):
     name = "fuse-layernorm"
     description = "decomposed LayerNorm (every exporter spelling, fp16/bf16 Casts) -> LayerNormalization"
     order = 500
+    preserves_shapes = True
     min_opset = 17
     needs_shapes = True
     rules = RULES

@@ -50,8 +50,8 @@ class PassManager:
 
     ``shape_inference`` is a callable ``(graph) -> bool`` that refreshes the
     tensors' shapes in place and returns False when inference failed; the
-    manager calls it before a pass that ``needs_shapes`` whenever the graph
-    changed since the last call.
+    manager calls it before a pass that ``needs_shapes`` whenever a pass that
+    does not ``preserves_shapes`` changed the graph since the last call.
     """
 
     def __init__(
@@ -99,7 +99,7 @@ class PassManager:
                 n = self._run_one(p, graph, ctx)
                 self.steps.append(Step(rnd, p.name, n))
                 if n:
-                    shapes_fresh = False
+                    shapes_fresh = shapes_fresh and p.preserves_shapes
                     version += 1
                 else:
                     idle_at[id(p)] = version

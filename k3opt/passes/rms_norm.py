@@ -88,6 +88,7 @@ class FuseRMSNorm(Pass):
     name = "fuse-rmsnorm"
     description = "RMSNorm -> RMSNormalization (target onnx, opset >= 23); counted and kept decomposed otherwise"
     order = 510
+    preserves_shapes = True
     needs_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:

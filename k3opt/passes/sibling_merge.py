@@ -119,6 +119,7 @@ class MergeSiblingMatMuls(Pass):
     name = "merge-sibling-matmuls"
     description = "MatMuls with constant weights reading one activation -> one MatMul (+ bias Add) and a Split"
     order = 600
+    preserves_shapes = True
     min_opset = 11  # Split with a negative axis
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
