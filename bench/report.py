@@ -52,7 +52,7 @@ def derive(model: dict) -> None:
             row["ops_changed"] = op_changes(orig.get("ops", {}), ev.get("ops", {}))
     model["best_peer"] = {}
     for level in ("disabled", "basic"):
-        peers = [r for r in rows if r["optimizer"] != SUBJECT and r["equal"] and _lat(r.get("eval"), level)]
+        peers = [r for r in rows if _counts_as_peer(r) and _lat(r.get("eval"), level)]
         best = min(peers, key=lambda r: _lat(r["eval"], level)["median_ms"], default=None)
         model["best_peer"][level] = best["optimizer"] if best else None
         base = _lat(orig, level)
@@ -66,20 +66,40 @@ def derive(model: dict) -> None:
             }
 
 
+def _counts_as_peer(row: dict) -> bool:
+    """A peer result the goals compare with: outputs equal to the original's and a valid ONNX model.
+
+    A result that fails onnx.checker's full check (ORT's transformer optimizer writes
+    ``LayerNormalization`` into opset-14 models, and ``com.microsoft`` contrib ops) runs only on
+    onnxruntime: ATC, k3opt's target, rejects it. Such rows stay in the tables, and the goals
+    name what they would have been (:func:`_invalid_fewer`), but they do not set the bar.
+    """
+    ev = row.get("eval") or {}
+    return row["optimizer"] != SUBJECT and bool(row.get("equal")) and ev.get("checker") == "ok"
+
+
+def _invalid_fewer(rows: dict, nodes: int) -> str:
+    """``"; <peer> has N but is not valid ONNX"`` for the equal-output peer with fewest nodes, if below ``nodes``."""
+    invalid = [(r["eval"]["nodes"], n) for n, r in rows.items()
+               if n != SUBJECT and r.get("eval") and r.get("equal") and not _counts_as_peer(r)]
+    least = min(invalid, default=None)
+    return f"; {least[1]} has {least[0]}, not valid ONNX" if least and least[0] < nodes else ""
+
+
 def goals(model: dict) -> dict:
     """k3opt's per-model goals, each (verdict or None, figures): fewest nodes, latency with ORT
-    optimizations off vs the best peer (within the noise), equal outputs."""
+    optimizations off vs the best peer (within the noise), equal outputs. Peers: :func:`_counts_as_peer`."""
     rows = {r["optimizer"]: r for r in model.get("results", [])}
     subject = rows.get(SUBJECT)
     if not subject or not subject.get("eval"):
         reason = subject["status"] if subject else "not run"
         return {"fewest_nodes": (None, reason), "latency": (None, reason), "equal": (None, reason)}
     nodes = subject["eval"]["nodes"]
-    peers = [(r["eval"]["nodes"], n) for n, r in rows.items() if n != SUBJECT and r.get("eval") and r["equal"]]
+    peers = [(r["eval"]["nodes"], n) for n, r in rows.items() if _counts_as_peer(r)]
     fewest = (None, "no peer")
     if peers:
         least, who = min(peers)
-        fewest = (nodes <= least, f"{nodes} vs {least} ({who})")
+        fewest = (nodes <= least, f"{nodes} vs {least} ({who}){_invalid_fewer(rows, nodes)}")
     latency: tuple = (None, "no peer")
     best = model["best_peer"].get("disabled")
     if best:

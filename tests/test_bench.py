@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 
 from bench import run as bench_run
 from bench.procs import run_measured
-from bench.report import goals
+from bench.report import derive, goals
 from tests.helpers import make_model
 
 
@@ -53,3 +53,27 @@ def test_crashes_and_timeouts_are_results():
     grow = "import time\nblocks = []\nwhile True:\n    blocks.append(bytearray(50_000_000))\n    time.sleep(0.05)"
     hog = run_measured([sys.executable, "-c", grow], 30, max_rss_mb=300)
     assert hog.status == "memory-limit" and 250 < hog.peak_rss_mb < 600
+
+
+def _row(optimizer: str, nodes: int, median_ms: float, checker: str = "ok", max_abs: float = 0.0) -> dict:
+    lat = {"median_ms": median_ms, "p25_ms": median_ms, "p75_ms": median_ms}
+    return {"optimizer": optimizer, "status": "ok",
+            "eval": {"nodes": nodes, "checker": checker, "ops": {}, "diff": {"max_abs": max_abs, "max_rel": max_abs},
+                     "latency": {"disabled": lat, "basic": lat}}}
+
+
+def test_goals_compare_with_valid_peers_only_and_name_the_invalid_ones():
+    lat = {"median_ms": 1.0, "p25_ms": 1.0, "p75_ms": 1.0}
+    model = {"original": {"nodes": 50, "ops": {}, "latency": {"disabled": lat, "basic": lat}}, "results": [
+        _row("k3opt", 20, 1.0),
+        _row("onnxslim", 25, 1.0),
+        _row("ort-transformers", 12, 0.5, checker="ValidationError: No Op registered for LayerNormalization"),
+        _row("broken", 5, 0.1, max_abs=1.0),  # fewer nodes, faster, but wrong outputs: never a peer
+    ]}
+    derive(model)
+    assert model["best_peer"] == {"disabled": "onnxslim", "basic": "onnxslim"}
+    verdict = goals(model)
+    assert verdict["fewest_nodes"] == (True, "20 vs 25 (onnxslim); ort-transformers has 12, not valid ONNX")
+    assert verdict["latency"][0] is True
+    model["results"][1]["eval"]["nodes"] = 19  # a valid peer with fewer nodes is a miss
+    assert goals(model)["fewest_nodes"][0] is False
