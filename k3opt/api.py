@@ -18,7 +18,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 from onnx.external_data_helper import uses_external_data
 
-from . import gs_roundtrip, io, opset as opsets, shapes, verify as verifier
+from . import gs_roundtrip, io, ir, opset as opsets, shapes, verify as verifier
 from .errors import OutputError, UsageError, VerificationError
 from .passes.base import PassContext, build_pipeline, check_pass_options
 from .passes.manager import PassManager
@@ -317,7 +317,7 @@ class _Run:
 
 def export(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
     """Clean up, sort and export ``graph`` with ``model``'s metadata and opset imports."""
-    graph.cleanup().toposort()
+    ir.toposort(ir.cleanup(graph))
     out = gs_roundtrip.export_onnx(graph)
     out.ir_version = model.ir_version
     for field in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):

@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import numpy_helper
+from onnx_graphsurgeon.logger import G_LOGGER
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 Tensor = gs.Tensor
@@ -213,3 +214,173 @@ def replace_uses(graph: Graph, old: Tensor, new: Tensor) -> None:
             if new.shape is None:
                 new.shape = old.shape
             graph.outputs[i] = new
+
+
+# --------------------------------------------------------------------------- order and clean-up
+#
+# gs's ``Graph.toposort`` and ``Graph.cleanup`` recompute tensor maps and walk
+# generators per node (toposort ~0.2 s, cleanup ~0.15 s on 5k nodes). These give
+# the same result in linear time: same node order (byte-identical export), same
+# nodes kept. Graphs with local functions go to gs (it also sorts and cleans those).
+
+
+def _local_names(graph: Graph) -> set[str]:
+    """gs's ``Graph._local_tensors`` names: produced here, graph inputs, and constants (last tensor of a name wins)."""
+    last: dict[str, Tensor] = {}
+    for t in graph.inputs:
+        last[t.name] = t
+    for node in graph.nodes:
+        for t in node.inputs:
+            last[t.name] = t
+        for t in node.outputs:
+            last[t.name] = t
+    for t in graph.outputs:
+        last[t.name] = t
+    names = {name for name, t in last.items() if name and isinstance(t, gs.Constant)}
+    names.update(t.name for node in graph.nodes for t in node.outputs if t.name)
+    names.update(t.name for t in graph.inputs)
+    return names
+
+
+def _outer_reads(node: Node) -> list[Tensor]:
+    """Tensors ``node``'s bodies read from enclosing graphs (gs's ``_foreign_tensors``, in its order)."""
+    reads: list[Tensor] = []
+    seen: set[int] = set()
+    for sub in node_subgraphs(node):
+        if id(sub) not in seen:  # gs's Node.subgraphs yields a body once
+            seen.add(id(sub))
+            reads += list(sub._foreign_tensors().values())
+    return reads
+
+
+def _not_in_graph(node: Node) -> None:
+    G_LOGGER.critical(f"Encountered a node not in the graph:\n{node}.\n\n"
+                      "To fix this, please append the node to this graph's `nodes` attribute.")
+
+
+def toposort(graph: Graph) -> Graph:
+    """``graph.toposort()`` in linear time, with exactly gs's order; returns ``graph``.
+
+    gs's order: a node's level is one more than the highest level of the nodes
+    producing its inputs (or what its bodies read from this graph); nodes are
+    sorted by level, ties kept in the order of a depth-first walk that visits
+    each node's producers before it. Bodies are sorted first.
+    """
+    if graph.functions:
+        return graph.toposort()
+    done: set[int] = set()
+    for g in _bodies_first(graph):
+        if id(g) not in done:
+            done.add(id(g))
+            _sort_nodes(g)
+    return graph
+
+
+def _bodies_first(graph: Graph) -> list[Graph]:
+    """Every graph nested in ``graph`` (``graph`` last), each after the bodies it holds."""
+    out: list[Graph] = []
+    for node in graph.nodes:
+        for sub in node_subgraphs(node):
+            out += _bodies_first(sub)
+    out.append(graph)
+    return out
+
+
+def _sort_nodes(graph: Graph) -> None:
+    local = _local_names(graph)
+    members = {id(n) for n in graph.nodes}
+    bodies = {id(n) for n in graph.nodes if node_subgraphs(n)}
+
+    def producers(node: Node) -> dict[int, Node]:
+        found: dict[int, Node] = {}
+        for t in (node.inputs if id(node) not in bodies else list(node.inputs) + _outer_reads(node)):
+            if t.name in local:
+                for p in t.inputs:
+                    found[id(p)] = p
+        if not members.issuperset(found):
+            _not_in_graph(next(p for k, p in found.items() if k not in members))
+        return found
+
+    level: dict[int, int] = {}
+    order: list[Node] = []
+    for root in graph.nodes:
+        if id(root) in level:
+            continue
+        found = producers(root)
+        try:  # the usual case: its producers are placed already
+            level[id(root)] = max(map(level.__getitem__, found), default=-1) + 1
+            order.append(root)
+            continue
+        except KeyError:
+            pass
+        stack = [(root, list(found.values()), 0)]
+        on_stack = {id(root)}
+        while stack:
+            node, inputs, i = stack[-1]
+            while i < len(inputs) and id(inputs[i]) in level:
+                i += 1
+            if i < len(inputs):
+                stack[-1] = (node, inputs, i + 1)
+                nxt = inputs[i]
+                if id(nxt) in on_stack:
+                    G_LOGGER.critical("Cycle detected in graph! Are there tensors with duplicate names in the graph?")
+                on_stack.add(id(nxt))
+                stack.append((nxt, list(producers(nxt).values()), 0))
+                continue
+            stack.pop()
+            on_stack.discard(id(node))
+            level[id(node)] = max((level[id(p)] for p in inputs), default=-1) + 1
+            order.append(node)
+    graph.nodes = sorted(order, key=lambda n: level[id(n)])
+
+
+def cleanup(graph: Graph) -> Graph:
+    """``graph.cleanup()`` (defaults) in linear time: drops nodes no graph output depends on; returns ``graph``.
+
+    Bodies are cleaned first, graph inputs lose any producer, unused inputs
+    stay. Dropped nodes are unlinked by identity (:func:`disconnect`), where
+    gs's ``__eq__``-based unlinking could unlink a look-alike twin instead.
+    """
+    if graph.functions:
+        return graph.cleanup()
+    for g in _bodies_first(graph):
+        _drop_unused(g)
+    return graph
+
+
+def _drop_unused(graph: Graph) -> None:
+    for inp in graph.inputs:
+        for node in list(inp.inputs):
+            _unlink(node.outputs, inp)
+        list.clear(inp.inputs)
+    local = _local_names(graph)
+    members = {id(n) for n in graph.nodes}
+    seen: set[str] = set()
+
+    def wanted(t: Tensor) -> bool:  # gs's IgnoreDupAndForeign: by name
+        if not t.name:
+            return True
+        if t.name not in local or t.name in seen:
+            return False
+        seen.add(t.name)
+        return True
+
+    used: set[int] = set()
+    todo = [t for t in graph.outputs if wanted(t)]
+    index = 0
+    while index < len(todo):
+        t = todo[index]
+        index += 1
+        for node in t.inputs:
+            if id(node) not in members:
+                _not_in_graph(node)
+            reads = list(node.inputs) + (_outer_reads(node) if node_subgraphs(node) else [])
+            used.add(id(node))
+            todo += [r for r in reads if wanted(r)]
+    kept = []
+    for node in graph.nodes:
+        if id(node) in used:
+            kept.append(node)
+        else:
+            disconnect(node)
+    graph.nodes = kept
