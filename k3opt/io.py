@@ -18,7 +18,7 @@ from typing import BinaryIO, Callable, Iterator, Optional, Union
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, EncodeError
 from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
 from onnx_graphsurgeon.ir.tensor import LazyValues
@@ -436,11 +436,19 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
     """
     out = Path(dst)
     has_external = any(uses_external_data(t) for t in all_tensors(model))
-    too_big = proto_size(model) > PROTO_LIMIT
-    if external_data is None:
-        external_data = has_external or too_big
-    if not external_data and too_big:
-        raise OutputError(f"{out}: model exceeds 2 GB; it must be saved with external data")
+    serialized = None  # the inline model's bytes, when sizing it already produced them
+    if external_data is None and has_external:
+        external_data = True
+    if not external_data:
+        if has_external:
+            too_big = proto_size(model) > PROTO_LIMIT
+        else:  # sizing a proto serializes it (upb): serialize once, keep the bytes
+            serialized = _serialized_within_limit(model)
+            too_big = serialized is None
+        if too_big and external_data is None:
+            external_data = True
+        elif too_big:
+            raise OutputError(f"{out}: model exceeds 2 GB; it must be saved with external data")
     temps: list[Path] = []
     try:
         if external_data:
@@ -456,7 +464,7 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
         model_tmp = _temp_in(out.parent, out.name)
         temps.append(model_tmp)
         with open(model_tmp, "wb") as f:
-            f.write(model.SerializeToString())
+            f.write(model.SerializeToString() if serialized is None else serialized)
             _sync(f)
         written = [out]
         if external_data:
@@ -470,6 +478,15 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
     finally:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
+
+
+def _serialized_within_limit(model: onnx.ModelProto) -> Optional[bytes]:
+    """``model``'s bytes, or None when they pass :data:`PROTO_LIMIT` (protobuf refuses 2 GiB)."""
+    try:
+        data = model.SerializeToString()
+    except EncodeError:  # upb cannot encode it at all
+        return None
+    return data if len(data) <= PROTO_LIMIT else None
 
 
 def _temp_in(folder: Path, name: str) -> Path:
