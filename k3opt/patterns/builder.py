@@ -135,8 +135,10 @@ class NodePattern:
     allow_other_inputs: bool
     commutative: bool
     outputs: tuple["NodeOutput", ...] = ()
-    #: Binding keys of everything below this node (filled by :func:`_closure`).
-    closure: tuple = ()
+    #: What a match below this node binds (filled by :func:`_fill_closures`, keys the failure memo):
+    #: the ids of the node patterns, and the value keys.
+    closure_nodes: tuple[int, ...] = ()
+    closure_values: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -282,15 +284,18 @@ def _anchor_ops(p: ValuePattern) -> set[str]:
 
 def _fill_closures(outputs: Sequence[ValuePattern]) -> None:
     """Give each node pattern the binding keys of everything it reaches (for failure memoization)."""
+    done: set[int] = set()
     for p in _walk(outputs):
-        if isinstance(p, NodeOutput) and not p.node.closure:
-            keys: list = []
+        if isinstance(p, NodeOutput) and id(p.node) not in done:
+            done.add(id(p.node))
+            nodes: dict[int, None] = {}
+            values: dict[Any, None] = {}
             for q in _walk(p.children()):
-                k = q.node if isinstance(q, NodeOutput) else None
-                for key in (k, q.key):
-                    if key is not None and not any(key is e for e in keys):
-                        keys.append(key)
-            p.node.closure = tuple(keys)
+                if isinstance(q, NodeOutput):
+                    nodes[id(q.node)] = None
+                if q.key is not None:
+                    values[q.key] = None
+            p.node.closure_nodes, p.node.closure_values = tuple(nodes), tuple(values)
 
 
 def build_pattern(fn: Callable[..., Any]) -> Pattern:

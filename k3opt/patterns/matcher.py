@@ -29,6 +29,7 @@ from .builder import (
     Pattern,
     ValuePattern,
     Var,
+    _walk,
 )
 from .schema import MISSING, attr_value
 
@@ -86,6 +87,7 @@ class State:
     def __init__(self) -> None:
         self.values: dict[Any, Tensor] = {}
         self.nodes: dict[int, tuple[NodePattern, Node]] = {}
+        self.node_ids: dict[int, int] = {}  # id(node pattern) -> id(graph node), for the failure memo
         self.used: set[int] = set()
         self.which: dict[str, int] = {}
         self.root: Optional[Tensor] = None
@@ -108,6 +110,9 @@ class Matcher:
         self._failed: dict[tuple, set] = {}  # (pattern node, graph node) -> binding states that failed
         self._impure = 0
         self._steps = 0
+        self._may: dict[int, tuple[bool, bool, frozenset]] = {}
+        for p in _walk(pattern.outputs):
+            _summarize(p, self._may)
 
     def matches(self, root: Tensor) -> Iterator[State]:
         """Each full structural match rooted at ``root`` (the pattern's first output)."""
@@ -237,6 +242,7 @@ class Matcher:
         if self._header(np_, n):
             inputs = node_inputs(n)
             self.s.nodes[id(np_)] = (np_, n)
+            self.s.node_ids[id(np_)] = id(n)
             self.s.used.add(id(n))
             for order in self._orders(np_, inputs):
                 pairs = [(np_.inputs[i], inputs[j]) for i, j in enumerate(order)]
@@ -244,13 +250,15 @@ class Matcher:
                     found = True
                     yield
             del self.s.nodes[id(np_)]
+            del self.s.node_ids[id(np_)]
             self.s.used.discard(id(n))
         if not found and self._impure == impure_before:
             self._failed.setdefault(pair, set()).add(self._bindings(np_))
 
     def _bindings(self, p: NodePattern) -> tuple:
         """What a sub-pattern's outcome can depend on: the current bindings of everything under it."""
-        return tuple(id(self.s.bound(k)) for k in p.closure)
+        s = self.s
+        return tuple(map(s.node_ids.get, p.closure_nodes)), tuple(map(id, map(s.values.get, p.closure_values)))
 
     def _inputs(self, pairs: list, i: int) -> Iterator[None]:
         if i == len(pairs):
@@ -302,13 +310,33 @@ class Matcher:
         return orders
 
     def _may_match(self, p: Optional[ValuePattern], t: Tensor) -> bool:
-        """Cheap structural filter: could ``p`` match ``t`` at all?"""
-        if p is None or isinstance(p, Var):
+        """Cheap structural filter: could ``p`` match ``t`` at all? (See :func:`_summarize`.)"""
+        if p is None:
             return True
-        if isinstance(p, (ConstantPattern, AnyConstantPattern)):
-            return is_const(t)
-        if isinstance(p, NodeOutput):
-            n = producer(t)
-            return n is not None and n.op == p.node.op_type
+        anything, constant, ops = self._may[id(p)]
+        if anything or (constant and is_const(t)):
+            return True
+        n = producer(t)
+        return n is not None and n.op in ops
+
+
+def _summarize(p: ValuePattern, into: dict[int, tuple[bool, bool, frozenset]]) -> tuple[bool, bool, frozenset]:
+    """What ``p`` can match at all: (any tensor, a constant, the output of a node of these op types).
+
+    ``op.Or`` combines its alternatives', so the filter costs the same whatever the nesting.
+    """
+    known = into.get(id(p))
+    if known is not None:
+        return known
+    if isinstance(p, Var):
+        summary = (True, False, frozenset())
+    elif isinstance(p, (ConstantPattern, AnyConstantPattern)):
+        summary = (False, True, frozenset())
+    elif isinstance(p, NodeOutput):
+        summary = (False, False, frozenset((p.node.op_type,)))
+    else:
         assert isinstance(p, OrPattern)
-        return any(self._may_match(a, t) for a in p.alternatives)
+        parts = [(True, False, frozenset()) if a is None else _summarize(a, into) for a in p.alternatives]
+        summary = (any(a for a, _, _ in parts), any(c for _, c, _ in parts), frozenset().union(*(o for _, _, o in parts)))
+    into[id(p)] = summary
+    return summary
