@@ -11,7 +11,7 @@ are not a symbol, non-constant or multi-element indices, and graph outputs.
 """
 from __future__ import annotations
 
-from ..ir import Graph, Node, Tensor, producer
+from ..ir import Graph, Node, Tensor, producer, toposort
 from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import bypass, remove
 from .fold_shapes import remembered_dims, shape_elements
@@ -35,7 +35,7 @@ class MergeEqualDims(Pass):
     needs_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        graph.toposort()
+        toposort(graph)  # gs's order in linear time (gs's own toposort took ~0.12 s per run here)
         first: dict[object, Tensor] = {}
         dead: list[Node] = []
         merged = 0
