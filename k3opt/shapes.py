@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto
@@ -205,16 +206,29 @@ def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto,
     infos = {vi.name: vi for vi in list(inferred.value_info) + list(inferred.output)}
     inputs = {id(t) for t in graph.inputs}
     declared = {d for t in list(graph.inputs) + list(graph.outputs) for d in (t.shape or ()) if isinstance(d, str)}
+    # Most tensors share a few distinct types: convert each once, keyed by its serialized proto.
+    converted: dict[bytes, Optional[tuple[np.dtype, Optional[tuple]]]] = {}
     for name, tensor in (tensors if tensors is not None else graph.tensors()).items():
         vi = infos.get(name)
         if vi is None or isinstance(tensor, gs.Constant) or id(tensor) in inputs:
             continue
-        tt = vi.type.tensor_type
-        if not vi.type.HasField("tensor_type") or tt.elem_type == TensorProto.UNDEFINED:
-            continue
-        tensor.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        if tt.HasField("shape"):
-            tensor.shape = [
-                d.dim_value if d.HasField("dim_value") else (d.dim_param if d.dim_param in declared else None)
-                for d in tt.shape.dim
-            ]
+        key = vi.type.SerializeToString()
+        if key not in converted:
+            converted[key] = _dtype_and_shape(vi.type, declared)
+        info = converted[key]
+        if info is not None:
+            tensor.dtype = info[0]
+            if info[1] is not None:
+                tensor.shape = list(info[1])
+
+
+def _dtype_and_shape(tp: onnx.TypeProto, declared: set[str]) -> Optional[tuple[np.dtype, Optional[tuple]]]:
+    """(numpy dtype, dims or None when unranked) of a tensor type; None when it is no tensor or has no elem type."""
+    tt = tp.tensor_type
+    if not tp.HasField("tensor_type") or tt.elem_type == TensorProto.UNDEFINED:
+        return None
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+    if not tt.HasField("shape"):
+        return dtype, None
+    return dtype, tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param if d.dim_param in declared else None)
+                        for d in tt.shape.dim)
