@@ -15,12 +15,15 @@ graph outputs one tensor.
 from __future__ import annotations
 
 import hashlib
+import math
+import sys
 from typing import Hashable, Optional
 
 import numpy as np
 import onnx_graphsurgeon as gs
 from google.protobuf.message import Message
-from onnx import TensorProto
+from onnx import TensorProto, helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
 from .base import Pass, PassContext, register_pass
@@ -31,12 +34,34 @@ DEFAULT_MAX_CONST_BYTES = 1 << 20
 _DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
 
+#: Types whose ``raw_data`` is exactly the bytes of the array onnx reads from it (not bit-packed) on a
+#: little-endian machine: a constant of these is hashed from the proto, without building the array.
+_RAW_AS_ARRAY = frozenset(
+    {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.BOOL,
+     TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64,
+     TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64}
+) if sys.byteorder == "little" else frozenset()
+
+
 def _digest(value: np.ndarray) -> str:
     return hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest()
 
 
+def _const_digest(c: gs.Constant) -> str:
+    """:func:`_digest` of the constant's value; from its ``raw_data`` when that is the same bytes."""
+    proto = getattr(c._values, "tensor", None) if type(c._values) is LazyValues else None
+    if isinstance(proto, TensorProto) and proto.data_type in _RAW_AS_ARRAY and proto.HasField("raw_data") \
+            and not proto.HasField("segment") and proto.data_location != TensorProto.EXTERNAL:
+        raw = proto.raw_data
+        if len(raw) == helper.tensor_dtype_to_np_dtype(proto.data_type).itemsize * math.prod(proto.dims):
+            return hashlib.sha1(raw).hexdigest()
+    return _digest(np.asarray(peek(c)))
+
+
 def _attr_key(value: object) -> Optional[Hashable]:
     """A hashable, exact stand-in for an attribute value; None when it cannot be compared."""
+    if type(value) is int or type(value) is str:  # the common case, first
+        return (type(value).__name__, value)
     if isinstance(value, gs.Graph):
         return None
     if isinstance(value, gs.Constant):
@@ -62,12 +87,13 @@ def _node_key(node: Node) -> Optional[Hashable]:
     if (node.domain or "") not in _DOMAINS or node.op in RANDOM_OPS or not node.outputs:
         return None
     attrs = []
-    for k in sorted(node.attrs):
-        key = _attr_key(node.attrs[k])
-        if key is None:
-            return None
-        attrs.append((k, key))
-    return (node.op, node.domain or "", tuple(attrs), tuple(id(t) for t in node.inputs), len(node.outputs))
+    if node.attrs:
+        for k in sorted(node.attrs):
+            key = _attr_key(node.attrs[k])
+            if key is None:
+                return None
+            attrs.append((k, key))
+    return (node.op, node.domain or "", tuple(attrs), tuple(map(id, node.inputs)), len(node.outputs))
 
 
 def _external(c: gs.Constant) -> bool:
@@ -94,17 +120,18 @@ class EliminateCommonSubexpressions(Pass):
     def _digest_of(self, c: gs.Constant) -> str:
         hit = self._digests.get(id(c))
         if hit is None or hit[0] is not c:
-            hit = self._digests[id(c)] = (c, _digest(np.asarray(peek(c))))
+            hit = self._digests[id(c)] = (c, _const_digest(c))
         return hit[1]
 
     def _constants(self, graph: Graph, limit: int) -> int:
-        overridable = {id(t) for t in graph.inputs}
+        seen = {id(t) for t in graph.inputs}  # overridable: never merged
         groups: dict[tuple, dict[int, gs.Constant]] = {}
         for node in graph.nodes:
             for t in node.inputs:
-                if isinstance(t, gs.Constant) and id(t) not in overridable:
+                if id(t) not in seen and isinstance(t, gs.Constant):
+                    seen.add(id(t))
                     if t._values.nbytes <= limit and not _external(t):
-                        groups.setdefault((str(t.dtype), tuple(t.shape)), {})[id(t)] = t
+                        groups.setdefault((t.dtype, tuple(t.shape)), {})[id(t)] = t
         merged = 0
         for group in groups.values():
             if len(group) < 2:
