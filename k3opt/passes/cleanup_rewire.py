@@ -121,13 +121,32 @@ class NodeRewritePass(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         total = 0
-        for g in list(all_graphs(graph)):
+        for g, candidates in self._candidates(graph):
             dead: list[Node] = []
-            for node in list(g.nodes):
+            for node in candidates:  # re-checked: an earlier rewrite may have detached or changed it
                 if node.op in self.ops and (node.domain or "") in ("", "ai.onnx") and node.outputs:
                     total += bool(self.rewrite(g, node, ctx, dead))
             remove(g, dead)
         return total
+
+    def _candidates(self, graph: Graph) -> list[tuple[Graph, list[Node]]]:
+        """Each graph (``all_graphs`` order) with its nodes of the pass's op types, found in one walk
+        before any rewrite (as ``list(all_graphs(graph))`` and each ``list(g.nodes)`` were).
+        """
+        found: list[tuple[Graph, list[Node]]] = []
+
+        def walk(g: Graph) -> None:
+            nodes: list[Node] = []
+            found.append((g, nodes))
+            for node in g.nodes:
+                if node.op in self.ops:
+                    nodes.append(node)
+                if node.attrs:  # only a node with attributes can hold a body
+                    for body in node_subgraphs(node):
+                        walk(body)
+
+        walk(graph)
+        return found
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:  # pragma: no cover
         raise NotImplementedError
