@@ -243,3 +243,27 @@ def test_register_rules_never_extends_a_pass_it_did_not_make(cleanup_registry):
     rules_pass("t-builtin-like", [NEG_RELU])
     with pytest.raises(UsageError, match="already registered"):
         register_rules(NEG_RELU, name="t-builtin-like")
+
+
+def _body(name: str, inner: list) -> onnx.GraphProto:
+    """A one-output body computing Relu of an outer tensor, plus ``inner`` nodes."""
+    return helper.make_graph([helper.make_node("Relu", ["x"], [f"{name}_y"])] + inner, name, [],
+                             [helper.make_tensor_value_info(f"{name}_y", TP.FLOAT, [2])])
+
+
+def test_bodies_are_gs_subgraphs_in_gs_order():
+    """``bodies`` (which skips nodes without a body) yields what gs's recursive subgraphs yields, in its order."""
+    from k3opt.patterns.rule_pass import bodies
+
+    nested_if = helper.make_node("If", ["c"], ["n_y"], then_branch=_body("t2", []), else_branch=_body("e2", []))
+    deep_if = helper.make_node("If", ["c"], ["d_y"], then_branch=_body("t3", [nested_if]), else_branch=_body("e3", []))
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("If", ["c"], ["b"], then_branch=_body("t1", [deep_if]), else_branch=_body("e1", [])),
+             helper.make_node("If", ["c"], ["d"], then_branch=_body("t4", []), else_branch=_body("e4", [nested_if]))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, [2]),
+                                           helper.make_tensor_value_info("c", TP.BOOL, [])],
+                              [helper.make_tensor_value_info(n, TP.FLOAT, [2]) for n in ("a", "b", "d")])
+    g = gs.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    expected = list(g.subgraphs(recursive=True))
+    assert len(expected) == 10 and {b.name for b in expected} == {"t1", "e1", "t2", "e2", "t3", "e3", "t4", "e4"}
+    assert [id(b) for b in bodies(g)] == [id(b) for b in expected]

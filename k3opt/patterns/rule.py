@@ -119,7 +119,8 @@ class RuleApplier:
         """
         rewrites = 0
         try:
-            for node in reversed(list(self.graph.nodes)):
+            anchors = [n for n in self.graph.nodes if n.op in self._by_op]  # op types never change in a sweep
+            for node in reversed(anchors):
                 if id(node) in self.editor.removed:
                     continue
                 for rule, matcher in self._by_op.get(node.op, ()):

@@ -5,7 +5,7 @@ A rule set is one pass, so the pass manager's statistics, fixed-point loop,
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Optional, Sequence, Type, Union
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Type, Union
 
 import onnx
 
@@ -38,13 +38,22 @@ class RuleSetPass(Pass):
             ctx.names = NameScope(graph)
         try:
             rewrites = RuleApplier(graph, ctx, self.rules).run()
-            for sub in list(graph.subgraphs(recursive=True)):
+            for sub in list(bodies(graph)):
                 rewrites += RuleApplier(sub, ctx, self.rules, explain=False).run()
             return rewrites
         except RuleError as exc:
             if self.plugin:
                 raise PluginError(f"plugin '{self.plugin}', pass '{self.name}', {exc}") from exc
             raise
+
+
+def bodies(graph: Graph) -> Iterator[Graph]:
+    """``graph.subgraphs(recursive=True)``, in its order, asking gs only about nodes that hold a body."""
+    for node in graph.nodes:
+        for value in node.attrs.values():
+            if isinstance(value, Graph):
+                yield from node.subgraphs(recursive=True)
+                break
 
 
 def rules_pass(
