@@ -21,6 +21,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
+from . import gs_import
 from .ir import Graph, Tensor, all_graphs, set_input
 
 #: Tensor kinds gs's exporter can write.
@@ -30,9 +31,9 @@ _DEFAULTS = "k3opt_input_defaults"
 
 
 def import_onnx(model: onnx.ModelProto) -> Graph:
-    """``gs.import_onnx(model)``, keeping graph inputs that have a default initializer
-    and node attributes of the kinds gs skips."""
-    graph = gs.import_onnx(model)
+    """``gs.import_onnx(model)`` (built by :mod:`k3opt.gs_import`), keeping graph inputs that
+    have a default initializer and node attributes of the kinds gs skips."""
+    graph = gs_import.import_onnx(model)
     restore_default_inputs(model, graph)
     restore_skipped_attributes(model.graph, graph)
     return graph

@@ -210,9 +210,10 @@ def import_graph(model: onnx.ModelProto) -> gs.Graph:
         graph = gs_roundtrip.import_onnx(model)
     except Exception as exc:  # gs raises assorted types on models it cannot represent
         raise InputError(f"the graph cannot be imported ({type(exc).__name__}: {exc})") from exc
-    if not any(uses_external_data(t) for t in all_tensors(model)):
-        return graph  # nothing to make lazy: skip walking every graph's tensors
-    for g in all_graphs(graph):
+    graphs = list(all_graphs(graph))
+    if len(graphs) == 1 and not any(uses_external_data(t) for t in model.graph.initializer):
+        return graph  # nothing to make lazy: skip walking every tensor
+    for g in graphs:
         for t in g.tensors().values():
             if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues):
                 if uses_external_data(t._values.tensor):

@@ -166,3 +166,143 @@ def test_toposort_and_cleanup_match_gs_on_a_zoo_model():
     theirs.cleanup().toposort()
     assert _order(ours) == _order(theirs)
     assert _exported(ours) == _exported(theirs)
+
+
+# --------------------------------------------------------------------------- the importer
+
+
+def _canonical(graph: gs.Graph) -> list:
+    """Everything gs keeps for ``graph``: every reachable node/tensor/graph's attributes, in order,
+    with objects numbered by first appearance (so two imports compare equal only when their
+    objects, values and use-def links are the same)."""
+    from google.protobuf.message import Message
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+    from onnx_graphsurgeon.util.misc import SynchronizedList
+
+    objects = (gs.Node, gs.Tensor, gs.Graph, LazyValues, gs.Node.AttributeRef)
+    ids: dict[int, int] = {}
+    queue: list = []
+
+    def ref(o):
+        if isinstance(o, objects):
+            if id(o) not in ids:
+                ids[id(o)] = len(ids)
+                queue.append(o)
+            return "ref", ids[id(o)]
+        if isinstance(o, SynchronizedList):
+            return "links", ref(o.parent_obj), o.field_name, [ref(x) for x in o]
+        if isinstance(o, (list, tuple)):
+            return type(o).__name__, [ref(x) for x in o]
+        if isinstance(o, dict):
+            return type(o).__name__, [(k, ref(v)) for k, v in o.items()]
+        if isinstance(o, Message):
+            return "proto", type(o).__name__, o.SerializeToString(deterministic=True)
+        if type(o).__name__.startswith("Repeated"):
+            return type(o).__name__, [ref(x) for x in o]
+        return type(o).__name__, repr(o)
+
+    ref(graph)
+    out = []
+    for o in queue:  # grows while walking
+        out.append((type(o).__name__, [(k, ref(v)) for k, v in vars(o).items()]))
+    return out
+
+
+def _kitchen_sink() -> onnx.ModelProto:
+    """One graph with every edge case the fast importer must get right."""
+    bf16 = helper.make_tensor("bf", T.BFLOAT16, [2], [1.0, 2.0])
+    ext = helper.make_tensor("ext", F, [2], [0.0, 0.0])
+    ext.data_location = T.EXTERNAL
+    ext.ClearField("float_data")
+    for key, value in (("location", "w.bin"), ("offset", "0"), ("length", "8")):
+        entry = ext.external_data.add()
+        entry.key, entry.value = key, value
+    opt_type = helper.make_optional_type_proto(helper.make_tensor_type_proto(F, [2]))
+    nodes = [
+        helper.make_node("Add", ["later", "x"], ["early"], name="reads_before_produced"),
+        helper.make_node("Neg", ["x"], ["later"]),  # no name
+        helper.make_node("Add", ["x", "x"], ["twice"], name="dup_consumer"),
+        helper.make_node("Clip", ["twice", "", "c"], ["clipped"], name="empty_input"),
+        helper.make_node("Dropout", ["clipped"], ["dropped", ""], name="empty_output"),
+        helper.make_node("Constant", [], ["k_t"], value=helper.make_tensor("v", F, [2], [1.0, 2.0])),
+        helper.make_node("Constant", [], ["k_bf"], value=helper.make_tensor("vb", T.BFLOAT16, [1], [1.0])),
+        helper.make_node("Constant", [], ["k_f"], value_float=1.5, name="k_f"),
+        helper.make_node("Constant", [], ["k_fs"], value_floats=[1.5, 2.5]),
+        helper.make_node("Constant", [], ["k_i"], value_int=3),
+        helper.make_node("Constant", [], ["k_is"], value_ints=[3, 4]),
+        helper.make_node("Constant", [], ["k_s"], value_string="abc"),
+        helper.make_node("Constant", [], ["k_ss"], value_strings=["a", "é"]),
+        helper.make_node("Optional", [], ["none"], type=opt_type, name="skipped_kind"),
+        helper.make_node("Custom", ["x", "ext", "bf"], ["custom"], domain="my.domain", alpha=0.5),
+        helper.make_node("If", ["cond"], ["branch"], name="if", then_branch=_branch("then", "Add", "twice", "t"),
+                         else_branch=_branch("else", "Mul", "x", "e")),
+        helper.make_node("Identity", ["x"], ["x_again"], domain=""),
+    ]
+    graph = helper.make_graph(nodes, "sink", [_vi("x"), _vi("unused"), _vi("c"), _vi("cond", ())],
+                              [_vi("early"), _vi("x"), _vi("bf"), _vi("dropped")], [bf16, ext],
+                              doc_string="doc")
+    graph.initializer.append(helper.make_tensor("c", F, [], [1.0]))  # an input with a default
+    graph.value_info.extend([
+        helper.make_tensor_value_info("twice", F, None),  # dtype only ...
+        helper.make_tensor_value_info("twice", 0, [2]),  # ... then the shape
+        helper.make_tensor_value_info("bf", F, [3]),  # an initializer's entry: ignored
+        helper.make_tensor_value_info("later", F, ["n"]),
+        helper.make_value_info("none", helper.make_optional_type_proto(helper.make_tensor_type_proto(F, [2]))),
+        helper.make_tensor_sequence_value_info("seq", F, [2]),
+    ])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("my.domain", 1)],
+                              producer_name="p", producer_version="1")
+    return model
+
+
+IMPORT_CASES = {"kitchen_sink": _kitchen_sink, "if": _if_model, "loop": _loop_model}
+
+
+@pytest.mark.parametrize("make", IMPORT_CASES.values(), ids=list(IMPORT_CASES))
+def test_fast_import_builds_gs_graph_exactly(make):
+    from k3opt import gs_import
+
+    model = make()
+    assert _canonical(gs_import.import_onnx(model)) == _canonical(gs.import_onnx(model))
+
+
+def test_fast_import_leaves_functions_and_sparse_initializers_to_gs(monkeypatch):
+    from k3opt import gs_import
+
+    calls = []
+    real = gs.import_onnx
+    monkeypatch.setattr(gs_import.gs, "import_onnx", lambda m: calls.append(m) or real(m))
+    with_function = _model([helper.make_node("F", ["x"], ["y"], domain="local")], ["x"], ["y"])
+    with_function.functions.append(helper.make_function("local", "F", ["a"], ["b"], [helper.make_node("Neg", ["a"], ["b"])],
+                                                        [helper.make_opsetid("", 17)]))
+    sparse = _model([helper.make_node("Add", ["x", "s"], ["y"])], ["x"], ["y"])
+    sparse.graph.sparse_initializer.append(helper.make_sparse_tensor(
+        helper.make_tensor("s", F, [1], [1.0]), helper.make_tensor("i", T.INT64, [1], [0]), [2]))
+    for model in (with_function, sparse):
+        assert _canonical(gs_import.import_onnx(model)) == _canonical(real(model))
+    assert len(calls) == 2
+
+
+def test_fast_import_matches_gs_on_zoo_models():
+    from k3opt import gs_import
+    from tests.zoo import EXPORTERS, zoo_model
+
+    for exporter in EXPORTERS:
+        model = io.load(zoo_model("deepseek_v3", exporter))
+        assert _canonical(gs_import.import_onnx(model)) == _canonical(gs.import_onnx(model))
+
+
+def test_fast_import_restores_the_collector():
+    import gc
+
+    from k3opt import gs_import
+
+    assert gc.isenabled()
+    gs_import.import_onnx(_kitchen_sink())
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        gs_import.import_onnx(_kitchen_sink())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
