@@ -47,9 +47,10 @@ class MergeEqualDims(Pass):
                 if key is None:
                     continue
                 kept = first.setdefault(key, node.outputs[0])
-                if kept is not node.outputs[0] and bypass(graph, node, kept, dead):
-                    merged += 1
-                    memo.clear()  # readers were rewired: what was traced through them may change
+                if kept is node.outputs[0]:
+                    continue
+                memo.rewiring(node.outputs, kept)  # what was traced through the readers may change
+                merged += bypass(graph, node, kept, dead)
         remove(graph, dead)
         return merged
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..ir import Graph, Node, Tensor, const_tensor, peek, producer, rank
 from .base import PassContext, register_pass
-from .fold_shapes import remembered_dims, shape_elements, tensor_dims
+from .fold_shapes import dim_at, remembered_dims, shape_elements
 from .cleanup_rewire import NodeRewritePass, bypass, cast_target, int_list, onnx_type
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -61,19 +61,18 @@ def _same_reshape(node: Node) -> Optional[Tensor]:
 def _reshapes_to(node: Node, t: Tensor) -> bool:
     """True when Reshape ``node``'s target is exactly ``t``'s shape, element by element (a literal equal
     known dim, the same symbol, a 0 copying an equal dim of the Reshape's input, at most one -1)."""
-    elements, dims = shape_elements(node.inputs[1]), tensor_dims(t)
-    if elements is None or dims is None or len(elements[0]) != len(dims) or elements[0].count(-1) > 1:
+    elements = shape_elements(node.inputs[1])
+    if elements is None or t.shape is None or len(elements[0]) != len(t.shape) or elements[0].count(-1) > 1:
         return False
     copy = not node.attrs.get("allowzero", 0)
-    copied = tensor_dims(node.inputs[0]) if copy and t is not node.inputs[0] else None
-    for i, (s, d) in enumerate(zip(elements[0], dims)):
+    x = node.inputs[0]
+    for i, s in enumerate(elements[0]):  # dims are traced only where the element does not decide alone
         if s == 0 and copy:
-            if t is node.inputs[0]:
+            if t is x:
                 continue
-            s = copied[i] if copied is not None and i < len(copied) else None
-        if s == -1 or (s is not None and s == d):
-            continue
-        return False
+            s = dim_at(x, i)
+        if s != -1 and (s is None or s != dim_at(t, i)):
+            return False
     return True
 
 
@@ -184,10 +183,10 @@ class RemoveNoopOps(NodeRewritePass):
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         src = CHECKS[node.op](node)
-        if src is None or not bypass(graph, node, src, dead):
+        if src is None:
             return False
-        self._memo.clear()  # readers were rewired: what was traced through them may change
-        return True
+        self._memo.rewiring(node.outputs, src)  # what was traced through the readers may change
+        return bypass(graph, node, src, dead)
 
 
 register_pass(RemoveNoopOps)

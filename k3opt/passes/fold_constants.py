@@ -32,7 +32,7 @@ from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach, is_used, remove
 from .fold_eval import EvalError, as_array, outer_refs, run_ort, run_reference
 from .fold_guard import too_big
-from .fold_shapes import fold_shape_value, remembered_dims
+from .fold_shapes import fold_shape_value, forget, remembered_dims, rewiring
 
 #: Ops whose result is not a function of their inputs.
 RANDOM_OPS = frozenset(
@@ -58,12 +58,14 @@ class FoldConstants(Pass):
         self._failed: dict[int, Node] = {}
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        total = self._constant_nodes(graph, ctx)
-        for _ in range(MAX_SWEEPS):
-            n = self._fold_shapes(graph, ctx) + self._fold_values(graph, ctx)
-            if not n:
-                break
-            total += n
+        # One memo for every sweep: each change tells it what it rewired (traces are re-walked only there).
+        with remembered_dims():
+            total = self._constant_nodes(graph, ctx)
+            for _ in range(MAX_SWEEPS):
+                n = self._fold_shapes(graph, ctx) + self._fold_values(graph, ctx)
+                if not n:
+                    break
+                total += n
         return total
 
     # -- sweep 1 -----------------------------------------------------------
@@ -80,6 +82,7 @@ class FoldConstants(Pass):
             if value is None:
                 continue
             name = out.name
+            rewiring([out], value)
             replace_uses(graph, out, value)
             detach(node, dead)
             value.name = name
@@ -90,13 +93,11 @@ class FoldConstants(Pass):
     def _fold_shapes(self, graph: Graph, ctx: PassContext) -> int:
         folded: list[Node] = []
         installed: list = []
-        with remembered_dims() as memo:
-            for node in graph.nodes:
-                if node.op in SHAPE_OPS and (node.domain or "") in ("", "ai.onnx") and is_used(graph, node.outputs[0]):
-                    value = fold_shape_value(node)
-                    if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
-                        folded.append(node)
-                        memo.clear()  # readers now read a constant: what was traced through them may change
+        for node in graph.nodes:
+            if node.op in SHAPE_OPS and (node.domain or "") in ("", "ai.onnx") and is_used(graph, node.outputs[0]):
+                value = fold_shape_value(node)
+                if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
+                    folded.append(node)
         n = _drop_dead(graph, folded)
         _take_names(installed)
         return n
@@ -238,10 +239,12 @@ def _install(graph: Graph, ctx: PassContext, t: Tensor, value: np.ndarray, insta
         return None
     if is_graph_output(graph, t):
         p = producer(t)
+        rewiring([t] if p is None else p.outputs, const)  # t gets a new producer
         if p is not None:
             p.outputs[[i for i, o in enumerate(p.outputs) if o is t][0]] = gs.Variable(ctx.fresh_name(t.name))
         graph.nodes.insert(0, gs.Node("Constant", ctx.fresh_name(t.name + "_const"), {"value": const}, [], [t]))
         return const
+    rewiring([t], const)  # readers now read a constant: what was traced through them may change
     replace_uses(graph, t, const)
     installed.append((t, const))
     return const
@@ -260,6 +263,7 @@ def _drop_dead(graph: Graph, nodes: list[Node]) -> int:
     dead: list[Node] = []
     for node in nodes:
         if not any(is_used(graph, t) for t in node.outputs):
+            forget(node.outputs)
             detach(node, dead)
     remove(graph, dead)
     return len(dead)

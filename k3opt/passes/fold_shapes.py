@@ -21,7 +21,7 @@ when the batch and sequence are not.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -59,27 +59,127 @@ def tensor_dims(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[list[Dim]]:
     Reshape target spelled out (``Reshape(x, [b, s, -1, 8])`` of a
     ``[b, s, 16]`` tensor has 2 at dim 2).
     """
+    _read(t)
     shape = t.shape
     if shape is None:
         return None
     return [_dim_at(t, i, depth) for i in range(len(shape))]
 
 
-#: While :func:`remembered_dims` is active: traced dims by ``(id(tensor), dim, depth)``, shape elements by
-#: ``(id(tensor), -1, depth)`` and constant values by ``(id(tensor), -2, 0)`` (the tensor is kept to check the id).
-_memo: Optional[dict[tuple[int, int, int], tuple[Tensor, object]]] = None
+def dim_at(t: Tensor, i: int, depth: int = MAX_SHAPE_DEPTH) -> Dim:
+    """Dim ``i`` of ``t`` as :func:`tensor_dims` gives it (None when ``i`` is out of range), tracing only that one."""
+    return _dim_at(t, i, depth)
+
+
+class DimMemo:
+    """What tracing found, kept while :func:`remembered_dims` is active, and what each finding read.
+
+    Tracing re-walks the same producers for every Shape of a deep model. A
+    result is remembered per ``(tensor, slot)`` (slot: the dim, -1 for shape
+    elements, -2 for a constant's value) for every depth at or above the one
+    it was computed at, when no branch was cut short by the depth limit (more
+    depth then walks the same path); a result that was cut short is valid at
+    its own depth only. Each result lists the tensors whose producer, inputs,
+    shape or value it read; :meth:`forget` drops the results that read a
+    changed tensor, and transitively those that used them.
+    """
+
+    def __init__(self) -> None:
+        #: ``(id(t), slot) -> (t, value, depth)``: complete results, valid at ``depth`` and deeper.
+        self._deep: dict[tuple[int, int], tuple[Tensor, object, int]] = {}
+        #: ``(id(t), slot, depth) -> (t, value)``: results cut short by the depth limit.
+        self._exact: dict[tuple, tuple[Tensor, object]] = {}
+        #: ``id(tensor) -> keys`` of the results that read it.
+        self._readers: dict[int, list[tuple]] = {}
+        #: Keys of the results being computed (innermost last).
+        self._computing: list[tuple] = []
+        #: True once the result being computed depends on a cut-short branch.
+        self.cut = False
+
+    def get(self, t: Tensor, slot: int, depth: int, compute: Callable[[], object]) -> object:
+        """``compute()`` for ``(t, slot)`` at ``depth``, remembered."""
+        self.read(t)
+        hit = self._deep.get((id(t), slot))
+        if hit is not None and hit[0] is t and hit[2] <= depth:
+            return hit[1]
+        key = (id(t), slot, depth)
+        exact = self._exact.get(key)
+        if exact is not None and exact[0] is t:
+            self.cut = True
+            return exact[1]
+        outer, self.cut = self.cut, False
+        self._computing.append(key)
+        try:
+            self.read(t)
+            value = compute()
+        finally:
+            self._computing.pop()
+        if self.cut:
+            self._exact[key] = (t, value)
+        else:
+            self._deep[(id(t), slot)] = (t, value, depth)
+        self.cut = self.cut or outer
+        return value
+
+    def read(self, t: Tensor) -> None:
+        """Note that the result being computed read ``t``'s producer, inputs, shape or value."""
+        if self._computing:
+            self._readers.setdefault(id(t), []).append(self._computing[-1])
+
+    def forget(self, tensors: Iterable[Tensor]) -> None:
+        """Drop every result that read one of ``tensors`` (call after changing their producer, its inputs,
+        their shape or name), and every result that used a dropped one."""
+        todo = [id(t) for t in tensors]
+        while todo:
+            for key in self._readers.pop(todo.pop(), ()):
+                hit = self._exact.pop(key, None) or self._deep.pop(key[:2], None)
+                if hit is not None:
+                    todo.append(id(hit[0]))
+
+    def rewiring(self, old: Sequence[Tensor], new: Tensor) -> None:
+        """Call before the readers of ``old`` read ``new`` instead and ``old``'s producer goes: drops what read
+        ``old``, ``new`` (its name or shape may change) or the outputs of ``old``'s readers."""
+        self.forget([*old, new, *(o for t in old for reader in t.outputs for o in reader.outputs)])
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self._deep.clear()
+        self._exact.clear()
+        self._readers.clear()
+
+
+#: The active memo (see :func:`remembered_dims`), else None.
+_memo: Optional[DimMemo] = None
 
 
 def _remembered(t: Tensor, slot: int, depth: int, compute: Callable[[], object]) -> object:
     """``compute()``, once per ``(t, slot, depth)`` while :func:`remembered_dims` is active."""
     memo = _memo
-    if memo is None:
-        return compute()
-    key = (id(t), slot, depth)
-    hit = memo.get(key)
-    if hit is None or hit[0] is not t:
-        hit = memo[key] = (t, compute())
-    return hit[1]
+    return compute() if memo is None else memo.get(t, slot, depth, compute)
+
+
+def _read(t: Tensor) -> None:
+    """Note a read of ``t`` by the result being remembered."""
+    if _memo is not None:
+        _memo.read(t)
+
+
+def _cut() -> None:
+    """Note that the depth limit cut the current walk short."""
+    if _memo is not None:
+        _memo.cut = True
+
+
+def rewiring(old: Sequence[Tensor], new: Tensor) -> None:
+    """:meth:`DimMemo.rewiring` on the active memo, if any."""
+    if _memo is not None:
+        _memo.rewiring(old, new)
+
+
+def forget(tensors: Iterable[Tensor]) -> None:
+    """:meth:`DimMemo.forget` on the active memo, if any (e.g. before detaching the producer of ``tensors``)."""
+    if _memo is not None:
+        _memo.forget(tensors)
 
 
 def _const(t: Tensor) -> object:
@@ -87,11 +187,11 @@ def _const(t: Tensor) -> object:
 
 
 @contextmanager
-def remembered_dims() -> Iterator[dict]:
-    """Within the block, each traced dim is computed once: tracing re-walks the same producers for every
-    Shape of a deep model. The caller must ``clear()`` the yielded memo whenever it changes the graph."""
+def remembered_dims() -> Iterator[DimMemo]:
+    """Within the block, each traced dim is computed once. The caller must tell the yielded memo what it
+    changes (:meth:`DimMemo.forget`, or :meth:`DimMemo.clear`)."""
     global _memo
-    outer, _memo = _memo, {}
+    outer, _memo = _memo, DimMemo()
     try:
         yield _memo
     finally:
@@ -100,11 +200,15 @@ def remembered_dims() -> Iterator[dict]:
 
 def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
     """Dim ``i`` of ``t``: a number when inference or the producer says so, else its symbol, else None."""
+    _read(t)
     shape = t.shape
     if shape is None or not 0 <= i < len(shape):
         return None
     d = _dim(shape[i])
-    if isinstance(d, int) or depth <= 0:
+    if isinstance(d, int):
+        return d
+    if depth <= 0:
+        _cut()
         return d
     return _remembered(t, i, depth, lambda: _traced_or(d, t, i, len(shape), depth))
 
@@ -136,6 +240,7 @@ def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
     if node.op == "MatMul" and len(node.inputs) == 2 and rank >= 2 and i >= rank - 2:
         # [..., M, K] @ [..., K, N]: the rows come from the first operand, the columns from the second.
         src = node.inputs[0] if i == rank - 2 else node.inputs[1]
+        _read(src)
         if src.shape is None or len(src.shape) < 2:
             return None
         return _dim_at(src, len(src.shape) - (rank - i), depth)
@@ -146,6 +251,7 @@ def _broadcast_dim(operands: Sequence[Tensor], i: int, rank: int, depth: int) ->
     """Dim ``i`` of a broadcast: a number other than 1 wins (the other is 1 or equal); a symbol wins over 1 or itself."""
     dims = []
     for x in operands:
+        _read(x)
         if x.shape is None:
             return None
         j = i - (rank - len(x.shape))
@@ -165,12 +271,16 @@ def _reshaped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
     if target is None or len(target[0]) != rank:
         return None
     copy = not node.attrs.get("allowzero", 0)
-    elements = [_dim_at(x, j, depth) if k == 0 and copy else k for j, k in enumerate(target[0])]
-    k = elements[i]
+
+    def element(j: int) -> Dim:
+        k = target[0][j]
+        return _dim_at(x, j, depth) if k == 0 and copy else k
+
+    k = element(i)
     if k != -1:
         return k if k is None or isinstance(k, str) or k >= 0 else None
     numerator = tensor_dims(x, depth)
-    others = elements[:i] + elements[i + 1:]
+    others = [element(j) for j in range(rank) if j != i]
     if numerator is None or None in numerator or None in others or -1 in others:
         return None
     for d in others:
@@ -196,29 +306,35 @@ BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Equal", "Less", "G
 
 def shape_dims(node: Node, depth: int = MAX_SHAPE_DEPTH) -> Optional[list[Dim]]:
     """The dims a ``Shape`` node returns, None for unknown ones; None when the rank is unknown."""
-    dims = tensor_dims(node.inputs[0], depth)
-    if dims is None:
+    axes = _shape_axes(node)
+    return None if axes is None else [_dim_at(node.inputs[0], i, depth) for i in axes]
+
+
+def _shape_axes(node: Node) -> Optional[range]:
+    """The axes of its input a ``Shape`` node returns (``start``/``end`` clamped); None when the rank is unknown.
+
+    Lets a reader trace only the dims it needs (a Gather of a Shape reads one)."""
+    x = node.inputs[0]
+    _read(x)
+    if x.shape is None:
         return None
-    n = len(dims)
+    n = len(x.shape)
     start = int(node.attrs.get("start", 0))
     end = node.attrs.get("end")
     start = min(max(start + n if start < 0 else start, 0), n)
     end = n if end is None else min(max(int(end) + n if end < 0 else int(end), 0), n)
-    return dims[start:end]
+    return range(start, max(start, end))
 
 
 def fold_shape_value(node: Node) -> Optional[np.ndarray]:
     """The constant value of a Shape/Size/Gather-of-Shape/Slice-of-Shape node, if its dims are known."""
-    if node.op == "Shape":
-        dims = shape_dims(node)
-        if dims is None or not known(dims):
+    if node.op in ("Shape", "Size"):
+        x = node.inputs[0]
+        axes = _shape_axes(node) if node.op == "Shape" else (None if x.shape is None else range(len(x.shape)))
+        dims = _known_dims(x, axes)
+        if dims is None:
             return None
-        return np.array(dims, dtype=np.int64)
-    if node.op == "Size":
-        dims = tensor_dims(node.inputs[0])
-        if dims is None or not known(dims):
-            return None
-        return np.array(int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
+        return np.array(dims if node.op == "Shape" else int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
     if node.op in ("Gather", "Slice") and node.inputs:
         picked = _picked_dims(node)
         if picked is None or not known(picked[0]):
@@ -229,18 +345,32 @@ def fold_shape_value(node: Node) -> Optional[np.ndarray]:
     return None
 
 
+def _known_dims(x: Tensor, axes: Optional[Sequence[int]]) -> Optional[list[int]]:
+    """``x``'s dims at ``axes`` when every one is a number (traced only up to the first that is not), else None."""
+    if axes is None:
+        return None
+    dims = []
+    for i in axes:
+        d = _dim_at(x, i, MAX_SHAPE_DEPTH)
+        if not isinstance(d, int):
+            return None
+        dims.append(d)
+    return dims
+
+
 def _picked_dims(node: Node, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements]:
-    """The dims a Gather/Slice of a ``Shape`` picks and the result's shape."""
+    """The dims a Gather/Slice of a ``Shape`` picks and the result's shape (only those dims are traced)."""
+    _read(node.inputs[0])
     src = producer(node.inputs[0])
     if src is None or src.op != "Shape":
         return None
-    dims = shape_dims(src, depth)
-    if dims is None:
+    axes = _shape_axes(src)
+    if axes is None:
         return None
-    picked = _gather(node, len(dims)) if node.op == "Gather" else _slice(node, len(dims))
+    picked = _gather(node, len(axes)) if node.op == "Gather" else _slice(node, len(axes))
     if picked is None:
         return None
-    return [dims[i] for i in picked.ravel()], picked.shape
+    return [_dim_at(src.inputs[0], axes[i], depth) for i in picked.ravel()], picked.shape
 
 
 def shape_elements(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements]:
@@ -261,8 +391,12 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
             return None
         return [int(x) for x in v.ravel()], v.shape
     node = producer(t)
+    if node is not None and depth <= 0:
+        _cut()
     if node is None or depth <= 0 or (node.domain or "") not in ("", "ai.onnx") or not node.inputs:
         return None
+    for x in node.inputs:
+        _read(x)  # e.g. Unsqueeze's axes
     if node.op == "Shape":
         dims = shape_dims(node, depth - 1)
         return None if dims is None else (dims, (len(dims),))

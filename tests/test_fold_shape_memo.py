@@ -1,0 +1,103 @@
+"""The traced-dims memo (``fold_shapes.DimMemo``) answers what a fresh trace of the graph as it is now answers.
+
+The memo keeps results across rewrites and across fold-constants' sweeps,
+dropping only those that read a rewired tensor; a stale answer would change
+a fold. Each test compares every top-level memo answer with an unremembered
+trace of the current graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto as T, helper
+
+import k3opt
+from k3opt.passes import fold_shapes
+from k3opt.passes.fold_shapes import dim_at, remembered_dims, rewiring, shape_elements
+from k3opt.ir import as_constant, replace_uses
+from tests.helpers import make_model
+from tests.zoo import needs_torch, zoo_model
+
+F = T.FLOAT
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return a is not None and b is not None and a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b
+
+
+@pytest.fixture
+def checked_memo(monkeypatch) -> list:
+    """Every answer the memo gives outside a trace is compared with a fresh trace; yields the answers checked."""
+    checked: list = []
+    real_get = fold_shapes.DimMemo.get
+
+    def get(self, t, slot, depth, compute):
+        got = real_get(self, t, slot, depth, compute)
+        if not self._computing:
+            saved, fold_shapes._memo = fold_shapes._memo, None
+            try:
+                fresh = compute()
+            finally:
+                fold_shapes._memo = saved
+            assert _same(got, fresh), (t.name, slot, depth, got, fresh)
+            checked.append((t.name, slot))
+        return got
+
+    monkeypatch.setattr(fold_shapes.DimMemo, "get", get)
+    return checked
+
+
+def _reshaped_graph() -> gs.Graph:
+    """y = Reshape(x, Concat(Unsqueeze(Gather(Shape(x), 0)), [-1])) with x: [N, 6]."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+        helper.make_node("Unsqueeze", ["n", "zero1"], ["n1"]),
+        helper.make_node("Concat", ["n1", "minus1"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    inits = {"zero": np.array(0, np.int64), "zero1": np.array([0], np.int64), "minus1": np.array([-1], np.int64)}
+    model = make_model(nodes, [("x", F, ["N", 6])], [("y", F, ["N", 6])], initializers=inits)
+    return gs.import_onnx(onnx.shape_inference.infer_shapes(model))
+
+
+def test_rewired_reader_is_traced_again():
+    """A Reshape target whose piece is replaced by a constant is read again; untouched results stay."""
+    graph = _reshaped_graph()
+    tensors = graph.tensors()
+    with remembered_dims() as memo:
+        assert shape_elements(tensors["target"])[0] == ["N", -1]
+        assert dim_at(tensors["y"], 0) == "N"
+        n = tensors["n"]
+        seven = as_constant("seven", np.array(7, dtype=np.int64))
+        rewiring([n], seven)
+        replace_uses(graph, n, seven)
+        assert shape_elements(tensors["target"])[0] == [7, -1]
+        assert dim_at(tensors["y"], 0) == 7
+        assert dim_at(tensors["x"], 1) == 6
+        memo.clear()
+        assert dim_at(tensors["y"], 0) == 7
+
+
+def test_depth_limited_results_are_kept_per_depth():
+    """A trace cut short by the depth limit is not reused at a greater depth (which would trace further)."""
+    graph = _reshaped_graph()
+    y = graph.tensors()["y"]
+    y.shape = ["unk__1", 6]  # as when inference loses track
+    with remembered_dims():
+        assert dim_at(y, 0, depth=0) == "unk__1"
+        assert dim_at(y, 0) == "N"
+        assert dim_at(y, 0, depth=0) == "unk__1"
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", [("llama", "torchscript"), ("gpt2", "torchscript"),
+                                            ("deepseek_v3", "torchscript"), ("llama", "dynamo")])
+def test_zoo_answers_match_fresh_traces(checked_memo, name, exporter):
+    """Through the whole pipeline (fold-constants, remove-noop-ops, merge-equal-dims), no answer is stale."""
+    k3opt.optimize(onnx.load(zoo_model(name, exporter)))
+    assert len(checked_memo) > 100
