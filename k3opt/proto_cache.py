@@ -14,15 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Optional
 
-import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 _PLAIN = (int, float, str, bytes)
 
 
 class ProtoCache:
-    """``node(n)`` / ``constant(t, make)``: the proto from the last export when ``n``/``t`` is unchanged.
+    """``node(n, make)`` / ``constant(t, make)``: what ``make`` built at the last export when ``n``/``t`` is unchanged.
 
     Entries not asked for during one export are dropped at the next ``start()``.
     """
@@ -31,20 +29,22 @@ class ProtoCache:
         self._old: dict[int, tuple] = {}
         self._new: dict[int, tuple] = {}
         self.exported = 0  # protos built (not reused) since start(): tests and profiling
+        self.uncached = 0  # nodes that cannot be cached (subgraphs, unusual attributes) since start()
 
     def start(self) -> None:
         """Begin an export: keep only what the previous export used."""
         self._old, self._new = self._new, {}
-        self.exported = 0
+        self.exported = self.uncached = 0
 
-    def node(self, node: gs.Node) -> onnx.NodeProto:
-        """``OnnxExporter.export_node(node)``, reused when the node is unchanged."""
+    def node(self, node: gs.Node, make: Callable[[gs.Node], Any]) -> Any:
+        """``make(node)`` (made of the node's exported proto), reused while the node is unchanged."""
         sig = _node_signature(node)
         if sig is None:
             self.exported += 1
-            return OnnxExporter.export_node(node)
+            self.uncached += 1
+            return make(node)
         key, refs = sig
-        return self._get(node, key, refs, lambda: OnnxExporter.export_node(node))
+        return self._get(node, key, refs, lambda: make(node))
 
     def constant(self, tensor: gs.Constant, make: Callable[[gs.Constant], Any]) -> Any:
         """``make(tensor)``, reused while the Constant keeps its name and values object."""

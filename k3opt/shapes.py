@@ -7,7 +7,7 @@ then decline (see docs/design.md).
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import onnx
@@ -73,10 +73,25 @@ def infer_model(model: onnx.ModelProto) -> onnx.ModelProto:
     Big initializers become typed graph inputs: onnx would otherwise
     materialize them (gigabytes for a large model) just to read their shape.
     """
-    return _infer(weights_as_inputs(model)[0])[0]
+    return _infer(Light.of(weights_as_inputs(model)[0]))[0]
 
 
-def _infer(light: onnx.ModelProto, propagate_first: bool = False) -> tuple[onnx.ModelProto, bool]:
+class Light(NamedTuple):
+    """A model serialized for shape inference, big weights left out; and whether a graph input or output is long.
+
+    Serialized because onnx takes bytes: a refresh joins the cached bytes of
+    unchanged nodes instead of building (copying) a ModelProto.
+    """
+
+    data: bytes
+    long_io: bool
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> "Light":
+        return cls(model.SerializeToString(), _has_long_vector(model.graph))
+
+
+def _infer(light: Light, propagate_first: bool = False) -> tuple[onnx.ModelProto, bool]:
     """Inference with data propagation unless a 1-D tensor is long (then without); and whether it propagated.
 
     ``propagate_first`` (the caller knows of no long vector: the last inference
@@ -85,19 +100,19 @@ def _infer(light: onnx.ModelProto, propagate_first: bool = False) -> tuple[onnx.
     runs are still made whenever that one fails or shows a long vector.
     """
     propagated = None
-    if propagate_first and not _has_long_vector(light.graph):
+    if propagate_first and not light.long_io:
         try:
-            propagated = onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+            propagated = onnx.shape_inference.infer_shapes(light.data, strict_mode=True, data_prop=True)
         except Exception:  # noqa: BLE001 -- the usual order below reports the error as before
             propagated = None
         if propagated is not None and not _has_long_vector(propagated.graph):
             return propagated, True
-    plain = onnx.shape_inference.infer_shapes(light, strict_mode=True)
+    plain = onnx.shape_inference.infer_shapes(light.data, strict_mode=True)
     if _has_long_vector(plain.graph):
         return plain, False
     if propagated is not None:
         return propagated, True
-    return onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True), True
+    return onnx.shape_inference.infer_shapes(light.data, strict_mode=True, data_prop=True), True
 
 
 #: onnx's data propagation materializes 1-D tensors; past this length it costs gigabytes.
@@ -137,14 +152,14 @@ class ShapeRefresher:
         Same result as calling the refresher, without exporting the graph
         again (the first export is the costliest: nothing is folded yet).
         """
-        def light() -> onnx.ModelProto:
+        def light() -> Light:
             copy = weights_as_inputs(model)[0]
             del copy.graph.value_info[:]  # everything is re-inferred, as after an export
-            return copy
+            return Light.of(copy)
 
         return self._refresh(graph, graph.tensors(), light)
 
-    def _refresh(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], model: Callable[[], onnx.ModelProto]) -> bool:
+    def _refresh(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], model: Callable[[], Light]) -> bool:
         self.calls += 1
         try:
             inferred, self._short = _infer(model(), self._short)
@@ -159,17 +174,20 @@ class ShapeRefresher:
 
 
 def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]] = None,
-                         protos: Optional[ProtoCache] = None) -> onnx.ModelProto:
+                         protos: Optional[ProtoCache] = None) -> Light:
     """The graph as a model for onnx shape inference, built without reading any big weight.
 
     No value_info (stale after rewrites: everything is re-inferred), and
     constants of 1 KB or more are typed graph inputs instead of initializers.
-    ``protos`` reuses what the previous export of this graph built.
+    ``protos`` reuses what the previous export of this graph encoded. The
+    bytes are the graph's fields serialized one by one and joined (protobuf
+    merges repeated fields in order), which parses as the model onnx.helper
+    would build.
     """
     protos = protos if protos is not None else ProtoCache()
     protos.start()
     inputs = [OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs]
-    initializers = []
+    fields = []
     for t in (tensors if tensors is not None else graph.tensors()).values():
         if not isinstance(t, gs.Constant) or isinstance(t._values, SparseValues):
             continue
@@ -177,20 +195,59 @@ def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]
             shape = [int(d) for d in t._values.shape]
             inputs.append(onnx.helper.make_tensor_value_info(t.name, dtype_to_onnx(t._values.dtype), shape))
         else:  # small: shape constants, axes... inference reads their values
-            initializers.append(protos.constant(t, _small_initializer))
-    g = onnx.helper.make_graph(
-        [protos.node(n) for n in graph.nodes], graph.name or "k3opt", inputs,
-        [OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs], initializers,
-    )
-    model = onnx.helper.make_model(g, opset_imports=update_import_domains(graph),
-                                   functions=[OnnxExporter.export_function(f) for f in graph.functions])
+            fields.append(protos.constant(t, _initializer_field))
+    fields += [protos.node(n, _node_field) for n in graph.nodes]
+    outputs = [OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs]
+    rest = onnx.GraphProto(name=graph.name or "k3opt", input=inputs, output=outputs)
+    fields.append(rest.SerializeToString())
+    head = onnx.helper.make_model(onnx.GraphProto(), opset_imports=_import_domains(graph, protos),
+                                  functions=[OnnxExporter.export_function(f) for f in graph.functions])
     if graph.ir_version is not None:
-        model.ir_version = graph.ir_version
-    return model
+        head.ir_version = graph.ir_version
+    head.ClearField("graph")
+    data = head.SerializeToString() + _field(_MODEL_GRAPH, b"".join(fields))
+    return Light(data, _has_long_vector(rest))
 
 
-def _small_initializer(t: gs.Constant) -> onnx.TensorProto:
-    return inline_copy(OnnxExporter.export_tensor_proto(t))
+#: Field numbers of ModelProto.graph, GraphProto.node and GraphProto.initializer (onnx.proto).
+_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER = 7, 1, 5
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """``payload`` encoded as the length-delimited field ``number`` of a protobuf message."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _node_field(node: gs.Node) -> bytes:
+    return _field(_GRAPH_NODE, OnnxExporter.export_node(node).SerializeToString())
+
+
+def _initializer_field(t: gs.Constant) -> bytes:
+    return _field(_GRAPH_INITIALIZER, inline_copy(OnnxExporter.export_tensor_proto(t)).SerializeToString())
+
+
+def _import_domains(graph: gs.Graph, protos: ProtoCache) -> list[onnx.OperatorSetIdProto]:
+    """gs's ``update_import_domains(graph)``, without its walk for subgraphs when there are none to find.
+
+    ``protos.uncached == 0``: every node had plain or constant attributes, so no
+    subgraph; then when the graph's own domains are already imported, gs would
+    add nothing.
+    """
+    if protos.uncached == 0 and graph.import_domains is not None:
+        used = {n.domain for n in graph.nodes}
+        used.discard(None)
+        if used <= {o.domain for o in graph.import_domains}:
+            return graph.import_domains
+    return update_import_domains(graph)
 
 
 def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto,

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
+import pytest
 from onnx import TensorProto, helper
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
+from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from k3opt import io
-from k3opt.shapes import ShapeRefresher
+from k3opt.proto_cache import ProtoCache
+from k3opt.shapes import ShapeRefresher, export_for_inference
 from tests.helpers import make_model
+from tests.zoo import zoo_model
 
 
 def transpose_reshape():
@@ -50,3 +56,66 @@ def test_seeding_from_the_model_gives_the_shapes_a_refresh_gives():
     seeded, refreshed = io.import_graph(model), io.import_graph(model)
     assert ShapeRefresher().seed(seeded, model) and ShapeRefresher()(refreshed)
     assert shapes_of(seeded) == shapes_of(refreshed) and shapes_of(seeded)["q"] == [8, 3]
+
+
+def helper_built(graph: gs.Graph) -> onnx.ModelProto:
+    """The inference model built the plain way (onnx.helper, whole protos): what the joined bytes must parse to."""
+    inputs = [OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs]
+    initializers = []
+    for t in graph.tensors().values():
+        if isinstance(t, gs.Constant) and not isinstance(t._values, SparseValues):
+            if getattr(t._values, "nbytes", 0) >= io.EXTERNAL_THRESHOLD:
+                inputs.append(helper.make_tensor_value_info(t.name, dtype_to_onnx(t._values.dtype),
+                                                            [int(d) for d in t._values.shape]))
+            else:
+                initializers.append(io.inline_copy(OnnxExporter.export_tensor_proto(t)))
+    g = helper.make_graph([OnnxExporter.export_node(n) for n in graph.nodes], graph.name or "k3opt", inputs,
+                          [OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs], initializers)
+    model = helper.make_model(g, opset_imports=update_import_domains(graph),
+                              functions=[OnnxExporter.export_function(f) for f in graph.functions])
+    if graph.ir_version is not None:
+        model.ir_version = graph.ir_version
+    return model
+
+
+def with_if_and_custom_domain() -> onnx.ModelProto:
+    """An If with a subgraph using a domain the model does not import, a big constant and a small one."""
+    branch = helper.make_graph([helper.make_node("Relu", ["x"], ["b"], domain="com.example")], "then", [],
+                               [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 3])])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["c"])], "else", [],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 3])])
+    nodes = [helper.make_node("If", ["cond"], ["y0"], then_branch=branch, else_branch=other, name="if"),
+             helper.make_node("Add", ["y0", "big"], ["y1"], name="add"),
+             helper.make_node("Reshape", ["y1", "to"], ["y"], name="rs")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                                           helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [600])],
+                              [onnx.numpy_helper.from_array(np.ones((100, 2, 3), np.float32), "big"),
+                               onnx.numpy_helper.from_array(np.array([600], np.int64), "to")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("which", ["transpose_reshape", "if_and_domain", "bert", "gpt2"])
+def test_the_joined_bytes_parse_to_the_helper_built_model(which):
+    if which == "transpose_reshape":
+        model = transpose_reshape()
+    elif which == "if_and_domain":
+        model = with_if_and_custom_domain()
+    else:
+        model = onnx.load(zoo_model(which))
+    graph = io.import_graph(model)
+    protos = ProtoCache()
+    first = export_for_inference(graph, protos=protos)
+    assert onnx.ModelProto.FromString(first.data) == helper_built(graph) and not first.long_io
+    graph.nodes[-1].name = "renamed"  # the second export reuses protos: still the same model
+    assert onnx.ModelProto.FromString(export_for_inference(graph, protos=protos).data) == helper_built(graph)
+    assert protos.exported == 1 + protos.uncached  # the If (a subgraph) is never cached
+    graph.nodes[-1].domain = "com.other"  # a domain the model does not import yet
+    assert onnx.ModelProto.FromString(export_for_inference(graph, protos=protos).data) == helper_built(graph)
+    assert "com.other" in {o.domain for o in onnx.ModelProto.FromString(export_for_inference(graph).data).opset_import}
+
+
+def test_a_long_graph_input_is_reported_with_the_bytes():
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", TensorProto.FLOAT, [70000])],
+                       [("y", TensorProto.FLOAT, [70000])])
+    assert export_for_inference(io.import_graph(model)).long_io
