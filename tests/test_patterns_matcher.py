@@ -391,3 +391,26 @@ def test_constant_of_another_shape_is_refused_without_reading_it(monkeypatch):
                        {"two": np.array([2.0], np.float32)})
     assert apply(model, DOUBLE)[1] == 1 and reads == ["two"]
 
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "vit"])
+def test_root_prefilter_never_hides_a_match_on_zoo_exports(name):
+    """Without tracing, a matcher first checks the anchor's op and operand producers (``_may_root``); on real
+    exports (decomposed LayerNorms, RMSNorms, MatMul+Add) it must yield exactly the matches of the full walk.
+    """
+    from k3opt.passes import layer_norm, matmul_add, rms_norm
+    from tests.zoo import zoo_model
+
+    graph = gs.import_onnx(onnx.load(str(zoo_model(name)), load_external_data=False))
+    rules = [*layer_norm.RULES, *rms_norm.RULES, matmul_add.RULE]
+    found = refused = 0
+    for r in rules:
+        fast, full = Matcher(r.pattern, 14), Matcher(r.pattern, 14, trace=lambda depth, reason: None)
+        for n in graph.nodes:
+            for t in n.outputs:
+                want = [(sorted(s.used), sorted(map(id, s.values.values()))) for s in full.matches(t)]
+                assert [(sorted(s.used), sorted(map(id, s.values.values()))) for s in fast.matches(t)] == want, \
+                    (r.name, n.name)
+                found += bool(want)
+                refused += not fast._may_root(t)
+    assert found and refused

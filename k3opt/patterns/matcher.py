@@ -113,9 +113,12 @@ class Matcher:
         self._may: dict[int, tuple[bool, bool, frozenset]] = {}
         for p in _walk(pattern.outputs):
             _summarize(p, self._may)
+        self._roots = _alternatives(pattern.outputs[0])
 
     def matches(self, root: Tensor) -> Iterator[State]:
         """Each full structural match rooted at ``root`` (the pattern's first output)."""
+        if self.trace is None and not self._may_root(root):
+            return  # (when tracing, the walk runs to explain the refusal)
         self.s = State()
         self._failed = {}
         self._steps = 0
@@ -309,6 +312,28 @@ class Matcher:
                 orders.append(perm)
         return orders
 
+    def _may_root(self, t: Tensor) -> bool:
+        """Cheap necessary condition for a match at ``t``: a root alternative's op computes ``t`` with as many
+        inputs, and its operands pass :meth:`_may_match` in an order the matcher would try.
+        """
+        n = producer(t)
+        if n is None:
+            return False
+        inputs = None
+        for p in self._roots:
+            np_ = p.node
+            if n.op != np_.op_type or p.index >= len(n.outputs) or n.outputs[p.index] is not t:
+                continue
+            if inputs is None:
+                inputs = node_inputs(n)
+            k = len(np_.inputs)
+            if len(inputs) != k and not (np_.allow_other_inputs and len(inputs) >= k):
+                continue
+            for order in self._orders(np_, inputs):
+                if all(self._may_match(np_.inputs[i], inputs[j]) for i, j in enumerate(order)):
+                    return True
+        return False
+
     def _may_match(self, p: Optional[ValuePattern], t: Tensor) -> bool:
         """Cheap structural filter: could ``p`` match ``t`` at all? (See :func:`_summarize`.)"""
         if p is None:
@@ -318,6 +343,14 @@ class Matcher:
             return True
         n = producer(t)
         return n is not None and n.op in ops
+
+
+def _alternatives(p: ValuePattern) -> list[NodeOutput]:
+    """The node outputs a root pattern can be, through nested ``op.Or`` (build_pattern allows nothing else)."""
+    if isinstance(p, OrPattern):
+        return [q for alt in p.alternatives for q in _alternatives(alt)]
+    assert isinstance(p, NodeOutput)
+    return [p]
 
 
 def _summarize(p: ValuePattern, into: dict[int, tuple[bool, bool, frozenset]]) -> tuple[bool, bool, frozenset]:
