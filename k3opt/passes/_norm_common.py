@@ -122,10 +122,11 @@ def _tail_rule(name: str, core: Callable[[PatternBuilder, Any], Any], tail: tupl
         return with_tail(op, core(op, x), tail)
 
     def check(m: Match) -> bool:
-        return analyze(m, centered) is not None
+        m.memo["norm"] = analyze(m, centered)
+        return m.memo["norm"] is not None
 
     def apply(op: RewriteBuilder, m: Match) -> Optional[Tensor]:
-        nm = analyze(m, centered)
+        nm = m.memo["norm"] if "norm" in m.memo else analyze(m, centered)
         return None if nm is None else rewrite(op, nm)
 
     return Rule(f"{name}-{'-'.join(tail) or 'bare'}", pattern, apply, check,

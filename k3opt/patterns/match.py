@@ -18,7 +18,8 @@ class Match:
     constant/alternative/output) ``x``; ``m.node("mm")`` the node matched by
     ``op.MatMul(..., _name="mm")``; ``m.nodes`` every matched node; ``m.outputs``
     the tensors the rewrite replaces. ``m.fail(reason)`` records why a check
-    declined (shown by the debug mode) and returns False.
+    declined (shown by the debug mode) and returns False; ``m.memo`` carries what
+    the check computed to the rewrite.
     """
 
     def __init__(self, state: State, outputs: list[Tensor], graph: Graph, ctx: Optional[PassContext]):
@@ -30,6 +31,8 @@ class Match:
         self.graph = graph
         self.ctx = ctx
         self.failure: Optional[str] = None
+        #: What the check computed for the rewrite (it gets this same match), e.g. an analysis it need not redo.
+        self.memo: dict[str, Any] = {}
 
     def __getitem__(self, name: str) -> Tensor:
         try:
