@@ -24,10 +24,10 @@ def live_nodes(graph: Graph) -> set[int]:
         if id(node) in live:
             continue
         live.add(id(node))
-        for t in list(node.inputs) + outer_refs(node):
-            p = producer(t)
-            if p is not None and id(p) not in live:
-                stack.append(p)
+        # only a node with attributes can hold a body reading outer tensors; producer() inlined (hot loop)
+        for t in (list(node.inputs) + outer_refs(node)) if node.attrs else node.inputs:
+            if t.inputs and id(t.inputs[0]) not in live:
+                stack.append(t.inputs[0])
     return live
 
 
