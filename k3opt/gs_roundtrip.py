@@ -21,7 +21,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from . import gs_import
+from . import gs_export, gs_import
 from .ir import Graph, Tensor, all_graphs, set_input
 
 #: Tensor kinds gs's exporter can write.
@@ -107,13 +107,14 @@ def _shape(vi: onnx.ValueInfoProto):
 
 
 def export_onnx(graph: Graph) -> onnx.ModelProto:
-    """``gs.export_onnx(graph, do_type_check=False)`` that writes optional types and input defaults."""
+    """``gs.export_onnx(graph, do_type_check=False)`` (built by :mod:`k3opt.gs_export`) that writes
+    optional types and input defaults."""
     odd = [t for t in _tensors(graph) if getattr(t, "type", "tensor_type") not in _GS_TYPES and t.dtype is not None]
     saved = [(t, t.dtype) for t in odd]
     for t in odd:
         t.dtype = None  # gs writes an untyped entry instead of crashing
     try:
-        model = gs.export_onnx(graph, do_type_check=False)
+        model = gs_export.export_onnx(graph)
     finally:
         for t, dtype in saved:
             t.dtype = dtype
@@ -138,7 +139,7 @@ def value_info_proto(t: Tensor) -> onnx.ValueInfoProto:
 
 def _tensors(graph: Graph) -> Iterator[Tensor]:
     for g in all_graphs(graph):
-        yield from g.tensors().values()
+        yield from gs_export.tensor_map(g).values()
 
 
 def _value_infos(g: onnx.GraphProto) -> Iterator[onnx.ValueInfoProto]:

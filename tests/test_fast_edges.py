@@ -208,8 +208,8 @@ def _canonical(graph: gs.Graph) -> list:
     return out
 
 
-def _kitchen_sink() -> onnx.ModelProto:
-    """One graph with every edge case the fast importer must get right."""
+def _kitchen_sink(optional: bool = True) -> onnx.ModelProto:
+    """One graph with every edge case the fast importer must get right (gs cannot export optional types)."""
     bf16 = helper.make_tensor("bf", T.BFLOAT16, [2], [1.0, 2.0])
     ext = helper.make_tensor("ext", F, [2], [0.0, 0.0])
     ext.data_location = T.EXTERNAL
@@ -247,11 +247,17 @@ def _kitchen_sink() -> onnx.ModelProto:
         helper.make_tensor_value_info("twice", 0, [2]),  # ... then the shape
         helper.make_tensor_value_info("bf", F, [3]),  # an initializer's entry: ignored
         helper.make_tensor_value_info("later", F, ["n"]),
-        helper.make_value_info("none", helper.make_optional_type_proto(helper.make_tensor_type_proto(F, [2]))),
         helper.make_tensor_sequence_value_info("seq", F, [2]),
-    ])
+    ] + ([helper.make_value_info("none", opt_type)] if optional else []))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("my.domain", 1)],
                               producer_name="p", producer_version="1")
+    return model
+
+
+def _sparse_model() -> onnx.ModelProto:
+    model = _model([helper.make_node("Add", ["x", "s"], ["y"])], ["x"], ["y"])
+    model.graph.sparse_initializer.append(helper.make_sparse_tensor(
+        helper.make_tensor("s", F, [1], [1.0]), helper.make_tensor("i", T.INT64, [1], [0]), [2]))
     return model
 
 
@@ -275,10 +281,7 @@ def test_fast_import_leaves_functions_and_sparse_initializers_to_gs(monkeypatch)
     with_function = _model([helper.make_node("F", ["x"], ["y"], domain="local")], ["x"], ["y"])
     with_function.functions.append(helper.make_function("local", "F", ["a"], ["b"], [helper.make_node("Neg", ["a"], ["b"])],
                                                         [helper.make_opsetid("", 17)]))
-    sparse = _model([helper.make_node("Add", ["x", "s"], ["y"])], ["x"], ["y"])
-    sparse.graph.sparse_initializer.append(helper.make_sparse_tensor(
-        helper.make_tensor("s", F, [1], [1.0]), helper.make_tensor("i", T.INT64, [1], [0]), [2]))
-    for model in (with_function, sparse):
+    for model in (with_function, _sparse_model()):
         assert _canonical(gs_import.import_onnx(model)) == _canonical(real(model))
     assert len(calls) == 2
 
@@ -306,3 +309,82 @@ def test_fast_import_restores_the_collector():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+# --------------------------------------------------------------------------- the exporter
+
+
+def _odd_tensors(graph: gs.Graph) -> None:
+    """What passes leave for the exporter: numpy constants, a constant sharing another's lazy
+    proto, ONNX-typed and sequence-typed variables, unknown and symbolic dims."""
+    import numpy as np
+
+    x = graph.inputs[0]
+    folded = gs.Constant("folded", np.array([1, 2], dtype=np.int64))
+    lazy = next(t for t in graph.tensors().values() if isinstance(t, gs.Constant))
+    twin = gs.Constant("twin", lazy._values)
+    bf = gs.Variable("bf_var", dtype=T.BFLOAT16, shape=[None, "n", 3])
+    seq = gs.Variable("seq_var", dtype=np.float32, shape=[2], type="sequence_type")
+    scalar = gs.Variable("scalar", dtype=np.float32, shape=[])
+    graph.nodes += [gs.Node("Custom", name="odd", inputs=[x, folded, twin], outputs=[bf, seq, scalar], domain="my.domain",
+                            attrs={"f": 1.0, "ints": [1, 2], "s": "text", "t": gs.Constant("attr_t", np.zeros(2, np.float32))})]
+
+
+EXPORT_CASES = {"kitchen_sink": lambda: _kitchen_sink(optional=False), "if": _if_model, "loop": _loop_model,
+                "sparse": _sparse_model}
+
+
+@pytest.mark.parametrize("make", EXPORT_CASES.values(), ids=list(EXPORT_CASES))
+@pytest.mark.parametrize("odd", [False, True], ids=["as_imported", "odd_tensors"])
+def test_fast_export_writes_gs_bytes(make, odd):
+    from k3opt import gs_export
+
+    graph = gs.import_onnx(make())
+    if odd:
+        _odd_tensors(graph)
+    ours = gs_export.export_onnx(graph).SerializeToString()
+    assert ours == gs.export_onnx(graph, do_type_check=False).SerializeToString()
+
+
+def test_fast_export_leaves_functions_to_gs():
+    from k3opt import gs_export
+
+    model = _model([helper.make_node("F", ["x"], ["y"], domain="local")], ["x"], ["y"])
+    model.functions.append(helper.make_function("local", "F", ["a"], ["b"], [helper.make_node("Neg", ["a"], ["b"])],
+                                                [helper.make_opsetid("", 17)]))
+    graph = gs.import_onnx(model)
+    ours = gs_export.export_onnx(graph)
+    assert len(ours.functions) == 1
+    assert ours.SerializeToString() == gs.export_onnx(graph, do_type_check=False).SerializeToString()
+
+
+def test_tensor_map_is_gs_tensors_without_warnings():
+    from k3opt import gs_export
+
+    graph = gs.import_onnx(_kitchen_sink())
+    graph.nodes[0].outputs.append(gs.Variable("x"))  # a distinct tensor reusing a name: the last one wins
+    got = gs_export.tensor_map(graph)
+    want = graph.tensors()
+    assert list(got) == list(want) and all(got[k] is want[k] for k in want)
+
+
+def test_optimized_zoo_model_exports_gs_bytes():
+    """After the passes (shapes inferred, constants folded), on a real export."""
+    import k3opt
+    from k3opt import api, gs_export
+    from tests.zoo import zoo_model
+
+    captured = {}
+    real = api.export
+
+    def capture(graph, model):
+        out = real(graph, model)
+        captured["gs"] = gs.export_onnx(graph, do_type_check=False).SerializeToString()
+        captured["ours"] = gs_export.export_onnx(graph).SerializeToString()
+        return out
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(api, "export", capture):
+        k3opt.optimize(str(zoo_model("gpt2", "torchscript")))
+    assert captured["ours"] == captured["gs"]
