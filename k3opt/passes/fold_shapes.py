@@ -59,9 +59,9 @@ def tensor_dims(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[list[Dim]]:
     Reshape target spelled out (``Reshape(x, [b, s, -1, 8])`` of a
     ``[b, s, 16]`` tensor has 2 at dim 2).
     """
-    _read(t)
     shape = t.shape
     if shape is None:
+        _read(t)
         return None
     return [_dim_at(t, i, depth) for i in range(len(shape))]
 
@@ -72,69 +72,72 @@ def dim_at(t: Tensor, i: int, depth: int = MAX_SHAPE_DEPTH) -> Dim:
 
 
 class DimMemo:
-    """What tracing found, kept while :func:`remembered_dims` is active, and what each finding read.
+    """What tracing found, kept while :func:`remembered_dims` is active, and which results read which tensors.
 
     Tracing re-walks the same producers for every Shape of a deep model. A
-    result is remembered per ``(tensor, slot)`` (slot: the dim, -1 for shape
+    result is remembered per tensor and slot (slot: the dim, -1 for shape
     elements, -2 for a constant's value) for every depth at or above the one
     it was computed at, when no branch was cut short by the depth limit (more
     depth then walks the same path); a result that was cut short is valid at
-    its own depth only. Each result lists the tensors whose producer, inputs,
-    shape or value it read; :meth:`forget` drops the results that read a
-    changed tensor, and transitively those that used them.
+    its own depth only. Results read other tensors' results, producers,
+    constant values or unknown shapes (a known shape never changes while the
+    memo lives); :meth:`forget` drops the results of changed tensors and,
+    transitively, of the tensors whose results read them.
     """
 
     def __init__(self) -> None:
-        #: ``(id(t), slot) -> (t, value, depth)``: complete results, valid at ``depth`` and deeper.
-        self._deep: dict[tuple[int, int], tuple[Tensor, object, int]] = {}
-        #: ``(id(t), slot, depth) -> (t, value)``: results cut short by the depth limit.
-        self._exact: dict[tuple, tuple[Tensor, object]] = {}
-        #: ``id(tensor) -> keys`` of the results that read it.
-        self._readers: dict[int, list[tuple]] = {}
-        #: Keys of the results being computed (innermost last).
-        self._computing: list[tuple] = []
+        #: ``id(t) -> (t, results)``; results: ``slot -> (value, depth)`` when complete (valid at ``depth`` and
+        #: deeper), ``(slot, depth) -> value`` when cut short by the depth limit.
+        self._results: dict[int, tuple[Tensor, dict]] = {}
+        #: ``id(tensor) -> ids of the tensors whose results read it``.
+        self._readers: dict[int, set[int]] = {}
+        #: Ids of the tensors whose results are being computed (innermost last).
+        self._computing: list[int] = []
         #: True once the result being computed depends on a cut-short branch.
         self.cut = False
 
     def get(self, t: Tensor, slot: int, depth: int, compute: Callable[[], object]) -> object:
         """``compute()`` for ``(t, slot)`` at ``depth``, remembered."""
+        tid = id(t)
         self.read(t)
-        hit = self._deep.get((id(t), slot))
-        if hit is not None and hit[0] is t and hit[2] <= depth:
-            return hit[1]
-        key = (id(t), slot, depth)
-        exact = self._exact.get(key)
-        if exact is not None and exact[0] is t:
+        own = self._results.get(tid)
+        if own is None or own[0] is not t:
+            own = self._results[tid] = (t, {})
+        results = own[1]
+        hit = results.get(slot)
+        if hit is not None and hit[1] <= depth:
+            return hit[0]
+        key = (slot, depth)
+        if key in results:
             self.cut = True
-            return exact[1]
+            return results[key]
         outer, self.cut = self.cut, False
-        self._computing.append(key)
+        self._computing.append(tid)
         try:
-            self.read(t)
             value = compute()
         finally:
             self._computing.pop()
         if self.cut:
-            self._exact[key] = (t, value)
+            results[key] = value
         else:
-            self._deep[(id(t), slot)] = (t, value, depth)
+            results[slot] = (value, depth)
         self.cut = self.cut or outer
         return value
 
     def read(self, t: Tensor) -> None:
-        """Note that the result being computed read ``t``'s producer, inputs, shape or value."""
-        if self._computing:
-            self._readers.setdefault(id(t), []).append(self._computing[-1])
+        """Note that the result being computed read ``t``'s result, producer, value or unknown shape."""
+        computing = self._computing
+        if computing and computing[-1] != id(t):
+            self._readers.setdefault(id(t), set()).add(computing[-1])
 
     def forget(self, tensors: Iterable[Tensor]) -> None:
-        """Drop every result that read one of ``tensors`` (call after changing their producer, its inputs,
-        their shape or name), and every result that used a dropped one."""
+        """Drop the results of ``tensors`` (call when their producer, its inputs, their name or shape change)
+        and of every tensor whose results read a dropped one."""
         todo = [id(t) for t in tensors]
         while todo:
-            for key in self._readers.pop(todo.pop(), ()):
-                hit = self._exact.pop(key, None) or self._deep.pop(key[:2], None)
-                if hit is not None:
-                    todo.append(id(hit[0]))
+            tid = todo.pop()
+            self._results.pop(tid, None)
+            todo.extend(self._readers.pop(tid, ()))
 
     def rewiring(self, old: Sequence[Tensor], new: Tensor) -> None:
         """Call before the readers of ``old`` read ``new`` instead and ``old``'s producer goes: drops what read
@@ -143,8 +146,7 @@ class DimMemo:
 
     def clear(self) -> None:
         """Forget everything."""
-        self._deep.clear()
-        self._exact.clear()
+        self._results.clear()
         self._readers.clear()
 
 
@@ -200,9 +202,11 @@ def remembered_dims() -> Iterator[DimMemo]:
 
 def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
     """Dim ``i`` of ``t``: a number when inference or the producer says so, else its symbol, else None."""
-    _read(t)
     shape = t.shape
-    if shape is None or not 0 <= i < len(shape):
+    if shape is None:
+        _read(t)
+        return None
+    if not 0 <= i < len(shape):
         return None
     d = _dim(shape[i])
     if isinstance(d, int):
@@ -240,8 +244,8 @@ def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
     if node.op == "MatMul" and len(node.inputs) == 2 and rank >= 2 and i >= rank - 2:
         # [..., M, K] @ [..., K, N]: the rows come from the first operand, the columns from the second.
         src = node.inputs[0] if i == rank - 2 else node.inputs[1]
-        _read(src)
         if src.shape is None or len(src.shape) < 2:
+            _read(src)
             return None
         return _dim_at(src, len(src.shape) - (rank - i), depth)
     return None
@@ -251,8 +255,8 @@ def _broadcast_dim(operands: Sequence[Tensor], i: int, rank: int, depth: int) ->
     """Dim ``i`` of a broadcast: a number other than 1 wins (the other is 1 or equal); a symbol wins over 1 or itself."""
     dims = []
     for x in operands:
-        _read(x)
         if x.shape is None:
+            _read(x)
             return None
         j = i - (rank - len(x.shape))
         dims.append(1 if j < 0 else _dim_at(x, j, depth))
@@ -315,8 +319,8 @@ def _shape_axes(node: Node) -> Optional[range]:
 
     Lets a reader trace only the dims it needs (a Gather of a Shape reads one)."""
     x = node.inputs[0]
-    _read(x)
     if x.shape is None:
+        _read(x)
         return None
     n = len(x.shape)
     start = int(node.attrs.get("start", 0))
@@ -370,7 +374,7 @@ def _picked_dims(node: Node, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements]
     picked = _gather(node, len(axes)) if node.op == "Gather" else _slice(node, len(axes))
     if picked is None:
         return None
-    return [_dim_at(src.inputs[0], axes[i], depth) for i in picked.ravel()], picked.shape
+    return [_dim_at(src.inputs[0], axes[i], depth) for i in picked[0]], picked[1]
 
 
 def shape_elements(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements]:
@@ -395,8 +399,6 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         _cut()
     if node is None or depth <= 0 or (node.domain or "") not in ("", "ai.onnx") or not node.inputs:
         return None
-    for x in node.inputs:
-        _read(x)  # e.g. Unsqueeze's axes
     if node.op == "Shape":
         dims = shape_dims(node, depth - 1)
         return None if dims is None else (dims, (len(dims),))
@@ -404,6 +406,8 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         return _picked_dims(node, depth - 1)
     if node.op == "Unsqueeze":
         inner = shape_elements(node.inputs[0], depth - 1)
+        for x in node.inputs[1:]:
+            _read(x)  # the axes
         axes = unsqueeze_axes(node)
         if inner is None or inner[1] != () or axes not in ([0], [-1]):
             return None
@@ -434,17 +438,20 @@ def _fold_equal(node: Node) -> Optional[np.ndarray]:
     return np.array(out, dtype=bool).reshape(a[1])
 
 
-def _gather(node: Node, n: int) -> Optional[np.ndarray]:
+def _gather(node: Node, n: int) -> Optional[tuple[list[int], tuple[int, ...]]]:
+    """Positions (of ``n``) a Gather on axis 0 picks, flat, and the result's shape; None if not constant or out of range."""
     idx = _const(node.inputs[1]) if len(node.inputs) > 1 else None
     if idx is None or int(node.attrs.get("axis", 0)) not in (0, -1):
         return None
     idx = np.asarray(idx).astype(np.int64)
-    if np.any(idx < -n) or np.any(idx >= n):
+    flat = idx.ravel().tolist()  # plain ints: numpy is slow on these few elements
+    if any(i < -n or i >= n for i in flat):
         return None
-    return np.where(idx < 0, idx + n, idx)
+    return [i + n if i < 0 else i for i in flat], idx.shape
 
 
-def _slice(node: Node, n: int) -> Optional[np.ndarray]:
+def _slice(node: Node, n: int) -> Optional[tuple[list[int], tuple[int, ...]]]:
+    """Positions (of ``n``) a one-axis Slice on axis 0 takes and the result's shape; None if not constant."""
     if len(node.inputs) < 3:
         return None
     vals = [_const(t) for t in node.inputs[1:]]
@@ -461,7 +468,8 @@ def _slice(node: Node, n: int) -> Optional[np.ndarray]:
     if step == 0:
         return None
     start, end = _clamp(int(starts[0]), n, step), _clamp(int(ends[0]), n, step)
-    return np.arange(n)[slice(start, end if end >= 0 else None, step)]
+    taken = list(range(n))[slice(start, end if end >= 0 else None, step)]
+    return taken, (len(taken),)
 
 
 def _clamp(v: int, n: int, step: int) -> int:
