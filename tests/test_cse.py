@@ -142,3 +142,35 @@ def test_constant_digest_is_the_arrays_whatever_the_storage(dtype, raw):
     c = gs.Constant("c", LazyValues(proto))
     assert cse._const_digest(c) == cse._digest(np.asarray(peek(c)))
     assert cse._const_digest(gs.Constant("d", peek(c))) == cse._const_digest(c)
+
+
+def _links(graph: gs.Graph) -> list:
+    """Every tensor's producer and reader lists, by node name, in order."""
+    tensors = {id(t): t for n in graph.nodes for t in list(n.inputs) + list(n.outputs)}
+    return sorted((t.name, [p.name for p in t.inputs], [c.name for c in t.outputs]) for t in tensors.values())
+
+
+def test_detach_all_links_like_detaching_one_by_one():
+    """Batch unlinking (each reader list filtered once) leaves exactly the links node-by-node detach leaves:
+    shared constants, a node reading one tensor twice, chains of detached nodes, and a body's outer reads.
+    """
+    from k3opt.passes.cleanup_rewire import detach, detach_all
+
+    body = helper.make_graph([helper.make_node("Mul", ["x", "k"], ["by"])], "body", [],
+                             [helper.make_tensor_value_info("by", F, [3])])
+    nodes = [helper.make_node("Mul", ["x", "k"], [f"m{i}"], name=f"m{i}") for i in range(6)]
+    nodes += [helper.make_node("Add", ["m1", "m1"], ["a"], name="twice"), helper.make_node("Relu", ["a"], ["r"], name="r"),
+              helper.make_node("If", ["c"], ["f"], name="if", then_branch=body, else_branch=body),
+              helper.make_node("Sum", ["m0", "m2", "m3", "m4", "m5", "f"], ["y"], name="sum")]
+    model = make_model(nodes, [("x", F, [3]), ("c", T.BOOL, [])], [("y", F, [3]), ("r", F, [3])],
+                       {"k": np.float32([1, 2, 3])})
+    graphs = [gs.import_onnx(model) for _ in range(2)]
+    picked = [[n for n in g.nodes if n.name in ("m1", "m3", "twice", "r", "if")] for g in graphs]
+    one_by_one: list = []
+    for n in picked[0]:
+        detach(n, one_by_one)
+    batch: list = []
+    detach_all(picked[1], batch)
+    assert _links(graphs[0]) == _links(graphs[1]) and [n.name for n in one_by_one] == [n.name for n in batch]
+    assert not any(n.inputs or n.outputs for n in batch)
+    assert [c.name for c in graphs[1].tensors()["x"].outputs] == ["m0", "m2", "m4", "m5"]  # the body's Muls unlinked

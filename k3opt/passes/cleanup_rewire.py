@@ -8,7 +8,7 @@ initializer. :func:`bypass` refuses those cases, so every clean-up does too.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Sequence
 
 import numpy as np
 from onnx import helper
@@ -47,12 +47,33 @@ def bypass(graph: Graph, node: Node, new: Tensor, dead: list[Node]) -> bool:
 
 def detach(node: Node, dead: list[Node]) -> None:
     """Disconnect ``node`` (and the nodes of its subgraphs, which read outer tensors) and queue it for removal."""
-    for body in node_subgraphs(node):
-        for sub in all_graphs(body):
-            for inner in sub.nodes:
-                disconnect(inner)
-    disconnect(node)
-    dead.append(node)
+    detach_all([node], dead)
+
+
+def detach_all(nodes: Sequence[Node], dead: list[Node]) -> None:
+    """:func:`detach` each of ``nodes``, filtering each link list they are in once.
+
+    Unlinking node by node scans a tensor's reader list once per node: quadratic when many of
+    a constant's thousands of readers go (CSE's duplicates, dead-node removal).
+    """
+    gone = {id(n) for n in nodes}
+    links: dict[int, list] = {}
+    for node in nodes:
+        if node.attrs:
+            for body in node_subgraphs(node):
+                for sub in all_graphs(body):
+                    for inner in sub.nodes:
+                        disconnect(inner)
+        for t in node.inputs:
+            links[id(t.outputs)] = t.outputs
+        for t in node.outputs:
+            links[id(t.inputs)] = t.inputs
+    for items in links.values():
+        list.__setitem__(items, slice(None), [n for n in items if id(n) not in gone])  # by identity, no gs sync
+    for node in nodes:
+        list.clear(node.inputs)
+        list.clear(node.outputs)
+    dead.extend(nodes)
 
 
 def remove(graph: Graph, dead: list[Node]) -> None:

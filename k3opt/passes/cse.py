@@ -27,7 +27,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
 from .base import Pass, PassContext, register_pass
-from .cleanup_rewire import can_replace, detach, remove
+from .cleanup_rewire import can_replace, detach_all, remove
 from .fold_constants import RANDOM_OPS
 
 DEFAULT_MAX_CONST_BYTES = 1 << 20
@@ -146,7 +146,7 @@ class EliminateCommonSubexpressions(Pass):
 
     def _nodes(self, graph: Graph) -> int:
         seen: dict[Hashable, Node] = {}
-        dead: list[Node] = []
+        merged: list[Node] = []
         for node in list(graph.nodes):
             key = _node_key(node)
             if key is None:
@@ -154,7 +154,9 @@ class EliminateCommonSubexpressions(Pass):
             keep = seen.setdefault(key, node)
             if keep is node or not self._merge(graph, node, keep):
                 continue
-            detach(node, dead)
+            merged.append(node)  # nothing reads its outputs any more; unlinked from its inputs below, all at once
+        dead: list[Node] = []
+        detach_all(merged, dead)
         remove(graph, dead)
         return len(dead)
 

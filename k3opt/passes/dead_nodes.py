@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..ir import Graph, Node, all_graphs, producer
 from .base import Pass, PassContext, register_pass
-from .cleanup_rewire import detach, remove
+from .cleanup_rewire import detach_all, remove
 from .fold_eval import outer_refs
 
 
@@ -42,9 +42,7 @@ class RemoveDeadNodes(Pass):
         for g in list(all_graphs(graph)):
             live = live_nodes(g)
             dead: list[Node] = []
-            for node in g.nodes:
-                if id(node) not in live:
-                    detach(node, dead)
+            detach_all([node for node in g.nodes if id(node) not in live], dead)
             remove(g, dead)
             removed += len(dead)
         return removed
