@@ -134,8 +134,6 @@ class FoldConstants(Pass):
         pending: set[int] = set()
         chosen: list[Node] = []
         seen: set[int] = set()
-        # Nodes with subgraphs: a consumer inside a body makes them candidates.
-        holders = [n for n in graph.nodes if any(isinstance(a, gs.Graph) for a in n.attrs.values())]
 
         def ready(t: Tensor) -> bool:
             if not t.name or id(t) in pending:
@@ -150,7 +148,11 @@ class FoldConstants(Pass):
         def value(t: Tensor) -> Optional[np.ndarray]:
             return None if id(t) in pending else const_value(t)
 
-        stack = list(reversed(graph.nodes))  # depth-first from constant-fed nodes, no recursion limit
+        # Depth-first from constant-fed nodes, no recursion limit. Only nodes whose inputs are all constant now
+        # start a walk: any other node is reached (and decided, in the same state) as a reader of the last of
+        # its inputs to become pending, before the walk comes back to where it would start.
+        stack = [n for n in reversed(graph.nodes) if all(ready(t) for t in n.inputs)]
+        holders: Optional[list[Node]] = None
         while stack:
             node = stack.pop()
             # Cheapest test first: most nodes read a non-constant input.
@@ -165,7 +167,11 @@ class FoldConstants(Pass):
             pending.update(id(t) for t in node.outputs)
             for t in node.outputs:
                 for c in t.outputs:
-                    stack.extend([c] if id(c) in in_graph else holders)
+                    if id(c) in in_graph:
+                        stack.append(c)
+                    else:  # read inside a body: the nodes holding bodies are candidates
+                        holders = _holders(graph) if holders is None else holders
+                        stack.extend(holders)
         return chosen
 
     def _eligible(self, graph: Graph, node: Node) -> bool:
@@ -208,6 +214,11 @@ class FoldConstants(Pass):
                     continue
             known.update(got)
         return known
+
+
+def _holders(graph: Graph) -> list[Node]:
+    """Nodes with subgraphs: a reader inside a body makes them candidates."""
+    return [n for n in graph.nodes if any(isinstance(a, gs.Graph) for a in n.attrs.values())]
 
 
 def _is_static(t: Tensor) -> bool:

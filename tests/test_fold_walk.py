@@ -1,0 +1,104 @@
+"""fold-constants' walk starts only from nodes whose inputs are all constant, and still chooses exactly
+the nodes, in exactly the order, of a walk that starts from every node (the order names folded tensors)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto as T, helper
+
+import k3opt
+from k3opt.ir import Graph, Node, Tensor, const_value, producer
+from k3opt.passes.base import PassContext
+from k3opt.passes.manager import PassManager
+from k3opt.passes.fold_constants import FoldConstants, _holders
+from k3opt.passes.fold_eval import outer_refs
+from k3opt.passes.fold_guard import too_big
+from tests.helpers import make_model
+from tests.zoo import needs_torch, zoo_model
+
+F = T.FLOAT
+
+
+def _walk_from_every_node(fold_pass: FoldConstants, graph: Graph, ctx: PassContext) -> list[Node]:
+    """The reference: the same depth-first walk with every node of the graph on the starting stack."""
+    overridable = {id(t) for t in graph.inputs}
+    in_graph = {id(n) for n in graph.nodes}
+    pending: set[int] = set()
+    chosen: list[Node] = []
+
+    def ready(t: Tensor) -> bool:
+        if not t.name or id(t) in pending:
+            return True
+        p = producer(t)
+        return id(t) not in overridable and (isinstance(t, gs.Constant) or (p is not None and p.op == "Constant"))
+
+    def value(t: Tensor) -> Optional[np.ndarray]:
+        return None if id(t) in pending else const_value(t)
+
+    stack = list(reversed(graph.nodes))
+    while stack:
+        node = stack.pop()
+        if any(n is node for n in chosen) or not all(ready(t) for t in node.inputs) or id(node) not in in_graph:
+            continue
+        if not fold_pass._eligible(graph, node) or not all(ready(t) for t in outer_refs(node)):
+            continue
+        if too_big(node, value, ctx.options):
+            continue
+        chosen.append(node)
+        pending.update(id(t) for t in node.outputs)
+        for t in node.outputs:
+            for c in t.outputs:
+                stack.extend([c] if id(c) in in_graph else _holders(graph))
+    return chosen
+
+
+@pytest.fixture
+def compared_walks(monkeypatch) -> list:
+    """Every ``_foldable`` call is compared with the reference walk; yields the node counts chosen."""
+    sizes: list = []
+    real = FoldConstants._foldable
+
+    def foldable(self, graph, ctx):
+        got = real(self, graph, ctx)
+        want = _walk_from_every_node(self, graph, ctx)
+        assert [id(n) for n in got] == [id(n) for n in want]
+        sizes.append(len(got))
+        return got
+
+    monkeypatch.setattr(FoldConstants, "_foldable", foldable)
+    return sizes
+
+
+def test_unsorted_graph_with_a_branch_reading_folded_values(compared_walks):
+    """A chain fed by two constants, an If body reading a folded value, nodes listed readers first."""
+    then_g = helper.make_graph([helper.make_node("Add", ["c2", "x"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", F, [2])])
+    else_g = helper.make_graph([helper.make_node("Sub", ["x", "c2"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", F, [2])])
+    nodes = [
+        helper.make_node("Add", ["a", "b"], ["c1"]),
+        helper.make_node("Mul", ["c1", "b"], ["c2"]),
+        helper.make_node("If", ["cond"], ["y"], then_branch=then_g, else_branch=else_g),
+        helper.make_node("Greater", ["c1", "x"], ["g"]),
+        helper.make_node("Cast", ["g"], ["g_f"], to=F),
+        helper.make_node("ReduceMax", ["g_f"], ["m"], keepdims=0),
+        helper.make_node("Add", ["y", "m"], ["out"]),
+    ]
+    inits = {"a": np.ones(2, np.float32), "b": np.full(2, 2.0, np.float32), "cond": np.array(True)}
+    model = make_model(nodes, [("x", F, [2])], [("out", F, [2])], initializers=inits)
+    graph = gs.import_onnx(onnx.shape_inference.infer_shapes(model))
+    graph.nodes.reverse()
+    n = PassManager([FoldConstants()]).run(graph, PassContext(opset=17))
+    assert n > 0 and compared_walks[0] == 2  # Add, Mul (the If, reached through its body, reads x)
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", [("llama", "torchscript"), ("llama", "dynamo"), ("gpt2", "torchscript"),
+                                            ("bert", "torchscript")])
+def test_zoo_walks_match(compared_walks, name, exporter):
+    k3opt.optimize(onnx.load(zoo_model(name, exporter)))
+    assert sum(compared_walks) > 0
