@@ -395,8 +395,9 @@ def test_constant_of_another_shape_is_refused_without_reading_it(monkeypatch):
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "vit"])
 def test_root_prefilter_never_hides_a_match_on_zoo_exports(name):
-    """Without tracing, a matcher first checks the anchor's op and operand producers (``_may_root``); on real
-    exports (decomposed LayerNorms, RMSNorms, MatMul+Add) it must yield exactly the matches of the full walk.
+    """Without tracing, a matcher first checks the anchor's op and operand producers (``_may_root``) and reads
+    each initializer once per constant pattern; on real exports (decomposed LayerNorms, RMSNorms, MatMul+Add)
+    it must yield exactly the matches of the full, tracing walk.
     """
     from k3opt.passes import layer_norm, matmul_add, rms_norm
     from tests.zoo import zoo_model
@@ -414,3 +415,19 @@ def test_root_prefilter_never_hides_a_match_on_zoo_exports(name):
                 found += bool(want)
                 refused += not fast._may_root(t)
     assert found and refused
+
+
+def test_an_initializer_is_read_once_per_constant_pattern(monkeypatch):
+    """Ten Pow(x_i, 2) sharing one exponent initializer: one read for the whole sweep, and all ten still match."""
+    import k3opt.patterns.matcher as matcher
+
+    reads = []
+    real = matcher.const_value
+    monkeypatch.setattr(matcher, "const_value", lambda t: reads.append(t.name) or real(t))
+    nodes = [node("Pow", [f"x{i}", "two"], [f"y{i}"]) for i in range(10)]
+    model = make_model(nodes, [(f"x{i}", F, [2]) for i in range(10)], [(f"y{i}", F, [2]) for i in range(10)],
+                       {"two": np.float32(2.0)})
+    graph = gs.import_onnx(model)
+    m = Matcher(Rule("square", lambda op, x: op.Pow(x, 2.0), lambda op, m: None).pattern, 17)
+    assert all(any(True for _ in m.matches(n.outputs[0])) for n in graph.nodes)
+    assert reads == ["two"]

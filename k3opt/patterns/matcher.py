@@ -18,6 +18,7 @@ import math
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
+import onnx_graphsurgeon as gs
 
 from ..ir import Node, Tensor, const_tensor, const_value, is_const, producer
 from .builder import (
@@ -114,6 +115,8 @@ class Matcher:
         for p in _walk(pattern.outputs):
             _summarize(p, self._may)
         self._roots = _alternatives(pattern.outputs[0])
+        #: (id(constant pattern), id(initializer)) -> (initializer, accepted), kept for this matcher's sweep
+        self._initializers: dict[tuple[int, int], tuple[Tensor, bool]] = {}
 
     def matches(self, root: Tensor) -> Iterator[State]:
         """Each full structural match rooted at ``root`` (the pattern's first output)."""
@@ -196,6 +199,17 @@ class Matcher:
         return iter(())
 
     def _constant(self, p: ConstantPattern, t: Tensor) -> Iterator[None]:
+        if self.trace is None and isinstance(t, gs.Constant):  # an initializer's value is read once per sweep
+            key = (id(p), id(t))
+            hit = self._initializers.get(key)
+            if hit is None:
+                hit = self._initializers[key] = (t, any(True for _ in self._read_constant(p, t)))
+            if hit[1]:
+                yield
+            return
+        yield from self._read_constant(p, t)
+
+    def _read_constant(self, p: ConstantPattern, t: Tensor) -> Iterator[None]:
         c = const_tensor(t)
         if c is not None and not p.fits_shape(tuple(c.shape)):  # size it up before reading it
             self._fail(f"constant '{t.name}' has shape {tuple(c.shape)}, expected {_show(p.value)}")
