@@ -224,8 +224,15 @@ def replace_uses(graph: Graph, old: Tensor, new: Tensor) -> None:
 # nodes kept. Graphs with local functions go to gs (it also sorts and cleans those).
 
 
-def _local_names(graph: Graph) -> set[str]:
-    """gs's ``Graph._local_tensors`` names: produced here, graph inputs, and constants (last tensor of a name wins)."""
+def _own_names(graph: Graph) -> set[str]:
+    """Names of the tensors produced in ``graph`` and of its inputs."""
+    names = {t.name for node in graph.nodes for t in node.outputs if t.name}
+    names.update(t.name for t in graph.inputs)
+    return names
+
+
+def _constant_names(graph: Graph) -> set[str]:
+    """Names whose tensor in gs's ``graph.tensors()`` (the last one of that name) is a constant."""
     last: dict[str, Tensor] = {}
     for t in graph.inputs:
         last[t.name] = t
@@ -236,10 +243,12 @@ def _local_names(graph: Graph) -> set[str]:
             last[t.name] = t
     for t in graph.outputs:
         last[t.name] = t
-    names = {name for name, t in last.items() if name and isinstance(t, gs.Constant)}
-    names.update(t.name for node in graph.nodes for t in node.outputs if t.name)
-    names.update(t.name for t in graph.inputs)
-    return names
+    return {name for name, t in last.items() if name and isinstance(t, gs.Constant)}
+
+
+def _local_names(graph: Graph) -> set[str]:
+    """gs's ``Graph._local_tensors`` names: produced here, graph inputs, and constants."""
+    return _own_names(graph) | _constant_names(graph)
 
 
 def _outer_reads(node: Node) -> list[Tensor]:
@@ -280,40 +289,61 @@ def _bodies_first(graph: Graph) -> list[Graph]:
     """Every graph nested in ``graph`` (``graph`` last), each after the bodies it holds."""
     out: list[Graph] = []
     for node in graph.nodes:
-        for sub in node_subgraphs(node):
-            out += _bodies_first(sub)
+        if node.attrs:
+            for sub in node_subgraphs(node):
+                out += _bodies_first(sub)
     out.append(graph)
     return out
 
 
 def _sort_nodes(graph: Graph) -> None:
-    local = _local_names(graph)
-    members = {id(n) for n in graph.nodes}
-    bodies = {id(n) for n in graph.nodes if node_subgraphs(n)}
+    own = _own_names(graph)
+    constants: list[set[str]] = []  # gs's other local names, found only if ever needed
 
-    def producers(node: Node) -> dict[int, Node]:
+    def local(name: str) -> bool:
+        if name in own:
+            return True
+        if not constants:
+            constants.append(_constant_names(graph))
+        return name in constants[0]
+
+    members = {id(n) for n in graph.nodes}
+    bodies = {id(n) for n in graph.nodes if n.attrs and node_subgraphs(n)}
+
+    def producers(node: Node) -> list[Node]:
         found: dict[int, Node] = {}
         for t in (node.inputs if id(node) not in bodies else list(node.inputs) + _outer_reads(node)):
-            if t.name in local:
+            if t.inputs and local(t.name):  # only a producer of a local name counts (gs)
                 for p in t.inputs:
+                    if id(p) not in members:
+                        _not_in_graph(p)
                     found[id(p)] = p
-        if not members.issuperset(found):
-            _not_in_graph(next(p for k, p in found.items() if k not in members))
-        return found
+        return list(found.values())
 
     level: dict[int, int] = {}
+
+    def placed(node: Node) -> Optional[int]:
+        """The level of a node without bodies whose producers all have one, else None."""
+        top = -1
+        for t in node.inputs:
+            if t.inputs and local(t.name):
+                for p in t.inputs:
+                    lv = level.get(id(p))
+                    if lv is None:
+                        return None
+                    top = max(top, lv)
+        return top + 1
+
     order: list[Node] = []
     for root in graph.nodes:
         if id(root) in level:
             continue
-        found = producers(root)
-        try:  # the usual case: its producers are placed already
-            level[id(root)] = max(map(level.__getitem__, found), default=-1) + 1
+        lv = None if id(root) in bodies else placed(root)
+        if lv is not None:  # the usual case: its producers are placed already
+            level[id(root)] = lv
             order.append(root)
             continue
-        except KeyError:
-            pass
-        stack = [(root, list(found.values()), 0)]
+        stack = [(root, producers(root), 0)]
         on_stack = {id(root)}
         while stack:
             node, inputs, i = stack[-1]
@@ -325,7 +355,7 @@ def _sort_nodes(graph: Graph) -> None:
                 if id(nxt) in on_stack:
                     G_LOGGER.critical("Cycle detected in graph! Are there tensors with duplicate names in the graph?")
                 on_stack.add(id(nxt))
-                stack.append((nxt, list(producers(nxt).values()), 0))
+                stack.append((nxt, producers(nxt), 0))
                 continue
             stack.pop()
             on_stack.discard(id(node))
