@@ -278,25 +278,30 @@ def toposort(graph: Graph) -> Graph:
     if graph.functions:
         return graph.toposort()
     done: set[int] = set()
-    for g in _bodies_first(graph):
+    for g, holders in _bodies_first(graph):
         if id(g) not in done:
             done.add(id(g))
-            _sort_nodes(g)
+            _sort_nodes(g, holders)
     return graph
 
 
-def _bodies_first(graph: Graph) -> list[Graph]:
-    """Every graph nested in ``graph`` (``graph`` last), each after the bodies it holds."""
-    out: list[Graph] = []
+def _bodies_first(graph: Graph) -> list[tuple[Graph, set[int]]]:
+    """Every graph nested in ``graph`` (``graph`` last), each after the bodies it holds,
+    with the ids of its nodes that hold bodies."""
+    out: list[tuple[Graph, set[int]]] = []
+    holders: set[int] = set()
     for node in graph.nodes:
         if node.attrs:
-            for sub in node_subgraphs(node):
-                out += _bodies_first(sub)
-    out.append(graph)
+            subs = node_subgraphs(node)
+            if subs:
+                holders.add(id(node))
+                for sub in subs:
+                    out += _bodies_first(sub)
+    out.append((graph, holders))
     return out
 
 
-def _sort_nodes(graph: Graph) -> None:
+def _sort_nodes(graph: Graph, bodies: set[int]) -> None:
     own = _own_names(graph)
     constants: list[set[str]] = []  # gs's other local names, found only if ever needed
 
@@ -308,7 +313,6 @@ def _sort_nodes(graph: Graph) -> None:
         return name in constants[0]
 
     members = {id(n) for n in graph.nodes}
-    bodies = {id(n) for n in graph.nodes if n.attrs and node_subgraphs(n)}
 
     def producers(node: Node) -> list[Node]:
         found: dict[int, Node] = {}
@@ -373,7 +377,7 @@ def cleanup(graph: Graph) -> Graph:
     """
     if graph.functions:
         return graph.cleanup()
-    for g in _bodies_first(graph):
+    for g, _ in _bodies_first(graph):
         _drop_unused(g)
     return graph
 
