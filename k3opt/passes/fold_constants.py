@@ -151,12 +151,12 @@ class FoldConstants(Pass):
         # Depth-first from constant-fed nodes, no recursion limit. Only nodes whose inputs are all constant now
         # start a walk: any other node is reached (and decided, in the same state) as a reader of the last of
         # its inputs to become pending, before the walk comes back to where it would start.
-        stack = [n for n in reversed(graph.nodes) if all(ready(t) for t in n.inputs)]
+        stack = [n for n in reversed(graph.nodes) if all(map(ready, n.inputs))]
         holders: Optional[list[Node]] = None
         while stack:
             node = stack.pop()
             # Cheapest test first: most nodes read a non-constant input.
-            if id(node) in seen or not all(ready(t) for t in node.inputs) or id(node) not in in_graph:
+            if id(node) in seen or not all(map(ready, node.inputs)) or id(node) not in in_graph:
                 continue
             if not self._eligible(graph, node) or not all(ready(t) for t in outer_refs(node)):
                 continue
