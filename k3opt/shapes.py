@@ -67,15 +67,6 @@ def fix_inputs(model: onnx.ModelProto, shapes: Optional[InputShapes]) -> None:
             dim.dim_value = value
 
 
-def infer_model(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnx shape inference (with data propagation) on a copy whose big weights are left out.
-
-    Big initializers become typed graph inputs: onnx would otherwise
-    materialize them (gigabytes for a large model) just to read their shape.
-    """
-    return _infer(Light.of(weights_as_inputs(model)[0]))[0]
-
-
 class Light(NamedTuple):
     """A model serialized for shape inference, big weights left out; and whether a graph input or output is long.
 

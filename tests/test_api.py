@@ -1,6 +1,7 @@
 """The library API: k3opt.optimize / optimize_file, opsets, input shapes, targets, plugins, shapes."""
 from __future__ import annotations
 
+import gc
 import json
 import numpy as np
 import onnx
@@ -333,3 +334,23 @@ def test_optimize_returns_merged_weights_written_and_optimize_file_leaves_nothin
     k3opt.optimize_file(path, tmp_path / "o.onnx")
     assert io.deferred_regions() == before
     assert_equivalent(model, onnx.load(tmp_path / "o.onnx"))
+
+
+def test_optimize_restores_the_callers_gc_thresholds(monkeypatch):
+    """The run collects garbage less often (k3opt.api._fewer_collections) but leaves the caller's settings."""
+    old = gc.get_threshold()
+    try:
+        gc.set_threshold(123, 7, 9)
+        seen = []
+        real = k3opt.api.io.import_graph
+
+        def spy(model):
+            seen.append(gc.get_threshold())
+            return real(model)
+
+        monkeypatch.setattr(k3opt.api.io, "import_graph", spy)
+        k3opt.optimize(small_model())
+        assert seen == [(k3opt.api.GC_YOUNG_THRESHOLD, 7, 9)]
+        assert gc.get_threshold() == (123, 7, 9)
+    finally:
+        gc.set_threshold(*old)
