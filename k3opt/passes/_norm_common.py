@@ -134,8 +134,20 @@ def _tail_rule(name: str, core: Callable[[PatternBuilder, Any], Any], tail: tupl
 
 
 def apply_in_order(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
-    """Apply ``rules`` one sweep each, in order (largest pattern first); returns the rewrites."""
-    return sum(RuleApplier(graph, ctx, [rule]).run() for rule in rules)
+    """Apply ``rules`` one sweep each, in order (largest pattern first); returns the rewrites.
+
+    The sweeps share one scan for the rules' anchor ops until a rewrite changes the node list.
+    """
+    ops = {op for rule in rules for op in rule.pattern.anchors}
+    total, candidates = 0, None
+    for rule in rules:
+        if candidates is None:
+            candidates = [n for n in graph.nodes if n.op in ops]
+        done = RuleApplier(graph, ctx, [rule], nodes=candidates).run()
+        if done:
+            candidates = None
+        total += done
+    return total
 
 
 class OrderedRulesPass(RuleSetPass):

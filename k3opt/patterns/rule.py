@@ -89,8 +89,9 @@ class RuleApplier:
     """Applies ``rules`` to one graph: one sweep over the nodes, rules looked up by the anchor's op type."""
 
     def __init__(self, graph: Graph, ctx: PassContext, rules: Sequence[Rule], dry_run: bool = False,
-                 explain: bool = True):
+                 explain: bool = True, nodes: Optional[Sequence[Node]] = None):
         self.graph = graph
+        self.nodes = nodes  # the graph's nodes in order, or a subsequence holding every anchor (None: all)
         self.ctx = ctx
         self.rules = list(rules)
         self.dry_run = dry_run
@@ -119,7 +120,8 @@ class RuleApplier:
         """
         rewrites = 0
         try:
-            anchors = [n for n in self.graph.nodes if n.op in self._by_op]  # op types never change in a sweep
+            nodes = self.graph.nodes if self.nodes is None else self.nodes
+            anchors = [n for n in nodes if n.op in self._by_op]  # op types never change in a sweep
             for node in reversed(anchors):
                 if id(node) in self.editor.removed:
                     continue
