@@ -209,3 +209,22 @@ def test_big_neutral_candidates_are_never_read(monkeypatch):
     model = make_model(nodes, [("x", F, [70_000])], [("y", F, [70_000])], {"w": np.ones(70_000, np.float32)})
     graph = gs.import_onnx(model)
     assert RemoveNoopOps().run(graph, PassContext(opset=17)) == 0 and read == []
+
+
+def test_candidates_cover_every_body_in_all_graphs_order():
+    """The clean-ups' scan (list comprehensions, bodies looked for only in nodes with attributes) lists the
+    graphs ``ir.all_graphs`` yields, in its order, each with its Identity nodes in node order.
+    """
+    def body(name: str, inner: list) -> onnx.GraphProto:
+        nodes = [helper.make_node("Identity", ["x"], [f"{name}_i"]), helper.make_node("Relu", [f"{name}_i"], [f"{name}_y"])]
+        return helper.make_graph(nodes + inner, name, [], [helper.make_tensor_value_info(f"{name}_y", F, [2])])
+
+    inner_if = helper.make_node("If", ["c"], ["n_y"], then_branch=body("t2", []), else_branch=body("e2", []))
+    nodes = [helper.make_node("Identity", ["x"], ["a"]),
+             helper.make_node("If", ["c"], ["b"], then_branch=body("t1", [inner_if]), else_branch=body("e1", [])),
+             helper.make_node("Identity", ["b"], ["d"])]
+    model = make_model(nodes, [("x", F, [2]), ("c", T.BOOL, [])], [("a", F, [2]), ("d", F, [2])])
+    graph = gs.import_onnx(model)
+    found = RemoveIdentity()._candidates(graph)
+    assert [id(g) for g, _ in found] == [id(g) for g in ir.all_graphs(graph)] and len(found) == 5
+    assert all([id(n) for n in nodes] == [id(n) for n in g.nodes if n.op == "Identity"] for g, nodes in found)

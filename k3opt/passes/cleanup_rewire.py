@@ -151,20 +151,17 @@ class NodeRewritePass(Pass):
         return total
 
     def _candidates(self, graph: Graph) -> list[tuple[Graph, list[Node]]]:
-        """Each graph (``all_graphs`` order) with its nodes of the pass's op types, found in one walk
-        before any rewrite (as ``list(all_graphs(graph))`` and each ``list(g.nodes)`` were).
+        """Each graph (``all_graphs`` order) with its nodes of the pass's op types, all found before any
+        rewrite (as ``list(all_graphs(graph))`` and each ``list(g.nodes)`` were), by list comprehensions.
         """
         found: list[tuple[Graph, list[Node]]] = []
+        ops = self.ops
 
         def walk(g: Graph) -> None:
-            nodes: list[Node] = []
-            found.append((g, nodes))
-            for node in g.nodes:
-                if node.op in self.ops:
-                    nodes.append(node)
-                if node.attrs:  # only a node with attributes can hold a body
-                    for body in node_subgraphs(node):
-                        walk(body)
+            found.append((g, [node for node in g.nodes if node.op in ops]))
+            for node in [node for node in g.nodes if node.attrs]:  # only these can hold a body
+                for body in node_subgraphs(node):
+                    walk(body)
 
         walk(graph)
         return found
