@@ -83,6 +83,26 @@ def test_rewired_reader_is_traced_again():
         assert dim_at(tensors["y"], 0) == 7
 
 
+def test_forgetting_everything_then_tracing_again():
+    """Once every result is dropped, a forget has nothing to do (it only drops the reader links, which lead
+    nowhere) and later traces are remembered and forgotten as before."""
+    graph = _reshaped_graph()
+    tensors = graph.tensors()
+    with remembered_dims() as memo:
+        assert dim_at(tensors["y"], 0) == "N"
+        memo.forget(list(tensors.values()))
+        assert memo._results == {}
+        memo._readers[id(tensors["n"])] = {id(tensors["target"])}  # a link whose result is gone
+        memo.forget([tensors["x"]])
+        assert memo._readers == {}
+        rewiring([tensors["n"]], tensors["n"])  # an empty memo: nothing to walk
+        assert shape_elements(tensors["target"])[0] == ["N", -1]
+        seven = as_constant("seven", np.array(7, dtype=np.int64))
+        rewiring([tensors["n"]], seven)
+        replace_uses(graph, tensors["n"], seven)
+        assert shape_elements(tensors["target"])[0] == [7, -1]
+
+
 def test_depth_limited_results_are_kept_per_depth():
     """A trace cut short by the depth limit is not reused at a greater depth (which would trace further)."""
     graph = _reshaped_graph()

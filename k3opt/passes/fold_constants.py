@@ -29,7 +29,7 @@ from ..ir import (
     Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, producer, replace_uses,
 )
 from .base import Pass, PassContext, register_pass
-from .cleanup_rewire import detach, is_used, remove
+from .cleanup_rewire import detach, detach_all, is_used, remove
 from .fold_eval import EvalError, as_array, outer_refs, run_ort, run_reference
 from .fold_guard import too_big
 from .fold_shapes import fold_shape_value, forget, remembered_dims, rewiring
@@ -71,7 +71,7 @@ class FoldConstants(Pass):
     # -- sweep 1 -----------------------------------------------------------
     def _constant_nodes(self, graph: Graph, ctx: PassContext) -> int:
         """Turn ``Constant`` nodes into initializers (their output names are kept)."""
-        dead: list[Node] = []
+        done: list[Node] = []
         for node in graph.nodes:
             if node.op != "Constant" or (node.domain or "") not in FOLDABLE_DOMAINS or len(node.outputs) != 1:
                 continue
@@ -84,8 +84,10 @@ class FoldConstants(Pass):
             name = out.name
             rewiring([out], value)
             replace_uses(graph, out, value)
-            detach(node, dead)
             value.name = name
+            done.append(node)
+        dead: list[Node] = []
+        detach_all(done, dead)  # all at once: each link list is filtered once
         remove(graph, dead)
         return len(dead)
 

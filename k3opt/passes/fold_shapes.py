@@ -133,6 +133,9 @@ class DimMemo:
     def forget(self, tensors: Iterable[Tensor]) -> None:
         """Drop the results of ``tensors`` (call when their producer, its inputs, their name or shape change)
         and of every tensor whose results read a dropped one."""
+        if not self._results:  # nothing to drop (every run starts so): reader links lead nowhere
+            self._readers.clear()
+            return
         todo = [id(t) for t in tensors]
         while todo:
             tid = todo.pop()
@@ -142,7 +145,8 @@ class DimMemo:
     def rewiring(self, old: Sequence[Tensor], new: Tensor) -> None:
         """Call before the readers of ``old`` read ``new`` instead and ``old``'s producer goes: drops what read
         ``old``, ``new`` (its name or shape may change) or the outputs of ``old``'s readers."""
-        self.forget([*old, new, *(o for t in old for reader in t.outputs for o in reader.outputs)])
+        if self._results:
+            self.forget([*old, new, *(o for t in old for reader in t.outputs for o in reader.outputs)])
 
     def clear(self) -> None:
         """Forget everything."""

@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir import Graph, Node, const_tensor, is_graph_output, peek, rank
+from ..ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank
 from ..lazy_values import PACKED_TYPES, concat_last_axis, onnx_type
 from .base import Pass, PassContext, register_pass
 
@@ -99,8 +99,7 @@ def _merge(graph: Graph, ctx: PassContext, group: list[tuple[Node, gs.Constant]]
         outputs = [add.outputs[0] for add in adds]
         nodes += adds
     for n in nodes:
-        n.inputs.clear()
-        n.outputs.clear()
+        disconnect(n)  # by identity: gs's clear() finds each entry with the structural Node.__eq__
     if ctx.opset >= 13:
         sizes_t = gs.Constant(ctx.fresh_name(f"{base}_split_sizes"), np.array(sizes, dtype=np.int64))
         split = gs.Node("Split", ctx.fresh_name(f"{base}_split"), attrs={"axis": -1}, inputs=[split_in, sizes_t])

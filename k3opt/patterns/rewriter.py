@@ -166,10 +166,9 @@ class GraphEditor:
             changed = False
             for n in list(pending):
                 if all(not o.outputs and not ir.is_graph_output(self.graph, o) for o in n.outputs):
-                    n.inputs.clear()
-                    n.outputs.clear()
+                    ir.disconnect(n)  # by identity, not gs's structural Node.__eq__
                     self.removed.add(id(n))
-                    pending.remove(n)
+                    pending = [p for p in pending if p is not n]
                     changed = True
 
     def flush(self) -> None:
