@@ -41,12 +41,26 @@ def import_onnx(model: onnx.ModelProto) -> Graph:
     if model.functions or g.sparse_initializer:
         return gs.import_onnx(model)
     collecting = gc.isenabled()
-    gc.disable()  # ~100k objects that all live on: the collector would rescan them over and over
+    gc.disable()  # ~270k objects that all live on: the collector would rescan them over and over
     try:
-        return _import(model)
+        graph = _import(model)
+        if collecting:
+            _to_old_generation()
+        return graph
     finally:
         if collecting:
             gc.enable()
+
+
+def _to_old_generation() -> None:
+    """Move the new graph's objects to the collector's oldest generation in one traversal.
+
+    Left in the youngest, they would be traversed by the first young collection,
+    then again by every middle-generation collection until promoted: on the
+    64-layer Llama (270k objects) that was ~0.5 s of collector time per run,
+    ~0.2 s after this one ``collect(1)``. The graph lives until the run ends anyway.
+    """
+    gc.collect(1)
 
 
 def _import(model: onnx.ModelProto) -> Graph:
