@@ -159,9 +159,9 @@ class NodeRewritePass(Pass):
 
         def walk(g: Graph) -> None:
             found.append((g, [node for node in g.nodes if node.op in ops]))
-            for node in [node for node in g.nodes if node.attrs]:  # only these can hold a body
-                for body in node_subgraphs(node):
-                    walk(body)
+            # node_subgraphs of every node, in order, in one comprehension (no call per node with attributes)
+            for body in [a for node in g.nodes if node.attrs for a in node.attrs.values() if isinstance(a, Graph)]:
+                walk(body)
 
         walk(graph)
         return found
