@@ -99,7 +99,9 @@ class DimMemo:
     def get(self, t: Tensor, slot: int, depth: int, compute: Callable[[], object]) -> object:
         """``compute()`` for ``(t, slot)`` at ``depth``, remembered."""
         tid = id(t)
-        self.read(t)
+        computing = self._computing
+        if computing and computing[-1] != tid:  # self.read(t), inlined: the memo's hottest path
+            self._readers.setdefault(tid, set()).add(computing[-1])
         own = self._results.get(tid)
         if own is None or own[0] is not t:
             own = self._results[tid] = (t, {})
