@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
-from onnx.external_data_helper import uses_external_data
 
 from . import gs_roundtrip, io, ir, opset as opsets, shapes, verify as verifier
 from .errors import OutputError, UsageError, VerificationError
@@ -165,11 +164,10 @@ class _Run:
         check_pass_options(self.pass_options)
         with self.step("loading", "load"):
             on_disk = None if isinstance(model, onnx.ModelProto) else model
-            model = _load(model, report)
-            self.source_files = {io.external_info(t)["location"] for t in io.all_tensors(model)
-                                 if uses_external_data(t)}
+            model, external = _load(model, report)
+            self.source_files = {io.external_info(t)["location"] for t in external}
             opset_before = opsets.model_opset(model)
-            size = io.proto_size(model, None if on_disk is None else os.path.getsize(on_disk))
+            size = io.proto_size(model, None if on_disk is None else os.path.getsize(on_disk), external)
             report.before = ModelSummary.of(model, size, opset_before)
         shapes.fix_inputs(model, input_shapes)
         original = self._runnable_original(model) if verify else None
@@ -354,15 +352,15 @@ def export(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _load(model: ModelLike, report: Report) -> onnx.ModelProto:
+def _load(model: ModelLike, report: Report) -> io.Loaded:
+    """A checked copy of a model proto, or the model file read (external data left on disk)."""
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
-        io.validate(copy, os.getcwd())
-        return copy
+        return io.Loaded(copy, io.validate(copy, os.getcwd()))
     if isinstance(model, (str, os.PathLike)):
         report.input = str(model)
-        return io.load(model)
+        return io.read_model(model)
     raise UsageError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
 
 

@@ -13,7 +13,7 @@ import atexit
 import os
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, Optional, Union
+from typing import AbstractSet, BinaryIO, Callable, Iterator, NamedTuple, Optional, Union
 
 import numpy as np
 import onnx
@@ -265,12 +265,26 @@ def _is_spill_file(location: str) -> bool:
 # --------------------------------------------------------------------------- loading
 
 
+class Loaded(NamedTuple):
+    """A model read by :func:`read_model` and the tensors in it that use external data."""
+
+    model: onnx.ModelProto
+    #: Its external-data tensors (locations made absolute), in :func:`all_tensors` order.
+    external: list[TensorProto]
+
+
 def load(path: PathLike) -> onnx.ModelProto:
+    """Read a model file without its external data, checked enough to optimize (see :func:`read_model`)."""
+    return read_model(path).model
+
+
+def read_model(path: PathLike) -> Loaded:
     """Read a model file without its external data, checked enough to optimize.
 
     Raises InputError (one clear line) for a missing file, a directory, bytes
     that are not a model, a graph with a cycle or an undefined input, and
-    missing or short external-data files.
+    missing or short external-data files. The external tensors come with it
+    (found by the check's walk) so the caller need not walk the model again.
     """
     p = Path(path)
     if not p.exists():
@@ -285,23 +299,24 @@ def load(path: PathLike) -> onnx.ModelProto:
         model = onnx.load(str(p), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError, OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{p}: not a readable ONNX model (truncated or corrupt: {exc})") from None
-    validate(model, p.parent, source=str(p))
-    return model
+    return Loaded(model, validate(model, p.parent, source=str(p)))
 
 
-def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model") -> None:
+def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model") -> list[TensorProto]:
     """Check the model's structure and make its external-data locations absolute.
 
     Relative locations are resolved against ``base_dir`` and must stay
     inside it; absolute ones are accepted only for k3opt spill files.
+    Returns the tensors that use external data, in :func:`all_tensors` order.
     """
     if not model.HasField("graph") or not model.opset_import or not model.graph.output:
         raise InputError(f"{source}: not an ONNX model (no graph, outputs or opset import)")
-    check_graph(model.graph, source)
+    external: list[TensorProto] = []
+    _check_graph(model.graph, source, frozenset(), external)
     base = Path(os.path.abspath(base_dir))
-    for t in all_tensors(model):
-        if uses_external_data(t):
-            _resolve_location(t, base, source)
+    for t in external:
+        _resolve_location(t, base, source)
+    return external
 
 
 def _resolve_location(t: TensorProto, base: Path, source: str) -> None:
@@ -332,8 +347,53 @@ def _resolve_location(t: TensorProto, base: Path, source: str) -> None:
 
 def check_graph(graph: onnx.GraphProto, source: str = "model", outer: frozenset = frozenset()) -> None:
     """Every node input is produced somewhere and the nodes form no cycle."""
+    _check_graph(graph, source, outer, [])
+
+
+_EXTERNAL = TensorProto.EXTERNAL
+_NodeIO = list[tuple[list[str], list[str], onnx.NodeProto]]
+
+
+def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], external: list[TensorProto]) -> None:
+    """:func:`check_graph`, appending the tensors that use external data to ``external``.
+
+    One walk in node order suffices for what exporters write (each node after
+    the producers of its inputs, each name defined once); anything else takes
+    the general check, which finds the same first error as before.
+    """
     known = set(outer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
     known |= {t.name for t in graph.sparse_initializer}
+    external.extend(t for t in graph.initializer if t.data_location == _EXTERNAL)
+    ordered = _walk_in_order(graph, known)
+    if ordered is None:
+        return _check_any_order(graph, source, known, external)
+    visible, holders = ordered
+    for attr in holders:
+        _check_attribute(attr, source, visible, external)
+    _check_outputs(graph, source, visible)
+
+
+def _walk_in_order(graph: onnx.GraphProto, known: set) -> Optional[tuple[set, list[onnx.AttributeProto]]]:
+    """The names visible in ``graph`` and its attributes that may hold tensors or bodies, if every node
+    comes after the producers of its inputs and defines only new names; else None."""
+    available = set(known)
+    add = available.add
+    holders = []
+    for node in graph.node:
+        for name in node.input:
+            if name not in available and name:
+                return None
+        for name in node.output:
+            if name in available and name:
+                return None
+            add(name)
+        for attr in node.attribute:
+            if attr.type in _MAY_HOLD_TENSORS:
+                holders.append(attr)
+    return available, holders
+
+
+def _check_any_order(graph: onnx.GraphProto, source: str, known: set, external: list[TensorProto]) -> None:
     # (inputs, outputs, node) read once: proto field access is the cost on a big graph
     nodes = [(list(n.input), list(n.output), n) for n in graph.node]
     produced: dict[str, onnx.NodeProto] = {}
@@ -350,28 +410,29 @@ def check_graph(graph: onnx.GraphProto, source: str = "model", outer: frozenset 
                     f"{source}: input '{name}' of node '{node.name or node.op_type}' is produced by nothing"
                 )
         for attr in node.attribute:
-            if attr.type not in _MAY_HOLD_TENSORS:
-                continue
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                check_graph(sub, source, visible)
+            if attr.type in _MAY_HOLD_TENSORS:
+                _check_attribute(attr, source, visible, external)
+    _check_outputs(graph, source, visible)
+    _check_acyclic(nodes, known, source)
+
+
+def _check_attribute(attr: onnx.AttributeProto, source: str, visible: AbstractSet[str],
+                     external: list[TensorProto]) -> None:
+    """Collect the attribute's external tensors and check the bodies it holds (seeing ``visible``)."""
+    if attr.HasField("t") and attr.t.data_location == _EXTERNAL:
+        external.append(attr.t)
+    external.extend(t for t in attr.tensors if t.data_location == _EXTERNAL)
+    for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+        _check_graph(sub, source, visible, external)
+
+
+def _check_outputs(graph: onnx.GraphProto, source: str, visible: AbstractSet[str]) -> None:
     for name in graph.output:
         if name.name not in visible:
             raise InputError(f"{source}: graph output '{name.name}' is produced by nothing")
-    if not _in_order(nodes, known):
-        _check_acyclic(nodes, known, source)
 
 
-def _in_order(nodes: list[tuple[list[str], list[str], onnx.NodeProto]], known: set) -> bool:
-    """Is every node after the producers of its inputs? (Then there is no cycle; exporters write this order.)"""
-    available = set(known)
-    for inputs, outputs, _ in nodes:
-        if any(x and x not in available for x in inputs):
-            return False
-        available.update(outputs)
-    return True
-
-
-def _check_acyclic(nodes: list[tuple[list[str], list[str], onnx.NodeProto]], known: set, source: str) -> None:
+def _check_acyclic(nodes: _NodeIO, known: set, source: str) -> None:
     pending = {i: sum(1 for x in inputs if x and x not in known) for i, (inputs, _, _) in enumerate(nodes)}
     users: dict[str, list[int]] = {}
     for i, (inputs, _, _) in enumerate(nodes):
@@ -417,14 +478,18 @@ def data_path(dst: PathLike) -> Path:
     return Path(str(dst) + ".data")
 
 
-def proto_size(model: onnx.ModelProto, serialized: Optional[int] = None) -> int:
+def proto_size(model: onnx.ModelProto, serialized: Optional[int] = None,
+               external: Optional[list[TensorProto]] = None) -> int:
     """Bytes the model would take inline: proto plus external data.
 
     ``serialized``: the proto's own size when already known (the size of the
-    file it was read from), which saves a pass over the proto.
+    file it was read from), which saves a pass over the proto; ``external``:
+    its external-data tensors when known (:class:`Loaded`), which saves a walk.
     """
     size = model.ByteSize() if serialized is None else serialized
-    return size + sum(tensor_nbytes(t) for t in all_tensors(model) if uses_external_data(t))
+    if external is None:
+        external = [t for t in all_tensors(model) if uses_external_data(t)]
+    return size + sum(tensor_nbytes(t) for t in external)
 
 
 def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool] = None) -> list[Path]:

@@ -350,3 +350,80 @@ def test_save_copies_external_bytes_without_copy_file_range(tmp_path, monkeypatc
     save_external(model, tmp_path / "m.onnx")
     io.save(io.load(tmp_path / "m.onnx"), tmp_path / "o.onnx")
     assert_equivalent(model, onnx.load(tmp_path / "o.onnx"))
+
+
+def _random_graph(rng: np.random.Generator, depth: int = 0) -> onnx.GraphProto:
+    """A small graph that may be unsorted, read an undefined name, define a name twice, hold If bodies
+    reading outer names, and keep external-data tensors in initializers and attributes."""
+    def tensor(name: str, external: bool) -> TensorProto:
+        t = helper.make_tensor(name, TensorProto.FLOAT, [1], [1.0])
+        if external:
+            t.data_location = TensorProto.EXTERNAL
+        return t
+
+    names = ["x", "w"]
+    nodes = []
+    for i in range(int(rng.integers(3, 9))):
+        inputs = [str(rng.choice(names)) for _ in range(int(rng.integers(1, 3)))]
+        if rng.random() < 0.05:
+            inputs.append("ghost")
+        if rng.random() < 0.1:
+            inputs.append("")
+        out = str(rng.choice(names)) if rng.random() < 0.05 else f"d{depth}_{i}"
+        roll = rng.random()
+        if roll < 0.2 and depth < 2:
+            body = _random_graph(rng, depth + 1)
+            nodes.append(helper.make_node("If", inputs[:1], [out], then_branch=body, else_branch=body, name=out))
+        elif roll < 0.4:
+            nodes.append(helper.make_node("Constant", [], [out], value=tensor(f"k{out}", rng.random() < 0.5)))
+        else:
+            nodes.append(helper.make_node("Add", inputs, [out], name=out))
+        names.append(out)
+    if rng.random() < 0.3:
+        rng.shuffle(nodes)
+    if rng.random() < 0.05:  # a cycle
+        nodes.append(helper.make_node("Neg", [names[-1]], ["x2"], name="back"))
+        nodes[0].input.append("x2")
+    outputs = [str(rng.choice(names[2:] or names))] + (["ghost_out"] if rng.random() < 0.05 else [])
+    return helper.make_graph(nodes, f"g{depth}", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                             [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in outputs],
+                             [tensor("w", rng.random() < 0.5)])
+
+
+def _checked(graph: onnx.GraphProto):
+    external: list[TensorProto] = []
+    try:
+        io._check_graph(graph, "m", frozenset(), external)
+    except InputError as exc:
+        return "error", str(exc)
+    return "ok", [t.SerializeToString() for t in external]
+
+
+def test_ordered_walk_checks_exactly_like_the_general_check(monkeypatch):
+    """The one-walk fast path finds the same first error (or none) and the same external tensors, in
+    all_tensors order, as the general check that handles any node order."""
+    outcomes = set()
+    for seed in range(300):
+        graph = _random_graph(np.random.default_rng(seed))
+        fast = _checked(graph)
+        with monkeypatch.context() as m:
+            m.setattr(io, "_walk_in_order", lambda graph, known: None)
+            general = _checked(graph)
+        assert fast == general, seed
+        if fast[0] == "ok":
+            model = helper.make_model(graph)
+            assert fast[1] == [t.SerializeToString() for t in io.all_tensors(model) if uses_external_data(t)]
+            in_order = io._walk_in_order(graph, {"x", "w"}) is not None
+            outcomes.add("ok, in order" if in_order else "ok, unsorted")
+        else:
+            outcomes.add(next(kind for kind in ("defined twice", "input '", "graph output", "cycle")
+                              if kind in fast[1]))
+    assert len(outcomes) == 6, outcomes  # the seeds reach both paths and every kind of error
+
+
+def test_read_model_returns_the_external_tensors_validate_resolved(tmp_path):
+    save_external(weighted_model(), tmp_path / "m.onnx")
+    loaded = io.read_model(tmp_path / "m.onnx")
+    assert [t.name for t in loaded.external] == ["w", "b"]
+    assert all(io.external_info(t)["location"] == str(tmp_path / "weights.bin") for t in loaded.external)
+    assert io.proto_size(loaded.model, 5, loaded.external) == io.proto_size(loaded.model, 5)
