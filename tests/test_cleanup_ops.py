@@ -228,3 +228,25 @@ def test_candidates_cover_every_body_in_all_graphs_order():
     found = RemoveIdentity()._candidates(graph)
     assert [id(g) for g, _ in found] == [id(g) for g in ir.all_graphs(graph)] and len(found) == 5
     assert all([id(n) for n in nodes] == [id(n) for n in g.nodes if n.op == "Identity"] for g, nodes in found)
+
+
+def test_detach_unlinks_exactly_that_node_by_identity(monkeypatch):
+    """detach: a node reading a tensor twice leaves its reader list entirely, look-alikes stay, bodies go too."""
+    from k3opt.passes.cleanup_rewire import detach
+
+    x = gs.Variable("x", dtype=np.float32, shape=[2])
+    first = gs.Node("Relu", "twin", inputs=[x], outputs=[gs.Variable("a")])
+    twice = gs.Node("Add", "add", inputs=[x, x], outputs=[gs.Variable("b")])
+    twin = gs.Node("Relu", "twin", inputs=[x], outputs=[gs.Variable("a")])  # first's look-alike
+    inner = gs.Node("Neg", "inner", inputs=[x], outputs=[gs.Variable("n")])
+    body = gs.Graph(nodes=[inner], outputs=[inner.outputs[0]])
+    holder = gs.Node("If", "if", attrs={"then_branch": body, "else_branch": body},
+                     inputs=[gs.Variable("c", dtype=bool, shape=[])], outputs=[gs.Variable("y")])
+    monkeypatch.setattr(gs.Node, "__eq__", lambda self, other: pytest.fail("structural Node.__eq__ used"))
+    dead: list = []
+    detach(twice, dead)
+    detach(twin, dead)
+    detach(holder, dead)
+    assert [n.name for n in x.outputs] == ["twin"] and x.outputs[0] is first
+    assert dead == [twice, twin, holder]
+    assert all(not n.inputs and not n.outputs for n in (twice, twin, holder, inner))

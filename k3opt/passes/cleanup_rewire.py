@@ -47,7 +47,11 @@ def bypass(graph: Graph, node: Node, new: Tensor, dead: list[Node]) -> bool:
 
 def detach(node: Node, dead: list[Node]) -> None:
     """Disconnect ``node`` (and the nodes of its subgraphs, which read outer tensors) and queue it for removal."""
-    detach_all([node], dead)
+    if node.attrs and node_subgraphs(node):
+        detach_all([node], dead)
+    else:  # one node: unlinking it where it is never costs more than filtering each whole list
+        disconnect(node)
+        dead.append(node)
 
 
 def detach_all(nodes: Sequence[Node], dead: list[Node]) -> None:
