@@ -5,18 +5,20 @@ shapes; on a 16k-node model most nodes are untouched between two refreshes,
 and exporting them again (attribute by attribute, through onnx.helper) was
 most of a refresh. An entry is reused only when everything the proto is
 made of is the same: op, name, domain, input/output names, and attributes
-that are plain values (compared by value) or constants (compared by
-identity of the Constant and its values, which the entry keeps alive so an
-id is never recycled). Anything else (subgraphs, unusual attribute types) is
-exported afresh every time.
+that are plain values (compared by value and type) or constants (compared
+by identity of the Constant and its values, which the entry keeps alive so
+an id is never recycled). Anything else (subgraphs, unusual attribute
+types) is exported afresh every time.
 """
 from __future__ import annotations
 
+from operator import attrgetter, is_
 from typing import Any, Callable, Hashable, Optional
 
 import onnx_graphsurgeon as gs
 
 _PLAIN = (int, float, str, bytes)
+_name = attrgetter("name")
 
 
 class ProtoCache:
@@ -43,40 +45,41 @@ class ProtoCache:
             self.exported += 1
             self.uncached += 1
             return make(node)
-        key, refs = sig
-        return self._get(node, key, refs, lambda: make(node))
+        return self._get(node, sig[0], sig[1], make)
 
     def constant(self, tensor: gs.Constant, make: Callable[[gs.Constant], Any]) -> Any:
         """``make(tensor)``, reused while the Constant keeps its name and values object."""
-        return self._get(tensor, (tensor.name,), (tensor._values,), lambda: make(tensor))
+        return self._get(tensor, tensor.name, (tensor._values,), make)
 
-    def _get(self, obj: Any, key: Hashable, refs: tuple, make: Callable[[], Any]) -> Any:
+    def _get(self, obj: Any, key: Hashable, refs: tuple, make: Callable[[Any], Any]) -> Any:
         entry = self._old.get(id(obj))
-        if entry is None or entry[0] is not obj or entry[1] != key or not _same(entry[2], refs):
+        if (entry is None or entry[0] is not obj or entry[1] != key or len(entry[2]) != len(refs)
+                or not all(map(is_, entry[2], refs))):
             self.exported += 1
-            entry = (obj, key, refs, make())
+            entry = (obj, key, refs, make(obj))
         self._new[id(obj)] = entry
         return entry[3]
 
 
-def _same(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
 def _node_signature(node: gs.Node) -> Optional[tuple[Hashable, tuple]]:
-    """(comparable key, objects compared by identity) describing the node's proto; None: do not cache."""
-    attrs: list[Hashable] = []
-    refs: list[Any] = []
-    for name, value in node.attrs.items():
-        if isinstance(value, _PLAIN):
-            attrs.append((name, type(value), value))
-        elif isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
-            attrs.append((name, type(value), tuple((type(v), v) for v in value)))
-        elif isinstance(value, gs.Constant):
-            attrs.append((name, value.name))
-            refs += [value, value._values]
-        else:
-            return None
-    key = (node.op, node.name, node.domain, tuple(t.name for t in node.inputs),
-           tuple(t.name for t in node.outputs), tuple(attrs))
-    return key, tuple(refs)
+    """(comparable key, objects compared by identity) describing the node's proto; None: do not cache.
+
+    The key holds each value's type beside it: ``1 == 1.0 == True`` but their protos differ.
+    """
+    refs: tuple = ()
+    attrs: tuple = ()
+    if node.attrs:
+        described: list[Hashable] = []
+        for name, value in node.attrs.items():
+            if isinstance(value, _PLAIN):
+                described.append((name, type(value), value))
+            elif isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
+                described.append((name, type(value), tuple(value), tuple(map(type, value))))
+            elif isinstance(value, gs.Constant):
+                described.append((name, value.name))
+                refs += (value, value._values)
+            else:
+                return None
+        attrs = tuple(described)
+    key = (node.op, node.name, node.domain, tuple(map(_name, node.inputs)), tuple(map(_name, node.outputs)), attrs)
+    return key, refs

@@ -13,10 +13,12 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto
+from onnx.external_data_helper import uses_external_data
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from .errors import UsageError
+from .gs_export import field, node_bytes, tensor_map
 from .io import EXTERNAL_THRESHOLD, inline_copy, weights_as_inputs
 from .proto_cache import ProtoCache
 
@@ -134,7 +136,7 @@ class ShapeRefresher:
         self._short = False
 
     def __call__(self, graph: gs.Graph) -> bool:
-        tensors = graph.tensors()  # one walk of the graph for export and update
+        tensors = tensor_map(graph)  # one walk of the graph for export and update
         return self._refresh(graph, tensors, lambda: export_for_inference(graph, tensors, self.protos))
 
     def seed(self, graph: gs.Graph, model: onnx.ModelProto) -> bool:
@@ -148,7 +150,7 @@ class ShapeRefresher:
             del copy.graph.value_info[:]  # everything is re-inferred, as after an export
             return Light.of(copy)
 
-        return self._refresh(graph, graph.tensors(), light)
+        return self._refresh(graph, tensor_map(graph), light)
 
     def _refresh(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], model: Callable[[], Light]) -> bool:
         self.calls += 1
@@ -177,53 +179,53 @@ def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]
     """
     protos = protos if protos is not None else ProtoCache()
     protos.start()
-    inputs = [OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs]
-    fields = []
-    for t in (tensors if tensors is not None else graph.tensors()).values():
+    io = onnx.GraphProto(name=graph.name or "k3opt",
+                         input=[OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs],
+                         output=[OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs])
+    fields = [io.SerializeToString()]  # first: the weights' inputs follow the graph's own
+    long_io = _has_long_vector(io)
+    for t in (tensors if tensors is not None else tensor_map(graph)).values():
         if not isinstance(t, gs.Constant) or isinstance(t._values, SparseValues):
             continue
         if getattr(t._values, "nbytes", 0) >= EXTERNAL_THRESHOLD:
-            shape = [int(d) for d in t._values.shape]
-            inputs.append(onnx.helper.make_tensor_value_info(t.name, dtype_to_onnx(t._values.dtype), shape))
+            fields.append(protos.constant(t, _weight_input_field))
+            shape = t._values.shape
+            long_io = long_io or (len(shape) == 1 and shape[0] > DATA_PROP_MAX_LEN)
         else:  # small: shape constants, axes... inference reads their values
             fields.append(protos.constant(t, _initializer_field))
     fields += [protos.node(n, _node_field) for n in graph.nodes]
-    outputs = [OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs]
-    rest = onnx.GraphProto(name=graph.name or "k3opt", input=inputs, output=outputs)
-    fields.append(rest.SerializeToString())
     head = onnx.helper.make_model(onnx.GraphProto(), opset_imports=_import_domains(graph, protos),
                                   functions=[OnnxExporter.export_function(f) for f in graph.functions])
     if graph.ir_version is not None:
         head.ir_version = graph.ir_version
     head.ClearField("graph")
-    data = head.SerializeToString() + _field(_MODEL_GRAPH, b"".join(fields))
-    return Light(data, _has_long_vector(rest))
+    data = head.SerializeToString() + field(_MODEL_GRAPH, b"".join(fields))
+    return Light(data, long_io)
 
 
-#: Field numbers of ModelProto.graph, GraphProto.node and GraphProto.initializer (onnx.proto).
-_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER = 7, 1, 5
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """``payload`` encoded as the length-delimited field ``number`` of a protobuf message."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+#: Field numbers of ModelProto.graph and GraphProto.node, .initializer and .input (onnx.proto).
+_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_INPUT = 7, 1, 5, 11
 
 
 def _node_field(node: gs.Node) -> bytes:
-    return _field(_GRAPH_NODE, OnnxExporter.export_node(node).SerializeToString())
+    data = node_bytes(node)
+    if data is None:  # not plain: gs's own export (which raises where gs does)
+        data = OnnxExporter.export_node(node).SerializeToString()
+    return field(_GRAPH_NODE, data)
 
 
 def _initializer_field(t: gs.Constant) -> bytes:
-    return _field(_GRAPH_INITIALIZER, inline_copy(OnnxExporter.export_tensor_proto(t)).SerializeToString())
+    proto = OnnxExporter.export_tensor_proto(t)
+    if uses_external_data(proto):
+        proto = inline_copy(proto)
+    return field(_GRAPH_INITIALIZER, proto.SerializeToString())
+
+
+def _weight_input_field(t: gs.Constant) -> bytes:
+    """A big constant as a typed graph input: inference needs only its type."""
+    shape = [int(d) for d in t._values.shape]
+    vi = onnx.helper.make_tensor_value_info(t.name, dtype_to_onnx(t._values.dtype), shape)
+    return field(_GRAPH_INPUT, vi.SerializeToString())
 
 
 def _import_domains(graph: gs.Graph, protos: ProtoCache) -> list[onnx.OperatorSetIdProto]:
@@ -252,22 +254,28 @@ def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto,
     element type), and onnxruntime trusts equal symbols to mean equal sizes.
     """
     infos = {vi.name: vi for vi in list(inferred.value_info) + list(inferred.output)}
+    if tensors is None:
+        tensors = tensor_map(graph)
     inputs = {id(t) for t in graph.inputs}
     declared = {d for t in list(graph.inputs) + list(graph.outputs) for d in (t.shape or ()) if isinstance(d, str)}
     # Most tensors share a few distinct types: convert each once, keyed by its serialized proto.
     converted: dict[bytes, Optional[tuple[np.dtype, Optional[tuple]]]] = {}
-    for name, tensor in (tensors if tensors is not None else graph.tensors()).items():
-        vi = infos.get(name)
-        if vi is None or isinstance(tensor, gs.Constant) or id(tensor) in inputs:
+    for name, vi in infos.items():  # fewer than the tensors: no constants, no graph inputs
+        tensor = tensors.get(name)
+        if tensor is None or isinstance(tensor, gs.Constant) or id(tensor) in inputs:
             continue
         key = vi.type.SerializeToString()
-        if key not in converted:
-            converted[key] = _dtype_and_shape(vi.type, declared)
-        info = converted[key]
+        info = converted.get(key, _UNSEEN)
+        if info is _UNSEEN:
+            info = converted[key] = _dtype_and_shape(vi.type, declared)
         if info is not None:
-            tensor.dtype = info[0]
+            fields = tensor.__dict__  # what gs's Tensor.__setattr__ does for these two, without its Python frame
+            fields["dtype"] = info[0]
             if info[1] is not None:
-                tensor.shape = list(info[1])
+                fields["shape"] = list(info[1])
+
+
+_UNSEEN = object()
 
 
 def _dtype_and_shape(tp: onnx.TypeProto, declared: set[str]) -> Optional[tuple[np.dtype, Optional[tuple]]]:

@@ -119,3 +119,15 @@ def test_a_long_graph_input_is_reported_with_the_bytes():
     model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", TensorProto.FLOAT, [70000])],
                        [("y", TensorProto.FLOAT, [70000])])
     assert export_for_inference(io.import_graph(model)).long_io
+
+
+def test_a_long_weight_is_reported_with_the_bytes_even_when_its_input_is_reused():
+    """A big 1-D constant becomes a typed graph input: long, it rules out data propagation like a long input."""
+    model = make_model([helper.make_node("Add", ["x", "w"], ["y"])], [("x", TensorProto.FLOAT, [1])],
+                       [("y", TensorProto.FLOAT, ["n"])], {"w": np.zeros(70000, np.float32)})
+    graph = io.import_graph(model)
+    protos = ProtoCache()
+    assert export_for_inference(graph, protos=protos).long_io and protos.exported == 2
+    assert export_for_inference(graph, protos=protos).long_io and protos.exported == 0
+    graph.nodes[0].inputs[1].values = np.zeros(1000, np.float32)  # still big, no longer long
+    assert not export_for_inference(graph, protos=protos).long_io and protos.exported == 1
