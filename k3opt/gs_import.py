@@ -35,18 +35,28 @@ _new = object.__new__
 _new_links = SynchronizedList.__new__
 
 
+#: The main-graph nodes whose attributes gs imported, with their protos (None: gs imported the whole model).
+Handoffs = Optional[list[tuple[onnx.NodeProto, Node]]]
+
+
 def import_onnx(model: onnx.ModelProto) -> Graph:
     """Exactly ``gs.import_onnx(model)``, faster on plain graphs."""
+    return import_noting_handoffs(model)[0]
+
+
+def import_noting_handoffs(model: onnx.ModelProto) -> tuple[Graph, Handoffs]:
+    """:func:`import_onnx`, and which nodes' attributes went to gs: only those can hold a body
+    or lack an attribute gs skips, so a fix-up need not walk every node."""
     g = model.graph
     if model.functions or g.sparse_initializer:
-        return gs.import_onnx(model)
+        return gs.import_onnx(model), None
     collecting = gc.isenabled()
     gc.disable()  # ~270k objects that all live on: the collector would rescan them over and over
     try:
-        graph = _import(model)
+        graph, handed = _import(model)
         if collecting:
             _to_old_generation()
-        return graph
+        return graph, handed
     finally:
         if collecting:
             gc.enable()
@@ -63,7 +73,7 @@ def _to_old_generation() -> None:
     gc.collect(1)
 
 
-def _import(model: onnx.ModelProto) -> Graph:
+def _import(model: onnx.ModelProto) -> tuple[Graph, list[tuple[onnx.NodeProto, Node]]]:
     g = model.graph
     opset = OnnxImporter.get_opset(model)
     domains = OnnxImporter.get_import_domains(model)
@@ -83,15 +93,16 @@ def _import(model: onnx.ModelProto) -> Graph:
     inits = {t.name for t in g.initializer}
     inputs = [_io_tensor(tensors, vi) for vi in g.input if vi.name not in inits]
     outputs = [_io_tensor(tensors, vi) for vi in g.output]
-    nodes = [_node(proto, tensors, opset, domains) for proto in g.node]
+    handed: list[tuple[onnx.NodeProto, Node]] = []
+    nodes = [_node(proto, tensors, opset, domains, handed) for proto in g.node]
     # Built empty: gs's constructor walks every node for subgraphs to share the functions list with.
     graph = Graph(nodes=[], inputs=inputs, outputs=outputs, name=g.name, doc_string=g.doc_string,
                   producer_name=model.producer_name, producer_version=model.producer_version, opset=opset,
                   import_domains=domains, functions=[], ir_version=model.ir_version)
     graph.nodes = nodes
-    if any(isinstance(v, gs.Graph) for n in nodes for v in n.attrs.values()):
+    if any(isinstance(v, gs.Graph) for _, n in handed for v in n.attrs.values()):
         graph._merge_subgraph_functions()
-    return graph
+    return graph, handed
 
 
 def _io_tensor(tensors: OrderedDict, vi: onnx.ValueInfoProto) -> Tensor:
@@ -157,12 +168,13 @@ def _constant(proto: onnx.TensorProto) -> gs.Constant:
     return t
 
 
-def _attributes(proto: onnx.NodeProto, tensors: OrderedDict, opset, domains) -> OrderedDict:
+def _attributes(proto: onnx.NodeProto) -> Optional[OrderedDict]:
+    """gs's import of the node's attributes, or None when one is of a kind left to gs."""
     attrs: OrderedDict = OrderedDict()
     for a in proto.attribute:
         kind = a.type
         if kind not in _PLAIN or a.ref_attr_name:
-            return OnnxImporter.import_attributes(proto.attribute, OrderedDict(), tensors, opset, domains)
+            return None
         if kind == _A.INT:
             attrs[a.name] = a.i
         elif kind == _A.TENSOR:
@@ -180,10 +192,14 @@ def _attributes(proto: onnx.NodeProto, tensors: OrderedDict, opset, domains) -> 
     return attrs
 
 
-def _node(proto: onnx.NodeProto, tensors: OrderedDict, opset, domains) -> Node:
-    """gs's ``OnnxImporter.import_node`` for a main-graph node."""
-    attrs = _attributes(proto, tensors, opset, domains)
+def _node(proto: onnx.NodeProto, tensors: OrderedDict, opset, domains, handed: list) -> Node:
+    """gs's ``OnnxImporter.import_node`` for a main-graph node (noted in ``handed`` when gs imports its
+    attributes: it may then add the tensors a body reads to ``tensors`` first)."""
     node = _new(Node)
+    attrs = _attributes(proto)
+    if attrs is None:
+        attrs = OnnxImporter.import_attributes(proto.attribute, OrderedDict(), tensors, opset, domains)
+        handed.append((proto, node))
     ins, outs = _links(node, "outputs"), _links(node, "inputs")
     get = tensors.get
     for name in proto.input:

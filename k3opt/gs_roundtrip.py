@@ -33,9 +33,13 @@ _DEFAULTS = "k3opt_input_defaults"
 def import_onnx(model: onnx.ModelProto) -> Graph:
     """``gs.import_onnx(model)`` (built by :mod:`k3opt.gs_import`), keeping graph inputs that
     have a default initializer and node attributes of the kinds gs skips."""
-    graph = gs_import.import_onnx(model)
+    graph, handed = gs_import.import_noting_handoffs(model)
     restore_default_inputs(model, graph)
-    restore_skipped_attributes(model.graph, graph)
+    if handed is None:
+        restore_skipped_attributes(model.graph, graph)
+    else:  # attributes of the kinds gs skips are only on nodes whose attributes gs imported
+        for node_proto, node in handed:
+            _restore_node_attributes(node_proto, node)
     return graph
 
 
@@ -54,11 +58,15 @@ def restore_skipped_attributes(proto: onnx.GraphProto, graph: Graph) -> None:
     and which CSE compares like any other attribute value.
     """
     for node_proto, node in zip(proto.node, graph.nodes):
-        for attr in node_proto.attribute:
-            if attr.type in _SKIPPED_KINDS and not attr.ref_attr_name and attr.name not in node.attrs:
-                node.attrs[attr.name] = onnx.helper.get_attribute_value(attr)
-            elif attr.type == onnx.AttributeProto.GRAPH and isinstance(node.attrs.get(attr.name), gs.Graph):
-                restore_skipped_attributes(attr.g, node.attrs[attr.name])
+        _restore_node_attributes(node_proto, node)
+
+
+def _restore_node_attributes(proto: onnx.NodeProto, node: gs.Node) -> None:
+    for attr in proto.attribute:
+        if attr.type in _SKIPPED_KINDS and not attr.ref_attr_name and attr.name not in node.attrs:
+            node.attrs[attr.name] = onnx.helper.get_attribute_value(attr)
+        elif attr.type == onnx.AttributeProto.GRAPH and isinstance(node.attrs.get(attr.name), gs.Graph):
+            restore_skipped_attributes(attr.g, node.attrs[attr.name])
 
 
 def restore_default_inputs(model: onnx.ModelProto, graph: Graph) -> None:

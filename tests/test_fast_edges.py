@@ -272,6 +272,31 @@ def test_fast_import_builds_gs_graph_exactly(make):
     assert _canonical(gs_import.import_onnx(model)) == _canonical(gs.import_onnx(model))
 
 
+def test_roundtrip_import_restores_skipped_attributes_only_where_gs_imported():
+    """Walking only the nodes whose attributes gs imported restores what the full walk restores,
+    a skipped kind inside a body included."""
+    from k3opt import gs_import
+
+    opt_type = helper.make_optional_type_proto(helper.make_tensor_type_proto(F, [2]))
+    body = helper.make_graph([helper.make_node("Optional", [], ["o"], type=opt_type, name="in_body"),
+                              helper.make_node("OptionalHasElement", ["o"], ["has"])], "b", [],
+                             [helper.make_tensor_value_info("has", T.BOOL, [])])
+    model = _kitchen_sink()
+    model.graph.node.append(helper.make_node("If", ["cond"], ["has_out"], then_branch=body, else_branch=body))
+
+    def full_walk(m: onnx.ModelProto) -> gs.Graph:
+        graph = gs_import.import_onnx(m)
+        gs_roundtrip.restore_default_inputs(m, graph)
+        gs_roundtrip.restore_skipped_attributes(m.graph, graph)
+        return graph
+
+    for make in (lambda: model, _if_model, _loop_model):
+        assert _canonical(gs_roundtrip.import_onnx(make())) == _canonical(full_walk(make()))
+    graph = gs_roundtrip.import_onnx(model)
+    inner = [n for n in graph.nodes if n.op == "If"][-1].attrs["then_branch"].nodes[0]
+    assert "type" in inner.attrs and "type" in next(n for n in graph.nodes if n.name == "skipped_kind").attrs
+
+
 def test_fast_import_leaves_functions_and_sparse_initializers_to_gs(monkeypatch):
     from k3opt import gs_import
 
