@@ -164,7 +164,9 @@ def varint(n: int) -> bytes:
 
 def field(number: int, payload: bytes) -> bytes:
     """``payload`` encoded as the length-delimited field ``number`` of a protobuf message."""
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
+    tag, size = number << 3 | 2, len(payload)
+    return ((_ONE_BYTE[tag] if tag < 0x80 else varint(tag)) + (_ONE_BYTE[size] if size < 0x80 else varint(size))
+            + payload)
 
 
 def _string(tag: bytes, value: str) -> bytes:

@@ -11,7 +11,7 @@ from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from k3opt import io
 from k3opt.proto_cache import ProtoCache
-from k3opt.shapes import ShapeRefresher, export_for_inference
+from k3opt.shapes import ShapeRefresher, export_for_inference, model_for_inference
 from tests.helpers import make_model
 from tests.zoo import zoo_model
 
@@ -125,9 +125,39 @@ def test_a_long_weight_is_reported_with_the_bytes_even_when_its_input_is_reused(
     """A big 1-D constant becomes a typed graph input: long, it rules out data propagation like a long input."""
     model = make_model([helper.make_node("Add", ["x", "w"], ["y"])], [("x", TensorProto.FLOAT, [1])],
                        [("y", TensorProto.FLOAT, ["n"])], {"w": np.zeros(70000, np.float32)})
+    assert model_for_inference(model).long_io
     graph = io.import_graph(model)
     protos = ProtoCache()
     assert export_for_inference(graph, protos=protos).long_io and protos.exported == 2
     assert export_for_inference(graph, protos=protos).long_io and protos.exported == 0
     graph.nodes[0].inputs[1].values = np.zeros(1000, np.float32)  # still big, no longer long
     assert not export_for_inference(graph, protos=protos).long_io and protos.exported == 1
+
+
+def with_everything() -> onnx.ModelProto:
+    """Model and graph metadata, value_info, a big weight declared as an input, a small one in external data."""
+    model = with_if_and_custom_domain()
+    model.doc_string, model.producer_name, model.model_version = "doc", "me", 3
+    onnx.helper.set_model_props(model, {"k": "v"})
+    model.graph.doc_string = "graph doc"
+    model.graph.value_info.append(helper.make_tensor_value_info("y0", TensorProto.FLOAT, [2, 3]))
+    model.graph.input.append(helper.make_tensor_value_info("big", TensorProto.FLOAT, [100, 2, 3]))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([1.0], np.float32), "unused_small"))
+    return model
+
+
+@pytest.mark.parametrize("which", ["transpose_reshape", "if_and_domain", "everything", "external", "bert"])
+def test_the_seed_model_parses_to_the_weights_as_inputs_copy(which, tmp_path):
+    """What the seed infers: the model with weights as inputs and no value_info, joined without copying it."""
+    if which == "bert":
+        model = onnx.load(zoo_model("bert"))
+    elif which == "external":
+        onnx.save(with_everything(), tmp_path / "m.onnx", save_as_external_data=True, size_threshold=0)
+        model = io.load(tmp_path / "m.onnx")
+    else:
+        model = {"transpose_reshape": transpose_reshape, "if_and_domain": with_if_and_custom_domain,
+                 "everything": with_everything}[which]()
+    expected = io.weights_as_inputs(model)[0]
+    del expected.graph.value_info[:]
+    light = model_for_inference(model)
+    assert onnx.ModelProto.FromString(light.data) == expected and not light.long_io
