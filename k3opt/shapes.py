@@ -131,6 +131,8 @@ class ShapeRefresher:
         self.protos = ProtoCache()
         #: The last inference propagated data (no long 1-D tensor): it is tried first next time.
         self._short = False
+        #: Inferred types converted for gs, reused by the next refreshes (see apply_shapes).
+        self._types: dict[frozenset, _Converted] = {}
 
     def __call__(self, graph: gs.Graph) -> bool:
         tensors = tensor_map(graph)  # one walk of the graph for export and update
@@ -154,7 +156,7 @@ class ShapeRefresher:
             if note not in self.notes:
                 self.notes.append(note)
             return False
-        apply_shapes(graph, inferred.graph, tensors)
+        apply_shapes(graph, inferred.graph, tensors, self._types)
         return True
 
 
@@ -272,9 +274,16 @@ def _import_domains(graph: gs.Graph, protos: ProtoCache) -> list[onnx.OperatorSe
     return update_import_domains(graph)
 
 
-def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto,
-                 tensors: Optional[dict[str, gs.Tensor]] = None) -> None:
+_Converted = dict[bytes, Optional[tuple[np.dtype, Optional[tuple]]]]
+
+
+def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto, tensors: Optional[dict[str, gs.Tensor]] = None,
+                 memo: Optional[dict[frozenset, _Converted]] = None) -> None:
     """Copy inferred dtypes and shapes onto the graph's variables (graph inputs untouched).
+
+    Most tensors share a few distinct types: each is converted once, keyed by
+    its serialized proto; ``memo`` keeps the conversions for the next call
+    (per set of declared symbols, the only other thing they depend on).
 
     Only symbolic dimensions the graph's inputs and outputs declare are kept;
     the ones onnx makes up for unknown dimensions (``unk__N``) become None.
@@ -286,9 +295,9 @@ def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto,
     if tensors is None:
         tensors = tensor_map(graph)
     inputs = {id(t) for t in graph.inputs}
-    declared = {d for t in list(graph.inputs) + list(graph.outputs) for d in (t.shape or ()) if isinstance(d, str)}
-    # Most tensors share a few distinct types: convert each once, keyed by its serialized proto.
-    converted: dict[bytes, Optional[tuple[np.dtype, Optional[tuple]]]] = {}
+    declared = frozenset(d for t in list(graph.inputs) + list(graph.outputs) for d in (t.shape or ())
+                         if isinstance(d, str))
+    converted = {} if memo is None else memo.setdefault(declared, {})
     for name, vi in infos.items():  # fewer than the tensors: no constants, no graph inputs
         tensor = tensors.get(name)
         if tensor is None or isinstance(tensor, gs.Constant) or id(tensor) in inputs:
@@ -307,7 +316,7 @@ def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto,
 _UNSEEN = object()
 
 
-def _dtype_and_shape(tp: onnx.TypeProto, declared: set[str]) -> Optional[tuple[np.dtype, Optional[tuple]]]:
+def _dtype_and_shape(tp: onnx.TypeProto, declared: frozenset[str]) -> Optional[tuple[np.dtype, Optional[tuple]]]:
     """(numpy dtype, dims or None when unranked) of a tensor type; None when it is no tensor or has no elem type."""
     tt = tp.tensor_type
     if not tp.HasField("tensor_type") or tt.elem_type == TensorProto.UNDEFINED:

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
-from k3opt import io
+from k3opt import io, shapes
 from k3opt.proto_cache import ProtoCache
 from k3opt.shapes import ShapeRefresher, export_for_inference, model_for_inference
 from tests.helpers import make_model
@@ -161,3 +161,21 @@ def test_the_seed_model_parses_to_the_weights_as_inputs_copy(which, tmp_path):
     del expected.graph.value_info[:]
     light = model_for_inference(model)
     assert onnx.ModelProto.FromString(light.data) == expected and not light.long_io
+
+
+def test_type_conversions_are_reused_only_for_the_same_declared_symbols(monkeypatch):
+    model = make_model([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])],
+                       [("x", TensorProto.FLOAT, ["n", 3])], [("y", TensorProto.FLOAT, ["n", 3])])
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    graph = io.import_graph(model)
+    memo: dict = {}
+    shapes.apply_shapes(graph, inferred, memo=memo)
+    assert shapes_of(graph)["r"] == ["n", 3]
+    real, calls = shapes._dtype_and_shape, []
+    monkeypatch.setattr(shapes, "_dtype_and_shape", lambda *a: calls.append(a) or real(*a))
+    shapes.apply_shapes(graph, inferred, memo=memo)
+    assert calls == [] and shapes_of(graph)["r"] == ["n", 3]
+    graph.inputs[0].shape = graph.outputs[0].shape = [None, 3]  # "n" no longer declared: onnx's symbol is dropped
+    monkeypatch.undo()
+    shapes.apply_shapes(graph, inferred, memo=memo)
+    assert shapes_of(graph)["r"] == [None, 3] and len(memo) == 2
