@@ -325,30 +325,30 @@ def _sort_nodes(graph: Graph, bodies: set[int]) -> None:
         return list(found.values())
 
     level: dict[int, int] = {}
-
-    def placed(node: Node) -> Optional[int]:
-        """The level of a node without bodies whose producers all have one, else None."""
-        top = -1
-        for t in node.inputs:
-            if t.inputs and local(t.name):
-                for p in t.inputs:
-                    lv = level.get(id(p))
-                    if lv is None:
-                        return None
-                    top = max(top, lv)
-        return top + 1
-
     order: list[Node] = []
     for root in graph.nodes:
-        if id(root) in level:
+        key = id(root)
+        if key in level:
             continue
-        lv = None if id(root) in bodies else placed(root)
-        if lv is not None:  # the usual case: its producers are placed already
-            level[id(root)] = lv
-            order.append(root)
-            continue
+        if key not in bodies:  # the usual case: its producers are placed already, so is it
+            top = -1
+            for t in root.inputs:
+                if t.inputs and (t.name in own or local(t.name)):
+                    for p in t.inputs:
+                        lv = level.get(id(p), -2)
+                        if lv > top:
+                            top = lv
+                        elif lv == -2:
+                            break
+                    else:
+                        continue
+                    break
+            else:
+                level[key] = top + 1
+                order.append(root)
+                continue
         stack = [(root, producers(root), 0)]
-        on_stack = {id(root)}
+        on_stack = {key}
         while stack:
             node, inputs, i = stack[-1]
             while i < len(inputs) and id(inputs[i]) in level:
@@ -377,12 +377,13 @@ def cleanup(graph: Graph) -> Graph:
     """
     if graph.functions:
         return graph.cleanup()
-    for g, _ in _bodies_first(graph):
-        _drop_unused(g)
+    for g, holders in _bodies_first(graph):
+        _drop_unused(g, holders)
     return graph
 
 
-def _drop_unused(graph: Graph) -> None:
+def _drop_unused(graph: Graph, holders: set[int]) -> None:
+    """gs's clean-up of one graph; ``holders``: the ids of its nodes that hold bodies."""
     for inp in graph.inputs:
         for node in list(inp.inputs):
             _unlink(node.outputs, inp)
@@ -401,16 +402,19 @@ def _drop_unused(graph: Graph) -> None:
 
     used: set[int] = set()
     todo = [t for t in graph.outputs if wanted(t)]
-    index = 0
-    while index < len(todo):
-        t = todo[index]
-        index += 1
+    for t in todo:  # grows while walking: breadth first, as gs
         for node in t.inputs:
-            if id(node) not in members:
+            key = id(node)
+            if key not in members:
                 _not_in_graph(node)
-            reads = list(node.inputs) + (_outer_reads(node) if node_subgraphs(node) else [])
-            used.add(id(node))
-            todo += [r for r in reads if wanted(r)]
+            used.add(key)
+            for r in (node.inputs if key not in holders else list(node.inputs) + _outer_reads(node)):
+                name = r.name
+                if not name:
+                    todo.append(r)
+                elif name in local and name not in seen:
+                    seen.add(name)
+                    todo.append(r)
     kept = []
     for node in graph.nodes:
         if id(node) in used:
