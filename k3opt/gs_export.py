@@ -75,9 +75,8 @@ def _write_graph(graph: Graph, out: onnx.GraphProto) -> None:
     out.sparse_initializer.extend(sparse)
     for t in list(graph.inputs) + list(graph.outputs):
         tensors.pop(t.name, None)
-    for t in tensors.values():
-        if isinstance(t, gs.Variable) and (t.dtype is not None or t.shape is not None):
-            _write_value_info(t, out.value_info)
+    _write_value_infos([t for t in tensors.values()
+                        if isinstance(t, gs.Variable) and (t.dtype is not None or t.shape is not None)], out)
     if graph.doc_string:
         out.doc_string = graph.doc_string
 
@@ -99,18 +98,106 @@ def _write_node(node: gs.Node, out: onnx.NodeProto) -> None:
 _ELEM_TYPES: dict = {}
 
 
+def _elem_type(dtype) -> int:
+    """The ONNX element type of a tensor's dtype (an int is one already)."""
+    if isinstance(dtype, int):
+        return dtype
+    elem = _ELEM_TYPES.get(dtype)
+    if elem is None:
+        elem = _ELEM_TYPES[dtype] = dtype_to_onnx(dtype)
+    return elem
+
+
+def _write_value_infos(tensors: list[Tensor], out: onnx.GraphProto) -> None:
+    """:func:`_write_value_info` for each of ``tensors`` into ``out.value_info``.
+
+    Plain entries (a str name, a tensor type whose dims are None, ints or
+    strs) are written as wire-format bytes and parsed in one go: a graph's
+    tensors share a few dozen types, whose bytes are made once. The bytes
+    parse to the entries :func:`_write_value_info` builds (same fields, same
+    order); any other entry is built by it, in its place.
+    """
+    types: dict[tuple, Optional[bytes]] = {}
+    parts: list[bytes] = []
+    for t in tensors:
+        entry = _value_info_bytes(t, types)
+        if entry is None:
+            if parts:
+                out.MergeFromString(b"".join(parts))
+                parts = []
+            _write_value_info(t, out.value_info)
+        else:
+            parts.append(entry)
+    if parts:
+        out.MergeFromString(b"".join(parts))
+
+
+#: An empty TensorShapeProto.Dimension (an unknown dim) as a ``dim`` field.
+_NO_DIM = b"\x0a\x00"
+#: The dim values written as bytes; a shape holding anything else is built by :func:`_write_value_info`.
+_PLAIN_DIMS = frozenset((type(None), int, str))
+
+
+def _value_info_bytes(t: Tensor, types: dict[tuple, Optional[bytes]]) -> Optional[bytes]:
+    """GraphProto field ``value_info`` holding ``t``'s ValueInfoProto, or None when ``t`` is not plain.
+
+    ``types`` caches the type bytes by (dtype's class, dtype, dims): dims are
+    None, ints and strs only, so equal keys are the same type (1.0 or True
+    would equal 1).
+    """
+    dtype = t.dtype
+    name = t.name
+    if dtype is None or type(name) is not str or not (isinstance(t, gs.Constant) or t.type == "tensor_type"):
+        return None
+    shape = t.shape
+    try:
+        dims = None if shape is None else tuple(shape)
+        if dims is not None and not _PLAIN_DIMS.issuperset(map(type, dims)):
+            return None
+        key = (type(dtype), dtype, dims)
+        typed = types.get(key, False)
+    except TypeError:  # not a sequence, or an unhashable dtype
+        return None
+    if typed is False:
+        typed = types[key] = _type_bytes(_elem_type(dtype), dims)
+    if typed is None:
+        return None
+    try:
+        return field(13, field(1, name.encode()) + typed)
+    except UnicodeError:
+        return None
+
+
+def _type_bytes(elem: int, shape: Optional[tuple]) -> Optional[bytes]:
+    """ValueInfoProto field ``type``: a tensor type of ``elem`` and ``shape``, or None (not plain)."""
+    if type(elem) is not int or not 0 <= elem <= 0x7FFFFFFF:
+        return None
+    body = b"\x08" + varint(elem)
+    if shape is not None:
+        dims = []
+        for d in shape:
+            if d is None:
+                dims.append(_NO_DIM)
+            elif type(d) is str:
+                try:
+                    dims.append(field(1, field(2, d.encode())))
+                except UnicodeError:
+                    return None
+            elif _INT64_MIN <= d <= _INT64_MAX:
+                dims.append(field(1, _int(b"\x08", d)))
+            else:
+                return None
+        body += field(2, b"".join(dims))
+    return field(2, field(1, body))
+
+
 def _write_value_info(t: Tensor, entries) -> None:
     """Append ``OnnxExporter.export_value_info_proto(t, False)`` to ``entries``."""
     dtype = t.dtype
     if dtype is None or not (isinstance(t, gs.Constant) or t.type == "tensor_type"):
         entries.append(OnnxExporter.export_value_info_proto(t, False))
         return
-    if isinstance(dtype, int):
-        elem = dtype
-    else:
-        elem = _ELEM_TYPES.get(dtype)
-        if elem is None:
-            elem = _ELEM_TYPES[dtype] = dtype_to_onnx(dtype)
+    elem = _elem_type(dtype)
     vi = entries.add()
     vi.name = t.name
     # onnx.helper.make_tensor_type_proto, field by field

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
@@ -380,6 +381,59 @@ def test_fast_export_writes_gs_bytes(make, odd):
         _odd_tensors(graph)
     ours = gs_export.export_onnx(graph).SerializeToString()
     assert ours == gs.export_onnx(graph, do_type_check=False).SerializeToString()
+
+
+def _value_info_graph(*variables: gs.Variable) -> gs.Graph:
+    x = gs.Variable("x", dtype=np.float32, shape=[2])
+    return gs.Graph(nodes=[gs.Node("Custom", inputs=[x], outputs=list(variables))], inputs=[x], outputs=[],
+                    opset=17)
+
+
+#: Variables whose value_info the fast writer makes from bytes, or hands to the proto builder.
+_VALUE_INFOS = {
+    "plain and shared types": lambda: [gs.Variable(f"v{i}", dtype=np.float32, shape=[1, "seq", None, 4])
+                                       for i in range(3)],
+    "negative, huge and zero dims": lambda: [gs.Variable("neg", dtype=np.int64, shape=[-1, 2**40, 0])],
+    "no shape, scalar, onnx dtype": lambda: [gs.Variable("noshape", dtype=np.float16),
+                                             gs.Variable("scalar", dtype=np.float32, shape=[]),
+                                             gs.Variable("bf", dtype=T.BFLOAT16, shape=[3])],
+    "shape only": lambda: [gs.Variable("shape_only", shape=[2, 3])],
+    "unicode names and dims": lambda: [gs.Variable("é€", dtype=np.float32, shape=["n_é", 1])],
+    "sequence between plain ones": lambda: [gs.Variable("a", dtype=np.float32, shape=[1]),
+                                            gs.Variable("s", dtype=np.float32, shape=[1], type="sequence_type"),
+                                            gs.Variable("b", dtype=np.float32, shape=[1])],
+    "tuple shape": lambda: [gs.Variable("tup", dtype=np.float32, shape=(5, "k"))],
+}
+#: Variables gs refuses to export: the fast writer must raise the same error.
+_BAD_VALUE_INFOS = {
+    "bool dim after an equal int dim": lambda: [gs.Variable("one", dtype=np.float32, shape=[1]),
+                                                gs.Variable("true", dtype=np.float32, shape=[True])],
+    "float dim after an equal int dim": lambda: [gs.Variable("one", dtype=np.float32, shape=[1]),
+                                                 gs.Variable("float", dtype=np.float32, shape=[1.0])],
+    "numpy int dim": lambda: [gs.Variable("npdim", dtype=np.float32, shape=[np.int64(3)])],
+    "dim past int64": lambda: [gs.Variable("big", dtype=np.float32, shape=[2**63])],
+    "lone surrogate": lambda: [gs.Variable("bad\udc80", dtype=np.float32, shape=[1])],
+}
+
+
+@pytest.mark.parametrize("case", list(_VALUE_INFOS))
+def test_fast_export_value_infos_are_gs_bytes(case):
+    from k3opt import gs_export
+
+    graph = _value_info_graph(*_VALUE_INFOS[case]())
+    assert gs_export.export_onnx(graph).SerializeToString() == \
+        gs.export_onnx(graph, do_type_check=False).SerializeToString()
+
+
+@pytest.mark.parametrize("case", list(_BAD_VALUE_INFOS))
+def test_fast_export_refuses_value_infos_gs_refuses(case):
+    from k3opt import gs_export
+
+    graph = _value_info_graph(*_BAD_VALUE_INFOS[case]())
+    with pytest.raises(Exception) as theirs:
+        gs.export_onnx(graph, do_type_check=False)
+    with pytest.raises(type(theirs.value)):
+        gs_export.export_onnx(graph)
 
 
 def test_fast_export_leaves_functions_to_gs():
