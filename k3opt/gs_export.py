@@ -19,12 +19,12 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
-from .ir import Graph, Tensor
+from .ir import Graph, Tensor, gs_fast_paths
 
 
 def export_onnx(graph: Graph) -> onnx.ModelProto:
     """Exactly ``gs.export_onnx(graph, do_type_check=False)``."""
-    if graph.functions:
+    if graph.functions or not gs_fast_paths():
         return gs.export_onnx(graph, do_type_check=False)
     model = onnx.ModelProto()
     model.ir_version = onnx.IR_VERSION  # as onnx.helper.make_model
@@ -318,6 +318,8 @@ def node_bytes(node: gs.Node) -> Optional[bytes]:
     model). Subgraphs, references, numpy values, and values protobuf would
     refuse are left to gs (None), which then exports them or raises as before.
     """
+    if not gs_fast_paths():
+        return None
     try:
         parts = [_string(b"\x0a", t.name) for t in node.inputs]
         parts += [_string(b"\x12", t.name) for t in node.outputs]

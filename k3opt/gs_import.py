@@ -26,7 +26,7 @@ from onnx_graphsurgeon.importers.onnx_importer import (
 from onnx_graphsurgeon.ir.tensor import LazyValues
 from onnx_graphsurgeon.util.misc import SynchronizedList
 
-from .ir import Graph, Node, Tensor
+from .ir import Graph, Node, Tensor, gs_fast_paths
 
 _A = onnx.AttributeProto
 #: Attribute kinds converted here; any other kind (or a reference) sends the node's attributes to gs.
@@ -48,7 +48,7 @@ def import_noting_handoffs(model: onnx.ModelProto) -> tuple[Graph, Handoffs]:
     """:func:`import_onnx`, and which nodes' attributes went to gs: only those can hold a body
     or lack an attribute gs skips, so a fix-up need not walk every node."""
     g = model.graph
-    if model.functions or g.sparse_initializer:
+    if model.functions or g.sparse_initializer or not gs_fast_paths():
         return gs.import_onnx(model), None
     collecting = gc.isenabled()
     gc.disable()  # ~270k objects that all live on: the collector would rescan them over and over

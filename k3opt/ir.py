@@ -19,6 +19,17 @@ Tensor = gs.Tensor
 Node = gs.Node
 Graph = gs.Graph
 
+#: onnx-graphsurgeon releases whose internals k3opt's fast import and export (gs_import.py,
+#: gs_export.py: objects built without gs's constructors, protos written without its exporter)
+#: were checked against, object for object and byte for byte. Any other release gets gs itself.
+GS_VERIFIED = ("0.6.",)
+
+
+def gs_fast_paths() -> bool:
+    """May k3opt build and write gs objects directly (the installed gs is a verified release)?"""
+    return gs.__version__.startswith(GS_VERIFIED)
+
+
 
 def producer(t: Tensor) -> Optional[Node]:
     """The node computing ``t``, or None for graph inputs and constants."""

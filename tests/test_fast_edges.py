@@ -478,3 +478,18 @@ def test_optimized_zoo_model_exports_gs_bytes():
     with unittest.mock.patch.object(api, "export", capture):
         k3opt.optimize(str(zoo_model("gpt2", "torchscript")))
     assert captured["ours"] == captured["gs"]
+
+
+def test_an_unverified_gs_release_gets_gs_itself(monkeypatch):
+    """The fast import/export build gs's objects and protos by hand: only on the release they were checked on."""
+    from k3opt import gs_export, gs_import
+
+    assert ir.gs_fast_paths()  # the installed release is a verified one (else the tests above test gs)
+    monkeypatch.setattr(gs, "__version__", "0.7.0")
+    assert not ir.gs_fast_paths()
+    monkeypatch.setattr(gs_import, "_import", lambda *a: pytest.fail("fast import used"))
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], ["x"], ["y"])
+    graph = gs_roundtrip.import_onnx(model)
+    assert [n.op for n in graph.nodes] == ["Relu"]
+    assert gs_export.node_bytes(graph.nodes[0]) is None
+    assert gs_export.export_onnx(graph) == gs.export_onnx(graph, do_type_check=False)
