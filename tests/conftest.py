@@ -11,6 +11,16 @@ from k3opt.passes.base import Pass, register_pass, registered_passes, unregister
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_passes() -> Iterator[None]:
+    """Passes a test registers (rules_pass, plugins loaded by optimize) are gone after it: the
+    registry is global, and a leftover pass joins every later test's default pipeline."""
+    before = set(registered_passes())
+    yield
+    for name in set(registered_passes()) - before:
+        unregister_pass(name)
+
+
 @pytest.fixture
 def tiny_transformer() -> Path:
     """examples/tiny_transformer.onnx (committed; rebuilt by examples/build_tiny_transformer.py)."""
