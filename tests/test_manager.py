@@ -72,47 +72,38 @@ def test_min_opset_and_target_gate_passes_with_a_note():
     assert any("test-needs-new skipped" in n for n in ctx.notes)
 
 
-def test_shapes_refreshed_only_when_graph_changed():
+class NeedsShapes(Pass):
+    name = "test-needs-shapes"
+    needs_shapes = True
+
+    def run(self, graph, ctx):
+        return 0
+
+
+class DropKeepingShapes(DropOneIdentity):
+    name = "test-drop-keeping-shapes"
+    preserves_shapes = True
+
+
+def refreshes(passes, model) -> int:
+    """How many times the manager re-infers shapes while running ``passes`` on ``model``."""
     calls = []
+    PassManager(passes, shape_inference=lambda g: calls.append(1) or True).run(
+        gs.import_onnx(model), PassContext(opset=17))
+    return len(calls)
 
-    class NeedsShapes(Pass):
-        name = "test-needs-shapes"
-        needs_shapes = True
 
-        def run(self, graph, ctx):
-            return 0
-
-    graph = gs.import_onnx(identity_chain(2))
-    pm = PassManager([DropOneIdentity(), NeedsShapes()], shape_inference=lambda g: calls.append(1) or True)
-    pm.run(graph, PassContext(opset=17))
+def test_shapes_refreshed_only_when_graph_changed():
     # rounds 1 and 2 change the graph (refresh each), round 3 changes nothing (no refresh)
-    assert len(calls) == 2
+    assert refreshes([DropOneIdentity(), NeedsShapes()], identity_chain(2)) == 2
 
 
 def test_a_pass_that_preserves_shapes_does_not_trigger_a_refresh():
-    calls = []
-
-    class NeedsShapes(Pass):
-        name = "test-needs-shapes"
-        needs_shapes = True
-
-        def run(self, graph, ctx):
-            return 0
-
-    class DropKeepingShapes(DropOneIdentity):
-        name = "test-drop-keeping-shapes"
-        preserves_shapes = True
-
-    graph = gs.import_onnx(identity_chain(2))
-    pm = PassManager([DropKeepingShapes(), NeedsShapes()], shape_inference=lambda g: calls.append(1) or True)
-    pm.run(graph, PassContext(opset=17))
-    assert len(calls) == 1  # the first refresh only: the rewrites since kept every shape
-    # a pass that does not preserve shapes still makes the next shape-needing pass re-infer
-    calls.clear()
-    pm = PassManager([DropOneIdentity(), DropKeepingShapes(), NeedsShapes()],
-                     shape_inference=lambda g: calls.append(1) or True)
-    pm.run(gs.import_onnx(identity_chain(4)), PassContext(opset=17))
-    assert len(calls) == 2  # rounds 1 and 2 each drop two Identities, one by the non-preserving pass
+    # the first refresh only: the rewrites since kept every shape
+    assert refreshes([DropKeepingShapes(), NeedsShapes()], identity_chain(2)) == 1
+    # a pass that does not preserve shapes still makes the next shape-needing pass re-infer:
+    # rounds 1 and 2 each drop two Identities, one by the non-preserving pass
+    assert refreshes([DropOneIdentity(), DropKeepingShapes(), NeedsShapes()], identity_chain(4)) == 2
 
 
 def test_builtin_pass_bug_propagates_plugin_bug_is_plugin_error(register):
