@@ -66,35 +66,19 @@ def to_rms_normalization(op: RewriteBuilder, nm: NormMatch) -> Tensor:
 RULES = rmsnorm_rules(to_rms_normalization)
 
 
-class _Finder:
-    """The weightless RMSNorm rules, built once, whose rewrite records the norm instead of rewriting it."""
-
-    def __init__(self) -> None:
-        self.found: dict[int, Node] = {}
-        self.rules = tail_rules("rmsnorm", rms_norm_core, (("cast",), ()), False, self._record, "RMSNorm")
-
-    def _record(self, op: RewriteBuilder, nm: NormMatch) -> None:
-        self.found.setdefault(id(nm.reduce), nm.reduce)
-
-    def __call__(self, graph: Graph, ctx: PassContext) -> list[Node]:
-        outer, self.found = self.found, {}
-        try:
-            apply_in_order(graph, ctx, self.rules)
-            return list(self.found.values())
-        finally:
-            self.found = outer
-
-
-_FINDER = _Finder()
-
-
 def find_rmsnorms(graph: Graph, ctx: PassContext) -> list[Node]:
     """The ReduceMean (of the squares) of every RMSNorm recognised; changes nothing.
 
     The weightless rules suffice: a norm the weighted rule takes, one of them takes too (same checks
     less the weight's; the one with the Cast back when the weighted match has it).
     """
-    return _FINDER(graph, ctx)
+    found: dict[int, Node] = {}
+
+    def record(op: RewriteBuilder, nm: NormMatch) -> None:
+        found.setdefault(id(nm.reduce), nm.reduce)
+
+    apply_in_order(graph, ctx, tail_rules("rmsnorm", rms_norm_core, (("cast",), ()), False, record, "RMSNorm"))
+    return list(found.values())
 
 
 @register_pass
