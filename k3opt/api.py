@@ -64,13 +64,15 @@ def optimize_file(
     *,
     overwrite: bool = False,
     external_data: Optional[bool] = None,
+    fsync: bool = False,
     **kwargs: Any,
 ) -> Report:
     """Optimize the model file ``src`` into ``dst`` (default ``SRC.k3opt.onnx``); returns the Report.
 
     Weights stay on disk and are streamed into ``DST.data`` when external
-    data is used (see :func:`k3opt.io.save`). Takes the keyword arguments of
-    :func:`optimize`. Nothing is written when verification fails.
+    data is used (see :func:`k3opt.io.save`, also for ``fsync``). Takes the
+    keyword arguments of :func:`optimize`. Nothing is written when
+    verification fails.
     """
     out = Path(dst) if dst is not None else default_output(src)
     io.check_output_path(out, src, overwrite)
@@ -87,7 +89,7 @@ def optimize_file(
                 raise OutputError(f"{path}: is an external-data file of the input; pass --overwrite to replace it")
     with run.step("saving", "save"):
         # merged weights are written straight into the output's data file, never spilled first
-        written = io.save(model, out, external_data=external_data)
+        written = io.save(model, out, external_data=external_data, fsync=fsync)
     io.forget_deferred(io.deferred_regions() - deferred)  # this run's graph and protos are gone
     report.output = str(out)
     report.files = [str(p) for p in written]

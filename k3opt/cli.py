@@ -84,13 +84,13 @@ def main() -> None:
 @pipeline_options
 @verify_options
 @run_options
-def optimize_cmd(model: str, output: Optional[str], external_data: Optional[bool], overwrite: bool,
+def optimize_cmd(model: str, output: Optional[str], external_data: Optional[bool], fsync: bool, overwrite: bool,
                  report_path: Optional[str], quiet: bool, debug: bool, **params: Any) -> None:
     """Optimize MODEL (an .onnx file) and write IN.k3opt.onnx (or -o OUT)."""
     report = Report()
     try:
         optimize_file(model, output or default_output(model), overwrite=overwrite, external_data=external_data,
-                      report=report, progress=progress_for({"quiet": quiet}), **optimize_kwargs(params))
+                      fsync=fsync, report=report, progress=progress_for({"quiet": quiet}), **optimize_kwargs(params))
     except VerificationError:
         if report_path:
             report.write_json(report_path)

@@ -108,11 +108,13 @@ def verify_options(f: F) -> F:
 
 
 def output_options(f: F) -> F:
-    """-o/--output, --external-data, --overwrite, --report."""
+    """-o/--output, --external-data, --fsync, --overwrite, --report."""
     return _apply(f, [
         click.option("-o", "--output", type=click.Path(), help="Output model (default: IN.k3opt.onnx)."),
         click.option("--external-data", is_flag=True, default=None,
                      help="Save weights to OUT.onnx.data (automatic above 2 GB or when the input has external data)."),
+        click.option("--fsync", is_flag=True,
+                     help="Flush the output to disk before exiting (survives a power loss; costs the disk's write time)."),
         click.option("--overwrite", is_flag=True, help="Allow the output to replace the input."),
         click.option("--report", "report_path", type=click.Path(dir_okay=False), metavar="F.json",
                      help="Also write the report as JSON."),

@@ -492,13 +492,19 @@ def proto_size(model: onnx.ModelProto, serialized: Optional[int] = None,
     return size + sum(tensor_nbytes(t) for t in external)
 
 
-def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool] = None) -> list[Path]:
+def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool] = None,
+         fsync: bool = False) -> list[Path]:
     """Write ``model`` to ``dst`` atomically; returns the files written.
 
     External data is used when asked, when the model already keeps weights
     outside the proto, or when the proto would pass the 2 GB limit; it goes
     to ``DST.data``. Weights in source files are streamed, never loaded at
     once. ``model``'s tensors are rewritten to point at the new file.
+    Atomic means temporary files and a rename: a failing or interrupted
+    run never leaves a partial output. ``fsync`` also makes the files and
+    the renames durable against a power loss, at the disk's write speed
+    (~20 s for 3.3 GB on this machine's disk); off by default, as in
+    onnx.save and every peer.
     """
     out = Path(dst)
     has_external = any(uses_external_data(t) for t in all_tensors(model))
@@ -522,7 +528,8 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
             temps.append(data_tmp)
             with open(data_tmp, "wb") as f:
                 _write_external(model, f, data_path(out).name)
-                _sync(f)
+                if fsync:
+                    _sync(f)
         else:
             for t in all_tensors(model):
                 if uses_external_data(t):
@@ -531,13 +538,15 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
         temps.append(model_tmp)
         with open(model_tmp, "wb") as f:
             f.write(model.SerializeToString() if serialized is None else serialized)
-            _sync(f)
+            if fsync:
+                _sync(f)
         written = [out]
         if external_data:
             os.replace(temps[0], data_path(out))
             written.append(data_path(out))
         os.replace(model_tmp, out)
-        _sync_folder(out.parent)
+        if fsync:
+            _sync_folder(out.parent)
         return written
     except OSError as exc:
         raise OutputError(f"{out}: cannot write ({exc.strerror or exc})") from None

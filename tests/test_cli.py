@@ -12,6 +12,8 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
+import k3opt.io
+
 from k3opt.cli import main
 from k3opt.progress import Progress
 from tests.conftest import Crash, ReluToSigmoid
@@ -33,6 +35,16 @@ def test_optimize_tiny_transformer_prints_table_and_writes_default_output(tiny_t
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["verification"]["status"] == "passed" and report["output"].endswith("tiny.k3opt.onnx")
     assert_equivalent(onnx.load(src), onnx.load(tmp_path / "tiny.k3opt.onnx"))
+
+
+@pytest.mark.parametrize("flag", [[], ["--fsync"]])
+def test_fsync_option_reaches_save(tiny_transformer, tmp_path, monkeypatch, flag):
+    seen = []
+    real = k3opt.io.save
+    monkeypatch.setattr(k3opt.io, "save", lambda *a, **kw: (seen.append(kw["fsync"]), real(*a, **kw))[1])
+    code, _, err = invoke(["optimize", tiny_transformer, "-o", tmp_path / "o.onnx", "-q", "--no-verify", *flag])
+    assert code == 0, err
+    assert seen == [bool(flag)]
 
 
 def test_quiet_prints_nothing_and_options_reach_the_pipeline(tiny_transformer, tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -30,8 +31,16 @@ def test_export_config_json(tmp_path) -> None:
     assert report["verification"]["status"] == "passed" and report["output"] == str(out)
 
 
+def count_fsyncs(monkeypatch) -> list[int]:
+    """Count os.fsync calls for the rest of the test (k3opt.io syncs only with --fsync)."""
+    calls: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    return calls
+
+
 @needs_torch
-def test_export_checkpoint_folder_with_options(tmp_path) -> None:
+def test_export_checkpoint_folder_with_options(tmp_path, monkeypatch) -> None:
     import torch
     import transformers as tf
 
@@ -39,9 +48,11 @@ def test_export_checkpoint_folder_with_options(tmp_path) -> None:
     model = tf.AutoModelForCausalLM.from_config(zoo_config("llama")).eval()
     model.save_pretrained(tmp_path / "ckpt")
     args = ["export", str(tmp_path / "ckpt"), "--exporter", "torchscript", "--export-opset", "15", "--opset", "18",
-            "--skip", "merge-sibling-matmuls", "-q"]
+            "--skip", "merge-sibling-matmuls", "-q", "--fsync"]
+    fsyncs = count_fsyncs(monkeypatch)
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0 and result.output == "", result.output
+    assert len(fsyncs) == 2  # the model's temporary file, then its folder
     onnx_model = onnx.load(tmp_path / "ckpt" / "model.k3opt.onnx")
     assert onnx_model.opset_import[0].version == 18
     feeds = zoo_inputs("llama")
@@ -61,12 +72,14 @@ def test_export_with_kv_cache(tmp_path) -> None:
 
 
 @needs_torch
-def test_export_no_optimize_and_bad_task(tmp_path) -> None:
+def test_export_no_optimize_and_bad_task(tmp_path, monkeypatch) -> None:
     zoo_config("vit").to_json_file(tmp_path / "vit.json")
     runner = CliRunner()
-    args = ["export", str(tmp_path / "vit.json"), "--no-optimize", "-o", str(tmp_path / "v.onnx")]
+    args = ["export", str(tmp_path / "vit.json"), "--no-optimize", "-o", str(tmp_path / "v.onnx"), "--fsync"]
+    fsyncs = count_fsyncs(monkeypatch)
     result = runner.invoke(main, args)
     assert result.exit_code == 0 and "wrote" in result.output
+    assert len(fsyncs) == 2
     assert onnx.load(tmp_path / "v.onnx").opset_import[0].version == 14
     result = runner.invoke(main, ["export", str(tmp_path / "vit.json"), "--task", "translate"])
     assert result.exit_code == 2 and "Invalid value for '--task'" in result.output

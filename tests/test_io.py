@@ -119,6 +119,32 @@ def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch, error):
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def _fsynced(monkeypatch) -> list[str]:
+    """Record what os.fsync is called on for the rest of the test: "folder", or the file a temporary file becomes."""
+    calls: list[str] = []
+    real = io.os.fsync
+
+    def spy(fd):
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        calls.append("folder" if os.path.isdir(target) else Path(target).name.rsplit(".", 2)[0].lstrip("."))
+        real(fd)
+
+    monkeypatch.setattr(io.os, "fsync", spy)
+    return calls
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_save_syncs_only_when_asked(tmp_path, monkeypatch, external):
+    calls = _fsynced(monkeypatch)
+    io.save(weighted_model(), tmp_path / "a.onnx", external_data=external)
+    assert calls == []
+    written = io.save(weighted_model(), tmp_path / "b.onnx", external_data=external, fsync=True)
+    # each temporary file before its rename, then the folder holding the renames
+    assert calls == ["b.onnx.data"] * external + ["b.onnx", "folder"]
+    assert [p.name for p in written] == ["b.onnx", "b.onnx.data"][: 1 + external]
+    assert_equivalent(weighted_model(), onnx.load(tmp_path / "b.onnx"))
+
+
 def test_output_location_refusals(tmp_path):
     onnx.save(weighted_model(), tmp_path / "m.onnx")
     with pytest.raises(OutputError, match="does not exist"):

@@ -39,8 +39,8 @@ def default_export_output(source: str) -> Path:
 @verify_options
 @run_options
 def export_cmd(source: str, task: Optional[str], exporter: str, export_opset: Optional[int], seq_len: int,
-               batch: int, use_cache: bool, no_optimize: bool, output: Optional[str], external_data: Optional[bool], overwrite: bool,
-               report_path: Optional[str], quiet: bool, debug: bool, **params: Any) -> None:
+               batch: int, use_cache: bool, no_optimize: bool, output: Optional[str], external_data: Optional[bool], fsync: bool,
+               overwrite: bool, report_path: Optional[str], quiet: bool, debug: bool, **params: Any) -> None:
     """Export SOURCE (a checkpoint folder or a config JSON) to ONNX and optimize it.
 
     Writes -o OUT, by default FOLDER/model.k3opt.onnx or NAME.k3opt.onnx next to NAME.json.
@@ -53,8 +53,8 @@ def export_cmd(source: str, task: Optional[str], exporter: str, export_opset: Op
     try:
         from_transformers(source, output or default_export_output(source), task=task, seq_len=seq_len, batch=batch,
                           use_cache=use_cache, exporter=exporter, opset=export_opset, optimize=not no_optimize,
-                          external_data=external_data, report=report, progress=progress_for({"quiet": quiet}),
-                          **kwargs)
+                          external_data=external_data, fsync=fsync, report=report,
+                          progress=progress_for({"quiet": quiet}), **kwargs)
     except VerificationError:
         if not quiet:
             click.echo(report.table(), err=True)

@@ -26,6 +26,7 @@ def from_torch(
     optimize: bool = True,
     target: str = "onnx",
     external_data: Optional[bool] = None,
+    fsync: bool = False,
     **optimize_options: Any,
 ) -> Report:
     """Export ``module(*example_inputs)`` to ONNX and optimize it into ``path``; returns the Report.
@@ -36,7 +37,8 @@ def from_torch(
     arguments of :func:`k3opt.api.optimize_file` (passes, skip, verify,
     input_shapes, plugins, rtol, atol...). The raw export is made in a
     temporary folder next to ``path``; weights are saved as external data
-    (``PATH.data``) above 1 GiB, or as ``external_data`` says. With
+    (``PATH.data``) above 1 GiB, or as ``external_data`` says; ``fsync``
+    makes them durable (see :func:`k3opt.io.save`). With
     ``optimize=False`` the raw export is saved to ``path`` unchanged. Exporter failures raise
     :class:`k3opt.export.ExportError` (one line: exporter, op, reason).
     """
@@ -50,11 +52,11 @@ def from_torch(
                           output_names=output_names, dynamic_axes=dynamic_axes, dynamic_shapes=dynamic_shapes,
                           exporter=exporter, opset=opset, external_data=external_data)
         if optimize:
-            report = optimize_file(raw, path, overwrite=True, external_data=external_data, target=target,
-                                   **optimize_options)
+            report = optimize_file(raw, path, overwrite=True, external_data=external_data, fsync=fsync,
+                                   target=target, **optimize_options)
         else:
             report = optimize_options.get("report") or Report()
-            written = io.save(io.load(raw), path, external_data=external_data)
+            written = io.save(io.load(raw), path, external_data=external_data, fsync=fsync)
             report.output, report.files = str(path), [str(p) for p in written]
     report.input = f"{type(module).__name__} ({exporter} exporter)"  # the temporary raw export is gone
     return report
