@@ -24,6 +24,7 @@ from onnx.external_data_helper import uses_external_data
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from . import gs_roundtrip
+from .direct_io import DirectWriter, direct_writer_or_file
 from .errors import InputError, OutputError
 from .ir import all_graphs
 
@@ -33,6 +34,8 @@ PathLike = Union[str, os.PathLike]
 PROTO_LIMIT = 2**31 - 64 * 2**20
 #: Tensors at least this big go to the data file when saving with external data.
 EXTERNAL_THRESHOLD = 1024
+#: Data files at least this big are written around the page cache (k3opt/direct_io.py).
+DIRECT_THRESHOLD = 512 * 2**20
 _CHUNK = 16 * 2**20
 #: Prefix of the spill files k3opt writes to keep merged weights out of memory.
 SPILL_PREFIX = "k3opt-spill-"
@@ -526,7 +529,8 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
         if external_data:
             data_tmp = _temp_in(out.parent, data_path(out).name)
             temps.append(data_tmp)
-            with open(data_tmp, "wb") as f:
+            direct = sum(size for _, size in _external_candidates(model)) >= DIRECT_THRESHOLD
+            with direct_writer_or_file(data_tmp, direct) as f:
                 _write_external(model, f, data_path(out).name)
                 if fsync:
                     _sync(f)
@@ -594,12 +598,7 @@ def _sync(f) -> None:
 
 def _write_external(model: onnx.ModelProto, f, location: str) -> None:
     """Move every big tensor's bytes into ``f`` (streamed from source files) and repoint it."""
-    for t in all_tensors(model):
-        if t.data_type == TensorProto.STRING:
-            continue
-        size = tensor_nbytes(t)
-        if size < EXTERNAL_THRESHOLD and not uses_external_data(t):
-            continue
+    for t, size in _external_candidates(model):
         if size >= 2**20:
             f.write(b"\0" * (-f.tell() % 4096))  # page-aligned big weights can be mmapped
         offset = f.tell()
@@ -620,6 +619,16 @@ def _write_external(model: onnx.ModelProto, f, location: str) -> None:
         _set_external(t, location, offset, size)
 
 
+def _external_candidates(model: onnx.ModelProto) -> Iterator[tuple[TensorProto, int]]:
+    """The tensors an external-data save moves to the data file, with their sizes."""
+    for t in all_tensors(model):
+        if t.data_type == TensorProto.STRING:
+            continue
+        size = tensor_nbytes(t)
+        if size >= EXTERNAL_THRESHOLD or uses_external_data(t):
+            yield t, size
+
+
 def _raw_bytes(t: TensorProto) -> bytes:
     if t.HasField("raw_data"):
         return t.raw_data
@@ -628,6 +637,10 @@ def _raw_bytes(t: TensorProto) -> bytes:
 
 def _copy_exact(src, offset: int, dst, length: int, name: str) -> None:
     """Copy ``length`` bytes at ``offset`` of ``src`` to ``dst``'s position, in the kernel where it can."""
+    if isinstance(dst, DirectWriter):
+        if dst.copy_from(src, offset, length) < length:
+            raise InputError(f"external-data file {name} ended early")
+        return
     dst.flush()
     start = dst.tell()
     done = 0
