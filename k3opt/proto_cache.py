@@ -64,7 +64,8 @@ class ProtoCache:
 def _node_signature(node: gs.Node) -> Optional[tuple[Hashable, tuple]]:
     """(comparable key, objects compared by identity) describing the node's proto; None: do not cache.
 
-    The key holds each value's type beside it: ``1 == 1.0 == True`` but their protos differ.
+    The key holds each value's type beside it: ``1 == 1.0 == True`` but their protos differ; floats
+    go by their bits (:func:`_exact`).
     """
     refs: tuple = ()
     attrs: tuple = ()
@@ -72,9 +73,9 @@ def _node_signature(node: gs.Node) -> Optional[tuple[Hashable, tuple]]:
         described: list[Hashable] = []
         for name, value in node.attrs.items():
             if isinstance(value, _PLAIN):
-                described.append((name, type(value), value))
+                described.append((name, type(value), _exact(value)))
             elif isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
-                described.append((name, type(value), tuple(value), tuple(map(type, value))))
+                described.append((name, type(value), tuple(map(_exact, value)), tuple(map(type, value))))
             elif isinstance(value, gs.Constant):
                 described.append((name, value.name))
                 refs += (value, value._values)
@@ -83,3 +84,8 @@ def _node_signature(node: gs.Node) -> Optional[tuple[Hashable, tuple]]:
         attrs = tuple(described)
     key = (node.op, node.name, node.domain, tuple(map(_name, node.inputs)), tuple(map(_name, node.outputs)), attrs)
     return key, refs
+
+
+def _exact(value: Any) -> Hashable:
+    """``value`` as a key equal only for equal protos: floats by bits (``-0.0 == 0.0``; NaN is not even itself)."""
+    return float(value).hex() if isinstance(value, float) else value

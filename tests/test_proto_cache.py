@@ -97,7 +97,10 @@ def test_the_cache_reexports_a_node_whenever_its_proto_would_change():
     assert export() is first and cache.exported == 0
     for change in (lambda: node.attrs.update(axis=1.0), lambda: node.attrs.update(axis=True),  # 1 == 1.0 == True
                    lambda: node.attrs["perm"].reverse(), lambda: node.attrs.update(perm=[1.0, 0.0]),
-                   lambda: node.attrs.update(perm=(1.0, 0.0)), lambda: node.attrs.update(t=lazy_constant()),
+                   lambda: node.attrs.update(perm=(1.0, 0.0)), lambda: node.attrs.update(perm=(1.0, -0.0)),
+                   lambda: node.attrs.update(alpha=0.0), lambda: node.attrs.update(alpha=-0.0),  # equal, not the same
+                   lambda: node.attrs.update(alpha=float("nan")),  # reused below although nan != nan
+                   lambda: node.attrs.update(t=lazy_constant()),
                    lambda: setattr(node.attrs["t"], "values", np.zeros(2, np.int64)),
                    lambda: setattr(node.inputs[0], "name", "x2"), lambda: node.outputs.append(gs.Variable("z")),
                    lambda: setattr(node, "domain", "")):
