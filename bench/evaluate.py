@@ -1,6 +1,6 @@
 """Evaluate one model file in its own process: structure, checker, outputs vs reference, ORT latency.
 
-``python -m bench.evaluate MODEL FEEDS.npz [--ref REF.npz] [--save-outputs OUT.npz] [--budget S]``.
+``python -m bench.evaluate MODEL FEEDS.npz [--ref REF.npz] [--save-outputs OUT.npz] [--budget S] [--no-latency]``.
 Latency is onnxruntime on CPU with one thread (intra- and inter-op), sequential execution, measured
 with all of onnxruntime's graph optimizations off (``disabled``) and at its basic level (``basic``):
 a few warm-up runs, then repeated runs until ``budget`` seconds or ``max_runs``; see :func:`latency`.
@@ -91,17 +91,19 @@ def compare(ref: dict, outputs: dict) -> dict:
     return {"max_abs": max_abs, "max_rel": max_rel, "error": ""}
 
 
-def evaluate(path: Path, feeds: dict, ref: Optional[dict], budget_s: float) -> tuple[dict, dict]:
-    """All figures for ``path``; also returns its outputs (with ORT optimizations off)."""
+def evaluate(path: Path, feeds: dict, ref: Optional[dict], budget_s: float,
+             with_latency: bool = True) -> tuple[dict, dict]:
+    """All figures for ``path`` (latency only ``with_latency``); also returns its outputs (ORT optimizations off)."""
     result = {**structure(path), "checker": check(path)}
     sess = session(path, "disabled")
     names = [o.name for o in sess.get_outputs()]
     outputs = dict(zip(names, sess.run(None, feeds)))
     if ref is not None:
         result["diff"] = compare(ref, outputs)
-    result["latency"] = {"disabled": latency(sess, feeds, budget_s)}
-    del sess
-    result["latency"]["basic"] = latency(session(path, "basic"), feeds, budget_s)
+    if with_latency:
+        result["latency"] = {"disabled": latency(sess, feeds, budget_s)}
+        del sess
+        result["latency"]["basic"] = latency(session(path, "basic"), feeds, budget_s)
     return result, outputs
 
 
@@ -113,10 +115,11 @@ def main() -> None:
     ap.add_argument("--ref", type=Path)
     ap.add_argument("--save-outputs", type=Path)
     ap.add_argument("--budget", type=float, default=2.0)
+    ap.add_argument("--no-latency", action="store_true", help="bench.run measures it in rounds (bench/latency_rounds.py)")
     args = ap.parse_args()
     feeds = dict(np.load(args.feeds))
     ref = dict(np.load(args.ref)) if args.ref else None
-    result, outputs = evaluate(args.model, feeds, ref, args.budget)
+    result, outputs = evaluate(args.model, feeds, ref, args.budget, with_latency=not args.no_latency)
     if args.save_outputs:
         np.savez(args.save_outputs, **outputs)
     write_result(result)

@@ -30,7 +30,15 @@ def _lat(ev: Optional[dict], level: str) -> Optional[dict]:
 
 
 def _spread(lat: dict) -> float:
-    return (lat["p75_ms"] - lat["p25_ms"]) / lat["median_ms"] if lat["median_ms"] else 0.0
+    """Relative noise of a latency figure: the range of its round medians (bench/latency_rounds.py).
+
+    Runs saved before the rounds existed have one process per file: their interquartile range.
+    """
+    if not lat["median_ms"]:
+        return 0.0
+    rounds = lat.get("rounds_ms") or []
+    low, high = (min(rounds), max(rounds)) if len(rounds) > 1 else (lat["p25_ms"], lat["p75_ms"])
+    return (high - low) / lat["median_ms"]
 
 
 def op_changes(before: dict, after: dict, limit: int = 8) -> str:

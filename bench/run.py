@@ -2,8 +2,10 @@
 
 For each model: build (cached), make seeded inputs, evaluate the original in a child process (its
 outputs are the reference), then for each optimizer optimize in a fresh child (timed, peak RSS,
-timeout) and evaluate the result in another child. Failures, crashes and timeouts are recorded as
-results. Writes ``results.json`` and ``results.md`` into ``--out``.
+timeout) and evaluate the result in another child (structure, checker, outputs). Then the latency of
+the original and of every result is measured in interleaved rounds, one fresh child per round
+(bench/latency_rounds.py). Failures, crashes and timeouts are recorded as results. Writes
+``results.json`` and ``results.md`` into ``--out``.
 """
 from __future__ import annotations
 
@@ -21,11 +23,13 @@ from typing import Optional
 import numpy as np
 import onnx
 
+from .latency_rounds import rounds
 from .models import CACHE, ModelSpec, ensure_built, model_set, select, zoo_feeds
 from .optimizers import OPTIMIZERS, model_bytes
 from .procs import python_module, ram_gib, run_measured
 from .report import render
 
+ROUNDS = 3  # latency rounds per model (bench/latency_rounds.py)
 PACKAGES = ("k3opt", "onnx", "onnxruntime", "onnx-graphsurgeon", "onnx-ir", "onnxscript", "onnxsim", "onnxslim",
             "onnxoptimizer", "torch", "transformers", "numpy")
 
@@ -64,9 +68,10 @@ def make_feeds(path: Path, seed: int = 0, batch: int = 1, seq: int = 16) -> dict
     return feeds
 
 
-def _evaluate(model: Path, feeds: Path, limits: dict, budget: float, ref: Optional[Path] = None,
+def _evaluate(model: Path, feeds: Path, limits: dict, ref: Optional[Path] = None,
               save: Optional[Path] = None) -> dict:
-    args = [str(model), str(feeds), "--budget", str(budget)]
+    """Structure, checker and outputs of ``model`` in a child process (latency comes from the rounds)."""
+    args = [str(model), str(feeds), "--no-latency"]
     args += ["--ref", str(ref)] if ref else []
     args += ["--save-outputs", str(save)] if save else []
     res = run_measured(python_module("bench.evaluate", *args), **limits)
@@ -75,10 +80,12 @@ def _evaluate(model: Path, feeds: Path, limits: dict, budget: float, ref: Option
     return res.payload
 
 
-def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, limits: dict, budget: float) -> dict:
-    """Every optimizer on one model; optimized files are deleted after evaluation (big models).
+def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, limits: dict, budget: float,
+                latency_rounds: int = ROUNDS) -> dict:
+    """Every optimizer on one model, then the latency of the original and every result in rounds.
 
-    ``limits``: ``timeout_s`` and ``max_rss_mb`` for every child process.
+    ``limits``: ``timeout_s`` and ``max_rss_mb`` for every child process. The optimized files are
+    kept until the latency rounds are done (the 3.3 GB model: ~20 GB of disk), then deleted.
     """
     path, err = ensure_built(spec)
     if path is None:
@@ -86,12 +93,13 @@ def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, limits: dict
     work.mkdir(parents=True, exist_ok=True)
     feeds, ref = work / "feeds.npz", work / "reference.npz"
     np.savez(feeds, **(zoo_feeds(spec) if spec.is_zoo else make_feeds(path)))
-    original = _evaluate(path, feeds, limits, budget, save=ref)
+    original = _evaluate(path, feeds, limits, save=ref)
     entry = {"model": spec.name, "family": spec.family, "path": str(path), "mbytes": model_bytes(path) / 1e6,
              "original": original, "results": []}
     if "error" in original:
         entry["error"] = original["error"]
         return entry
+    timed = [(original, path)]
     for name in optimizers:
         out_dir = work / name
         out_dir.mkdir()
@@ -100,12 +108,22 @@ def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, limits: dict
         res = run_measured(cmd, **limits)
         row = {"optimizer": name, **res.to_dict()}
         if res.status == "ok":
-            row["eval"] = _evaluate(dst, feeds, limits, budget, ref=ref)
+            row["eval"] = _evaluate(dst, feeds, limits, ref=ref)
             if "error" in row["eval"]:
                 row["status"], row["error"] = "eval-error", row.pop("eval")["error"]
+            else:
+                timed.append((row["eval"], dst))
         entry["results"].append(row)
-        shutil.rmtree(out_dir, ignore_errors=True)
+        if "eval" not in row:
+            shutil.rmtree(out_dir, ignore_errors=True)
         print(f"  {spec.name} {name}: {row['status']} {res.wall_s:.1f} s {res.peak_rss_mb:.0f} MB", flush=True)
+    for ev, merged in zip((e for e, _ in timed), rounds([p for _, p in timed], feeds, limits, budget, latency_rounds)):
+        if "error" in merged:
+            ev["latency_error"] = merged["error"]
+        else:
+            ev["latency"] = merged
+    for name in optimizers:
+        shutil.rmtree(work / name, ignore_errors=True)
     return entry
 
 
@@ -147,7 +165,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per optimize or evaluate process")
     ap.add_argument("--max-rss-gb", type=float, default=round(ram_gib() / 2, 1),
                     help="kill a child above this RSS (default: half the RAM; the machine may be shared)")
-    ap.add_argument("--budget", type=float, help="seconds of timed runs per latency figure (default 2, quick 0.5)")
+    ap.add_argument("--budget", type=float, help="seconds of timed runs per latency figure and round "
+                                                 "(default 2, quick 0.5)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="latency rounds (fresh processes) per model")
     ap.add_argument("--out", type=Path, help="result folder (default ~/.cache/k3opt-bench/results/<time>)")
     args = ap.parse_args(argv)
     optimizers = args.optimizers.split(",") if args.optimizers else list(OPTIMIZERS)
@@ -169,7 +189,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         for spec in specs:
             print(f"{spec.name}", flush=True)
             limits = {"timeout_s": args.timeout, "max_rss_mb": args.max_rss_gb * 1024}
-            run["models"].append(bench_model(spec, optimizers, Path(work) / spec.name, limits, budget))
+            run["models"].append(bench_model(spec, optimizers, Path(work) / spec.name, limits, budget,
+                                                  args.rounds))
             (out / "results.json").write_text(json.dumps(run, indent=1))
     run["load_end"] = _load()
     (out / "results.md").write_text(render(run))

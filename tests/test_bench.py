@@ -9,8 +9,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from bench import run as bench_run
+from bench.latency_rounds import rounds
 from bench.procs import run_measured
-from bench.report import derive, goals
+from bench.report import _spread, derive, goals
 from tests.helpers import make_model
 
 
@@ -27,7 +28,8 @@ def test_harness_runs_one_model_with_one_optimizer(tmp_path):
     path = tmp_path / "tiny.onnx"
     onnx.save(_tiny_model(), str(path))
     out = tmp_path / "out"
-    bench_run.main(["--model-file", str(path), "--optimizers", "ort-basic", "--budget", "0.05", "--out", str(out)])
+    bench_run.main(["--model-file", str(path), "--optimizers", "ort-basic", "--budget", "0.05", "--rounds", "2",
+                    "--out", str(out)])
     run = json.loads((out / "results.json").read_text())
     (model,) = run["models"]
     assert model["original"]["nodes"] == 3 and model["original"]["checker"] == "ok"
@@ -37,10 +39,30 @@ def test_harness_runs_one_model_with_one_optimizer(tmp_path):
     assert row["eval"]["diff"]["max_abs"] < 1e-5
     assert row["peak_rss_mb"] > 10 and row["payload"]["time_s"] > 0
     assert set(row["eval"]["latency"]) == {"disabled", "basic"}
+    for ev in (model["original"], row["eval"]):  # both measured in each of the two rounds
+        assert len(ev["latency"]["disabled"]["rounds_ms"]) == 2 and ev["latency"]["basic"]["runs"] >= 10
     assert row["ratio"]["disabled"]["to_best_peer"] == 1.0  # the only peer is the best peer
     assert goals(model)["equal"] == (None, "not run")  # no k3opt row: no verdict, not a pass
     table = (out / "results.md").read_text()
     assert "| ort-basic | ok |" in table and "tiny" in table
+
+
+def test_latency_rounds_interleave_files_and_keep_a_bad_one_to_itself(tmp_path):
+    good, bad = tmp_path / "good.onnx", tmp_path / "bad.onnx"
+    onnx.save(_tiny_model(), str(good))
+    bad.write_bytes(b"not a model")
+    np.savez(tmp_path / "feeds.npz", x=np.ones((2, 8), np.float32))
+    got = rounds([good, bad, good], tmp_path / "feeds.npz", {"timeout_s": 60}, 0.02, count=3)
+    assert "error" in got[1] and "error" not in got[0]
+    for merged in (got[0], got[2]):
+        lat = merged["disabled"]
+        assert len(lat["rounds_ms"]) == 3 and lat["median_ms"] == sorted(lat["rounds_ms"])[1]
+        assert lat["p25_ms"] <= lat["median_ms"] <= lat["p75_ms"]
+
+
+def test_latency_noise_is_the_range_of_the_round_medians():
+    assert _spread({"median_ms": 10.0, "p25_ms": 9.9, "p75_ms": 10.1, "rounds_ms": [9.0, 10.0, 12.0]}) == 0.3
+    assert _spread({"median_ms": 10.0, "p25_ms": 9.5, "p75_ms": 10.5}) == 0.1  # a run saved before the rounds
 
 
 def test_crashes_and_timeouts_are_results():
