@@ -187,7 +187,8 @@ class _Run:
             start = verifier.runnable_bytes(converted)
         model = converted
 
-        ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options))
+        ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options),
+                          output_opset=opsets.wanted_opset(model, opset, target=target) if down else None)
         refresher = shapes.ShapeRefresher()
         manager = PassManager(pipeline, shape_inference=refresher, progress=self._pass_progress())
         with self.step("running passes", "passes"), _fewer_collections():
@@ -297,7 +298,8 @@ class _Run:
         def diverges(k: int) -> bool:
             model = onnx.load_from_string(start)
             graph = io.import_graph(model)
-            fresh = PassContext(opset=ctx.opset, target=ctx.target, options=dict(ctx.options))
+            fresh = PassContext(opset=ctx.opset, target=ctx.target, options=dict(ctx.options),
+                                output_opset=ctx.output_opset)
             PassManager([type(p)() for p in pipeline], shape_inference=shapes.ShapeRefresher()).run(
                 graph, fresh, max_steps=k)
             try:

@@ -354,3 +354,22 @@ def test_optimize_restores_the_callers_gc_thresholds(monkeypatch):
         assert gc.get_threshold() == (123, 7, 9)
     finally:
         gc.set_threshold(*old)
+
+
+@pytest.mark.parametrize("model_opset, output_opset, kept, fused", [
+    (23, 18, "RMSNormalization", "LayerNormalization"),  # RMSNormalization is opset 23: left decomposed
+    (18, 16, "LayerNormalization", None),  # LayerNormalization is opset 17: left decomposed too
+])
+def test_converting_down_fuses_only_into_ops_the_output_opset_has(model_opset, output_opset, kept, fused):
+    from tests.test_layer_norm import H, Net, layer_norm
+    from tests.test_rms_norm import rms
+
+    net = Net(model_opset)
+    model = net.model(rms(net, layer_norm(net, "x")), [("x", TensorProto.FLOAT, [2, 3, H])])
+    report = Report()
+    out = k3opt.optimize(model, opset=output_opset, verify=True, report=report)
+    assert opsets.model_opset(out) == output_opset and report.verification["status"] == "passed"
+    ops = op_counts(out)
+    assert kept not in ops and (fused is None or ops[fused] == 1)
+    onnx.checker.check_model(out, full_check=True)
+    assert_equivalent(model, out)

@@ -18,18 +18,27 @@ from ..ir import Graph, NameScope
 class PassContext:
     """What a pass may know about the run: opset, target, options, and a place for notes.
 
+    ``opset`` is the graph's opset while the passes run (what to match);
+    ``output_opset`` the lower one it is converted down to after them, if
+    any. What a pass emits must exist in both: see :attr:`emit_opset`.
     ``notes`` end up in the report ("skipped X because ..."): a pass that
     declines work for a reason a user would want to know records it here.
     """
 
     opset: int
     target: str = "onnx"
+    output_opset: Optional[int] = None
     shapes_available: bool = False
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     names: Optional[NameScope] = None
     # Free-form per-pass counters beyond "rewrites" (e.g. rmsnorm_found).
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def emit_opset(self) -> int:
+        """The newest opset an emitted op may need: the graph's, or the output's when that is lower."""
+        return min(self.opset, self.output_opset or self.opset)
 
     def note(self, message: str) -> None:
         """Record a report note once (passes run repeatedly to a fixed point)."""
@@ -64,7 +73,7 @@ class Pass:
     #: they create carry their dtype/shape or none. The manager then does not re-infer shapes
     #: for the next pass that needs them. False (re-infer) is always safe.
     preserves_shapes: ClassVar[bool] = False
-    #: The pass is skipped (with a note) below this default-domain opset.
+    #: The pass is skipped (with a note) when the graph's or the output's default-domain opset is below this.
     min_opset: ClassVar[int] = 1
     #: Targets the pass applies to; None means every target.
     targets: ClassVar[Optional[tuple[str, ...]]] = None

@@ -111,8 +111,9 @@ class PassManager:
 
     def _applicable(self, p: Pass, ctx: PassContext) -> bool:
         reason = None
-        if ctx.opset < p.min_opset:
-            reason = f"needs opset {p.min_opset}, model has {ctx.opset}"
+        if ctx.emit_opset < p.min_opset:
+            has = "model has" if ctx.emit_opset == ctx.opset else "output gets"
+            reason = f"needs opset {p.min_opset}, {has} {ctx.emit_opset}"
         elif p.targets is not None and ctx.target not in p.targets:
             reason = f"applies to target(s) {', '.join(p.targets)} only"
         if reason:

@@ -92,7 +92,7 @@ class FuseRMSNorm(Pass):
     needs_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        if ctx.target == "onnx" and ctx.opset >= RMS_NORMALIZATION_OPSET:
+        if ctx.target == "onnx" and ctx.emit_opset >= RMS_NORMALIZATION_OPSET:
             return apply_in_order(graph, ctx, RULES)
         found = len(find_rmsnorms(graph, ctx))
         ctx.count("rmsnorm_found", found - ctx.counters.get("rmsnorm_found", 0))
