@@ -48,12 +48,15 @@ def run_measured(cmd: Sequence[str], timeout_s: float, max_rss_mb: Optional[floa
 
     The child runs in its own session so a timeout, or an RSS above ``max_rss_mb`` (the machine is
     shared: a peer needing 19 GB must not take everyone down), kills it and anything it spawned.
+    Its ``TMPDIR`` is a folder removed when it ends: a killed peer's temporary copies (onnxruntime's
+    transformer optimizer writes the whole 3.3 GB model to one) do not pile up in /tmp.
     """
     with tempfile.TemporaryDirectory(prefix="k3bench-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         err_path = os.path.join(tmp, "stderr.txt")
         child_env = dict(os.environ)
         child_env["BENCH_RESULT"] = result_path
+        child_env["TMPDIR"] = tmp
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, child_env.get("PYTHONPATH")]))
         child_env.setdefault("OMP_NUM_THREADS", "1")
         with open(err_path, "w") as err:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -70,6 +71,10 @@ def test_crashes_and_timeouts_are_results():
     assert crash.status == "crash" and "SIGABRT" in crash.error
     hang = run_measured([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)
     assert hang.status == "timeout" and hang.wall_s < 10
+    litter = ("import json, os, tempfile; d = tempfile.mkdtemp()\n"
+              "json.dump({'d': d}, open(os.environ['BENCH_RESULT'], 'w'))")
+    left = run_measured([sys.executable, "-c", litter], 30)
+    assert left.status == "ok" and not os.path.exists(left.payload["d"])  # its temporary files went with it
     fail = run_measured([sys.executable, "-c", "raise SystemExit('boom')"], 30)
     assert fail.status == "error" and "boom" in fail.error
     grow = "import time\nblocks = []\nwhile True:\n    blocks.append(bytearray(50_000_000))\n    time.sleep(0.05)"
