@@ -39,14 +39,17 @@ def check(path: Path) -> str:
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
 
 
-def session(path: Path, level: str) -> ort.InferenceSession:
-    """A single-threaded CPU session at optimization ``level``."""
+def session(path: Path, level: str, profile_prefix: Optional[str] = None) -> ort.InferenceSession:
+    """A single-threaded CPU session at optimization ``level`` (profiling into ``profile_prefix*.json`` if given)."""
     so = ort.SessionOptions()
     so.graph_optimization_level = LEVELS[level]
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 

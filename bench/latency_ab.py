@@ -1,84 +1,35 @@
-"""Interleaved A/B latency comparison of N model files on the same inputs.
+"""Interleaved A/B latency of N model files on the same inputs, for looking into one verdict.
 
-``python -m bench.latency_ab A.onnx B.onnx [C.onnx ...] --feeds F.npz [--rounds 3] [--runs 15]
-[--warmup 3] [--level disabled|basic] [--json OUT.json] [--profile DIR]``
+``python -m bench.latency_ab A.onnx B.onnx [...] --feeds F.npz [--rounds 5] [--budget 2] [--level disabled|basic]
+[--profile DIR] [--json OUT.json]``
 
-The harness's single evaluation per model (``bench.evaluate`` with a time budget: only 5 runs of a
-350 ms model) cannot separate a few percent from the drift of a shared machine: load from the other
-user, page cache, frequency. This tool measures every model in a FRESH process (one at a time, so they
-never compete for the cores), in interleaved order ``A B C A B C ...`` over ``--rounds`` rounds, each
-process doing ``--warmup`` warm-ups and ``--runs`` timed runs on a single-threaded CPU session (as
-``bench.evaluate.session``). Any drift then hits every model alike.
-
-Reported per model: the median of the per-process medians (thread CPU time and wall time), their
-min-max spread across rounds, and the ratio to the first model. ``--profile DIR`` additionally runs
-one profiled session per model (onnxruntime's ``enable_profiling``) and prints per-op-type kernel
-time totals (median over the profiled runs), to see WHICH ops differ.
-
-The child entry point is ``python -m bench.latency_ab --child MODEL FEEDS ...``: it prints one JSON
-line with the per-run times.
+Timing is the harness's own (:func:`bench.latency_rounds.rounds`: every round one fresh process
+measuring all the files in turn, order rotating): per file the median of its round medians, their
+range, and the ratio to the first file. ``--profile DIR`` then runs one profiled session per file
+(onnxruntime's ``enable_profiling``) and prints per-op-type kernel time, to see which ops differ.
+How it settled llama-3gb's "x1.12 of onnxslim" (noise: 11 rounds, k3opt/onnxslim 0.99, each file's
+round medians 15-17 % apart) is in docs/benchmarks.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-_ROOT = Path(__file__).resolve().parent.parent
-
-
-def _session(path: Path, level: str, profile_prefix: Optional[str] = None):
-    """Single-threaded sequential CPU session (same settings as bench.evaluate.session)."""
-    import onnxruntime as ort
-    levels = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}
-    so = ort.SessionOptions()
-    so.graph_optimization_level = levels[level]
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.log_severity_level = 3
-    if profile_prefix:
-        so.enable_profiling = True
-        so.profile_file_prefix = profile_prefix
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
-def child(model: Path, feeds_path: Path, level: str, warmup: int, runs: int,
-          profile_prefix: Optional[str]) -> dict:
-    """Measure one model in this process: per-run thread CPU ms and wall ms after warm-up."""
-    feeds = dict(np.load(feeds_path))
-    t0 = time.perf_counter()
-    sess = _session(model, level, profile_prefix)
-    load_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        sess.run(None, feeds)
-    cpu: list[float] = []
-    wall: list[float] = []
-    for _ in range(runs):
-        w0, c0 = time.perf_counter(), time.thread_time()
-        sess.run(None, feeds)
-        cpu.append((time.thread_time() - c0) * 1e3)
-        wall.append((time.perf_counter() - w0) * 1e3)
-    out = {"model": str(model), "load_s": load_s, "cpu_ms": cpu, "wall_ms": wall}
-    if profile_prefix:
-        out["profile"] = sess.end_profiling()
-    return out
+from .evaluate import session
+from .latency_rounds import rounds
+from .procs import python_module, run_measured, write_result
 
 
 def op_totals(profile_file: str, warmup: int) -> dict[str, float]:
     """Per-op-type kernel time (ms per run, median over the runs after ``warmup``) from a profile."""
-    events = json.load(open(profile_file))
-    # kernel events lie inside their run's model_run event: bucket them by timestamp
-    runs = sorted((ev["ts"], ev["ts"] + ev["dur"]) for ev in events
+    with open(profile_file) as f:
+        events = json.load(f)
+    runs = sorted((ev["ts"], ev["ts"] + ev["dur"]) for ev in events  # kernels lie inside their model_run
                   if ev.get("cat") == "Session" and ev.get("name") == "model_run")
     per_run = [defaultdict(float) for _ in runs]
     for ev in events:
@@ -94,79 +45,58 @@ def op_totals(profile_file: str, warmup: int) -> dict[str, float]:
     return {op: float(np.median([r.get(op, 0.0) for r in per_run])) for op in ops}
 
 
-def _run_child(model: Path, args: argparse.Namespace, profile_prefix: Optional[str] = None) -> dict:
-    cmd = [sys.executable, "-m", "bench.latency_ab", "--child", str(model), "--feeds", str(args.feeds),
-           "--level", args.level, "--warmup", str(args.warmup), "--runs", str(args.runs)]
-    if profile_prefix:
-        cmd += ["--profile-prefix", profile_prefix]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def profile_child(model: Path, feeds: Path, level: str, prefix: str, runs: int = 10, warmup: int = 3) -> None:
+    """Child: profiled runs of one model; writes its per-op-type totals."""
+    sess = session(model, level, profile_prefix=prefix)
+    inputs = dict(np.load(feeds))
+    for _ in range(warmup + runs):
+        sess.run(None, inputs)
+    write_result({"ops": op_totals(sess.end_profiling(), warmup)})
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Parent (interleaved rounds) or ``--child`` entry point; see the module docstring."""
+    """Parent entry point (see the module docstring); ``--profile-child`` is the profiling worker."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="+", type=Path)
     ap.add_argument("--feeds", type=Path, required=True)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=2.0, help="seconds of timed runs per file and round")
     ap.add_argument("--level", choices=("disabled", "basic"), default="disabled")
-    ap.add_argument("--json", type=Path, help="write every per-run time here")
-    ap.add_argument("--profile", type=Path, help="directory: one profiled process per model, op-type totals")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--profile-prefix", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per file and round")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--profile", type=Path, help="folder for one profiled process per model: op-type totals")
+    ap.add_argument("--profile-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(args.models[0], args.feeds, args.level, args.warmup, args.runs,
-                               args.profile_prefix)))
-        return
-
-    names = [m.name if [x.name for x in args.models].count(m.name) == 1 else str(m) for m in args.models]
-    results: dict[str, list[dict]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        for name, model in zip(names, args.models):
-            res = _run_child(model, args)
-            results[name].append(res)
-            print(f"round {r + 1} {name:30s} cpu median {np.median(res['cpu_ms']):8.2f} ms"
-                  f"  wall median {np.median(res['wall_ms']):8.2f} ms  (load {res['load_s']:.1f} s)", flush=True)
-
-    print(f"\n{'model':30s} {'cpu med':>8s} {'spread':>17s} {'wall med':>9s} {'spread':>17s} "
-          f"{'pooled p25-p75 cpu':>19s} {'ratio':>6s}")
+    if args.profile_child:
+        return profile_child(args.models[0], args.feeds, args.level, args.profile_child)
+    merged = rounds(args.models, args.feeds, {"timeout_s": args.timeout}, args.budget, args.rounds)
+    summary: dict = {}
     base = None
-    summary = {}
-    for name in names:
-        meds = [float(np.median(x["cpu_ms"])) for x in results[name]]
-        wmeds = [float(np.median(x["wall_ms"])) for x in results[name]]
-        pooled = np.concatenate([x["cpu_ms"] for x in results[name]])
-        med = float(np.median(meds))
-        base = base or med
-        summary[name] = {"cpu_median_ms": med, "cpu_round_medians": meds, "wall_median_ms": float(np.median(wmeds)),
-                         "wall_round_medians": wmeds, "pooled_cpu_p25_ms": float(np.percentile(pooled, 25)),
-                         "pooled_cpu_p75_ms": float(np.percentile(pooled, 75)), "ratio": med / base}
-        print(f"{name:30s} {med:8.2f} {min(meds):8.2f}-{max(meds):8.2f} {np.median(wmeds):9.2f} "
-              f"{min(wmeds):8.2f}-{max(wmeds):8.2f} {np.percentile(pooled, 25):9.2f}-{np.percentile(pooled, 75):9.2f}"
-              f" {med / base:6.3f}")
-
+    print(f"{'model':40s} {'median ms':>10s} {'round medians':>21s} {'ratio':>6s}")
+    for model, m in zip(args.models, merged):
+        if "error" in m:
+            print(f"{str(model):40s} {m['error']}")
+            continue
+        lat = m[args.level]
+        base = base or lat["median_ms"]
+        summary[str(model)] = {**lat, "ratio": lat["median_ms"] / base}
+        print(f"{str(model)[-40:]:40s} {lat['median_ms']:10.2f} {min(lat['rounds_ms']):10.2f}-"
+              f"{max(lat['rounds_ms']):10.2f} {lat['median_ms'] / base:6.3f}")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
-        totals = {}
-        for name, model in zip(names, args.models):
-            res = _run_child(model, args, profile_prefix=str(args.profile / Path(name).stem))
-            totals[name] = op_totals(res["profile"], args.warmup)
-        summary["op_totals_ms"] = totals
-        ops = sorted({op for t in totals.values() for op in t}, key=lambda o: -max(t.get(o, 0) for t in totals.values()))
-        print(f"\nper-op-type kernel time, ms per run (median of profiled runs)\n{'op':24s}"
-              + "".join(f" {n[:14]:>14s}" for n in names))
+        totals = []
+        for i, model in enumerate(args.models):
+            cmd = python_module("bench.latency_ab", str(model), "--feeds", str(args.feeds), "--level", args.level,
+                                "--profile-child", str(args.profile / f"{i}-{model.stem}"))
+            res = run_measured(cmd, args.timeout)
+            totals.append(res.payload["ops"] if res.status == "ok" else {})
+        summary["op_totals_ms"] = totals  # in the order of the models
+        ops = sorted({op for t in totals for op in t}, key=lambda o: -max(t.get(o, 0) for t in totals))
+        print("\nper-op-type kernel time, ms per run (median of profiled runs), one column per model")
         for op in ops:
-            print(f"{op:24s}" + "".join(f" {totals[n].get(op, 0.0):14.2f}" for n in names))
-        print(f"{'total':24s}" + "".join(f" {sum(totals[n].values()):14.2f}" for n in names))
-
+            print(f"{op:24s}" + "".join(f" {t.get(op, 0.0):10.2f}" for t in totals))
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
+        args.json.write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

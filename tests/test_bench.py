@@ -61,6 +61,19 @@ def test_latency_rounds_interleave_files_and_keep_a_bad_one_to_itself(tmp_path):
         assert lat["p25_ms"] <= lat["median_ms"] <= lat["p75_ms"]
 
 
+def test_latency_ab_compares_files_and_profiles_op_types(tmp_path):
+    from bench import latency_ab
+
+    onnx.save(_tiny_model(), str(tmp_path / "a.onnx"))
+    np.savez(tmp_path / "feeds.npz", x=np.ones((2, 8), np.float32))
+    latency_ab.main([str(tmp_path / "a.onnx"), str(tmp_path / "a.onnx"), "--feeds", str(tmp_path / "feeds.npz"),
+                     "--rounds", "2", "--budget", "0.02", "--profile", str(tmp_path / "prof"),
+                     "--json", str(tmp_path / "ab.json")])
+    got = json.loads((tmp_path / "ab.json").read_text())
+    assert len(got[str(tmp_path / "a.onnx")]["rounds_ms"]) == 2
+    assert [set(t) for t in got["op_totals_ms"]] == [{"MatMul", "Add", "Identity"}] * 2
+
+
 def test_latency_noise_is_the_range_of_the_round_medians():
     assert _spread({"median_ms": 10.0, "p25_ms": 9.9, "p75_ms": 10.1, "rounds_ms": [9.0, 10.0, 12.0]}) == 0.3
     assert _spread({"median_ms": 10.0, "p25_ms": 9.5, "p75_ms": 10.5}) == 0.1  # a run saved before the rounds
