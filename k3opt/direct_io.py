@@ -88,11 +88,13 @@ class DirectWriter:
         self._pwrite(padded)
         os.ftruncate(self._fd, self.tell())
 
-    def close(self) -> None:
+    def close(self, flush: bool = True) -> None:
+        """Flush (unless told not to: the file is being abandoned) and release the file and the buffer."""
         if self._fd < 0:
             return
         try:
-            self.flush()
+            if flush:
+                self.flush()
         finally:
             os.close(self._fd)
             self._fd = -1
@@ -105,8 +107,8 @@ class DirectWriter:
     def __enter__(self) -> "DirectWriter":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(flush=exc_type is None)  # after an error the temporary file is deleted anyway
 
     def _drain_full(self) -> None:
         """Write the buffer out once it is full and start it again."""

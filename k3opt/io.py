@@ -505,9 +505,9 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
     once. ``model``'s tensors are rewritten to point at the new file.
     Atomic means temporary files and a rename: a failing or interrupted
     run never leaves a partial output. ``fsync`` also makes the files and
-    the renames durable against a power loss, at the disk's write speed
-    (~20 s for 3.3 GB on this machine's disk); off by default, as in
-    onnx.save and every peer.
+    the renames durable against a power loss, at the cost of writing out
+    what is still in the page cache (data files of DIRECT_THRESHOLD or more
+    bypass it anyway); off by default, as in onnx.save and every peer.
     """
     out = Path(dst)
     has_external = any(uses_external_data(t) for t in all_tensors(model))

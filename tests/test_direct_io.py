@@ -88,6 +88,14 @@ def test_other_write_errors_are_not_swallowed(tmp_path, monkeypatch, small_buffe
     assert w.fileno() == -1
 
 
+def test_an_error_inside_the_block_abandons_the_file_unflushed(tmp_path):
+    with pytest.raises(RuntimeError, match="stop"):
+        with direct_io.DirectWriter(tmp_path / "d.bin") as w:
+            w.write(b"abc")
+            raise RuntimeError("stop")
+    assert w.fileno() == -1 and (tmp_path / "d.bin").read_bytes() == b""  # io.save deletes it
+
+
 def sibling_model(n: int = 600) -> onnx.ModelProto:
     """Three projections of one input (merged into one MatMul), weights of 1.4 MB: page-aligned in the data file."""
     rng = np.random.default_rng(1)
