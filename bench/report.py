@@ -9,6 +9,8 @@ import json
 import sys
 from typing import Optional
 
+import numpy as np
+
 from .models import BIG, DEPTH_PREFIX, depth_of
 from .optimizers import SUBJECT
 
@@ -30,15 +32,21 @@ def _lat(ev: Optional[dict], level: str) -> Optional[dict]:
 
 
 def _spread(lat: dict) -> float:
-    """Relative noise of a latency figure: the range of its round medians (bench/latency_rounds.py).
+    """Relative noise of a latency figure: the interquartile range of its round medians over their median.
 
-    Runs saved before the rounds existed have one process per file: their interquartile range.
+    Robust to one stray round out of five (bench/latency_rounds.py); with fewer than four rounds the
+    full range. Runs saved before the rounds existed have one process per file: its runs' IQR.
     """
     if not lat["median_ms"]:
         return 0.0
-    rounds = lat.get("rounds_ms") or []
-    low, high = (min(rounds), max(rounds)) if len(rounds) > 1 else (lat["p25_ms"], lat["p75_ms"])
-    return (high - low) / lat["median_ms"]
+    rounds = sorted(lat.get("rounds_ms") or [])
+    if len(rounds) >= 4:
+        low, high = np.percentile(rounds, [25, 75])
+    elif len(rounds) > 1:
+        low, high = rounds[0], rounds[-1]
+    else:
+        low, high = lat["p25_ms"], lat["p75_ms"]
+    return float(high - low) / lat["median_ms"]
 
 
 def op_changes(before: dict, after: dict, limit: int = 8) -> str:

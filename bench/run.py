@@ -29,7 +29,7 @@ from .optimizers import OPTIMIZERS, model_bytes
 from .procs import python_module, ram_gib, run_measured
 from .report import render
 
-ROUNDS = 3  # latency rounds per model (bench/latency_rounds.py)
+ROUNDS = 5  # latency rounds per model (bench/latency_rounds.py): the noise is their IQR, robust to one stray round
 PACKAGES = ("k3opt", "onnx", "onnxruntime", "onnx-graphsurgeon", "onnx-ir", "onnxscript", "onnxsim", "onnxslim",
             "onnxoptimizer", "torch", "transformers", "numpy")
 
@@ -167,7 +167,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     help="kill a child above this RSS (default: half the RAM; the machine may be shared)")
     ap.add_argument("--budget", type=float, help="seconds of timed runs per latency figure and round "
                                                  "(default 2, quick 0.5)")
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help="latency rounds (fresh processes) per model")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"latency rounds (fresh processes) per model (default {ROUNDS})")
     ap.add_argument("--out", type=Path, help="result folder (default ~/.cache/k3opt-bench/results/<time>)")
     args = ap.parse_args(argv)
     optimizers = args.optimizers.split(",") if args.optimizers else list(OPTIMIZERS)
