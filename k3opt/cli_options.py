@@ -114,7 +114,7 @@ def output_options(f: F) -> F:
         click.option("--external-data", is_flag=True, default=None,
                      help="Save weights to OUT.onnx.data (automatic above 2 GB or when the input has external data)."),
         click.option("--fsync", is_flag=True,
-                     help="Flush the output to disk before exiting (survives a power loss; costs the disk's write time)."),
+                     help="Flush the output to disk before exiting (survives a power loss; costs writing out what is cached)."),
         click.option("--overwrite", is_flag=True, help="Allow the output to replace the input."),
         click.option("--report", "report_path", type=click.Path(dir_okay=False), metavar="F.json",
                      help="Also write the report as JSON."),
