@@ -71,7 +71,8 @@ def fix_inputs(model: onnx.ModelProto, shapes: Optional[InputShapes]) -> None:
 
 
 class Light(NamedTuple):
-    """A model serialized for shape inference, big weights left out; and whether a graph input or output is long.
+    """A model serialized for shape inference, big weights left out; and whether it holds a long 1-D tensor
+    data propagation could read: a graph input or output, a weight, or (seed only) a Constant node's value.
 
     Serialized because onnx takes bytes: a refresh joins the cached bytes of
     unchanged nodes instead of building (copying) a ModelProto.
@@ -143,13 +144,18 @@ class ShapeRefresher:
 
         Same result as calling the refresher, without exporting the graph
         again (the first export is the costliest: nothing is folded yet).
+        Data propagation is tried first unless the model holds a long 1-D
+        tensor (see :func:`model_for_inference`): only such a tensor's data
+        can grow long as it propagates (Shape, Concat, Gather... of short
+        vectors stay short), and a long result still falls back as usual.
         """
-        return self._refresh(graph, tensor_map(graph), lambda: model_for_inference(model))
+        return self._refresh(graph, tensor_map(graph), lambda: model_for_inference(model), True)
 
-    def _refresh(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], model: Callable[[], Light]) -> bool:
+    def _refresh(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], model: Callable[[], Light],
+                 propagate_first: bool = False) -> bool:
         self.calls += 1
         try:
-            inferred, self._short = _infer(model(), self._short)
+            inferred, self._short = _infer(model(), propagate_first or self._short)
         except Exception as exc:  # onnx raises many types here; a failure only loses shapes
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             note = f"shape inference failed ({type(exc).__name__}: {first}); passes that need shapes declined"
@@ -216,7 +222,20 @@ def model_for_inference(model: onnx.ModelProto) -> Light:
     fields = [rest.SerializeToString()]
     fields += [field(_GRAPH_INITIALIZER, _inline_bytes(t)) for t in g.initializer if t.name not in big]
     fields += [field(_GRAPH_NODE, n.SerializeToString()) for n in g.node]
-    return Light(head.SerializeToString() + field(_MODEL_GRAPH, b"".join(fields)), _has_long_vector(rest))
+    long_data = _has_long_vector(rest) or any(_long_constant(n) for n in g.node if n.op_type == "Constant")
+    return Light(head.SerializeToString() + field(_MODEL_GRAPH, b"".join(fields)), long_data)
+
+
+def _long_constant(node: onnx.NodeProto) -> bool:
+    """A Constant node whose value is a 1-D tensor longer than data propagation takes (any other value is short)."""
+    for a in node.attribute:
+        if a.name == "value_ints" and len(a.ints) > DATA_PROP_MAX_LEN:
+            return True
+        if a.name in ("value", "sparse_value"):
+            dims = a.t.dims if a.name == "value" else a.sparse_tensor.dims
+            if len(dims) == 1 and dims[0] > DATA_PROP_MAX_LEN:
+                return True
+    return False
 
 
 def _copy_fields(source: Message, target: Message, skip: tuple[str, ...]) -> None:

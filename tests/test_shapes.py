@@ -179,3 +179,37 @@ def test_type_conversions_are_reused_only_for_the_same_declared_symbols(monkeypa
     monkeypatch.undo()
     shapes.apply_shapes(graph, inferred, memo=memo)
     assert shapes_of(graph)["r"] == [None, 3] and len(memo) == 2
+
+
+def inference_calls(monkeypatch) -> list[bool]:
+    """The data_prop flag of every onnx shape inference run from now on."""
+    calls: list[bool] = []
+    real = onnx.shape_inference.infer_shapes
+
+    def spy(model, *args, **kwargs):
+        calls.append(bool(kwargs.get("data_prop")))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", spy)
+    return calls
+
+
+def test_the_seed_propagates_data_in_one_run_when_nothing_is_long(monkeypatch):
+    calls = inference_calls(monkeypatch)
+    model = transpose_reshape()
+    assert ShapeRefresher().seed(io.import_graph(model), model) and calls == [True]
+
+
+@pytest.mark.parametrize("attr", ["value", "value_ints"])
+def test_a_long_constant_node_makes_the_seed_infer_without_propagation_first(monkeypatch, attr):
+    """A Constant node's long 1-D value is data propagation could materialize: the plain run decides first."""
+    long = np.arange(70000, dtype=np.int64)
+    value = onnx.numpy_helper.from_array(long) if attr == "value" else long.tolist()
+    nodes = [helper.make_node("Constant", [], ["c"], **{attr: value}),
+             helper.make_node("Concat", ["c", "x"], ["y"], axis=0)]
+    model = make_model(nodes, [("x", TensorProto.INT64, [2])], [("y", TensorProto.INT64, [70002])])
+    assert model_for_inference(model).long_io
+    calls = inference_calls(monkeypatch)
+    graph = io.import_graph(model)
+    assert ShapeRefresher().seed(graph, model) and calls == [False]
+    assert shapes_of(graph)["y"] == [70002]

@@ -73,9 +73,9 @@ class CheckedRefresher(shapes.ShapeRefresher):
 
     checked = 0
 
-    def _refresh(self, graph, tensors, model) -> bool:
+    def _refresh(self, graph, tensors, model, propagate_first=False) -> bool:
         expected = reference(graph)
-        ok = super()._refresh(graph, tensors, model)
+        ok = super()._refresh(graph, tensors, model, propagate_first)
         if ok:
             got = state(graph)
             wrong = {n: (got[n], expected[n]) for n in expected if got[n] != expected[n]}
