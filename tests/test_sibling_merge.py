@@ -169,6 +169,8 @@ def test_moe_experts_merge_per_expert():
     out, n, ctx = merged(model)
     assert n == experts and op_counts(out)["MatMul"] == experts and op_counts(out)["Split"] == experts
     assert ctx.counters["sibling_matmuls_merged"] == 2 * experts
+    splits = [n for n in out.graph.node if n.op_type == "Split"]
+    assert len({n.input[1] for n in splits}) == 1  # equal sizes, one constant: nothing left for CSE
     assert_equivalent(model, out)
 
 

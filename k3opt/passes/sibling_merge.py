@@ -71,8 +71,13 @@ def _bias_add(graph: Graph, node: Node, weight: gs.Constant) -> Optional[tuple[N
     return add, np.broadcast_to(peek(bias).reshape(-1), (n,))  # peek: never cached on the Constant
 
 
-def _merge(graph: Graph, ctx: PassContext, group: list[tuple[Node, gs.Constant]]) -> tuple[list[Node], list[Node]]:
-    """Rewire one group through a merged MatMul (+ Add) and Split; returns (new nodes, replaced nodes)."""
+def _merge(graph: Graph, ctx: PassContext, group: list[tuple[Node, gs.Constant]],
+           split_sizes: dict[tuple[int, ...], gs.Constant]) -> tuple[list[Node], list[Node]]:
+    """Rewire one group through a merged MatMul (+ Add) and Split; returns (new nodes, replaced nodes).
+
+    Groups with the same sizes share one sizes constant (``split_sizes``): every layer has the same,
+    and equal copies would only leave CSE a merge per layer and the pass manager another round.
+    """
     nodes = [n for n, _ in group]
     weights = [w for _, w in group]
     x = nodes[0].inputs[0]
@@ -101,7 +106,10 @@ def _merge(graph: Graph, ctx: PassContext, group: list[tuple[Node, gs.Constant]]
     for n in nodes:
         disconnect(n)  # by identity: gs's clear() finds each entry with the structural Node.__eq__
     if ctx.opset >= 13:
-        sizes_t = gs.Constant(ctx.fresh_name(f"{base}_split_sizes"), np.array(sizes, dtype=np.int64))
+        sizes_t = split_sizes.get(tuple(sizes))
+        if sizes_t is None:
+            sizes_t = split_sizes[tuple(sizes)] = gs.Constant(ctx.fresh_name(f"{base}_split_sizes"),
+                                                              np.array(sizes, dtype=np.int64))
         split = gs.Node("Split", ctx.fresh_name(f"{base}_split"), attrs={"axis": -1}, inputs=[split_in, sizes_t])
     else:
         split = gs.Node("Split", ctx.fresh_name(f"{base}_split"), attrs={"axis": -1, "split": sizes}, inputs=[split_in])
@@ -127,8 +135,9 @@ class MergeSiblingMatMuls(Pass):
             return 0
         replaced: dict[int, list[Node]] = {}  # id(first sibling) -> new nodes, placed where it was
         gone: set[int] = set()
+        split_sizes: dict[tuple[int, ...], gs.Constant] = {}
         for group in groups:
-            new, old = _merge(graph, ctx, group)
+            new, old = _merge(graph, ctx, group, split_sizes)
             replaced[id(old[0])] = new
             gone.update(id(n) for n in old)
         nodes: list[Node] = []
