@@ -18,7 +18,8 @@ from typing import AbstractSet, BinaryIO, Callable, Iterator, NamedTuple, Option
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from google.protobuf.message import DecodeError, EncodeError
+from google.protobuf.message import DecodeError, EncodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
 from onnx_graphsurgeon.ir.tensor import LazyValues
@@ -26,6 +27,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from . import gs_roundtrip
 from .direct_io import DirectWriter, direct_writer_or_file
 from .errors import InputError, OutputError
+from .gs_export import varint
 from .ir import all_graphs
 
 PathLike = Union[str, os.PathLike]
@@ -489,7 +491,7 @@ def proto_size(model: onnx.ModelProto, serialized: Optional[int] = None,
     file it was read from), which saves a pass over the proto; ``external``:
     its external-data tensors when known (:class:`Loaded`), which saves a walk.
     """
-    size = model.ByteSize() if serialized is None else serialized
+    size = inline_size(model) if serialized is None else serialized
     if external is None:
         external = [t for t in all_tensors(model) if uses_external_data(t)]
     return size + sum(tensor_nbytes(t) for t in external)
@@ -511,13 +513,13 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
     """
     out = Path(dst)
     has_external = any(uses_external_data(t) for t in all_tensors(model))
-    serialized = None  # the inline model's bytes, when sizing it already produced them
+    serialized = None  # the inline model's pieces, when sizing it already produced them
     if external_data is None and has_external:
         external_data = True
     if not external_data:
         if has_external:
             too_big = proto_size(model) > PROTO_LIMIT
-        else:  # sizing a proto serializes it (upb): serialize once, keep the bytes
+        else:
             serialized = _serialized_within_limit(model)
             too_big = serialized is None
         if too_big and external_data is None:
@@ -541,7 +543,7 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
         model_tmp = _temp_in(out.parent, out.name)
         temps.append(model_tmp)
         with open(model_tmp, "wb") as f:
-            f.write(model.SerializeToString() if serialized is None else serialized)
+            _write_serialized(serialized or _serialized(model), f)
             if fsync:
                 _sync(f)
         written = [out]
@@ -559,13 +561,90 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
             tmp.unlink(missing_ok=True)
 
 
-def _serialized_within_limit(model: onnx.ModelProto) -> Optional[bytes]:
-    """``model``'s bytes, or None when they pass :data:`PROTO_LIMIT` (protobuf refuses 2 GiB)."""
+# Serializing a whole model at once (upb) encodes it into a buffer that doubles as it grows, then copies
+# it out: on a 40 MB model that touched ~140 MB of fresh memory. The model is written, and sized, a piece
+# at a time instead: its fields before and after the graph, the graph's before and after its initializers,
+# and each initializer on its own. Protobuf writes known fields in field-number order, so the pieces join
+# into the very same bytes; a model or graph with unknown fields (written after the known ones) is
+# serialized whole.
+
+_GRAPH = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
+_INITIALIZER = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
+
+
+def inline_size(model: onnx.ModelProto) -> int:
+    """``model.ByteSize()`` (its bytes when written inline), sized a piece at a time; more than
+    :data:`PROTO_LIMIT` when protobuf cannot encode it."""
     try:
+        return _serialized(model).size
+    except EncodeError:
+        return PROTO_LIMIT + 1
+
+
+class _Serialized(NamedTuple):
+    """A model's bytes in order: bytes, and initializers (TensorProtos) serialized when written."""
+
+    parts: list[Union[bytes, TensorProto]]
+    size: int
+
+
+def _serialized(model: onnx.ModelProto) -> _Serialized:
+    """``model.SerializeToString()`` in parts (see above); raises EncodeError where protobuf would."""
+    if not model.HasField("graph") or _unknown(model) or _unknown(model.graph):
         data = model.SerializeToString()
+        return _Serialized([data], len(data))
+    head, tail = _split(model, _GRAPH)
+    graph_head, graph_tail = _split(model.graph, _INITIALIZER)
+    parts: list[Union[bytes, TensorProto]] = [graph_head]
+    size = len(graph_head) + len(graph_tail)
+    tag = _tag(_INITIALIZER)
+    for t in model.graph.initializer:
+        n = t.ByteSize()
+        key = tag + varint(n)
+        parts += (key, t)
+        size += len(key) + n
+    parts.append(graph_tail)
+    key = _tag(_GRAPH) + varint(size)
+    return _Serialized([head, key] + parts + [tail], len(head) + len(key) + size + len(tail))
+
+
+def _serialized_within_limit(model: onnx.ModelProto) -> Optional[_Serialized]:
+    """``model``'s pieces, or None when its bytes would pass :data:`PROTO_LIMIT` (protobuf refuses 2 GiB)."""
+    try:
+        serialized = _serialized(model)
     except EncodeError:  # upb cannot encode it at all
         return None
-    return data if len(data) <= PROTO_LIMIT else None
+    return serialized if serialized.size <= PROTO_LIMIT else None
+
+
+def _write_serialized(serialized: _Serialized, f: BinaryIO) -> None:
+    for part in serialized.parts:
+        f.write(part if isinstance(part, bytes) else part.SerializeToString())
+
+
+def _unknown(message) -> bool:
+    return len(UnknownFieldSet(message)) > 0
+
+
+def _split(message, number: int) -> tuple[bytes, bytes]:
+    """The serialized fields of ``message`` numbered below ``number``, and those above it."""
+    below, above = type(message)(), type(message)()
+    for fd, value in message.ListFields():
+        if fd.number == number:
+            continue
+        part = below if fd.number < number else above
+        if isinstance(value, Message):
+            getattr(part, fd.name).CopyFrom(value)
+        elif isinstance(value, (int, float, str, bytes)):
+            setattr(part, fd.name, value)
+        else:  # a repeated field
+            getattr(part, fd.name).extend(value)
+    return below.SerializeToString(), above.SerializeToString()
+
+
+def _tag(number: int) -> bytes:
+    """The key of length-delimited field ``number``."""
+    return varint(number << 3 | 2)
 
 
 def _temp_in(folder: Path, name: str) -> Path:
