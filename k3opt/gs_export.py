@@ -14,6 +14,7 @@ from __future__ import annotations
 import struct
 from typing import Optional, Union
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
@@ -68,10 +69,15 @@ def _write_graph(graph: Graph, out: onnx.GraphProto) -> None:
         _write_value_info(t, out.output)
     tensors = tensor_map(graph)
     constants = [t for t in tensors.values() if isinstance(t, gs.Constant)]
-    # Lists first, copies after, as gs: Constants sharing one lazy TensorProto all get the last name.
-    dense = [OnnxExporter.export_tensor_proto(t) for t in constants if not isinstance(t._values, SparseValues)]
+    # Protos first, copies after, as gs: Constants sharing one lazy TensorProto all get the last name.
+    dense = [(t, None if _array_type(t) else OnnxExporter.export_tensor_proto(t))
+             for t in constants if not isinstance(t._values, SparseValues)]
     sparse = [OnnxExporter.export_sparse_tensor_proto(t) for t in constants if isinstance(t._values, SparseValues)]
-    out.initializer.extend(dense)
+    for t, proto in dense:
+        if proto is None:
+            _write_array(t, out.initializer.add())
+        else:
+            out.initializer.append(proto)
     out.sparse_initializer.extend(sparse)
     for t in list(graph.inputs) + list(graph.outputs):
         tensors.pop(t.name, None)
@@ -79,6 +85,37 @@ def _write_graph(graph: Graph, out: onnx.GraphProto) -> None:
                         if isinstance(t, gs.Variable) and (t.dtype is not None or t.shape is not None)], out)
     if graph.doc_string:
         out.doc_string = graph.doc_string
+
+
+#: ONNX types whose numpy arrays gs writes as ``tobytes()`` into ``raw_data`` (no packing, no conversion).
+_ARRAY_TYPES = frozenset(getattr(onnx.TensorProto, n) for n in (
+    "FLOAT", "DOUBLE", "FLOAT16", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64", "BOOL"))
+
+
+def _array_type(t: gs.Constant) -> Optional[int]:
+    """The ONNX type of a Constant holding a numpy array that :func:`_write_array` writes; else None."""
+    values = t._values
+    if type(values) is not np.ndarray or values.dtype.kind not in "biuf":
+        return None
+    elem = _elem_type(values.dtype)
+    exported = t._export_dtype
+    if elem not in _ARRAY_TYPES or (exported is not None and _elem_type(exported) != elem):
+        return None
+    return elem
+
+
+def _write_array(t: gs.Constant, out: onnx.TensorProto) -> None:
+    """``OnnxExporter.export_tensor_proto(t)`` (gs's ``onnx.helper.make_tensor(..., raw=True)``) into ``out``.
+
+    Built in place: built apart, the array's bytes were copied once more into the model (the merged
+    weights of the 64-layer Llama are 25 MB).
+    """
+    out.data_type = _array_type(t)
+    out.name = t.name
+    out.dims.extend(t._values.shape)
+    out.raw_data = t._values.tobytes()
+    if t.data_location is not None:
+        out.data_location = t.data_location
 
 
 def _write_node(node: gs.Node, out: onnx.NodeProto) -> None:
