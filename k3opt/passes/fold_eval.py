@@ -23,7 +23,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from ..ir import Graph, Node, Tensor, peek, producer
+from ..ir import Graph, Node, Tensor, const_value, peek, producer
 
 # ORT type string -> (type to widen to inside the model, ONNX type to narrow back to).
 _WIDEN = {
@@ -174,13 +174,78 @@ def run_ort(graph: Graph, nodes: Sequence[Node], outputs: Sequence[str], known: 
 
     Values are numpy arrays for tensors, anything else (sequences, empty
     optionals) as onnxruntime returns it; the caller folds only arrays.
+    Nodes that only move their input's data (:func:`moved_data`) are
+    computed in numpy first: onnxruntime's cost is per node of the session.
     """
-    model = _sub_model(graph, nodes, outputs, known)
-    try:
-        values = run_model(model)
-    except Exception as exc:  # any ORT failure means "not foldable this way"
-        raise EvalError(str(exc)) from exc
-    return dict(zip(outputs, values))
+    moved = moved_data(graph, nodes, known)
+    rest = [n for n in nodes if not all(t.name in moved for t in n.outputs if t.name)]
+    wanted = [o for o in outputs if o not in moved]
+    values = []
+    if rest or wanted:
+        model = _sub_model(graph, rest, wanted, {**known, **moved})
+        try:
+            values = run_model(model)
+        except Exception as exc:  # any ORT failure means "not foldable this way"
+            raise EvalError(str(exc)) from exc
+    found = dict(zip(wanted, values))
+    return {o: moved[o] if o in moved else found[o] for o in outputs}
+
+
+#: Element kinds numpy holds exactly as onnxruntime returns them (no strings, no ml_dtypes types).
+_PLAIN_KINDS = frozenset("biuf")
+
+
+def moved_data(graph: Graph, nodes: Sequence[Node], known: dict) -> dict[str, np.ndarray]:
+    """Outputs of the ``Identity`` and ``Unsqueeze`` nodes among ``nodes`` (in order) whose inputs are known
+    numeric arrays: their values are their input's bytes under a new shape, so numpy computes them
+    exactly. A node numpy cannot decide (bad axes, odd dtypes, computed inputs) is left to onnxruntime."""
+    moved: dict[str, np.ndarray] = {}
+
+    def value(t: Tensor) -> Optional[np.ndarray]:
+        if not t.name:
+            return None
+        v = moved.get(t.name)
+        if v is None:
+            v = known.get(t.name) if t.name in known else const_value(t)
+        return v if isinstance(v, np.ndarray) and v.dtype.kind in _PLAIN_KINDS and v.dtype.isnative else None
+
+    for node in nodes:
+        if (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1 or not node.outputs[0].name:
+            continue
+        if node.op == "Identity" and len(node.inputs) == 1:
+            out = value(node.inputs[0])
+        elif node.op == "Unsqueeze":
+            out = _unsqueezed(node, graph.opset, value)
+        else:
+            continue
+        if out is not None:
+            moved[node.outputs[0].name] = out
+    return moved
+
+
+def _unsqueezed(node: Node, opset: int, value) -> Optional[np.ndarray]:
+    """``Unsqueeze``'s output when its data and axes are known and valid for ``opset``, else None."""
+    if opset < 13:
+        axes = node.attrs.get("axes")
+        if len(node.inputs) != 1 or axes is None:
+            return None
+        axes = [int(a) for a in axes]
+    else:
+        if len(node.inputs) != 2 or node.attrs:
+            return None
+        v = value(node.inputs[1])
+        if v is None or v.dtype != np.int64 or v.ndim != 1:
+            return None
+        axes = [int(a) for a in v]
+    x = value(node.inputs[0])
+    if x is None:
+        return None
+    rank = x.ndim + len(axes)
+    axes = [a + rank if a < 0 else a for a in axes]
+    if len(set(axes)) != len(axes) or any(not 0 <= a < rank for a in axes):
+        return None
+    dims = iter(x.shape)
+    return x.reshape([1 if i in axes else next(dims) for i in range(rank)])
 
 
 def run_reference(graph: Graph, node: Node, known: dict) -> dict[str, object]:
