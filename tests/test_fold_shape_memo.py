@@ -114,6 +114,24 @@ def test_depth_limited_results_are_kept_per_depth():
         assert dim_at(y, 0, depth=0) == "unk__1"
 
 
+def test_small_constants_are_decoded_once(monkeypatch):
+    """Shape tracing decodes a small constant once per process, not once per memo (pass run); a big one is
+    decoded at every read, so weights are never held."""
+    graph = _reshaped_graph()
+    tensors = graph.tensors()
+    big = as_constant("big", np.arange(fold_shapes.MAX_DECODED_BYTES, dtype=np.int64))
+    decoded = []
+    real = fold_shapes.peek
+    monkeypatch.setattr(fold_shapes, "peek", lambda c: decoded.append(c.name) or real(c))
+    for _ in range(2):
+        with remembered_dims():
+            assert shape_elements(tensors["target"])[0] == ["N", -1]
+            assert fold_shapes._const(big) is not None
+    assert sorted(decoded) == ["big", "big", "minus1", "zero", "zero1"]
+    value = fold_shapes._small_const_value(tensors["minus1"])
+    assert value.dtype == np.int64 and value.tolist() == [-1]
+
+
 @needs_torch
 @pytest.mark.parametrize("name, exporter", [("llama", "torchscript"), ("gpt2", "torchscript"),
                                             ("deepseek_v3", "torchscript"), ("llama", "dynamo")])

@@ -20,12 +20,14 @@ when the batch and sequence are not.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from ..ir import Node, Tensor, const_value, producer
+from ..ir import Node, Tensor, const_tensor, peek, producer
 from .cleanup_rewire import unsqueeze_axes
 
 #: Longest integer constant read as part of a shape computation.
@@ -191,7 +193,34 @@ def forget(tensors: Iterable[Tensor]) -> None:
 
 
 def _const(t: Tensor) -> object:
-    return _remembered(t, -2, 0, lambda: const_value(t))
+    return _remembered(t, -2, 0, lambda: _small_const_value(t))
+
+
+#: Small constants as decoded (at most this many bytes: shape computations' integers), by their lazy value
+#: holder: decoded once per process rather than once per pass run (a TensorProto decodes in ~10 us, the
+#: 64-layer Llama's passes read some 5k). Weak keys: an entry goes with its graph.
+_decoded: "weakref.WeakKeyDictionary[LazyValues, np.ndarray]" = weakref.WeakKeyDictionary()
+MAX_DECODED_BYTES = 8 * MAX_SHAPE_ELEMENTS
+
+
+def _ints(value: object) -> Optional[list[int]]:
+    """A constant's value as a flat list of ints (as ``cleanup_rewire.int_list`` gives it), None for None."""
+    return None if value is None else [int(x) for x in np.asarray(value).ravel()]
+
+
+def _small_const_value(t: Tensor) -> Optional[np.ndarray]:
+    """:func:`~k3opt.ir.const_value`, remembering small decoded values (:data:`_decoded`); never modify it."""
+    c = const_tensor(t)
+    if c is None:
+        return None
+    lazy = c._values
+    nbytes = getattr(lazy, "nbytes", None)
+    if not isinstance(lazy, LazyValues) or not isinstance(nbytes, int) or nbytes > MAX_DECODED_BYTES:
+        return peek(c)
+    value = _decoded.get(lazy)
+    if value is None:
+        value = _decoded[lazy] = peek(c)
+    return value
 
 
 @contextmanager
@@ -414,7 +443,8 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         inner = shape_elements(node.inputs[0], depth - 1)
         for x in node.inputs[1:]:
             _read(x)  # the axes
-        axes = unsqueeze_axes(node)
+        # unsqueeze_axes(node), with an axes input read through the remembered small values
+        axes = unsqueeze_axes(node) if "axes" in node.attrs or len(node.inputs) < 2 else _ints(_const(node.inputs[1]))
         if inner is None or inner[1] != () or axes not in ([0], [-1]):
             return None
         return inner[0], (1,)
