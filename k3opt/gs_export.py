@@ -20,17 +20,17 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
-from .ir import Graph, Tensor, gs_fast_paths
+from .ir import Graph, Tensor, all_graphs, gs_fast_paths
 
 
-def export_onnx(graph: Graph) -> onnx.ModelProto:
-    """Exactly ``gs.export_onnx(graph, do_type_check=False)``."""
+def export_onnx(graph: Graph, tensors: Optional[dict[str, Tensor]] = None) -> onnx.ModelProto:
+    """Exactly ``gs.export_onnx(graph, do_type_check=False)``; ``tensors``: ``tensor_map(graph)`` when known."""
     if graph.functions or not gs_fast_paths():
         return gs.export_onnx(graph, do_type_check=False)
     model = onnx.ModelProto()
     model.ir_version = onnx.IR_VERSION  # as onnx.helper.make_model
-    _write_graph(graph, model.graph)
-    model.opset_import.extend(update_import_domains(graph))
+    _write_graph(graph, model.graph, tensor_map(graph) if tensors is None else dict(tensors))
+    model.opset_import.extend(import_domains(graph))
     model.producer_name = graph.producer_name
     model.producer_version = graph.producer_version
     if graph.ir_version is not None:
@@ -58,8 +58,19 @@ def tensor_map(graph: Graph) -> dict[str, Tensor]:
     return found
 
 
-def _write_graph(graph: Graph, out: onnx.GraphProto) -> None:
-    """``OnnxExporter.export_graph(graph, do_type_check=False)`` (then ``make_graph``), into ``out``."""
+def import_domains(graph: Graph) -> list[onnx.OperatorSetIdProto]:
+    """gs's ``update_import_domains(graph)``, without gs's slow walk for subgraphs when it would add nothing."""
+    if graph.import_domains is not None:
+        used = {n.domain for g in all_graphs(graph) for n in g.nodes}
+        used.discard(None)
+        if used <= {o.domain for o in graph.import_domains}:
+            return graph.import_domains
+    return update_import_domains(graph)
+
+
+def _write_graph(graph: Graph, out: onnx.GraphProto, tensors: dict[str, Tensor]) -> None:
+    """``OnnxExporter.export_graph(graph, do_type_check=False)`` (then ``make_graph``), into ``out``;
+    ``tensors``: ``tensor_map(graph)``, which this consumes."""
     for node in graph.nodes:
         _write_node(node, out.node.add())
     out.name = graph.name
@@ -67,7 +78,6 @@ def _write_graph(graph: Graph, out: onnx.GraphProto) -> None:
         _write_value_info(t, out.input)
     for t in graph.outputs:
         _write_value_info(t, out.output)
-    tensors = tensor_map(graph)
     constants = [t for t in tensors.values() if isinstance(t, gs.Constant)]
     # Protos first, copies after, as gs: Constants sharing one lazy TensorProto all get the last name.
     dense = [(t, None if _array_type(t) else OnnxExporter.export_tensor_proto(t))

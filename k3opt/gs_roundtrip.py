@@ -117,12 +117,14 @@ def _shape(vi: onnx.ValueInfoProto):
 def export_onnx(graph: Graph) -> onnx.ModelProto:
     """``gs.export_onnx(graph, do_type_check=False)`` (built by :mod:`k3opt.gs_export`) that writes
     optional types and input defaults."""
-    odd = [t for t in _tensors(graph) if getattr(t, "type", "tensor_type") not in _GS_TYPES and t.dtype is not None]
+    maps = [gs_export.tensor_map(g) for g in all_graphs(graph)]
+    odd = [t for tensors in maps for t in tensors.values()
+           if getattr(t, "type", "tensor_type") not in _GS_TYPES and t.dtype is not None]
     saved = [(t, t.dtype) for t in odd]
     for t in odd:
         t.dtype = None  # gs writes an untyped entry instead of crashing
     try:
-        model = gs_export.export_onnx(graph)
+        model = gs_export.export_onnx(graph, maps[0])
     finally:
         for t, dtype in saved:
             t.dtype = dtype
@@ -143,11 +145,6 @@ def value_info_proto(t: Tensor) -> onnx.ValueInfoProto:
     if getattr(t, "type", "tensor_type") == "optional_type" and isinstance(t.dtype, onnx.TypeProto):
         return onnx.helper.make_value_info(t.name, onnx.helper.make_optional_type_proto(t.dtype))
     return OnnxExporter.export_value_info_proto(t, False)
-
-
-def _tensors(graph: Graph) -> Iterator[Tensor]:
-    for g in all_graphs(graph):
-        yield from gs_export.tensor_map(g).values()
 
 
 def _value_infos(g: onnx.GraphProto) -> Iterator[onnx.ValueInfoProto]:

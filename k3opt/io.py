@@ -385,10 +385,10 @@ def _walk_in_order(graph: onnx.GraphProto, known: set) -> Optional[tuple[set, li
     add = available.add
     holders = []
     for node in graph.node:
-        for name in node.input:
+        for name in node.input[:]:  # a slice: one list from upb, quicker than iterating the field
             if name not in available and name:
                 return None
-        for name in node.output:
+        for name in node.output[:]:
             if name in available and name:
                 return None
             add(name)
@@ -400,7 +400,7 @@ def _walk_in_order(graph: onnx.GraphProto, known: set) -> Optional[tuple[set, li
 
 def _check_any_order(graph: onnx.GraphProto, source: str, known: set, external: list[TensorProto]) -> None:
     # (inputs, outputs, node) read once: proto field access is the cost on a big graph
-    nodes = [(list(n.input), list(n.output), n) for n in graph.node]
+    nodes = [(n.input[:], n.output[:], n) for n in graph.node]
     produced: dict[str, onnx.NodeProto] = {}
     for _, outputs, node in nodes:
         for o in outputs:

@@ -56,3 +56,24 @@ def test_another_export_dtype_is_left_to_gs():
         gs_bytes(graph)
     with pytest.raises(AssertionError, match="Source dtype must be float32"):
         gs_export.export_onnx(graph)
+
+
+def test_a_domain_used_only_in_a_body_is_imported():
+    """The import domains come from bodies too: gs adds one a branch's node uses."""
+    x = gs.Variable("x", dtype=np.float32, shape=[2])
+    inner = gs.Variable("inner", dtype=np.float32, shape=[2])
+    branch = gs.Graph(nodes=[gs.Node("Custom", inputs=[x], outputs=[inner], domain="body.only")], outputs=[inner])
+    cond = gs.Variable("cond", dtype=np.bool_, shape=[])
+    y = gs.Variable("y", dtype=np.float32, shape=[2])
+    graph = gs.Graph(nodes=[gs.Node("If", inputs=[cond], outputs=[y], attrs={"then_branch": branch, "else_branch": branch})],
+                     inputs=[x, cond], outputs=[y], opset=17)
+    ours = gs_export.export_onnx(graph)
+    assert [o.domain for o in ours.opset_import] == ["", "body.only"]
+    assert ours.SerializeToString() == gs_bytes(graph)
+
+
+def test_imported_domains_are_kept_as_they_are():
+    """The second export finds every domain imported already (the first added "my"): same bytes as gs."""
+    graph = graph_reading(gs.Constant("c", np.ones(1, np.float32)))
+    first = gs_export.export_onnx(graph).SerializeToString()
+    assert gs_export.export_onnx(graph).SerializeToString() == first == gs_bytes(graph)
