@@ -95,8 +95,8 @@ class FoldConstants(Pass):
     def _fold_shapes(self, graph: Graph, ctx: PassContext) -> int:
         folded: list[Node] = []
         installed: list = []
-        for node in graph.nodes:
-            if node.op in SHAPE_OPS and (node.domain or "") in ("", "ai.onnx") and is_used(graph, node.outputs[0]):
+        for node in [n for n in graph.nodes if n.op in SHAPE_OPS]:  # a comprehension first: most nodes are not
+            if (node.domain or "") in ("", "ai.onnx") and is_used(graph, node.outputs[0]):
                 value = fold_shape_value(node)
                 if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
                     folded.append(node)
@@ -152,8 +152,14 @@ class FoldConstants(Pass):
 
         # Depth-first from constant-fed nodes, no recursion limit. Only nodes whose inputs are all constant now
         # start a walk: any other node is reached (and decided, in the same state) as a reader of the last of
-        # its inputs to become pending, before the walk comes back to where it would start.
-        stack = [n for n in reversed(graph.nodes) if all(map(ready, n.inputs))]
+        # its inputs to become pending, before the walk comes back to where it would start. Nothing is pending
+        # yet, so a first input computed by a non-Constant node rules a node out without a call to ready().
+        stack = [
+            n for n in reversed(graph.nodes)
+            if not ((ins := n.inputs) and (t := ins[0]).name and (made := t.inputs) and made[0].op != "Constant"
+                    and not isinstance(t, gs.Constant))
+            and all(map(ready, ins))
+        ]
         holders: Optional[list[Node]] = None
         while stack:
             node = stack.pop()
