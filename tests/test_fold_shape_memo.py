@@ -128,7 +128,7 @@ def test_small_constants_are_decoded_once(monkeypatch):
             assert shape_elements(tensors["target"])[0] == ["N", -1]
             assert fold_shapes._const(big) is not None
     assert sorted(decoded) == ["big", "big", "minus1", "zero", "zero1"]
-    value = fold_shapes._small_const_value(tensors["minus1"])
+    value = fold_shapes.small_const_value(tensors["minus1"])
     assert value.dtype == np.int64 and value.tolist() == [-1]
 
 

@@ -30,8 +30,8 @@ import numpy as np
 
 from ..ir import Graph, Node, Tensor, const_tensor, peek, producer, rank
 from .base import PassContext, register_pass
-from .fold_shapes import dim_at, remembered_dims, shape_elements
-from .cleanup_rewire import NodeRewritePass, bypass, cast_target, int_list, onnx_type
+from .fold_shapes import dim_at, remembered_dims, shape_elements, small_int_list
+from .cleanup_rewire import NodeRewritePass, bypass, cast_target, onnx_type
 
 INT64_MAX = np.iinfo(np.int64).max
 #: Constants bigger than this are not read to look for an all-0/all-1 operand.
@@ -85,7 +85,7 @@ def _broadcast_keeps_shape(x: Tensor, other_shape: tuple) -> bool:
 
 
 def _same_expand(node: Node) -> Optional[Tensor]:
-    target = int_list(node.inputs[1])
+    target = small_int_list(node.inputs[1])
     x = node.inputs[0]
     return x if target is not None and _broadcast_keeps_shape(x, tuple(target)) else None
 
@@ -113,7 +113,7 @@ def _slice_args(node: Node) -> Optional[list[Optional[list[int]]]]:
     args: list[Optional[list[int]]] = []
     for i in range(1, 5):
         t = node.inputs[i] if i < len(node.inputs) else None
-        v = int_list(t) if t is not None and t.name else None
+        v = small_int_list(t) if t is not None and t.name else None
         if v is None and (i < 3 or (t is not None and t.name)):
             return None
         args.append(v)

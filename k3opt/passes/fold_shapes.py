@@ -193,7 +193,7 @@ def forget(tensors: Iterable[Tensor]) -> None:
 
 
 def _const(t: Tensor) -> object:
-    return _remembered(t, -2, 0, lambda: _small_const_value(t))
+    return _remembered(t, -2, 0, lambda: small_const_value(t))
 
 
 #: Small constants as decoded (at most this many bytes: shape computations' integers), by their lazy value
@@ -208,7 +208,12 @@ def _ints(value: object) -> Optional[list[int]]:
     return None if value is None else [int(x) for x in np.asarray(value).ravel()]
 
 
-def _small_const_value(t: Tensor) -> Optional[np.ndarray]:
+def small_int_list(t: Tensor) -> Optional[list[int]]:
+    """``cleanup_rewire.int_list(t)``, a small constant decoded once per process (:func:`small_const_value`)."""
+    return _ints(small_const_value(t))
+
+
+def small_const_value(t: Tensor) -> Optional[np.ndarray]:
     """:func:`~k3opt.ir.const_value`, remembering small decoded values (:data:`_decoded`); never modify it."""
     c = const_tensor(t)
     if c is None:
