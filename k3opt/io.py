@@ -426,8 +426,11 @@ def _check_attribute(attr: onnx.AttributeProto, source: str, visible: AbstractSe
     """Collect the attribute's external tensors and check the bodies it holds (seeing ``visible``)."""
     if attr.HasField("t") and attr.t.data_location == _EXTERNAL:
         external.append(attr.t)
-    external.extend(t for t in attr.tensors if t.data_location == _EXTERNAL)
-    for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+    if attr.tensors:  # rarely set: no generator, no list for the usual Constant value
+        external.extend(t for t in attr.tensors if t.data_location == _EXTERNAL)
+    if attr.HasField("g"):
+        _check_graph(attr.g, source, visible, external)
+    for sub in attr.graphs:
         _check_graph(sub, source, visible, external)
 
 
