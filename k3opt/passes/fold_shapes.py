@@ -363,6 +363,8 @@ def _shape_axes(node: Node) -> Optional[range]:
         _read(x)
         return None
     n = len(x.shape)
+    if not node.attrs:  # the usual Shape: every axis
+        return range(n)
     start = int(node.attrs.get("start", 0))
     end = node.attrs.get("end")
     start = min(max(start + n if start < 0 else start, 0), n)
@@ -371,7 +373,8 @@ def _shape_axes(node: Node) -> Optional[range]:
 
 
 def fold_shape_value(node: Node) -> Optional[np.ndarray]:
-    """The constant value of a Shape/Size/Gather-of-Shape/Slice-of-Shape node, if its dims are known."""
+    """The constant value of a Shape/Size/Gather-of-Shape/Slice-of-Shape node (of the standard domain), if its
+    dims are known."""
     if node.op in ("Shape", "Size"):
         x = node.inputs[0]
         axes = _shape_axes(node) if node.op == "Shape" else (None if x.shape is None else range(len(x.shape)))
@@ -380,7 +383,8 @@ def fold_shape_value(node: Node) -> Optional[np.ndarray]:
             return None
         return np.array(dims if node.op == "Shape" else int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
     if node.op in ("Gather", "Slice") and node.inputs:
-        picked = _picked_dims(node)
+        # _picked_dims(node) at full depth, as the output's elements one level up: remembered across sweeps
+        picked = shape_elements(node.outputs[0], MAX_SHAPE_DEPTH + 1)
         if picked is None or not known(picked[0]):
             return None
         return np.array(picked[0], dtype=np.int64).reshape(picked[1])
