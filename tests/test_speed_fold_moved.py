@@ -96,3 +96,43 @@ def test_wrong_axes_form_for_the_opset_is_left_to_onnxruntime():
     node = helper.make_node("Unsqueeze", ["x"], ["u"], axes=[0])
     graph = _graph([node], {"x": np.zeros((2,), np.float32)}, 13)
     assert moved_data(graph, graph.nodes, {}) == {}
+
+
+def test_movers_after_the_session(monkeypatch):
+    """An Unsqueeze/Identity of what the session computes, read by no other node, is computed after it in numpy;
+    one with bad axes goes back to onnxruntime, which refuses it as before."""
+    nodes = [
+        helper.make_node("Add", ["s", "s"], ["d"]),
+        helper.make_node("Unsqueeze", ["d", "a0"], ["d1"]),
+        helper.make_node("Identity", ["d"], ["di"]),
+    ]
+    inits = {"s": np.array([3, 4], np.int64), "a0": np.array([-1], np.int64)}
+    graph = _graph(nodes, inits, 17)
+    sessions = []
+    real = fold_eval._sub_model
+    monkeypatch.setattr(fold_eval, "_sub_model", lambda g, ns, *a: sessions.append([n.op for n in ns]) or real(g, ns, *a))
+    fast = run_ort(graph, graph.nodes, ["d1", "di"], {})
+    assert sessions == [["Add"]]
+    assert fast["d1"].tolist() == [[6], [8]] and fast["di"].tolist() == [6, 8]
+    _assert_same(fast, {k: v for k, v in _both(graph, monkeypatch)[1].items() if k in fast})
+    bad = _graph(nodes[:2], {**inits, "a0": np.array([0, 0], np.int64)}, 17)
+    with pytest.raises(EvalError):
+        run_ort(bad, bad.nodes, ["d1"], {})
+
+
+def test_mover_read_inside_a_body_stays_in_the_session(monkeypatch):
+    """A value an If branch reads from the outer scope must exist in the session that runs the If."""
+    then = helper.make_graph([helper.make_node("Identity", ["u"], ["t_out"])], "then", [],
+                             [helper.make_tensor_value_info("t_out", T.INT64, None)])
+    other = helper.make_graph([helper.make_node("Identity", ["d"], ["e_out"])], "else", [],
+                              [helper.make_tensor_value_info("e_out", T.INT64, None)])
+    nodes = [
+        helper.make_node("Add", ["s", "s"], ["d"]),
+        helper.make_node("Unsqueeze", ["d", "a0"], ["u"]),
+        helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+    ]
+    inits = {"s": np.array(3, np.int64), "a0": np.array([0], np.int64), "c": np.array(True)}
+    graph = _graph(nodes, inits, 17)
+    fast, slow = _both(graph, monkeypatch)
+    _assert_same(fast, slow)
+    assert fast["y"].tolist() == [6]

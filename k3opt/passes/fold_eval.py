@@ -175,20 +175,40 @@ def run_ort(graph: Graph, nodes: Sequence[Node], outputs: Sequence[str], known: 
     Values are numpy arrays for tensors, anything else (sequences, empty
     optionals) as onnxruntime returns it; the caller folds only arrays.
     Nodes that only move their input's data (:func:`moved_data`) are
-    computed in numpy first: onnxruntime's cost is per node of the session.
+    computed in numpy: onnxruntime's cost is per node of the session. Those
+    reading known values go first; those reading what the session computes,
+    with no reader in it, go after it (onnxruntime takes back any numpy refuses).
     """
     moved = moved_data(graph, nodes, known)
     rest = [n for n in nodes if not all(t.name in moved for t in n.outputs if t.name)]
-    wanted = [o for o in outputs if o not in moved]
-    values = []
-    if rest or wanted:
-        model = _sub_model(graph, rest, wanted, {**known, **moved})
-        try:
-            values = run_model(model)
-        except Exception as exc:  # any ORT failure means "not foldable this way"
-            raise EvalError(str(exc)) from exc
-    found = dict(zip(wanted, values))
-    return {o: moved[o] if o in moved else found[o] for o in outputs}
+    readers = {id(t) for n in rest for t in [*n.inputs, *outer_refs(n)]}
+    tail = [n for n in rest if n.op in ("Identity", "Unsqueeze") and not any(id(t) in readers for t in n.outputs)]
+    in_tail = {id(n) for n in tail}
+    body = [n for n in rest if id(n) not in in_tail]
+    made = {t.name for n in body for t in n.outputs if t.name}
+    late = {t.name for n in tail for t in n.outputs if t.name}
+    need = list(dict.fromkeys(t.name for n in tail for t in n.inputs if t.name in made))
+    wanted = list(dict.fromkeys([o for o in outputs if o not in moved and o not in late] + need))
+    values = {**known, **moved, **_in_session(graph, body, wanted, {**known, **moved})}
+    after = moved_data(graph, tail, values)
+    left = [n for n in tail if not all(t.name in after for t in n.outputs if t.name)]
+    values.update(after)
+    if left:
+        arrays = {k: a for k, v in values.items() if (a := as_array(v)) is not None}
+        values.update(_in_session(graph, left, [t.name for n in left for t in n.outputs if t.name], arrays))
+    return {o: values[o] for o in outputs}
+
+
+def _in_session(graph: Graph, nodes: Sequence[Node], outputs: Sequence[str], known: dict) -> dict[str, object]:
+    """``outputs`` of ``nodes`` from one onnxruntime session (none for no nodes and no outputs)."""
+    if not nodes and not outputs:
+        return {}
+    model = _sub_model(graph, nodes, outputs, known)
+    try:
+        values = run_model(model)
+    except Exception as exc:  # any ORT failure means "not foldable this way"
+        raise EvalError(str(exc)) from exc
+    return dict(zip(outputs, values))
 
 
 #: Element kinds numpy holds exactly as onnxruntime returns them (no strings, no ml_dtypes types).
