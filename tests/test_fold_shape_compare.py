@@ -14,8 +14,10 @@ from tests.zoo import needs_torch, zoo_inputs, zoo_model
 F, I64 = T.FLOAT, T.INT64
 
 
-def _expand_model(x_shape: list, probe: list[int], dims: tuple[int, ...] = (0, 1)) -> onnx.ModelProto:
-    """TorchScript's expand spelling: Where(Equal(Concat(dims of x..., 4), probe), 1, shape), then Expand."""
+def _expand_model(x_shape: list, probe: list[int], dims: tuple[int, ...] = (0, 1),
+                  reshape_to: "list[int] | None" = None) -> onnx.ModelProto:
+    """TorchScript's expand spelling: Where(Equal(Concat(dims of x..., 4), probe), 1, shape), then Expand;
+    ``reshape_to``: the Concat goes through ``Reshape(shape, reshape_to)`` first (as in the Llama export)."""
     nodes = [helper.make_node("Shape", ["x"], ["s"])]
     pieces = []
     for k, d in enumerate(dims):
@@ -24,8 +26,11 @@ def _expand_model(x_shape: list, probe: list[int], dims: tuple[int, ...] = (0, 1
             helper.make_node("Unsqueeze", [f"g{k}", "ax"], [f"u{k}"]),
         ]
         pieces.append(f"u{k}")
+    concat = "shape" if reshape_to is None else "pieces"
+    nodes.append(helper.make_node("Concat", pieces + ["four"], [concat], axis=0))
+    if reshape_to is not None:
+        nodes.append(helper.make_node("Reshape", ["pieces", "to"], ["shape"]))
     nodes += [
-        helper.make_node("Concat", pieces + ["four"], ["shape"], axis=0),
         helper.make_node("Equal", ["shape", "probe"], ["eq"]),
         helper.make_node("Where", ["eq", "ones", "shape"], ["target"]),
         helper.make_node("Expand", ["x", "target"], ["y"]),
@@ -33,6 +38,8 @@ def _expand_model(x_shape: list, probe: list[int], dims: tuple[int, ...] = (0, 1
     n = len(dims) + 1
     inits = {f"i{k}": np.int64(d) for k, d in enumerate(dims)}
     inits.update(ax=np.int64([0]), four=np.int64([4]), probe=np.int64(probe), ones=np.ones(n, np.int64))
+    if reshape_to is not None:
+        inits["to"] = np.int64(reshape_to)
     return make_model(nodes, [("x", F, x_shape)], [("y", F, ["a", "b", "c"])], inits, opset=14)
 
 
@@ -42,6 +49,22 @@ def test_equal_of_dynamic_dims_and_negative_constant_folds():
     assert "Equal" not in op_counts(out)
     assert_equivalent(model, out)
     assert_equivalent(model, out, feeds={"x": np.random.rand(3, 5, 1).astype(np.float32)})
+
+
+@pytest.mark.parametrize("to", [[-1], [3]])
+def test_equal_of_a_reshaped_shape_vector_folds_in_one_run(to):
+    """``Reshape(shape, [-1])`` keeps the elements: the Equal folds before remove-noop-ops drops the Reshape."""
+    model = _expand_model(["N", "S", 1], [-1, -1, -1], reshape_to=to)
+    out, _ = fold(model)
+    assert "Equal" not in op_counts(out)
+    assert_equivalent(model, out, feeds={"x": np.random.rand(3, 5, 1).astype(np.float32)})
+
+
+@pytest.mark.parametrize("to", [[1, 3], [2]], ids=["2-D", "wrong-length"])
+def test_equal_of_a_reshape_to_another_layout_is_refused(to):
+    model = _expand_model(["N", "S", 1], [-1, -1, -1], reshape_to=to)
+    out, _ = fold(model)
+    assert op_counts(out)["Equal"] == 1
 
 
 def test_equal_with_known_elements_compares_them():

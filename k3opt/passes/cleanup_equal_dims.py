@@ -33,6 +33,8 @@ class MergeEqualDims(Pass):
     description = "Gathers of Shapes that read the same symbolic dim become one value."
     order = 290
     needs_shapes = True
+    #: Readers of one symbolic dim read one tensor instead of equal ones: every value, so every shape, stays.
+    preserves_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         toposort(graph)  # gs's order in linear time (gs's own toposort took ~0.12 s per run here)

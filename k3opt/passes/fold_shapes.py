@@ -457,12 +457,33 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         if inner is None or inner[1] != () or axes not in ([0], [-1]):
             return None
         return inner[0], (1,)
+    if node.op == "Reshape" and len(node.inputs) == 2:
+        return _reshaped_elements(node, depth)
     if node.op == "Concat" and int(node.attrs.get("axis", 0)) in (0, -1):
         parts = [shape_elements(x, depth - 1) for x in node.inputs]
         if any(p is None or len(p[1]) != 1 for p in parts):
             return None
         elements = [e for p in parts for e in p[0]]
         return elements, (len(elements),)
+    return None
+
+
+def _reshaped_elements(node: Node, depth: int) -> Optional[Elements]:
+    """A Reshape of a shape computation to one dim (``[-1]`` or its length) or to a scalar: same elements.
+
+    TorchScript reshapes the pieces of an ``expand`` target so (``Reshape(Concat(...), [-1])``) before
+    the ``Equal(shape, -1)``; without this the Equal folds only once remove-noop-ops has dropped the
+    Reshape, a fixed-point round later.
+    """
+    inner = shape_elements(node.inputs[0], depth - 1)
+    to = _ints(_const(node.inputs[1]))
+    if inner is None or to is None:
+        return None
+    n = len(inner[0])
+    if to in ([-1], [n]):
+        return inner[0], (n,)
+    if to == [] and n == 1:
+        return inner[0], ()
     return None
 
 
