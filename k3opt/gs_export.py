@@ -12,7 +12,7 @@ go to gs entirely.
 from __future__ import annotations
 
 import struct
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import onnx
@@ -58,10 +58,14 @@ def tensor_map(graph: Graph) -> dict[str, Tensor]:
     return found
 
 
-def import_domains(graph: Graph) -> list[onnx.OperatorSetIdProto]:
-    """gs's ``update_import_domains(graph)``, without gs's slow walk for subgraphs when it would add nothing."""
+def import_domains(graph: Graph, graphs: Optional[Sequence[Graph]] = None) -> list[onnx.OperatorSetIdProto]:
+    """gs's ``update_import_domains(graph)``, without gs's slow walk for subgraphs when it would add nothing.
+
+    ``graphs``: ``graph`` and its subgraphs when the caller already knows them (``[graph]``: none), so
+    even the walk that finds them is saved.
+    """
     if graph.import_domains is not None:
-        used = {n.domain for g in all_graphs(graph) for n in g.nodes}
+        used = {n.domain for g in (all_graphs(graph) if graphs is None else graphs) for n in g.nodes}
         used.discard(None)
         if used <= {o.domain for o in graph.import_domains}:
             return graph.import_domains

@@ -15,11 +15,11 @@ import onnx_graphsurgeon as gs
 from google.protobuf.message import Message
 from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from .errors import UsageError
-from .gs_export import field, node_bytes, tensor_map
+from .gs_export import field, import_domains, node_bytes, tensor_map
 from .io import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
 from .proto_cache import ProtoCache
 
@@ -279,18 +279,9 @@ def _weight_input_field(t: gs.Constant) -> bytes:
 
 
 def _import_domains(graph: gs.Graph, protos: ProtoCache) -> list[onnx.OperatorSetIdProto]:
-    """gs's ``update_import_domains(graph)``, without its walk for subgraphs when there are none to find.
-
-    ``protos.uncached == 0``: every node had plain or constant attributes, so no
-    subgraph; then when the graph's own domains are already imported, gs would
-    add nothing.
-    """
-    if protos.uncached == 0 and graph.import_domains is not None:
-        used = {n.domain for n in graph.nodes}
-        used.discard(None)
-        if used <= {o.domain for o in graph.import_domains}:
-            return graph.import_domains
-    return update_import_domains(graph)
+    """:func:`~k3opt.gs_export.import_domains`; ``protos.uncached == 0`` (every node had plain or
+    constant attributes) means no subgraph, so the walk for them is saved too."""
+    return import_domains(graph, [graph] if protos.uncached == 0 else None)
 
 
 _Converted = dict[bytes, Optional[tuple[np.dtype, Optional[tuple]]]]
