@@ -1,6 +1,6 @@
-"""fold-constants' numpy shortcut for data-moving nodes (``fold_eval.moved_data``) returns onnxruntime's exact values.
+"""fold-constants' numpy shortcut for data-moving nodes (``fold_numpy.numpy_values``) returns onnxruntime's exact values.
 
-Identity and Unsqueeze of known numeric arrays are computed in numpy rather
+Identity and Unsqueeze of known numeric arrays (test_fold_numpy.py covers the other kernels) are computed in numpy rather
 than in the onnxruntime session (its cost is per node); every case here is
 evaluated both ways and must agree in dtype, shape and bytes, and whatever
 onnxruntime refuses must still be refused.
@@ -15,7 +15,8 @@ import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
 from k3opt.passes import fold_eval
-from k3opt.passes.fold_eval import EvalError, moved_data, run_ort
+from k3opt.passes.fold_eval import EvalError, run_ort
+from k3opt.passes.fold_numpy import numpy_values
 
 
 def _graph(nodes: list, inits: dict[str, np.ndarray], opset: int) -> gs.Graph:
@@ -29,7 +30,7 @@ def _both(graph: gs.Graph, monkeypatch) -> tuple[dict, dict]:
     outs = [t.name for n in graph.nodes for t in n.outputs]
     fast = run_ort(graph, graph.nodes, outs, {})
     with monkeypatch.context() as m:
-        m.setattr(fold_eval, "moved_data", lambda *a: {})
+        m.setattr(fold_eval, "numpy_values", lambda *a: {})
         slow = run_ort(graph, graph.nodes, outs, {})
     return fast, slow
 
@@ -53,7 +54,7 @@ def test_unsqueeze_and_identity_match_onnxruntime(dtype, axes, opset, monkeypatc
         unsq = helper.make_node("Unsqueeze", ["xi", "axes"], ["u"])
         inits = {"x": x, "axes": np.array(axes, np.int64)}
     graph = _graph([helper.make_node("Identity", ["x"], ["xi"]), unsq], inits, opset)
-    assert set(moved_data(graph, graph.nodes, {})) == {"xi", "u"}
+    assert set(numpy_values(graph, graph.nodes, {})) == {"xi", "u"}
     _assert_same(*_both(graph, monkeypatch))
 
 
@@ -61,13 +62,13 @@ def test_scalar_and_computed_inputs(monkeypatch):
     """A scalar unsqueezes to [1]; an Unsqueeze of a value onnxruntime computes is left to it."""
     nodes = [
         helper.make_node("Unsqueeze", ["s", "a0"], ["s1"]),
-        helper.make_node("Add", ["s1", "s1"], ["d"]),
+        helper.make_node("Max", ["s1", "s1"], ["d"]),
         helper.make_node("Unsqueeze", ["d", "a0"], ["d1"]),
         helper.make_node("Unsqueeze", ["s1", "a0"], ["s2"]),
         helper.make_node("Concat", ["d1", "s2"], ["c"], axis=1),
     ]
     graph = _graph(nodes, {"s": np.array(4, np.int64), "a0": np.array([0], np.int64)}, 17)
-    assert set(moved_data(graph, graph.nodes, {})) == {"s1", "s2"}
+    assert set(numpy_values(graph, graph.nodes, {})) == {"s1", "s2"}
     _assert_same(*_both(graph, monkeypatch))
 
 
@@ -75,7 +76,7 @@ def test_scalar_and_computed_inputs(monkeypatch):
 def test_bad_axes_still_fail(axes, monkeypatch):
     graph = _graph([helper.make_node("Unsqueeze", ["x", "axes"], ["u"])],
                    {"x": np.zeros((2,), np.float32), "axes": np.array(axes, np.int64)}, 17)
-    assert moved_data(graph, graph.nodes, {}) == {}
+    assert numpy_values(graph, graph.nodes, {}) == {}
     with pytest.raises(EvalError):
         run_ort(graph, graph.nodes, ["u"], {})
 
@@ -88,21 +89,21 @@ def test_bad_axes_still_fail(axes, monkeypatch):
 def test_odd_dtypes_are_left_to_onnxruntime(value, monkeypatch):
     graph = _graph([helper.make_node("Identity", ["x"], ["y"])], {"x": np.zeros(2, np.float32)}, 17)
     graph.nodes[0].inputs[0].values = value  # a constant holding an array of that dtype
-    assert moved_data(graph, graph.nodes, {}) == {}
+    assert numpy_values(graph, graph.nodes, {}) == {}
 
 
 def test_wrong_axes_form_for_the_opset_is_left_to_onnxruntime():
     """Opset 13 takes axes as an input: an ``axes`` attribute there is onnxruntime's to judge."""
     node = helper.make_node("Unsqueeze", ["x"], ["u"], axes=[0])
     graph = _graph([node], {"x": np.zeros((2,), np.float32)}, 13)
-    assert moved_data(graph, graph.nodes, {}) == {}
+    assert numpy_values(graph, graph.nodes, {}) == {}
 
 
 def test_movers_after_the_session(monkeypatch):
     """An Unsqueeze/Identity of what the session computes, read by no other node, is computed after it in numpy;
     one with bad axes goes back to onnxruntime, which refuses it as before."""
     nodes = [
-        helper.make_node("Add", ["s", "s"], ["d"]),
+        helper.make_node("Max", ["s", "s"], ["d"]),
         helper.make_node("Unsqueeze", ["d", "a0"], ["d1"]),
         helper.make_node("Identity", ["d"], ["di"]),
     ]
@@ -112,8 +113,8 @@ def test_movers_after_the_session(monkeypatch):
     real = fold_eval._sub_model
     monkeypatch.setattr(fold_eval, "_sub_model", lambda g, ns, *a: sessions.append([n.op for n in ns]) or real(g, ns, *a))
     fast = run_ort(graph, graph.nodes, ["d1", "di"], {})
-    assert sessions == [["Add"]]
-    assert fast["d1"].tolist() == [[6], [8]] and fast["di"].tolist() == [6, 8]
+    assert sessions == [["Max"]]
+    assert fast["d1"].tolist() == [[3], [4]] and fast["di"].tolist() == [3, 4]
     _assert_same(fast, {k: v for k, v in _both(graph, monkeypatch)[1].items() if k in fast})
     bad = _graph(nodes[:2], {**inits, "a0": np.array([0, 0], np.int64)}, 17)
     with pytest.raises(EvalError):
@@ -127,7 +128,7 @@ def test_mover_read_inside_a_body_stays_in_the_session(monkeypatch):
     other = helper.make_graph([helper.make_node("Identity", ["d"], ["e_out"])], "else", [],
                               [helper.make_tensor_value_info("e_out", T.INT64, None)])
     nodes = [
-        helper.make_node("Add", ["s", "s"], ["d"]),
+        helper.make_node("Max", ["s", "s"], ["d"]),
         helper.make_node("Unsqueeze", ["d", "a0"], ["u"]),
         helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
     ]
@@ -135,4 +136,4 @@ def test_mover_read_inside_a_body_stays_in_the_session(monkeypatch):
     graph = _graph(nodes, inits, 17)
     fast, slow = _both(graph, monkeypatch)
     _assert_same(fast, slow)
-    assert fast["y"].tolist() == [6]
+    assert fast["y"].tolist() == [3]

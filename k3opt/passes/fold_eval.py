@@ -3,8 +3,10 @@
 A connected group of constant nodes is exported as one small model (its
 constant inputs as initializers, the tensors the rest of the graph needs as
 outputs) and run in a single onnxruntime session: far cheaper than a session
-per node. When that fails, the caller falls back node by node, first in
-onnxruntime, then in ``onnx.reference`` (ops onnxruntime lacks).
+per node. Nodes numpy computes bit for bit as onnxruntime does
+(:mod:`.fold_numpy`) skip the session. When the session fails, the caller
+falls back node by node, first in onnxruntime, then in ``onnx.reference``
+(ops onnxruntime lacks).
 
 Dtypes stay exact: results whose element type numpy cannot hold (bfloat16,
 float8, int4...) are widened with a ``Cast`` inside the model (always exact)
@@ -19,11 +21,11 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from ..ir import Graph, Node, Tensor, const_value, peek, producer
+from ..ir import Graph, Node, Tensor, peek, producer
+from .fold_numpy import KERNELS, numpy_values
 
 # ORT type string -> (type to widen to inside the model, ONNX type to narrow back to).
 _WIDEN = {
@@ -133,7 +135,9 @@ def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
     return out
 
 
-def _session(data: bytes) -> ort.InferenceSession:
+def _session(data: bytes) -> "onnxruntime.InferenceSession":
+    import onnxruntime as ort  # here: a model whose constants numpy computes never needs it (~40 ms to import)
+
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
@@ -174,15 +178,15 @@ def run_ort(graph: Graph, nodes: Sequence[Node], outputs: Sequence[str], known: 
 
     Values are numpy arrays for tensors, anything else (sequences, empty
     optionals) as onnxruntime returns it; the caller folds only arrays.
-    Nodes that only move their input's data (:func:`moved_data`) are
-    computed in numpy: onnxruntime's cost is per node of the session. Those
-    reading known values go first; those reading what the session computes,
-    with no reader in it, go after it (onnxruntime takes back any numpy refuses).
+    Nodes numpy computes exactly (:mod:`.fold_numpy`) are computed there:
+    onnxruntime's cost is per node of the session. Those reading known
+    values go first; those reading what the session computes, with no reader
+    in it, go after it (onnxruntime takes back any numpy refuses).
     """
-    moved = moved_data(graph, nodes, known)
+    moved = numpy_values(graph, nodes, known)
     rest = [n for n in nodes if not all(t.name in moved for t in n.outputs if t.name)]
     readers = {id(t) for n in rest for t in [*n.inputs, *outer_refs(n)]}
-    tail = [n for n in rest if n.op in ("Identity", "Unsqueeze") and not any(id(t) in readers for t in n.outputs)]
+    tail = [n for n in rest if n.op in KERNELS and not any(id(t) in readers for t in n.outputs)]
     in_tail = {id(n) for n in tail}
     body = [n for n in rest if id(n) not in in_tail]
     made = {t.name for n in body for t in n.outputs if t.name}
@@ -190,7 +194,7 @@ def run_ort(graph: Graph, nodes: Sequence[Node], outputs: Sequence[str], known: 
     need = list(dict.fromkeys(t.name for n in tail for t in n.inputs if t.name in made))
     wanted = list(dict.fromkeys([o for o in outputs if o not in moved and o not in late] + need))
     values = {**known, **moved, **_in_session(graph, body, wanted, {**known, **moved})}
-    after = moved_data(graph, tail, values)
+    after = numpy_values(graph, tail, values)
     left = [n for n in tail if not all(t.name in after for t in n.outputs if t.name)]
     values.update(after)
     if left:
@@ -209,63 +213,6 @@ def _in_session(graph: Graph, nodes: Sequence[Node], outputs: Sequence[str], kno
     except Exception as exc:  # any ORT failure means "not foldable this way"
         raise EvalError(str(exc)) from exc
     return dict(zip(outputs, values))
-
-
-#: Element kinds numpy holds exactly as onnxruntime returns them (no strings, no ml_dtypes types).
-_PLAIN_KINDS = frozenset("biuf")
-
-
-def moved_data(graph: Graph, nodes: Sequence[Node], known: dict) -> dict[str, np.ndarray]:
-    """Outputs of the ``Identity`` and ``Unsqueeze`` nodes among ``nodes`` (in order) whose inputs are known
-    numeric arrays: their values are their input's bytes under a new shape, so numpy computes them
-    exactly. A node numpy cannot decide (bad axes, odd dtypes, computed inputs) is left to onnxruntime."""
-    moved: dict[str, np.ndarray] = {}
-
-    def value(t: Tensor) -> Optional[np.ndarray]:
-        if not t.name:
-            return None
-        v = moved.get(t.name)
-        if v is None:
-            v = known.get(t.name) if t.name in known else const_value(t)
-        return v if isinstance(v, np.ndarray) and v.dtype.kind in _PLAIN_KINDS and v.dtype.isnative else None
-
-    for node in nodes:
-        if (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1 or not node.outputs[0].name:
-            continue
-        if node.op == "Identity" and len(node.inputs) == 1:
-            out = value(node.inputs[0])
-        elif node.op == "Unsqueeze":
-            out = _unsqueezed(node, graph.opset, value)
-        else:
-            continue
-        if out is not None:
-            moved[node.outputs[0].name] = out
-    return moved
-
-
-def _unsqueezed(node: Node, opset: int, value) -> Optional[np.ndarray]:
-    """``Unsqueeze``'s output when its data and axes are known and valid for ``opset``, else None."""
-    if opset < 13:
-        axes = node.attrs.get("axes")
-        if len(node.inputs) != 1 or axes is None:
-            return None
-        axes = [int(a) for a in axes]
-    else:
-        if len(node.inputs) != 2 or node.attrs:
-            return None
-        v = value(node.inputs[1])
-        if v is None or v.dtype != np.int64 or v.ndim != 1:
-            return None
-        axes = [int(a) for a in v]
-    x = value(node.inputs[0])
-    if x is None:
-        return None
-    rank = x.ndim + len(axes)
-    axes = [a + rank if a < 0 else a for a in axes]
-    if len(set(axes)) != len(axes) or any(not 0 <= a < rank for a in axes):
-        return None
-    dims = iter(x.shape)
-    return x.reshape([1 if i in axes else next(dims) for i in range(rank)])
 
 
 def run_reference(graph: Graph, node: Node, known: dict) -> dict[str, object]:
