@@ -113,27 +113,54 @@ def test_later_rounds_do_not_rehash_constants(monkeypatch):
     import k3opt.passes.cse as cse
 
     reads = []
-    digest = cse._const_digest
-    monkeypatch.setattr(cse, "_const_digest", lambda c: reads.append(c.name) or digest(c))
+    for name in ("_head", "_const_digest"):
+        read = getattr(cse, name)
+        monkeypatch.setattr(cse, name, lambda c, read=read, name=name: reads.append((name, c.name)) or read(c))
+    long = np.arange(100, dtype=np.float32)  # 400 bytes: hashed, as the first 64 are the same
     nodes = [helper.make_node("Mul", ["x", "c1"], ["a"]), helper.make_node("Mul", ["x", "c2"], ["b"]),
-             helper.make_node("Sub", ["a", "b"], ["y"])]
-    model = make_model(nodes, [("x", F, [3])], [("y", F, [3])], {"c1": np.float32([1, 2, 3]), "c2": np.float32([1, 2, 4])})
+             helper.make_node("Sub", ["a", "b"], ["y"]), helper.make_node("Mul", ["y", "l1"], ["z1"]),
+             helper.make_node("Mul", ["y", "l2"], ["z2"]), helper.make_node("Sub", ["z1", "z2"], ["w"])]
+    weights = {"c1": np.float32([1, 2, 3]), "c2": np.float32([1, 2, 4]), "l1": long, "l2": long + (long == 99)}
+    model = make_model(nodes, [("x", F, [3])], [("w", F, [100])], weights)
     graph, p = gs.import_onnx(model), EliminateCommonSubexpressions()
     for _ in range(3):
         assert p.run(graph, PassContext(opset=17)) == 0
-    assert sorted(reads) == ["c1", "c2"]
+    assert sorted(reads) == [("_const_digest", "l1"), ("_const_digest", "l2"),
+                             ("_head", "c1"), ("_head", "c2"), ("_head", "l1"), ("_head", "l2")]
+
+
+def test_constants_whose_first_bytes_differ_are_not_hashed(monkeypatch):
+    """Distinct weights (a 64-layer model's q/k/v/o projections, 40 MB) differ in their first bytes: comparing
+    those decides, without hashing all their bytes; equal ones are still found and merged."""
+    import k3opt.passes.cse as cse
+
+    hashed = []
+    digest = cse._const_digest
+    monkeypatch.setattr(cse, "_const_digest", lambda c: hashed.append(c.name) or digest(c))
+    rng = np.random.default_rng(0)
+    w = {f"w{i}": rng.standard_normal((8, 8)).astype(np.float32) for i in range(4)}
+    w["w4"] = w["w2"].copy()
+    nodes = [helper.make_node("MatMul", ["x", name], [f"m{name}"]) for name in w]
+    nodes.append(helper.make_node("Sum", [f"m{name}" for name in w], ["y"]))
+    model = make_model(nodes, [("x", F, [2, 8])], [("y", F, [2, 8])], w)
+    out, n = apply(model, EliminateCommonSubexpressions())
+    assert sorted(hashed) == ["w2", "w4"] and n == 2  # the constant, then the MatMul reading it
+    assert len(out.graph.initializer) == 4
+    assert_equivalent(model, out)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int8, np.int32, np.int64, np.uint16, np.bool_,
                                    ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.int4, str])
 @pytest.mark.parametrize("raw", [True, False])
-def test_constant_digest_is_the_arrays_whatever_the_storage(dtype, raw):
+@pytest.mark.parametrize("long", [True, False])
+def test_constant_digest_is_the_arrays_whatever_the_storage(dtype, raw, long):
     """Hashing ``raw_data`` directly gives the digest of the array onnx reads (packed, typed-field and string
-    storage take the array path), so constants merge exactly as when every one was loaded.
+    storage take the array path), and so do the first bytes compared before it, so constants merge exactly
+    as when every one was loaded.
     """
     import k3opt.passes.cse as cse
 
-    value = np.array([[0, 1, 2], [3, 1, 0]]).astype(dtype)
+    value = np.array([[0, 1, 2], [3, 1, 0]] * (20 if long else 1)).astype(dtype)
     proto = numpy_helper.from_array(value, "c")
     if not raw and proto.HasField("raw_data"):  # the same values in the typed field (int32_data, float_data, ...)
         proto = helper.make_tensor("c", proto.data_type, value.shape, value.reshape(-1).tolist()) \
@@ -142,6 +169,7 @@ def test_constant_digest_is_the_arrays_whatever_the_storage(dtype, raw):
     c = gs.Constant("c", LazyValues(proto))
     assert cse._const_digest(c) == cse._digest(np.asarray(peek(c)))
     assert cse._const_digest(gs.Constant("d", peek(c))) == cse._const_digest(c)
+    assert cse._head(gs.Constant("d", peek(c))) == cse._head(c)
 
 
 def _links(graph: gs.Graph) -> list:

@@ -3,10 +3,11 @@
 Two nodes with the same op, domain, attributes and inputs (the same tensor
 objects, in order) compute the same outputs; the later one's readers read
 the earlier one's outputs. Equal constants are merged first, so nodes that
-read equal weights become equal too; constants are compared by a hash of
-their bytes, grouped by dtype and shape so that only candidates are read,
-and never read when they live in external data or exceed
-``cse_max_const_bytes`` (default 1 MiB).
+read equal weights become equal too; constants are grouped by dtype and
+shape so that only candidates are read, then compared by their first bytes
+(all of them for short values), and only those whose first bytes another
+one shares by a hash of all their bytes; they are never read when they live
+in external data or exceed ``cse_max_const_bytes`` (default 1 MiB).
 
 Refused: random ops (two draws are not one), nodes with subgraphs, nodes in
 custom domains (their semantics are unknown), and merges that would make two
@@ -17,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
-from typing import Hashable, Optional
+from collections import Counter
+from typing import Callable, Hashable, Optional
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -34,28 +36,55 @@ DEFAULT_MAX_CONST_BYTES = 1 << 20
 _DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
 
-#: Types whose ``raw_data`` is exactly the bytes of the array onnx reads from it (not bit-packed) on a
-#: little-endian machine: a constant of these is hashed from the proto, without building the array.
-_RAW_AS_ARRAY = frozenset(
-    {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.BOOL,
-     TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64,
-     TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64}
-) if sys.byteorder == "little" else frozenset()
+#: Item size of the types whose ``raw_data`` is exactly the bytes of the array onnx reads from it (not
+#: bit-packed) on a little-endian machine: a constant of these is compared from the proto, without building the array.
+_RAW_AS_ARRAY = {
+    t: helper.tensor_dtype_to_np_dtype(t).itemsize
+    for t in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.BOOL,
+              TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64,
+              TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64)
+} if sys.byteorder == "little" else {}
 
 
-def _digest(value: np.ndarray) -> str:
-    return hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest()
+#: Values up to this many bytes are compared by their bytes; longer ones by this many first bytes, then (when
+#: another one starts alike) by a hash of all their bytes. Distinct weights differ early: most are never hashed.
+_HEAD_BYTES = 64
 
 
-def _const_digest(c: gs.Constant) -> str:
-    """:func:`_digest` of the constant's value; from its ``raw_data`` when that is the same bytes."""
+def _value_key(data: bytes) -> Hashable:
+    """An exact stand-in for a value's bytes: the bytes when short, else their SHA-1."""
+    return data if len(data) <= _HEAD_BYTES else hashlib.sha1(data).hexdigest()
+
+
+def _digest(value: np.ndarray) -> Hashable:
+    """:func:`_value_key` of an array's bytes."""
+    return _value_key(np.ascontiguousarray(value).tobytes())
+
+
+def _const_bytes(c: gs.Constant, limit: Optional[int] = None) -> bytes:
+    """The bytes of the constant's array (the first ``limit`` of them when given); from its ``raw_data`` when
+    that is the same bytes, so the array is not built."""
     proto = getattr(c._values, "tensor", None) if type(c._values) is LazyValues else None
-    if isinstance(proto, TensorProto) and proto.data_type in _RAW_AS_ARRAY and proto.HasField("raw_data") \
-            and not proto.HasField("segment") and proto.data_location != TensorProto.EXTERNAL:
+    itemsize = _RAW_AS_ARRAY.get(proto.data_type) if isinstance(proto, TensorProto) else None
+    if itemsize and proto.HasField("raw_data") and not proto.HasField("segment") \
+            and proto.data_location != TensorProto.EXTERNAL:
         raw = proto.raw_data
-        if len(raw) == helper.tensor_dtype_to_np_dtype(proto.data_type).itemsize * math.prod(proto.dims):
-            return hashlib.sha1(raw).hexdigest()
-    return _digest(np.asarray(peek(c)))
+        if len(raw) == itemsize * math.prod(proto.dims):
+            return raw if limit is None else raw[:limit]
+    value = np.asarray(peek(c))
+    if limit is not None:  # enough leading elements for ``limit`` bytes
+        value = value.reshape(-1)[:-(-limit // max(value.itemsize, 1))]
+    return np.ascontiguousarray(value).tobytes()[:limit]
+
+
+def _head(c: gs.Constant) -> bytes:
+    """The constant's first bytes: all of them when it has at most :data:`_HEAD_BYTES` (one more otherwise)."""
+    return _const_bytes(c, _HEAD_BYTES + 1)
+
+
+def _const_digest(c: gs.Constant) -> Hashable:
+    """:func:`_digest` of the constant's value."""
+    return _value_key(_const_bytes(c))
 
 
 def _attr_key(value: object) -> Optional[Hashable]:
@@ -109,19 +138,29 @@ class EliminateCommonSubexpressions(Pass):
     options = {"cse_max_const_bytes": "largest constant compared by value, in bytes (default 1 MiB)"}
 
     def __init__(self) -> None:
-        # Digest of each constant already hashed, by identity (kept alive so ids stay unique):
-        # later fixed-point rounds hash only new constants.
-        self._digests: dict[int, tuple[gs.Constant, str]] = {}
+        # First bytes and digest of each constant already read, by identity (kept alive so ids stay unique):
+        # later fixed-point rounds read only new constants.
+        self._heads: dict[int, tuple[gs.Constant, bytes]] = {}
+        self._digests: dict[int, tuple[gs.Constant, Hashable]] = {}
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         limit = int(ctx.options.get("cse_max_const_bytes", DEFAULT_MAX_CONST_BYTES))
         return self._constants(graph, limit) + self._nodes(graph)
 
-    def _digest_of(self, c: gs.Constant) -> str:
-        hit = self._digests.get(id(c))
+    @staticmethod
+    def _remembered(cache: dict, c: gs.Constant, compute: Callable[[gs.Constant], Hashable]) -> Hashable:
+        hit = cache.get(id(c))
         if hit is None or hit[0] is not c:
-            hit = self._digests[id(c)] = (c, _const_digest(c))
+            hit = cache[id(c)] = (c, compute(c))
         return hit[1]
+
+    def _value_keys(self, group: list[gs.Constant]) -> list[Optional[Hashable]]:
+        """Each constant's value key (:func:`_const_digest`), None for one whose first bytes no other shares
+        (it equals none of them: its bytes are not hashed)."""
+        heads = [self._remembered(self._heads, c, _head) for c in group]
+        counts = Counter(heads)
+        return [None if counts[h] == 1 else h if len(h) <= _HEAD_BYTES  # a short value's head is all of it
+                else self._remembered(self._digests, c, _const_digest) for c, h in zip(group, heads)]
 
     def _constants(self, graph: Graph, limit: int) -> int:
         seen = {id(t) for t in graph.inputs}  # overridable: never merged
@@ -136,9 +175,12 @@ class EliminateCommonSubexpressions(Pass):
         for group in groups.values():
             if len(group) < 2:
                 continue
-            first: dict[str, Tensor] = {}
-            for c in sorted(group.values(), key=lambda c: c.name):
-                keep = first.setdefault(self._digest_of(c), c)
+            first: dict[Hashable, Tensor] = {}
+            members = sorted(group.values(), key=lambda c: c.name)
+            for c, key in zip(members, self._value_keys(members)):
+                if key is None:
+                    continue
+                keep = first.setdefault(key, c)
                 if keep is not c and can_replace(graph, c, keep):
                     replace_uses(graph, c, keep)
                     merged += 1
