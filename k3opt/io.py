@@ -10,6 +10,7 @@ streams it into the output's data file chunk by chunk.
 from __future__ import annotations
 
 import atexit
+import mmap
 import os
 import tempfile
 from pathlib import Path
@@ -301,10 +302,35 @@ def read_model(path: PathLike) -> Loaded:
     if not os.access(p, os.R_OK):
         raise InputError(f"{p}: permission denied")
     try:
-        model = onnx.load(str(p), load_external_data=False)
+        model = _parse(p)
     except (DecodeError, ValueError, RuntimeError, OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{p}: not a readable ONNX model (truncated or corrupt: {exc})") from None
     return Loaded(model, validate(model, p.parent, source=str(p)))
+
+
+def _parse(p: Path) -> onnx.ModelProto:
+    """``onnx.load(p, load_external_data=False)``, a binary model parsed from the mapped file.
+
+    Read into a bytes object first, the file took 40 MB of fresh memory on the
+    64-layer Llama, which the parse then copies again (22k page faults, ~95 ms
+    in a fresh process; mapped: 12.6k, ~63 ms). Text formats (known by the
+    file's extension, as onnx.load knows them) and files that cannot be
+    mapped are read by onnx.load. (A file truncated by another process while
+    it is parsed would raise SIGBUS instead of a decode error.)
+    """
+    if onnx.serialization.registry.get_format_from_file_extension(p.suffix) not in (None, "protobuf"):
+        return onnx.load(str(p), load_external_data=False)
+    with open(p, "rb") as f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # not mappable (a pipe, some FUSE mounts): read as onnx does
+            return onnx.load(f, load_external_data=False)
+    with mapped, memoryview(mapped) as data:
+        model = onnx.ModelProto()
+        decoded = model.ParseFromString(data)
+        if decoded is not None and decoded != len(data):  # as onnx's deserializer checks
+            raise DecodeError(f"Protobuf decoding consumed too few bytes: {decoded} out of {len(data)}")
+    return model
 
 
 def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model") -> list[TensorProto]:

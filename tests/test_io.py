@@ -453,3 +453,27 @@ def test_read_model_returns_the_external_tensors_validate_resolved(tmp_path):
     assert [t.name for t in loaded.external] == ["w", "b"]
     assert all(io.external_info(t)["location"] == str(tmp_path / "weights.bin") for t in loaded.external)
     assert io.proto_size(loaded.model, 5, loaded.external) == io.proto_size(loaded.model, 5)
+
+
+@pytest.mark.parametrize("name, fmt", [("m.onnx", None), ("m.bin", None), ("m.textproto", "textproto")])
+def test_read_model_parses_the_file_as_onnx_load_does(tmp_path, name, fmt):
+    """Binary models are parsed from the mapped file, text formats by onnx: the same proto either way."""
+    onnx.save(weighted_model(), tmp_path / name, format=fmt)
+    assert io.read_model(tmp_path / name).model == onnx.load(tmp_path / name, load_external_data=False)
+
+
+def test_read_model_of_an_unmappable_file_reads_it(tmp_path, monkeypatch):
+    onnx.save(weighted_model(), tmp_path / "m.onnx")
+
+    def refuse(*args, **kwargs):
+        raise OSError("no mmap here")
+
+    monkeypatch.setattr(io.mmap, "mmap", refuse)
+    assert io.read_model(tmp_path / "m.onnx").model == onnx.load(tmp_path / "m.onnx")
+
+
+def test_trailing_bytes_after_a_model_are_not_a_model(tmp_path):
+    data = weighted_model().SerializeToString()
+    (tmp_path / "m.onnx").write_bytes(data + b"\x00" * 8)  # a zero tag: protobuf stops or refuses, as in onnx.load
+    with pytest.raises(InputError, match="not a readable ONNX model"):
+        io.read_model(tmp_path / "m.onnx")
