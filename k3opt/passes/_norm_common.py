@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 
 from ..ir import Graph, Node, Tensor
 from ..patterns import Match, PatternBuilder, RewriteBuilder, Rule, RuleSetPass, checks
-from ..patterns.rule import RuleApplier
+from ..patterns.rule_pass import sweep
 from .base import PassContext
 
 #: Bits of precision order of the float types a normalization may run in (16-bit types do not widen into each other).
@@ -136,18 +136,9 @@ def _tail_rule(name: str, core: Callable[[PatternBuilder, Any], Any], tail: tupl
 def apply_in_order(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
     """Apply ``rules`` one sweep each, in order (largest pattern first); returns the rewrites.
 
-    The sweeps share one scan for the rules' anchor ops until a rewrite changes the node list.
+    The sweeps find their anchors through ``ctx``'s census, shared until a rewrite changes the graph.
     """
-    ops = {op for rule in rules for op in rule.pattern.anchors}
-    total, candidates = 0, None
-    for rule in rules:
-        if candidates is None:
-            candidates = [n for n in graph.nodes if n.op in ops]
-        done = RuleApplier(graph, ctx, [rule], nodes=candidates).run()
-        if done:
-            candidates = None
-        total += done
-    return total
+    return sum(sweep(graph, ctx, [rule]) for rule in rules)
 
 
 class OrderedRulesPass(RuleSetPass):

@@ -146,7 +146,7 @@ class NodeRewritePass(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         total = 0
-        for g, candidates in self._candidates(graph):
+        for g, candidates in self._candidates(graph, ctx):
             dead: list[Node] = []
             for node in candidates:  # re-checked: an earlier rewrite may have detached or changed it
                 if node.op in self.ops and (node.domain or "") in ("", "ai.onnx") and node.outputs:
@@ -154,21 +154,12 @@ class NodeRewritePass(Pass):
             remove(g, dead)
         return total
 
-    def _candidates(self, graph: Graph) -> list[tuple[Graph, list[Node]]]:
+    def _candidates(self, graph: Graph, ctx: Optional[PassContext] = None) -> list[tuple[Graph, list[Node]]]:
         """Each graph (``all_graphs`` order) with its nodes of the pass's op types, all found before any
-        rewrite (as ``list(all_graphs(graph))`` and each ``list(g.nodes)`` were), by list comprehensions.
+        rewrite: from the census ``ctx`` shares at this graph version (no ``ctx``, or one without: a scan).
         """
-        found: list[tuple[Graph, list[Node]]] = []
-        ops = self.ops
-
-        def walk(g: Graph) -> None:
-            found.append((g, [node for node in g.nodes if node.op in ops]))
-            # node_subgraphs of every node, in order, in one comprehension (no call per node with attributes)
-            for body in [a for node in g.nodes if node.attrs for a in node.attrs.values() if isinstance(a, Graph)]:
-                walk(body)
-
-        walk(graph)
-        return found
+        ctx = ctx or PassContext(opset=0)
+        return [(g, ctx.nodes_of(g, self.ops)) for g in ctx.graphs(graph)]
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:  # pragma: no cover
         raise NotImplementedError

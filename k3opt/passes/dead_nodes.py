@@ -9,7 +9,7 @@ read. Graph inputs are never removed (they are the model's interface).
 """
 from __future__ import annotations
 
-from ..ir import Graph, Node, all_graphs, producer
+from ..ir import Graph, Node, producer
 from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach_all, remove
 from .fold_eval import outer_refs
@@ -39,7 +39,7 @@ class RemoveDeadNodes(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         removed = 0
-        for g in list(all_graphs(graph)):
+        for g in ctx.graphs(graph):
             live = live_nodes(g)
             dead: list[Node] = []
             detach_all([node for node in g.nodes if id(node) not in live], dead)

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from ..errors import K3optError, PluginError
 from ..ir import Graph, NameScope
-from .base import Pass, PassContext
+from .base import OpCensus, Pass, PassContext
 
 
 @dataclasses.dataclass
@@ -77,6 +77,14 @@ class PassManager:
         if ctx.names is None:
             ctx.names = NameScope(graph)
         runnable = [p for p in self.passes if self._applicable(p, ctx)]
+        outer, ctx.census = ctx.census, OpCensus()  # shared by the passes of one graph version
+        try:
+            return self._rounds(runnable, graph, ctx, max_steps)
+        finally:
+            ctx.census = outer
+            ctx.changed()  # an enclosing run's census (a pass running passes) may no longer hold
+
+    def _rounds(self, runnable: list[Pass], graph: Graph, ctx: PassContext, max_steps: Optional[int]) -> int:
         shapes_fresh = ctx.shapes_available
         total = 0
         # The graph's version bumps with every rewrite; a pass that found nothing
@@ -101,6 +109,7 @@ class PassManager:
                 if n:
                     shapes_fresh = shapes_fresh and p.preserves_shapes
                     version += 1
+                    ctx.changed()
                 else:
                     idle_at[id(p)] = version
                 round_rewrites += n

@@ -40,10 +40,12 @@ def _projection_weight(node: Node) -> Optional[gs.Constant]:
     return weight
 
 
-def _sibling_groups(graph: Graph) -> list[list[tuple[Node, gs.Constant]]]:
-    """Groups of 2+ projections of the same activation, same dtype and K, in graph order."""
+def _sibling_groups(graph: Graph, ctx: Optional[PassContext] = None) -> list[list[tuple[Node, gs.Constant]]]:
+    """Groups of 2+ projections of the same activation, same dtype and K, in graph order (MatMuls from
+    the census ``ctx`` shares at this graph version; no ``ctx``, or one without: a scan).
+    """
     groups: dict[tuple, list[tuple[Node, gs.Constant]]] = {}
-    for node in graph.nodes:
+    for node in (ctx or PassContext(opset=0)).nodes_of(graph, ("MatMul",)):
         weight = _projection_weight(node)
         if weight is not None:
             key = (id(node.inputs[0]), onnx_type(weight.dtype), int(weight.shape[0]))
@@ -130,7 +132,7 @@ class MergeSiblingMatMuls(Pass):
     min_opset = 11  # Split with a negative axis
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        groups = _sibling_groups(graph)
+        groups = _sibling_groups(graph, ctx)
         if not groups:
             return 0
         replaced: dict[int, list[Node]] = {}  # id(first sibling) -> new nodes, placed where it was

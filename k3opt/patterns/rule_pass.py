@@ -5,13 +5,14 @@ A rule set is one pass, so the pass manager's statistics, fixed-point loop,
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Type, Union
+from typing import Any, Callable, ClassVar, Collection, Iterator, Optional, Sequence, Type, Union
 
 import onnx
 
 from ..errors import PluginError
 from ..ir import Graph, NameScope
 from ..passes.base import Pass, PassContext, register_pass, registered_passes
+from .builder import NodeOutput, OrPattern, ValuePattern
 from .rule import Rule, RuleApplier, RuleError
 
 
@@ -37,14 +38,52 @@ class RuleSetPass(Pass):
         if ctx.names is None:
             ctx.names = NameScope(graph)
         try:
-            rewrites = RuleApplier(graph, ctx, self.rules).run()
-            for sub in list(bodies(graph)):
-                rewrites += RuleApplier(sub, ctx, self.rules, explain=False).run()
+            rewrites = sweep(graph, ctx, self.rules)
+            # in gs's order (bodies()), looked for only when the census (or a scan) saw a body at all
+            for sub in list(bodies(graph)) if len(ctx.graphs(graph)) > 1 else []:
+                rewrites += sweep(sub, ctx, self.rules, explain=False)
             return rewrites
         except RuleError as exc:
             if self.plugin:
                 raise PluginError(f"plugin '{self.plugin}', pass '{self.name}', {exc}") from exc
             raise
+
+
+def sweep(graph: Graph, ctx: PassContext, rules: Sequence[Rule], explain: bool = True) -> int:
+    """One :class:`RuleApplier` sweep of ``rules`` over ``graph`` (not its bodies); returns the rewrites.
+
+    It finds the rules' anchors through ``ctx.nodes_of``, none when no rule can match here (:func:`possible`;
+    all or none: one rule's rewrites may create the nodes another needs), and tells ``ctx`` when it changed
+    the graph.
+    """
+    present = ctx.ops_in(graph)
+    ops = {op for r in rules for op in r.pattern.anchors} if any(possible(r, present) for r in rules) else ()
+    done = RuleApplier(graph, ctx, rules, explain=explain, nodes=ctx.nodes_of(graph, ops) if ops else []).run()
+    if done:
+        ctx.changed()
+    return done
+
+
+def possible(rule: Rule, present: Collection[str]) -> bool:
+    """Whether ``rule`` may match in a graph whose nodes have the op types ``present``: each op every match
+    holds is there. (A match reaching a node outside the graph is refused anyway.) A rule being debugged
+    always tries, so that it can explain itself at its closest candidate.
+    """
+    return rule.debugging() or required_ops(rule.pattern.outputs) <= set(present)
+
+
+def required_ops(patterns: Sequence[Optional[ValuePattern]]) -> frozenset[str]:
+    """The op types every match of all of ``patterns`` holds a node of (an ``op.Or`` needs what each
+    alternative needs; variables and constants need no node).
+    """
+    needed: set[str] = set()
+    for p in patterns:
+        if isinstance(p, NodeOutput):
+            needed.add(p.node.op_type)
+            needed |= required_ops(p.node.inputs)
+        elif isinstance(p, OrPattern):
+            needed |= frozenset.intersection(*(required_ops((a,)) for a in p.alternatives))
+    return frozenset(needed)
 
 
 def bodies(graph: Graph) -> Iterator[Graph]:

@@ -1,0 +1,212 @@
+"""The op census (PassContext.nodes_of / graphs / ops_in): the same answers as a scan, shared by the passes of
+one graph version, never stale; and rule sweeps skipped where a rule's pattern needs an op the graph lacks."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto as T, helper
+
+import k3opt
+from k3opt import ir
+from k3opt.passes import manager
+from k3opt.passes.base import OpCensus, Pass, PassContext
+from k3opt.passes.cleanup_identity import RemoveIdentity
+from k3opt.passes.layer_norm import RULES as LAYERNORM_RULES
+from k3opt.passes.manager import PassManager
+from k3opt.patterns import Rule
+from k3opt.patterns.rule import RuleApplier
+from k3opt.patterns.rule_pass import possible, required_ops
+from tests.helpers import make_model
+from tests.zoo import zoo_model
+
+F = T.FLOAT
+
+
+def _body(name: str, inner: list) -> onnx.GraphProto:
+    nodes = [helper.make_node("Identity", ["x"], [f"{name}_i"]), helper.make_node("Relu", [f"{name}_i"], [f"{name}_y"])]
+    return helper.make_graph(nodes + inner, name, [], [helper.make_tensor_value_info(f"{name}_y", F, [2])])
+
+
+def nested_graph() -> gs.Graph:
+    """Identity/Relu/Neg at the top and in nested If bodies (an If inside a then-branch)."""
+    inner_if = helper.make_node("If", ["c"], ["n_y"], then_branch=_body("t2", []), else_branch=_body("e2", []))
+    nodes = [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["n"]),
+             helper.make_node("If", ["c"], ["b"], then_branch=_body("t1", [inner_if]), else_branch=_body("e1", [])),
+             helper.make_node("Relu", ["b"], ["r"]), helper.make_node("Identity", ["r"], ["d"])]
+    model = make_model(nodes, [("x", F, [2]), ("c", T.BOOL, [])], [("n", F, [2]), ("d", F, [2])])
+    return gs.import_onnx(model)
+
+
+def scan(graph: gs.Graph, ops) -> list:
+    return [n for n in graph.nodes if n.op in ops]
+
+
+@pytest.mark.parametrize("census", [None, OpCensus()], ids=["scan", "census"])
+def test_answers_equal_a_scan(census):
+    graph = nested_graph()
+    ctx = PassContext(opset=17, census=census)
+    graphs = ctx.graphs(graph)
+    assert [id(g) for g in graphs] == [id(g) for g in ir.all_graphs(graph)] and len(graphs) == 5
+    for g in graphs:
+        for ops in ({"Identity"}, ("Relu", "Identity", "Relu"), ["Neg", "If", "Identity"], (), {"Conv"}):
+            assert [id(n) for n in ctx.nodes_of(g, ops)] == [id(n) for n in scan(g, ops)]
+        assert ctx.ops_in(g) == {n.op for n in g.nodes}
+
+
+def test_a_replaced_or_resized_node_list_is_indexed_again():
+    """Even without changed(): a pass that reassigns or grows a node list never gets the old answer."""
+    graph = nested_graph()
+    ctx = PassContext(opset=17, census=OpCensus())
+    assert len(ctx.nodes_of(graph, {"Identity"})) == 2 and len(ctx.graphs(graph)) == 5
+    graph.nodes = [n for n in graph.nodes if n.op != "If"]
+    assert len(ctx.graphs(graph)) == 1 and "If" not in ctx.ops_in(graph)
+    graph.nodes.append(gs.Node("Identity", "late", inputs=[graph.outputs[0]], outputs=[gs.Variable("late_y")]))
+    assert [n.name for n in ctx.nodes_of(graph, {"Identity"})][-1] == "late"
+    body = ctx.graphs(nested_graph())[1]  # another graph altogether: its own census entry
+    assert [n.op for n in ctx.nodes_of(body, {"Identity"})] == ["Identity"]
+
+
+def test_changed_drops_the_census():
+    graph = nested_graph()
+    ctx = PassContext(opset=17, census=OpCensus())
+    first = ctx.nodes_of(graph, {"Identity"})[0]
+    first.op = "Relu"  # in place: only changed() tells
+    assert ctx.nodes_of(graph, {"Identity"})[0] is first
+    ctx.changed()
+    assert ctx.nodes_of(graph, {"Identity"})[0] is not first
+
+
+class Asker(Pass):
+    """Asks for Identity nodes and rewrites nothing (or renames one Identity to Relu when ``rename``)."""
+
+    name = "test-asker"
+
+    def __init__(self, rename: bool = False):
+        self.rename, self.seen = rename, []
+
+    def run(self, graph, ctx) -> int:
+        found = ctx.nodes_of(graph, {"Identity"})
+        self.seen.append(len(found))
+        if self.rename and found:
+            found[0].op = "Relu"
+            return 1
+        return 0
+
+
+def test_the_manager_shares_one_census_per_graph_version(monkeypatch):
+    built = []
+    original = OpCensus._entry
+
+    def entry(self, graph):
+        if id(graph) not in self._index:
+            built.append(id(graph))
+        return original(self, graph)
+
+    monkeypatch.setattr(OpCensus, "_entry", entry)
+    graph = nested_graph()
+    ctx = PassContext(opset=17)
+    first, renamer, after = Asker(), Asker(rename=True), Asker()
+    renamer.name, after.name = "test-renamer", "test-asker-after"
+    PassManager([first, renamer, after]).run(graph, ctx)
+    # Each rename is a new graph version: the next question indexes the graph again, and every pass
+    # asking at that version (the next round's first two included) shares that index.
+    assert (first.seen, renamer.seen, after.seen) == ([2, 1, 0], [2, 1, 0], [1, 0])
+    assert len(built) == 3
+    assert ctx.census is None  # only while the manager runs
+
+
+def test_the_census_is_gone_after_a_failing_pass():
+    class Boom(Pass):
+        name = "test-boom"
+
+        def run(self, graph, ctx) -> int:
+            ctx.nodes_of(graph, {"Identity"})
+            raise RuntimeError("boom")
+
+    ctx = PassContext(opset=17)
+    with pytest.raises(RuntimeError):
+        PassManager([Boom()]).run(nested_graph(), ctx)
+    assert ctx.census is None
+
+
+def test_candidates_without_a_context_scan():
+    graph = nested_graph()
+    found = RemoveIdentity()._candidates(graph)
+    shared = RemoveIdentity()._candidates(graph, PassContext(opset=17, census=OpCensus()))
+    assert [(id(g), [id(n) for n in c]) for g, c in found] == [(id(g), [id(n) for n in c]) for g, c in shared]
+
+
+class CheckedCensus(OpCensus):
+    """Every answer compared with a scan of the graph as it is now."""
+
+    def nodes_of(self, graph, ops):
+        got = super().nodes_of(graph, ops)
+        assert [id(n) for n in got] == [id(n) for n in scan(graph, ops)]
+        return got
+
+    def graphs(self, graph):
+        got = super().graphs(graph)
+        assert [id(g) for g in got] == [id(g) for g in ir.all_graphs(graph)]
+        return got
+
+    def ops_in(self, graph):
+        got = super().ops_in(graph)
+        assert got == {n.op for n in graph.nodes}
+        return got
+
+
+@pytest.mark.parametrize("name,exporter", [("bert", "torchscript"), ("llama", "dynamo"), ("deepseek_v3", "torchscript")])
+def test_every_census_answer_in_a_whole_run_equals_a_scan(monkeypatch, name, exporter):
+    """No built-in pass changes the graph and then reports no rewrite (or asks again without changed())."""
+    model = onnx.load(str(zoo_model(name, exporter)))
+    monkeypatch.setattr(manager, "OpCensus", CheckedCensus)
+    checked = k3opt.optimize(model)
+    monkeypatch.undo()
+    assert checked.SerializeToString() == k3opt.optimize(model).SerializeToString()
+
+
+# -- rules skipped where they cannot match ---------------------------------------------------------------------
+
+def test_required_ops_follow_alternatives_and_ignore_constants():
+    def pattern(op, x, w):
+        y = op.Or(op.Div(op.Sqrt(x), 2.0), op.Mul(op.Sqrt(x), op.AnyConstant("c")))
+        return op.Add(op.MatMul(y, w), op.Constant(1.0))
+
+    rule = Rule("t", pattern, lambda op, m: None)
+    assert required_ops(rule.pattern.outputs) == {"Add", "MatMul", "Sqrt"}
+    assert sorted(required_ops(LAYERNORM_RULES[-1].pattern.outputs)) == ["Add", "ReduceMean", "Sub"]
+    assert not possible(rule, {"Add", "MatMul"}) and possible(rule, {"Add", "MatMul", "Sqrt", "Div"})
+    rule.debug = True  # a rule being debugged always tries, to explain itself
+    assert possible(rule, set())
+
+
+@pytest.mark.parametrize("name,exporter", [("bert", "torchscript"), ("llama", "dynamo"), ("gpt2", "dynamo")])
+def test_a_rule_judged_impossible_matches_nowhere(name, exporter):
+    from k3opt.passes.base import registered_passes
+
+    graph = gs.import_onnx(onnx.load(str(zoo_model(name, exporter))))
+    present = {n.op for n in graph.nodes}
+    rules = [r for cls in registered_passes().values() for r in getattr(cls, "rules", ())]
+    assert rules
+    for rule in rules:
+        if not possible(rule, present):
+            applier = RuleApplier(graph, PassContext(opset=18), [rule], dry_run=True)
+            applier.run()
+            assert applier.matched[rule.name] == 0
+
+
+def test_layernorm_sweeps_skip_a_graph_without_sub(monkeypatch):
+    """fuse-layernorm tries no anchor in a graph without Sub (a norm there would need one), and counts as before."""
+    tried = []
+    monkeypatch.setattr(RuleApplier, "_try", lambda self, rule, matcher, node: tried.append(node) or False)
+    x = np.ones((4,), np.float32)
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[-1]), helper.make_node("Add", ["m", "eps"], ["a"]),
+             helper.make_node("Mul", ["a", "w"], ["y"])]
+    model = make_model(nodes, [("x", F, [2, 4])], [("y", F, [2, 1])], {"eps": x[:1], "w": x[:1]})
+    from k3opt.passes.layer_norm import FuseLayerNorm
+
+    ctx = PassContext(opset=17)
+    assert FuseLayerNorm().run(gs.import_onnx(model), ctx) == 0
+    assert tried == [] and {k: v for k, v in ctx.counters.items()} == {f"rule:{r.name}": 0 for r in LAYERNORM_RULES}
