@@ -139,3 +139,21 @@ def test_zoo_answers_match_fresh_traces(checked_memo, name, exporter):
     """Through the whole pipeline (fold-constants, remove-noop-ops, merge-equal-dims), no answer is stale."""
     k3opt.optimize(onnx.load(zoo_model(name, exporter)))
     assert len(checked_memo) > 100
+
+
+def test_declared_symbols_are_not_traced():
+    """A dim the graph's inputs declare (``N``) is a run-time size: with the graph's memo it is answered
+    without walking the producers; a symbol the graph does not declare is traced as before."""
+    nodes = [helper.make_node("Relu", [f"r{i}"], [f"r{i + 1}"]) for i in range(20)]
+    model = make_model(nodes, [("r0", F, ["N", 16])], [("r20", F, ["N", 16])], {}, opset=17)
+    graph = gs.import_onnx(onnx.shape_inference.infer_shapes(model))
+    last = graph.outputs[0]
+    with remembered_dims(graph) as memo:
+        assert dim_at(last, 0) == "N" and dim_at(last, 1) == 16
+        assert not memo._results
+    with remembered_dims() as memo:  # no graph: nothing is known to be declared
+        assert dim_at(last, 0) == "N" and memo._results
+    inner = graph.tensors()["r10"]
+    inner.shape = ["unk__3", 16]  # a made-up symbol: traced to what the producers say
+    with remembered_dims(graph):
+        assert dim_at(inner, 0) == "N"

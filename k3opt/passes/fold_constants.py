@@ -59,7 +59,7 @@ class FoldConstants(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         # One memo for every sweep: each change tells it what it rewired (traces are re-walked only there).
-        with remembered_dims():
+        with remembered_dims(graph):
             total = self._constant_nodes(graph, ctx)
             for _ in range(MAX_SWEEPS):
                 n = self._fold_shapes(graph, ctx) + self._fold_values(graph, ctx)

@@ -21,13 +21,14 @@ when the batch and sequence are not.
 from __future__ import annotations
 
 import weakref
+from collections import defaultdict
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from ..ir import Node, Tensor, const_tensor, peek, producer
+from ..ir import Graph, Node, Tensor, const_tensor, declared_symbols, peek, producer
 from .cleanup_rewire import unsqueeze_axes
 
 #: Longest integer constant read as part of a shape computation.
@@ -87,12 +88,15 @@ class DimMemo:
     transitively, of the tensors whose results read them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, declared: frozenset[str] = frozenset()) -> None:
+        #: Symbols the graph declares (see :func:`_dim_at`): never traced.
+        self.declared = declared
         #: ``id(t) -> (t, results)``; results: ``slot -> (value, depth)`` when complete (valid at ``depth`` and
         #: deeper), ``(slot, depth) -> value`` when cut short by the depth limit.
         self._results: dict[int, tuple[Tensor, dict]] = {}
-        #: ``id(tensor) -> ids of the tensors whose results read it``.
-        self._readers: dict[int, set[int]] = {}
+        #: ``id(tensor) -> ids of the tensors whose results read it`` (a defaultdict: ``setdefault(k, set())``
+        #: would build a set on every read, the memo's hottest path).
+        self._readers: defaultdict[int, set[int]] = defaultdict(set)
         #: Ids of the tensors whose results are being computed (innermost last).
         self._computing: list[int] = []
         #: True once the result being computed depends on a cut-short branch.
@@ -103,7 +107,7 @@ class DimMemo:
         tid = id(t)
         computing = self._computing
         if computing and computing[-1] != tid:  # self.read(t), inlined: the memo's hottest path
-            self._readers.setdefault(tid, set()).add(computing[-1])
+            self._readers[tid].add(computing[-1])
         own = self._results.get(tid)
         if own is None or own[0] is not t:
             own = self._results[tid] = (t, {})
@@ -132,7 +136,7 @@ class DimMemo:
         """Note that the result being computed read ``t``'s result, producer, value or unknown shape."""
         computing = self._computing
         if computing and computing[-1] != id(t):
-            self._readers.setdefault(id(t), set()).add(computing[-1])
+            self._readers[id(t)].add(computing[-1])
 
     def forget(self, tensors: Iterable[Tensor]) -> None:
         """Drop the results of ``tensors`` (call when their producer, its inputs, their name or shape change)
@@ -229,11 +233,11 @@ def small_const_value(t: Tensor) -> Optional[np.ndarray]:
 
 
 @contextmanager
-def remembered_dims() -> Iterator[DimMemo]:
-    """Within the block, each traced dim is computed once. The caller must tell the yielded memo what it
-    changes (:meth:`DimMemo.forget`, or :meth:`DimMemo.clear`)."""
+def remembered_dims(graph: Optional[Graph] = None) -> Iterator[DimMemo]:
+    """Within the block, each traced dim is computed once, and the symbols ``graph`` declares are not traced.
+    The caller must tell the yielded memo what it changes (:meth:`DimMemo.forget`, or :meth:`DimMemo.clear`)."""
     global _memo
-    outer, _memo = _memo, DimMemo()
+    outer, _memo = _memo, DimMemo(frozenset() if graph is None else declared_symbols(graph))
     try:
         yield _memo
     finally:
@@ -241,7 +245,16 @@ def remembered_dims() -> Iterator[DimMemo]:
 
 
 def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
-    """Dim ``i`` of ``t``: a number when inference or the producer says so, else its symbol, else None."""
+    """Dim ``i`` of ``t``: a number when inference says so, or a symbol the graph declares while a memo is
+    active (:func:`remembered_dims`), else what the producer says, else inference's symbol or None.
+
+    A declared symbol (a ``dim_param`` of a graph input or output, which
+    shape refreshes keep while they drop made-up ones) is a size chosen at
+    run time: no producer pins it to a number (inference would have
+    propagated that number), so it is not traced. Tracing every ``batch``
+    dim of a deep model through its residual stream was most of
+    fold-constants' time.
+    """
     shape = t.shape
     if shape is None:
         _read(t)
@@ -249,7 +262,7 @@ def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
     if not 0 <= i < len(shape):
         return None
     d = _dim(shape[i])
-    if isinstance(d, int):
+    if isinstance(d, int) or (d is not None and _memo is not None and d in _memo.declared):
         return d
     if depth <= 0:
         _cut()
