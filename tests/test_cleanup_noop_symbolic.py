@@ -118,3 +118,37 @@ def test_llama_dynamo_squeezed_dims_reshape_back():
     feeds = zoo_inputs("llama")
     for a, b in zip(run_ort(model, feeds), run_ort(out, feeds)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_reshape_to_another_rank_is_refused_without_tracing_its_target(monkeypatch):
+    """A Reshape whose output rank is not its input's is no no-op: decided before tracing the target."""
+    import k3opt.passes.cleanup_noop as noop
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("target traced")
+
+    model = _reshape_from_shapes([("x", 0), -1])
+    monkeypatch.setattr(noop, "shape_elements", no_trace)
+    model.graph.output[0].type.tensor_type.shape.ClearField("dim")  # Add(r[N, -1], z) is not [N, 4, S, 8]
+    model.graph.output[0].type.tensor_type.shape.dim.add()
+    model.graph.output[0].type.tensor_type.shape.dim.add()
+    out, n = apply(model, RemoveNoopOps())
+    assert n == 0 and op_counts(out)["Reshape"] == 1
+
+
+@needs_torch
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_rank_check_decides_every_reshape_as_tracing_does(name):
+    """The output-rank check first decides each Reshape of a real export as tracing its target alone does."""
+    import onnx_graphsurgeon as gs
+
+    from k3opt.passes.cleanup_noop import _same_reshape
+
+    graph = gs.import_onnx(onnx.shape_inference.infer_shapes(onnx.load(zoo_model(name, "torchscript"))))
+    reshapes = [n for n in graph.nodes if n.op == "Reshape"]
+    assert any(len(n.outputs[0].shape) != len(n.inputs[0].shape) for n in reshapes)
+    for node in reshapes:
+        fast = _same_reshape(node)
+        out, node.outputs[0].shape = node.outputs[0].shape, None  # unknown: decided by tracing alone
+        assert _same_reshape(node) is fast
+        node.outputs[0].shape = out

@@ -28,9 +28,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..ir import Graph, Node, Tensor, const_tensor, peek, producer, rank
+from ..ir import Graph, Node, Tensor, const_tensor, producer, rank
 from .base import PassContext, register_pass
-from .fold_shapes import dim_at, remembered_dims, shape_elements, small_int_list
+from .fold_shapes import dim_at, remembered_dims, shape_elements, small_const_value, small_int_list
 from .cleanup_rewire import NodeRewritePass, bypass, cast_target, onnx_type
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -60,9 +60,15 @@ def _same_reshape(node: Node) -> Optional[Tensor]:
 
 def _reshapes_to(node: Node, t: Tensor) -> bool:
     """True when Reshape ``node``'s target is exactly ``t``'s shape, element by element (a literal equal
-    known dim, the same symbol, a 0 copying an equal dim of the Reshape's input, at most one -1)."""
+    known dim, the same symbol, a 0 copying an equal dim of the Reshape's input, at most one -1).
+
+    The output's known rank is the target's length: when it is not ``t``'s, the target is not traced (most
+    Reshapes change the rank; tracing their targets' dims was most of this pass's time)."""
+    out = node.outputs[0].shape
+    if t.shape is None or (out is not None and len(out) != len(t.shape)):
+        return False
     elements = shape_elements(node.inputs[1])
-    if elements is None or t.shape is None or len(elements[0]) != len(t.shape) or elements[0].count(-1) > 1:
+    if elements is None or len(elements[0]) != len(t.shape) or elements[0].count(-1) > 1:
         return False
     copy = not node.attrs.get("allowzero", 0)
     x = node.inputs[0]
@@ -122,8 +128,8 @@ def _slice_args(node: Node) -> Optional[list[Optional[list[int]]]]:
 
 def _whole_slice(node: Node) -> Optional[Tensor]:
     x = node.inputs[0]
-    args = _slice_args(node)
-    if x.shape is None or args is None or args[0] is None or args[1] is None:
+    args = None if x.shape is None else _slice_args(node)
+    if args is None or args[0] is None or args[1] is None:
         return None
     starts, ends, axes, steps = args
     axes = axes if axes is not None else list(range(len(starts)))
@@ -153,8 +159,8 @@ def _neutral_arith(node: Node) -> Optional[Tensor]:
         x, c = node.inputs[xi], const_tensor(node.inputs[ci])
         if c is None or math.prod(c.shape) > MAX_NEUTRAL_ELEMENTS or not _broadcast_keeps_shape(x, tuple(c.shape)):
             continue  # decided from the shape alone: a big weight is never read here
-        v = np.asarray(peek(c))
-        if v.dtype.kind in "fiu" and np.all(v == _NEUTRAL[node.op]):
+        v = np.asarray(small_const_value(c))  # a small one decoded once per process
+        if v.dtype.kind in "fiu" and (v == _NEUTRAL[node.op]).all():
             return x
     return None
 
