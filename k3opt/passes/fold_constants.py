@@ -72,8 +72,8 @@ class FoldConstants(Pass):
     def _constant_nodes(self, graph: Graph, ctx: PassContext) -> int:
         """Turn ``Constant`` nodes into initializers (their output names are kept)."""
         done: list[Node] = []
-        for node in graph.nodes:
-            if node.op != "Constant" or (node.domain or "") not in FOLDABLE_DOMAINS or len(node.outputs) != 1:
+        for node in ctx.nodes_of(graph, ("Constant",)):
+            if (node.domain or "") not in FOLDABLE_DOMAINS or len(node.outputs) != 1:
                 continue
             out = node.outputs[0]
             if is_graph_output(graph, out) or not out.outputs:
@@ -95,7 +95,7 @@ class FoldConstants(Pass):
     def _fold_shapes(self, graph: Graph, ctx: PassContext) -> int:
         folded: list[Node] = []
         installed: list = []
-        for node in [n for n in graph.nodes if n.op in SHAPE_OPS]:  # a comprehension first: most nodes are not
+        for node in ctx.nodes_of(graph, SHAPE_OPS):  # the census: shared with the passes at this graph version
             if (node.domain or "") in ("", "ai.onnx") and is_used(graph, node.outputs[0]):
                 value = fold_shape_value(node)
                 if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
