@@ -217,7 +217,7 @@ def test_a_long_constant_node_makes_the_seed_infer_without_propagation_first(mon
 
 def test_repeated_fields_join_like_one_field_at_a_time():
     payloads = [b"", b"a" * 127, b"b" * 128, b"c" * 300, b"d" * 128, b"e" * 2**14]
-    assert shapes._repeated_field(1, payloads) == b"".join(shapes.field(1, p) for p in payloads)
-    graph = onnx.GraphProto.FromString(shapes._repeated_field(5, [t.SerializeToString() for t in (
-        helper.make_tensor("a", TensorProto.FLOAT, [2], [1, 2]), helper.make_tensor("b", TensorProto.INT64, [], [3]))]))
+    assert b"".join(shapes._repeated_field(1, payloads)) == b"".join(shapes.field(1, p) for p in payloads)
+    graph = onnx.GraphProto.FromString(b"".join(shapes._repeated_field(5, [t.SerializeToString() for t in (
+        helper.make_tensor("a", TensorProto.FLOAT, [2], [1, 2]), helper.make_tensor("b", TensorProto.INT64, [], [3]))])))
     assert [t.name for t in graph.initializer] == ["a", "b"]
