@@ -162,7 +162,7 @@ def _constant(proto: onnx.TensorProto) -> gs.Constant:
     values = _new(LazyValues)
     shape = proto.dims
     volume = 1
-    for dim in shape:
+    for dim in shape[:]:  # upb gives a slice as one list, quicker than iterating the field
         volume *= dim
     values.__dict__.update(tensor=proto, shape=shape, dtype=known[0], nbytes=volume * known[1])
     t = _new(gs.Constant)
@@ -179,7 +179,7 @@ def _constant(proto: onnx.TensorProto) -> gs.Constant:
 def _attributes(proto: onnx.NodeProto) -> Optional[OrderedDict]:
     """gs's import of the node's attributes, or None when one is of a kind left to gs."""
     attrs: OrderedDict = OrderedDict()
-    for a in proto.attribute:
+    for a in proto.attribute[:]:
         kind = a.type
         if kind not in _PLAIN or a.ref_attr_name:
             return None
@@ -188,15 +188,15 @@ def _attributes(proto: onnx.NodeProto) -> Optional[OrderedDict]:
         elif kind == _A.TENSOR:
             attrs[a.name] = _constant(a.t)
         elif kind == _A.INTS:
-            attrs[a.name] = list(a.ints)
+            attrs[a.name] = a.ints[:]
         elif kind == _A.FLOAT:
             attrs[a.name] = a.f
         elif kind == _A.FLOATS:
-            attrs[a.name] = list(a.floats)
+            attrs[a.name] = a.floats[:]
         elif kind == _A.STRING:
             attrs[a.name] = a.s.decode()
         else:
-            attrs[a.name] = [s.decode() for s in a.strings]
+            attrs[a.name] = [s.decode() for s in a.strings[:]]
     return attrs
 
 
@@ -210,7 +210,7 @@ def _node(proto: onnx.NodeProto, tensors: OrderedDict, opset, domains, handed: l
         handed.append((proto, node))
     ins, outs = _links(node, "outputs"), _links(node, "inputs")
     get = tensors.get
-    for name in proto.input:
+    for name in proto.input[:]:  # slices: see _constant
         t = get(name)
         if t is None:
             t = _variable(name)  # an omitted optional input ("") is never shared
@@ -218,7 +218,7 @@ def _node(proto: onnx.NodeProto, tensors: OrderedDict, opset, domains, handed: l
                 tensors[name] = t
         list.append(ins, t)
         list.append(t.__dict__["outputs"], node)
-    for name in proto.output:
+    for name in proto.output[:]:
         t = get(name)
         if t is None:
             t = _variable(name)
