@@ -56,9 +56,17 @@ def _value_key(data: bytes) -> Hashable:
     return data if len(data) <= _HEAD_BYTES else hashlib.sha1(data).hexdigest()
 
 
+def _array_bytes(value: np.ndarray) -> bytes:
+    """The array's bytes; for strings (an object array's ``tobytes()`` is the addresses of its items, which
+    a freed value's successor may reuse: unequal strings compared equal) the repr of its values."""
+    if value.dtype == object:
+        return repr(value.reshape(-1).tolist()).encode()
+    return np.ascontiguousarray(value).tobytes()
+
+
 def _digest(value: np.ndarray) -> Hashable:
     """:func:`_value_key` of an array's bytes."""
-    return _value_key(np.ascontiguousarray(value).tobytes())
+    return _value_key(_array_bytes(value))
 
 
 def _const_bytes(c: gs.Constant, limit: Optional[int] = None) -> bytes:
@@ -72,9 +80,9 @@ def _const_bytes(c: gs.Constant, limit: Optional[int] = None) -> bytes:
         if len(raw) == itemsize * math.prod(proto.dims):
             return raw if limit is None else raw[:limit]
     value = np.asarray(peek(c))
-    if limit is not None:  # enough leading elements for ``limit`` bytes
+    if limit is not None and value.dtype != object:  # enough leading elements for ``limit`` bytes
         value = value.reshape(-1)[:-(-limit // max(value.itemsize, 1))]
-    return np.ascontiguousarray(value).tobytes()[:limit]
+    return _array_bytes(value)[:limit]
 
 
 def _head(c: gs.Constant) -> bytes:
