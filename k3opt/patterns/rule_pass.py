@@ -74,16 +74,21 @@ def possible(rule: Rule, present: Collection[str]) -> bool:
 
 def required_ops(patterns: Sequence[Optional[ValuePattern]]) -> frozenset[str]:
     """The op types every match of all of ``patterns`` holds a node of (an ``op.Or`` needs what each
-    alternative needs; variables and constants need no node).
+    alternative needs; variables and constants need no node). Each shared sub-pattern is walked once.
     """
-    needed: set[str] = set()
-    for p in patterns:
-        if isinstance(p, NodeOutput):
-            needed.add(p.node.op_type)
-            needed |= required_ops(p.node.inputs)
-        elif isinstance(p, OrPattern):
-            needed |= frozenset.intersection(*(required_ops((a,)) for a in p.alternatives))
-    return frozenset(needed)
+    memo: dict[int, frozenset[str]] = {}
+
+    def need(p: Optional[ValuePattern]) -> frozenset[str]:
+        if id(p) not in memo:
+            if isinstance(p, NodeOutput):
+                memo[id(p)] = frozenset((p.node.op_type,)).union(*map(need, p.node.inputs))
+            elif isinstance(p, OrPattern):
+                memo[id(p)] = frozenset.intersection(*map(need, p.alternatives))
+            else:
+                memo[id(p)] = frozenset()
+        return memo[id(p)]
+
+    return frozenset().union(*map(need, patterns))
 
 
 def bodies(graph: Graph) -> Iterator[Graph]:
