@@ -66,3 +66,22 @@ def test_torchscript_zoo_stays_exact(name):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
     if name == "llama":
         assert len(out.graph.node) <= 202
+
+
+@needs_torch
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_declared_symbols_untraced_give_the_traced_keys(name):
+    """Under the graph's memo a declared symbol (batch, sequence) is not traced: every Gather of a Shape of a
+    real export keys as a full trace keys it."""
+    import onnx_graphsurgeon as gs
+
+    from k3opt.passes.cleanup_equal_dims import _dim_key
+    from k3opt.passes.fold_shapes import remembered_dims
+
+    graph = gs.import_onnx(onnx.shape_inference.infer_shapes(onnx.load(zoo_model(name, "torchscript"))))
+    gathers = [n for n in graph.nodes if n.op == "Gather" and len(n.outputs) == 1]
+    with remembered_dims(graph):
+        fast = [_dim_key(n) for n in gathers]
+    with remembered_dims():
+        assert [_dim_key(n) for n in gathers] == fast
+    assert sum(k is not None for k in fast) > 2

@@ -41,7 +41,7 @@ class MergeEqualDims(Pass):
         first: dict[object, Tensor] = {}
         dead: list[Node] = []
         merged = 0
-        with remembered_dims() as memo:
+        with remembered_dims(graph) as memo:
             for node in list(graph.nodes):
                 if node.op != "Gather" or (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1:
                     continue

@@ -184,7 +184,7 @@ class RemoveNoopOps(NodeRewritePass):
     ops = frozenset(CHECKS)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        with remembered_dims() as self._memo:
+        with remembered_dims(graph) as self._memo:
             return super().run(graph, ctx)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
