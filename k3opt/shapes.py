@@ -82,7 +82,7 @@ class Light(NamedTuple):
     long_io: bool
 
 
-def _infer(light: Light, propagate_first: bool = False) -> tuple[onnx.ModelProto, bool]:
+def _infer(light: Light, propagate_first: bool = False) -> tuple[Inferred, bool]:
     """Inference with data propagation unless a 1-D tensor is long (then without); and whether it propagated.
 
     ``propagate_first`` (the caller knows of no long vector: the last inference
@@ -93,17 +93,21 @@ def _infer(light: Light, propagate_first: bool = False) -> tuple[onnx.ModelProto
     propagated = None
     if propagate_first and not light.long_io:
         try:
-            propagated = onnx.shape_inference.infer_shapes(light.data, strict_mode=True, data_prop=True)
+            propagated = _run(light, data_prop=True)
         except Exception:  # noqa: BLE001 -- the usual order below reports the error as before
             propagated = None
-        if propagated is not None and not _has_long_vector(propagated.graph):
+        if propagated is not None and not propagated.long:
             return propagated, True
-    plain = onnx.shape_inference.infer_shapes(light.data, strict_mode=True)
-    if _has_long_vector(plain.graph):
+    plain = _run(light)
+    if plain.long:
         return plain, False
     if propagated is not None:
         return propagated, True
-    return onnx.shape_inference.infer_shapes(light.data, strict_mode=True, data_prop=True), True
+    return _run(light, data_prop=True), True
+
+
+def _run(light: Light, data_prop: bool = False) -> Inferred:
+    return inferred_types(onnx.shape_inference.infer_shapes(light.data, strict_mode=True, data_prop=data_prop).graph)
 
 
 #: onnx's data propagation materializes 1-D tensors; past this length it costs gigabytes.
@@ -111,12 +115,39 @@ DATA_PROP_MAX_LEN = 2**16
 
 
 def _has_long_vector(graph: onnx.GraphProto) -> bool:
-    for infos in (graph.input, graph.value_info, graph.output):
-        for vi in infos:
-            dims = vi.type.tensor_type.shape.dim
-            if len(dims) == 1 and dims[0].dim_value > DATA_PROP_MAX_LEN:  # 0 when not set
-                return True
-    return False
+    return any(_long_type(vi.type) for infos in (graph.input, graph.value_info, graph.output) for vi in infos)
+
+
+def _long_type(tp: onnx.TypeProto) -> bool:
+    dims = tp.tensor_type.shape.dim
+    return len(dims) == 1 and dims[0].dim_value > DATA_PROP_MAX_LEN  # 0 when not set
+
+
+class Inferred(NamedTuple):
+    """An inferred graph's value_info and output types by name, serialized (a name's last entry wins);
+    a TypeProto for each distinct type; whether the graph holds a long 1-D tensor.
+
+    Each entry's type is serialized once, for both uses: the long-vector check
+    looks at each distinct type once (16k entries, ~2k types on the 64-layer
+    Llama), and :func:`apply_shapes` converts types by these bytes.
+    """
+
+    types: dict[str, bytes]
+    protos: dict[bytes, onnx.TypeProto]
+    long: bool
+
+
+def inferred_types(graph: onnx.GraphProto) -> Inferred:
+    """The :class:`Inferred` view of ``graph``; ``long`` is :func:`_has_long_vector` (inputs read as they are)."""
+    types: dict[str, bytes] = {}
+    protos: dict[bytes, onnx.TypeProto] = {}
+    for vi in list(graph.value_info) + list(graph.output):
+        tp = vi.type
+        key = types[vi.name] = tp.SerializeToString()
+        if key not in protos:
+            protos[key] = tp
+    long = any(map(_long_type, protos.values())) or any(_long_type(vi.type) for vi in graph.input)
+    return Inferred(types, protos, long)
 
 
 class ShapeRefresher:
@@ -162,7 +193,7 @@ class ShapeRefresher:
             if note not in self.notes:
                 self.notes.append(note)
             return False
-        apply_shapes(graph, inferred.graph, tensors, self._types)
+        apply_shapes(graph, inferred, tensors, self._types)
         return True
 
 
@@ -312,13 +343,15 @@ def _import_domains(graph: gs.Graph, protos: ProtoCache) -> list[onnx.OperatorSe
 _Converted = dict[bytes, Optional[tuple[np.dtype, Optional[tuple]]]]
 
 
-def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto, tensors: Optional[dict[str, gs.Tensor]] = None,
+def apply_shapes(graph: gs.Graph, inferred: Union[onnx.GraphProto, Inferred],
+                 tensors: Optional[dict[str, gs.Tensor]] = None,
                  memo: Optional[dict[frozenset, _Converted]] = None) -> None:
     """Copy inferred dtypes and shapes onto the graph's variables (graph inputs untouched).
 
-    Most tensors share a few distinct types: each is converted once, keyed by
-    its serialized proto; ``memo`` keeps the conversions for the next call
-    (per set of declared symbols, the only other thing they depend on).
+    ``inferred``: the inferred graph, or its :func:`inferred_types`. Most
+    tensors share a few distinct types: each is converted once, keyed by its
+    serialized proto; ``memo`` keeps the conversions for the next call (per
+    set of declared symbols, the only other thing they depend on).
 
     Only symbolic dimensions the graph's inputs and outputs declare are kept;
     the ones onnx makes up for unknown dimensions (``unk__N``) become None.
@@ -326,21 +359,21 @@ def apply_shapes(graph: gs.Graph, inferred: onnx.GraphProto, tensors: Optional[d
     SequenceAt outputs of an uneven SplitToSequence share their sequence's
     element type), and onnxruntime trusts equal symbols to mean equal sizes.
     """
-    infos = {vi.name: vi for vi in list(inferred.value_info) + list(inferred.output)}
+    if isinstance(inferred, onnx.GraphProto):
+        inferred = inferred_types(inferred)
     if tensors is None:
         tensors = tensor_map(graph)
     inputs = {id(t) for t in graph.inputs}
     declared = frozenset(d for t in list(graph.inputs) + list(graph.outputs) for d in (t.shape or ())
                          if isinstance(d, str))
     converted = {} if memo is None else memo.setdefault(declared, {})
-    for name, vi in infos.items():  # fewer than the tensors: no constants, no graph inputs
+    for name, key in inferred.types.items():  # fewer than the tensors: no constants, no graph inputs
         tensor = tensors.get(name)
         if tensor is None or isinstance(tensor, gs.Constant) or id(tensor) in inputs:
             continue
-        key = vi.type.SerializeToString()
         info = converted.get(key, _UNSEEN)
         if info is _UNSEEN:
-            info = converted[key] = _dtype_and_shape(vi.type, declared)
+            info = converted[key] = _dtype_and_shape(inferred.protos[key], declared)
         if info is not None:
             fields = tensor.__dict__  # what gs's Tensor.__setattr__ does for these two, without its Python frame
             fields["dtype"] = info[0]

@@ -221,3 +221,18 @@ def test_repeated_fields_join_like_one_field_at_a_time():
     graph = onnx.GraphProto.FromString(b"".join(shapes._repeated_field(5, [t.SerializeToString() for t in (
         helper.make_tensor("a", TensorProto.FLOAT, [2], [1, 2]), helper.make_tensor("b", TensorProto.INT64, [], [3]))])))
     assert [t.name for t in graph.initializer] == ["a", "b"]
+
+
+@pytest.mark.parametrize("length", [5, 70000])
+def test_inferred_types_find_a_long_intermediate_as_the_full_check_does(length):
+    nodes = [helper.make_node("ConstantOfShape", ["n"], ["c"]),
+             helper.make_node("ReduceSum", ["c"], ["y"], keepdims=0)]
+    model = make_model(nodes, [], [("y", TensorProto.FLOAT, [])], {"n": np.array([length], np.int64)})
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True).graph
+    view = shapes.inferred_types(inferred)
+    assert view.long == shapes._has_long_vector(inferred) == (length > shapes.DATA_PROP_MAX_LEN)
+    assert set(view.types) == {"c", "y"} and len(view.protos) == 2
+    by_graph, by_view = io.import_graph(model), io.import_graph(model)
+    shapes.apply_shapes(by_graph, inferred)
+    shapes.apply_shapes(by_view, view)
+    assert shapes_of(by_graph) == shapes_of(by_view) and shapes_of(by_view)["c"] == [length]
