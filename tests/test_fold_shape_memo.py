@@ -157,3 +157,19 @@ def test_declared_symbols_are_not_traced():
     inner.shape = ["unk__3", 16]  # a made-up symbol: traced to what the producers say
     with remembered_dims(graph):
         assert dim_at(inner, 0) == "N"
+
+
+def test_folded_results_are_not_decoded_again(monkeypatch):
+    """A small numeric constant fold-constants builds is answered from the array it was built from."""
+    from k3opt.passes.base import PassContext
+    from k3opt.passes.fold_constants import FoldConstants
+    from k3opt.passes.manager import PassManager
+
+    nodes = [helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])]
+    inits = {"a": np.array([2, 1], np.int64), "b": np.array([1, 2], np.int64)}
+    graph = gs.import_onnx(make_model(nodes, [("x", F, [3, 3])], [("y", F, [3, 3])], inits, opset=17))
+    assert PassManager([FoldConstants()]).run(graph, PassContext(opset=17))
+    folded = graph.nodes[0].inputs[1]
+    assert isinstance(folded, gs.Constant)
+    monkeypatch.setattr(fold_shapes, "peek", lambda c: pytest.fail(f"{c.name} decoded again"))
+    assert fold_shapes.small_const_value(folded).tolist() == [3, 3]

@@ -32,7 +32,7 @@ from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach, detach_all, is_used, remove
 from .fold_eval import EvalError, as_array, outer_refs, run_ort, run_reference
 from .fold_guard import too_big
-from .fold_shapes import fold_shape_value, forget, remembered_dims, rewiring
+from .fold_shapes import fold_shape_value, forget, remember_value, remembered_dims, rewiring
 
 #: Ops whose result is not a function of their inputs.
 RANDOM_OPS = frozenset(
@@ -256,6 +256,7 @@ def _install(graph: Graph, ctx: PassContext, t: Tensor, value: np.ndarray, insta
         const = as_constant(ctx.fresh_name(t.name), value)
     except Exception:  # e.g. an object array onnx cannot encode: leave the node
         return None
+    remember_value(const, value)
     if is_graph_output(graph, t):
         p = producer(t)
         rewiring([t] if p is None else p.outputs, const)  # t gets a new producer

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
+import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..ir import Graph, Node, Tensor, const_tensor, declared_symbols, peek, producer
@@ -223,13 +224,25 @@ def small_const_value(t: Tensor) -> Optional[np.ndarray]:
     if c is None:
         return None
     lazy = c._values
-    nbytes = getattr(lazy, "nbytes", None)
-    if not isinstance(lazy, LazyValues) or not isinstance(nbytes, int) or nbytes > MAX_DECODED_BYTES:
+    if not _small(lazy):
         return peek(c)
     value = _decoded.get(lazy)
     if value is None:
         value = _decoded[lazy] = peek(c)
     return value
+
+
+def _small(lazy: object) -> bool:
+    nbytes = getattr(lazy, "nbytes", None)
+    return isinstance(lazy, LazyValues) and isinstance(nbytes, int) and nbytes <= MAX_DECODED_BYTES
+
+
+def remember_value(c: gs.Constant, value: np.ndarray) -> None:
+    """Note that constant ``c`` was just built from ``value`` (``ir.as_constant``): when small and numeric
+    (what decoding gives back exactly), :func:`small_const_value` answers it without decoding. Folded
+    results are then not decoded again by every later pass that reads them."""
+    if _small(c._values) and value.dtype.kind in "biuf" and value.dtype.isnative:
+        _decoded[c._values] = value
 
 
 @contextmanager
