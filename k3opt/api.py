@@ -185,6 +185,7 @@ class _Run:
         start = original
         if original is not None and converted is not model:
             start = verifier.runnable_bytes(converted)
+        known_external = external if converted is model else None  # a converted model was not walked
         model = converted
 
         ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options),
@@ -192,7 +193,7 @@ class _Run:
         refresher = shapes.ShapeRefresher()
         manager = PassManager(pipeline, shape_inference=refresher, progress=self._pass_progress())
         with self.step("running passes", "passes"), _fewer_collections():
-            graph = io.import_graph(model)
+            graph = io.import_graph(model, known_external)
             if any(p.needs_shapes for p in pipeline):  # the manager then skips a first refresh
                 ctx.shapes_available = refresher.seed(graph, model)
             manager.run(graph, ctx)

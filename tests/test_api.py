@@ -344,9 +344,9 @@ def test_optimize_restores_the_callers_gc_thresholds(monkeypatch):
         seen = []
         real = k3opt.api.io.import_graph
 
-        def spy(model):
+        def spy(model, *args):
             seen.append(gc.get_threshold())
-            return real(model)
+            return real(model, *args)
 
         monkeypatch.setattr(k3opt.api.io, "import_graph", spy)
         k3opt.optimize(small_model())

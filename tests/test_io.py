@@ -477,3 +477,13 @@ def test_trailing_bytes_after_a_model_are_not_a_model(tmp_path):
     (tmp_path / "m.onnx").write_bytes(data + b"\x00" * 8)  # a zero tag: protobuf stops or refuses, as in onnx.load
     with pytest.raises(InputError, match="not a readable ONNX model"):
         io.read_model(tmp_path / "m.onnx")
+
+
+def test_import_graph_told_of_no_external_tensors_skips_the_search_only(tmp_path):
+    save_external(weighted_model(), tmp_path / "m.onnx")
+    loaded = io.read_model(tmp_path / "m.onnx")
+    for external in (loaded.external, None):
+        assert type(io.import_graph(loaded.model, external).nodes[0].inputs[1]._values) is io.ExternalValues
+    inline = weighted_model()
+    told, searched = io.import_graph(inline, []), io.import_graph(inline)
+    assert k3opt.api.export(told, inline) == k3opt.api.export(searched, inline)
