@@ -215,3 +215,39 @@ def test_a_pass_that_found_nothing_is_not_rerun_on_an_unchanged_graph():
     # Idle runs before each drop (3 changes) and once more after the last one; then nothing changes.
     assert calls == [4, 3, 2, 1]  # 3 Identities + Relu, one Identity fewer each round
     assert pm.stats["test-idle"].runs == 4
+
+
+class CountsRelus(DropOneIdentity):
+    """Drops Identities; counts Relus only in ``finish`` (report-only analysis of the final graph)."""
+
+    name = "test-count-relus"
+
+    def finish(self, graph, ctx):
+        ctx.finished = getattr(ctx, "finished", 0) + 1
+        ctx.count("relus", sum(n.op == "Relu" for n in graph.nodes) - ctx.counters.get("relus", 0))
+        ctx.finished_with = [n.op for n in graph.nodes]
+
+
+def test_finish_sees_the_final_graph_once_and_its_counters_are_the_passes():
+    graph, pm, ctx, total = run(identity_chain(3), [CountsRelus()])
+    assert total == 3 and ctx.finished == 1 and ctx.finished_with == ["Relu"]
+    assert pm.stats["test-count-relus"].counters == {"relus": 1} and pm.stats["test-count-relus"].runs == 4
+
+
+def test_finish_is_skipped_when_the_run_is_cut_short():
+    graph = gs.import_onnx(identity_chain(3))
+    ctx = PassContext(opset=17)
+    PassManager([CountsRelus()]).run(graph, ctx, max_steps=2)
+    assert not hasattr(ctx, "finished")
+
+
+def test_a_failing_finish_names_the_plugin_pass():
+    class Broken(DropOneIdentity):
+        name = "test-broken-finish"
+        plugin = "myplugin"
+
+        def finish(self, graph, ctx):
+            raise ValueError("boom")
+
+    with pytest.raises(PluginError, match="plugin 'myplugin', pass 'test-broken-finish' failed: ValueError: boom"):
+        run(identity_chain(1), [Broken()])

@@ -177,6 +177,11 @@ class Pass:
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def finish(self, graph: Graph, ctx: PassContext) -> None:
+        """Called once on the final graph, after the fixed point: analysis that only the final graph's
+        answer matters for (counts and notes for the report), kept out of the rounds. Must not change
+        the graph. Default: nothing."""
+
 
 _REGISTRY: dict[str, Type[Pass]] = {}
 

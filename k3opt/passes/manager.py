@@ -1,7 +1,8 @@
 """The pass manager: runs a pipeline to a fixed point and keeps statistics.
 
 A round runs every pass once in order; rounds repeat until one makes no
-rewrite (or ``max_rounds`` is reached). A pass that found nothing to do is
+rewrite (or ``max_rounds`` is reached). Then each pass's ``finish`` looks at the
+final graph once (report-only analysis). A pass that found nothing to do is
 not rerun until some other pass has changed the graph. Each pass execution is a "step";
 ``max_steps`` stops after that many steps, which is how verification
 bisects to the first pass whose output diverges.
@@ -79,7 +80,11 @@ class PassManager:
         runnable = [p for p in self.passes if self._applicable(p, ctx)]
         outer, ctx.census = ctx.census, OpCensus()  # shared by the passes of one graph version
         try:
-            return self._rounds(runnable, graph, ctx, max_steps)
+            total = self._rounds(runnable, graph, ctx, max_steps)
+            if max_steps is None:  # a run cut short (bisection) has no final graph to report on
+                for p in runnable:
+                    self._guarded(p, lambda: p.finish(graph, ctx), ctx)
+            return total
         finally:
             ctx.census = outer
             ctx.changed()  # an enclosing run's census (a pass running passes) may no longer hold
@@ -136,10 +141,20 @@ class PassManager:
         before = len(graph.nodes)
         if st.nodes_before is None:
             st.nodes_before = before
+        n = int(self._guarded(p, lambda: p.run(graph, ctx), ctx) or 0)
+        st.runs += 1
+        st.rewrites += n
+        st.nodes_after = len(graph.nodes)
+        return n
+
+    def _guarded(self, p: Pass, call: Callable[[], object], ctx: PassContext) -> object:
+        """``call()`` (the pass's run or finish), timed into its stats with the counters it adds; a failure
+        names the pass (and plugin)."""
+        st = self.stats[p.name]
         counted = dict(ctx.counters)
         t0 = time.perf_counter()
         try:
-            n = int(p.run(graph, ctx) or 0)
+            result = call()
         except K3optError:
             raise
         except Exception as exc:  # a pass bug must name the pass (and plugin)
@@ -150,11 +165,8 @@ class PassManager:
             raise
         finally:
             st.time_s += time.perf_counter() - t0
-        st.runs += 1
-        st.rewrites += n
         for key, value in ctx.counters.items():
             if value != counted.get(key, 0):
                 st.counters[key] = st.counters.get(key, 0) + value - counted.get(key, 0)
         st.counters = {k: v for k, v in st.counters.items() if v}
-        st.nodes_after = len(graph.nodes)
-        return n
+        return result

@@ -8,9 +8,9 @@ Div by the Sqrt or Mul by its inverse; weight on either side or absent. The chec
 (:func:`._norm_common.analyze`): trailing constant axes, static normalized dims, constant scalar eps,
 no narrowing Cast, a weight that broadcasts over exactly the normalized dims.
 
-Below opset 23, or for another target, RMSNorms stay decomposed: the pass counts them
-(``ctx.counters["rmsnorm_found"]``, a report note "N RMSNorm found, left decomposed: ...")
-and returns 0.
+Below opset 23, or for another target, RMSNorms stay decomposed: the pass rewrites nothing
+and counts them once on the final graph (its ``finish``: ``ctx.counters["rmsnorm_found"]``,
+a report note "N RMSNorm found, left decomposed: ...").
 
 Entry point for lowerings (the CANN bridge lowers to ``NPURmsNorm``)::
 
@@ -92,12 +92,19 @@ class FuseRMSNorm(Pass):
     needs_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        if ctx.target == "onnx" and ctx.emit_opset >= RMS_NORMALIZATION_OPSET:
-            return apply_in_order(graph, ctx, RULES)
+        return apply_in_order(graph, ctx, RULES) if _fusable(ctx) else 0
+
+    def finish(self, graph: Graph, ctx: PassContext) -> None:
+        """Where RMSNorms stay decomposed, count them once, on the final graph (``rmsnorm_found``, a note)."""
+        if _fusable(ctx):
+            return
         found = len(find_rmsnorms(graph, ctx))
         ctx.count("rmsnorm_found", found - ctx.counters.get("rmsnorm_found", 0))
         ctx.notes[:] = [n for n in ctx.notes if not _NOTE.match(n)]  # the latest round's count only
         if found:
             why = f"opset < {RMS_NORMALIZATION_OPSET}" if ctx.target == "onnx" else f"target {ctx.target}"
             ctx.note(f"{found} RMSNorm found, left decomposed: {why}")
-        return 0
+
+
+def _fusable(ctx: PassContext) -> bool:
+    return ctx.target == "onnx" and ctx.emit_opset >= RMS_NORMALIZATION_OPSET
