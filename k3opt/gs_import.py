@@ -24,15 +24,13 @@ from onnx_graphsurgeon.importers.onnx_importer import (
     get_numpy_type,
 )
 from onnx_graphsurgeon.ir.tensor import LazyValues
-from onnx_graphsurgeon.util.misc import SynchronizedList
 
-from .ir import Graph, Node, Tensor, gs_fast_paths
+from .ir import Graph, Node, Tensor, gs_fast_paths, gs_links, new_constant, new_variable
 
 _A = onnx.AttributeProto
 #: Attribute kinds converted here; any other kind (or a reference) sends the node's attributes to gs.
 _PLAIN = frozenset((_A.FLOAT, _A.INT, _A.STRING, _A.TENSOR, _A.FLOATS, _A.INTS, _A.STRINGS))
 _new = object.__new__
-_new_links = SynchronizedList.__new__
 
 
 #: The main-graph nodes whose attributes gs imported, with their protos (None: gs imported the whole model).
@@ -119,28 +117,6 @@ def _io_tensor(tensors: OrderedDict, vi: onnx.ValueInfoProto) -> Tensor:
     return tensors[vi.name]
 
 
-def _links(owner: object, field: str) -> SynchronizedList:
-    """An empty gs link list (``SynchronizedList(owner, field, [])`` without its ``__init__``)."""
-    links = _new_links(SynchronizedList)
-    d = links.__dict__
-    d["parent_obj"] = owner
-    d["field_name"] = field
-    return links
-
-
-def _variable(name: str) -> gs.Variable:
-    """``gs.Variable(name)``."""
-    t = _new(gs.Variable)
-    d = t.__dict__
-    d["name"] = name
-    d["inputs"] = _links(t, "outputs")
-    d["outputs"] = _links(t, "inputs")
-    d["dtype"] = None
-    d["shape"] = None
-    d["type"] = "tensor_type"
-    return t
-
-
 #: onnx data type -> (numpy dtype, item size), for types gs converts without a warning.
 _DTYPES: dict[int, tuple] = {}
 
@@ -165,15 +141,7 @@ def _constant(proto: onnx.TensorProto) -> gs.Constant:
     for dim in shape[:]:  # upb gives a slice as one list, quicker than iterating the field
         volume *= dim
     values.__dict__.update(tensor=proto, shape=shape, dtype=known[0], nbytes=volume * known[1])
-    t = _new(gs.Constant)
-    d = t.__dict__
-    d["name"] = proto.name
-    d["inputs"] = _links(t, "outputs")
-    d["outputs"] = _links(t, "inputs")
-    d["_values"] = values
-    d["data_location"] = int(proto.data_location) if proto.HasField("data_location") else None
-    d["_export_dtype"] = None
-    return t
+    return new_constant(proto.name, values, int(proto.data_location) if proto.HasField("data_location") else None)
 
 
 def _attributes(proto: onnx.NodeProto) -> Optional[OrderedDict]:
@@ -208,12 +176,12 @@ def _node(proto: onnx.NodeProto, tensors: OrderedDict, opset, domains, handed: l
     if attrs is None:
         attrs = OnnxImporter.import_attributes(proto.attribute, OrderedDict(), tensors, opset, domains)
         handed.append((proto, node))
-    ins, outs = _links(node, "outputs"), _links(node, "inputs")
+    ins, outs = gs_links(node, "outputs"), gs_links(node, "inputs")
     get = tensors.get
     for name in proto.input[:]:  # slices: see _constant
         t = get(name)
         if t is None:
-            t = _variable(name)  # an omitted optional input ("") is never shared
+            t = new_variable(name)  # an omitted optional input ("") is never shared
             if name:
                 tensors[name] = t
         list.append(ins, t)
@@ -221,7 +189,7 @@ def _node(proto: onnx.NodeProto, tensors: OrderedDict, opset, domains, handed: l
     for name in proto.output[:]:
         t = get(name)
         if t is None:
-            t = _variable(name)
+            t = new_variable(name)
             if name:
                 tensors[name] = t
         list.append(outs, t)

@@ -48,14 +48,24 @@ def new_constant(name: str, values: object, data_location: Optional[int] = None)
     (~1.5 us instead of 8: fold-constants makes one per Constant node, thousands on a deep model)."""
     if not gs_fast_paths():
         return gs.Constant(name, values, data_location)
-    t = _new(gs.Constant)
+    return _bare(gs.Constant, name, _values=values, data_location=data_location, _export_dtype=None)
+
+
+def new_variable(name: str) -> gs.Variable:
+    """``gs.Variable(name)``, built without gs's constructor on a verified gs (the import makes one per tensor)."""
+    if not gs_fast_paths():
+        return gs.Variable(name)
+    return _bare(gs.Variable, name, dtype=None, shape=None, type="tensor_type")
+
+
+def _bare(cls: type, name: str, **fields: object) -> Tensor:
+    """A gs tensor of ``cls`` with ``name``, empty links and ``fields``, set without its constructor."""
+    t = _new(cls)
     d = t.__dict__
     d["name"] = name
     d["inputs"] = gs_links(t, "outputs")
     d["outputs"] = gs_links(t, "inputs")
-    d["_values"] = values
-    d["data_location"] = data_location
-    d["_export_dtype"] = None
+    d.update(fields)
     return t
 
 

@@ -55,3 +55,12 @@ def test_new_constant_is_gs_constant(monkeypatch):
         assert made.outputs == [node] and not made.inputs
         node.inputs.clear()
         assert not made.outputs
+
+
+def test_new_variable_is_gs_variable(monkeypatch):
+    for fast in (True, False):
+        monkeypatch.setattr(ir, "gs_fast_paths", lambda: fast)
+        made, ref = ir.new_variable("v"), gs.Variable("v")
+        assert type(made) is gs.Variable and made.__dict__.keys() == ref.__dict__.keys()
+        assert [type(made.__dict__[k]) for k in ref.__dict__] == [type(v) for v in ref.__dict__.values()]
+        assert (made.name, made.dtype, made.shape, made.type) == ("v", None, None, "tensor_type")
