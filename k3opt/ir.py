@@ -86,7 +86,7 @@ def is_graph_output(graph: Graph, t: Tensor) -> bool:
 
 def declared_symbols(graph: Graph) -> frozenset[str]:
     """The symbolic dims (``dim_param``) the graph's inputs and outputs declare: sizes chosen at run time."""
-    return frozenset(d for t in [*graph.inputs, *graph.outputs] for d in (t.shape or ()) if isinstance(d, str) and d)
+    return frozenset(d for t in [*graph.inputs, *graph.outputs] for d in (t.shape or ()) if isinstance(d, str))
 
 
 def peek(c: gs.Constant) -> np.ndarray:

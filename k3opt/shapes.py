@@ -21,6 +21,7 @@ from onnx_graphsurgeon.ir.tensor import SparseValues
 from .errors import UsageError
 from .gs_export import field, import_domains, node_bytes, tensor_map, varint
 from .io import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
+from .ir import declared_symbols
 from .proto_cache import ProtoCache
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
@@ -364,8 +365,7 @@ def apply_shapes(graph: gs.Graph, inferred: Union[onnx.GraphProto, Inferred],
     if tensors is None:
         tensors = tensor_map(graph)
     inputs = {id(t) for t in graph.inputs}
-    declared = frozenset(d for t in list(graph.inputs) + list(graph.outputs) for d in (t.shape or ())
-                         if isinstance(d, str))
+    declared = declared_symbols(graph)
     converted = {} if memo is None else memo.setdefault(declared, {})
     for name, key in inferred.types.items():  # fewer than the tensors: no constants, no graph inputs
         tensor = tensors.get(name)

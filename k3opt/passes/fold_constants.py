@@ -62,6 +62,7 @@ class FoldConstants(Pass):
         with remembered_dims(graph):
             total = self._constant_nodes(graph, ctx)
             for _ in range(MAX_SWEEPS):
+                ctx.changed()  # the sweeps ask the census for candidates: it must see the last sweep's rewrites
                 n = self._fold_shapes(graph, ctx) + self._fold_values(graph, ctx)
                 if not n:
                     break
