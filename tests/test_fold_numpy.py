@@ -184,6 +184,16 @@ def test_squeeze_matches_onnxruntime(opset, axes):
     assert fast.ndim < 3
 
 
+def test_squeeze_with_empty_axes_is_left_to_onnxruntime():
+    """Given but empty axes (an empty input, or an empty attribute before opset 13): the runtime's to read."""
+    x = np.zeros((1, 3, 1), np.float32)
+    fast, _ = _both("Squeeze", [x, np.zeros((0,), np.int64)], 13)
+    assert fast is None
+    graph = gs.import_onnx(_model("Squeeze", [x], 11, axes=[0]))
+    graph.nodes[0].attrs["axes"] = []
+    assert numpy_values(graph, graph.nodes, {}) == {}
+
+
 def test_squeeze_of_a_dim_above_one_is_refused():
     fast, slow = _both("Squeeze", [np.zeros((2, 1), np.float32), np.array([0], np.int64)])
     assert fast is None and isinstance(slow, Exception)

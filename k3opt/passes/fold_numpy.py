@@ -85,17 +85,21 @@ def _inputs(node: Node, value: Value, n: int) -> Optional[list[np.ndarray]]:
 
 
 def _axes(node: Node, opset: int, since: int, value: Value) -> Optional[list[int]]:
-    """An ``axes`` attribute (before opset ``since``) or second input (from it on) as ints; [] when absent."""
+    """An ``axes`` attribute (before opset ``since``) or second input (from it on) as ints; [] when absent,
+    None when unknown, or given but empty (whether that means "all" is the runtime's to say)."""
     if opset < since:
         if len(node.inputs) != 1 or set(node.attrs) - {"axes"}:
             return None
-        return [int(a) for a in node.attrs.get("axes", [])]
+        if "axes" not in node.attrs:
+            return []
+        axes = [int(a) for a in node.attrs["axes"]]
+        return axes or None
     if node.attrs or len(node.inputs) > 2:
         return None
     if len(node.inputs) < 2 or not node.inputs[1].name:
         return []
     v = value(node.inputs[1])
-    if v is None or v.dtype != np.int64 or v.ndim != 1:
+    if v is None or v.dtype != np.int64 or v.ndim != 1 or v.size == 0:
         return None
     return [int(a) for a in v]
 
