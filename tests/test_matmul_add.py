@@ -238,7 +238,7 @@ def test_real_exports_merge_every_sibling_group_and_fuse_every_bias(name, export
                          matmul_add_nd="flatten", report=report)
     rewrites = {p["name"]: p["rewrites"] for p in report.passes}
     assert rewrites["merge-sibling-matmuls"] == SIBLING_GROUPS[name]
-    assert _sibling_groups(gs.import_onnx(out)) == []
+    assert _sibling_groups(gs.import_onnx(out), PassContext(opset=17)) == []
     assert _unfused_pairs(out) == []
     if name in ("bert", "qwen2", "vit"):  # biased projections: q/k/v at least became Gemms
         assert op_counts(out).get("Gemm", 0) >= op_counts(model).get("Gemm", 0) + 2

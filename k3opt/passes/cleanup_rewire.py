@@ -154,11 +154,10 @@ class NodeRewritePass(Pass):
             remove(g, dead)
         return total
 
-    def _candidates(self, graph: Graph, ctx: Optional[PassContext] = None) -> list[tuple[Graph, list[Node]]]:
+    def _candidates(self, graph: Graph, ctx: PassContext) -> list[tuple[Graph, list[Node]]]:
         """Each graph (``all_graphs`` order) with its nodes of the pass's op types, all found before any
-        rewrite: from the census ``ctx`` shares at this graph version (no ``ctx``, or one without: a scan).
+        rewrite: from the census ``ctx`` shares at this graph version (a scan when it has none).
         """
-        ctx = ctx or PassContext(opset=0)
         return [(g, ctx.nodes_of(g, self.ops)) for g in ctx.graphs(graph)]
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:  # pragma: no cover

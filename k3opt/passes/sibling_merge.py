@@ -40,12 +40,12 @@ def _projection_weight(node: Node) -> Optional[gs.Constant]:
     return weight
 
 
-def _sibling_groups(graph: Graph, ctx: Optional[PassContext] = None) -> list[list[tuple[Node, gs.Constant]]]:
+def _sibling_groups(graph: Graph, ctx: PassContext) -> list[list[tuple[Node, gs.Constant]]]:
     """Groups of 2+ projections of the same activation, same dtype and K, in graph order (MatMuls from
-    the census ``ctx`` shares at this graph version; no ``ctx``, or one without: a scan).
+    the census ``ctx`` shares at this graph version; a scan when it has none).
     """
     groups: dict[tuple, list[tuple[Node, gs.Constant]]] = {}
-    for node in (ctx or PassContext(opset=0)).nodes_of(graph, ("MatMul",)):
+    for node in ctx.nodes_of(graph, ("MatMul",)):
         weight = _projection_weight(node)
         if weight is not None:
             key = (id(node.inputs[0]), onnx_type(weight.dtype), int(weight.shape[0]))
