@@ -31,7 +31,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from ..ir import Graph, Node, Tensor, const_value, peek
+from ..ir import Graph, Node, Tensor, peek
+from .fold_shapes import small_const_value
 
 #: Element kinds numpy holds exactly as onnxruntime returns them (no strings, no ml_dtypes types).
 _PLAIN_KINDS = frozenset("biuf")
@@ -52,7 +53,8 @@ def numpy_values(graph: Graph, nodes: Sequence[Node], known: dict) -> dict[str, 
     """Outputs of the nodes among ``nodes`` (in order) that have a kernel here and whose inputs are known
     numeric arrays (``known`` values, constants, or outputs computed before them here).
 
-    Results are numpy arrays, possibly views of the inputs: never modify them.
+    Results are numpy arrays, possibly views of the inputs or of the shared decoded small constants
+    (:func:`~.fold_shapes.small_const_value`): never modify them.
     """
     computed: dict[str, np.ndarray] = {}
 
@@ -61,7 +63,7 @@ def numpy_values(graph: Graph, nodes: Sequence[Node], known: dict) -> dict[str, 
             return None
         v = computed.get(t.name)
         if v is None:
-            v = known.get(t.name) if t.name in known else const_value(t)
+            v = known.get(t.name) if t.name in known else small_const_value(t)  # small ones decoded once
         return v if isinstance(v, np.ndarray) and v.dtype.kind in _PLAIN_KINDS and v.dtype.isnative else None
 
     for node in nodes:
