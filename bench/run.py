@@ -26,7 +26,7 @@ import onnx
 
 from .latency_rounds import rounds
 from .models import CACHE, ModelSpec, depth_of, ensure_built, model_set, select, zoo_feeds
-from .optimizers import OPTIMIZERS, model_bytes
+from .optimizers import OPTIMIZERS, SUBJECT, model_bytes
 from .procs import python_module, ram_gib, run_measured
 from .report import render
 
@@ -34,6 +34,8 @@ ROUNDS = 5  # latency rounds per model (bench/latency_rounds.py): the noise is t
 #: Optimize runs per optimizer on the depth series (the time goals' models), interleaved: one run's time swings
 #: +-20 % on a VM; the goals then read medians.
 TIME_RUNS = 5
+#: Rounds of k3opt over the whole depth series for the scaling goal (:func:`series_runs`); ~6 s a round.
+SERIES_ROUNDS = 9
 #: The optimizers the time goals compare.
 TIMED = ("k3opt", "onnxsim", "onnxslim")
 PACKAGES = ("k3opt", "onnx", "onnxruntime", "onnx-graphsurgeon", "onnx-ir", "onnxscript", "onnxsim", "onnxslim",
@@ -160,6 +162,27 @@ def time_samples(rows: list[dict], src: Path, scratch: Path, model_type: str, li
     scratch.rmdir()
 
 
+def series_runs(series: list[tuple[int, Path, str]], scratch: Path, limits: dict, rounds: int) -> dict[str, list[float]]:
+    """k3opt's optimize times over the depth series ``(depth, model, ort model type)``, ``rounds`` times
+    interleaved: each round optimizes every depth once (one fresh process each, output discarded), the
+    next round starting one depth further on. The scaling goal compares depths measured in the same
+    minutes: the per-model runs are minutes apart, and this VM's speed drifts by more than the goal's
+    margin over that time. Keys are the depths as strings (JSON); a failed run is left out."""
+    samples: dict[str, list[float]] = {str(depth): [] for depth, _, _ in series}
+    scratch.mkdir(parents=True, exist_ok=True)
+    dst = scratch / "model.onnx"
+    for r in range(rounds):
+        for depth, src, model_type in series[r % len(series):] + series[:r % len(series)]:
+            res = run_measured(python_module("bench.optimizers", SUBJECT, str(src), str(dst), model_type), **limits)
+            if res.status == "ok":
+                samples[str(depth)].append(res.payload["time_s"])
+            for f in scratch.iterdir():
+                f.unlink()
+    scratch.rmdir()
+    print("  series: " + ", ".join(f"{d} layers {np.median(t):.2f} s" for d, t in samples.items() if t), flush=True)
+    return samples
+
+
 def _load() -> str:
     """Load averages (1, 5, 15 min): timings on a busy machine are only comparable within one run."""
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -214,6 +237,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--time-runs", type=int, default=TIME_RUNS,
                     help=f"optimize runs of {', '.join(TIMED)} per depth-series model, interleaved; the time goals "
                          f"read their medians (default {TIME_RUNS})")
+    ap.add_argument("--series-rounds", type=int, default=SERIES_ROUNDS,
+                    help=f"rounds of {SUBJECT} over the whole depth series, interleaved; the scaling goal reads their "
+                         f"medians (default {SERIES_ROUNDS}; 0: read the per-model runs instead)")
     ap.add_argument("--out", type=Path, help="result folder (default ~/.cache/k3opt-bench/results/<time>)")
     args = ap.parse_args(argv)
     optimizers = args.optimizers.split(",") if args.optimizers else list(OPTIMIZERS)
@@ -232,13 +258,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
            "load_start": _load(),
            "versions": versions(), "optimizers": optimizers, "models": []}
     compile_k3opt()
+    limits = {"timeout_s": args.timeout, "max_rss_mb": args.max_rss_gb * 1024}
     with tempfile.TemporaryDirectory(prefix="k3bench-work-", dir=CACHE) as work:
         for spec in specs:
             print(f"{spec.name}", flush=True)
-            limits = {"timeout_s": args.timeout, "max_rss_mb": args.max_rss_gb * 1024}
             run["models"].append(bench_model(spec, optimizers, Path(work) / spec.name, limits, budget,
                                                   args.rounds, args.time_runs))
             (out / "results.json").write_text(json.dumps(run, indent=1))
+        series = [(depth_of(spec.name), Path(m["path"]), spec.ort_model_type) for spec, m in zip(specs, run["models"])
+                  if depth_of(spec.name) is not None and "error" not in m]
+        if SUBJECT in optimizers and len(series) > 1 and args.series_rounds > 0:
+            print("depth series", flush=True)
+            run["series_runs"] = series_runs(sorted(series), Path(work) / "series", limits, args.series_rounds)
     run["load_end"] = _load()
     (out / "results.md").write_text(render(run))
     (out / "results.json").write_text(json.dumps(run, indent=1))

@@ -151,3 +151,38 @@ def test_time_goals_read_the_medians():
     verdict, figures = goals["64 layers (aim): at most half of that"]
     assert verdict is True and "2.00 s vs 2.10 s" in figures and "medians of 3" in figures
     assert goals["linear 8->64 layers (time ratio <= 9)"] == (True, "x4.0")
+
+
+def test_series_runs_interleave_the_depths_and_rotate_the_start(tmp_path, monkeypatch):
+    from bench.procs import ProcResult
+
+    calls = []
+
+    def fake(cmd, timeout_s, max_rss_mb=None):
+        src = cmd[cmd.index("k3opt") + 1]
+        calls.append(src)
+        (tmp_path / "series" / "model.onnx").write_bytes(b"out")
+        ok = len(calls) != 4  # the second 16-layer run fails: left out
+        return ProcResult("ok" if ok else "crash", 0, 0.1, 1.0, {"time_s": float(src[1:-5])} if ok else None, "")
+
+    monkeypatch.setattr(bench_run, "run_measured", fake)
+    series = [(8, "d8.onnx", "gpt2"), (16, "d16.onnx", "gpt2"), (64, "d64.onnx", "gpt2")]
+    samples = bench_run.series_runs(series, tmp_path / "series", {"timeout_s": 5}, rounds=3)
+    assert calls == ["d8.onnx", "d16.onnx", "d64.onnx", "d16.onnx", "d64.onnx", "d8.onnx",
+                     "d64.onnx", "d8.onnx", "d16.onnx"]
+    assert samples == {"8": [8.0] * 3, "16": [16.0, 16.0], "64": [64.0] * 3}
+    assert not (tmp_path / "series").exists()
+
+
+def test_scaling_goal_reads_the_series_rounds_when_there_are_some():
+    from bench.report import render, scaling
+
+    rows = [{"optimizer": "k3opt", "status": "ok", "payload": {"time_s": t}, "peak_rss_mb": 100} for t in (0.2, 2.6)]
+    run = {"models": [{"model": "llama-depth8", "results": [rows[0]]}, {"model": "llama-depth64", "results": [rows[1]]}]}
+    assert scaling(run)["goals"]["linear 8->64 layers (time ratio <= 9)"] == (False, "x13.0")  # per-model runs
+    run["series_runs"] = {"8": [0.25, 0.2, 0.3], "64": [1.8, 2.0, 5.0]}
+    sc = scaling(run)
+    assert sc["goals"]["linear 8->64 layers (time ratio <= 9)"] == (
+        True, "x8.0 (0.25 s -> 2.00 s: medians of 3 interleaved rounds over the series)")
+    assert sc["depth"][64]["k3opt (series rounds)"] == {"time_s": 2.0, "peak_rss_mb": None}
+    assert "| 64 | 2.60 / 100 | 2.00 / - |" in render({"date": "d", "machine": "m", "versions": "v", **run})
