@@ -121,6 +121,24 @@ def test_cleanup_unlinks_what_it_drops_and_graph_input_producers():
     assert not dead.inputs and not dead.outputs and all(n is not dead for n in x.outputs)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_toposort_matches_gs_when_a_produced_tensor_is_unnamed(seed):
+    """gs orders by local names only: an unnamed tensor's producer does not count, so the fast path (a named
+    output of a node of the graph is local) must not take it, and the full walk for the names decides."""
+    def graph() -> gs.Graph:
+        x, hidden, y, z = gs.Variable("x"), gs.Variable(""), gs.Variable("y"), gs.Variable("z")
+        nodes = [gs.Node("Relu", name="make", inputs=[x], outputs=[hidden]),
+                 gs.Node("Neg", name="read", inputs=[hidden], outputs=[y]),
+                 gs.Node("Exp", name="after", inputs=[y], outputs=[z])]
+        random.Random(seed).shuffle(nodes)
+        return gs.Graph(nodes=nodes, inputs=[x], outputs=[z])
+
+    ours, theirs = graph(), graph()
+    ir.toposort(ours)
+    theirs.toposort()
+    assert _order(ours) == _order(theirs)
+
+
 def test_toposort_refuses_a_cycle_like_gs():
     graph = gs.import_onnx(_model([helper.make_node("Neg", ["z"], ["w"]), helper.make_node("Neg", ["w"], ["z"]),
                                    helper.make_node("Add", ["x", "z"], ["y"])], ["x"], ["y"]))
