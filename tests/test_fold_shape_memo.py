@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
-from onnx import TensorProto as T, helper
+from onnx import TensorProto as T, helper, numpy_helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 import k3opt
 from k3opt.passes import fold_shapes
@@ -121,8 +122,9 @@ def test_small_constants_are_decoded_once(monkeypatch):
     tensors = graph.tensors()
     big = as_constant("big", np.arange(fold_shapes.MAX_DECODED_BYTES, dtype=np.int64))
     decoded = []
-    real = fold_shapes.peek
-    monkeypatch.setattr(fold_shapes, "peek", lambda c: decoded.append(c.name) or real(c))
+    for name in ("peek", "_decode_small"):  # big ones are peeked, small ones decoded (fast path or peek)
+        real = getattr(fold_shapes, name)
+        monkeypatch.setattr(fold_shapes, name, lambda c, real=real: decoded.append(c.name) or real(c))
     for _ in range(2):
         with remembered_dims():
             assert shape_elements(tensors["target"])[0] == ["N", -1]
@@ -173,3 +175,29 @@ def test_folded_results_are_not_decoded_again(monkeypatch):
     assert isinstance(folded, gs.Constant)
     monkeypatch.setattr(fold_shapes, "peek", lambda c: pytest.fail(f"{c.name} decoded again"))
     assert fold_shapes.small_const_value(folded).tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("value", [
+    np.array(7, np.int64), np.array([-1, 0, 5], np.int64), np.arange(6, dtype=np.int32).reshape(2, 3),
+    np.array([1.5, -0.0, np.inf], np.float32), np.array([np.nan, 1e300], np.float64), np.array([True, False]),
+    np.array([-3, 4], np.int8), np.array([200], np.uint8), np.zeros((0, 2), np.int64),
+    np.array([1.5], np.float16), np.array([3], np.uint16), np.array([2], np.uint64),
+], ids=lambda v: f"{v.dtype}{list(v.shape)}")
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed-field"])
+def test_small_decode_matches_peek(value, raw):
+    """The fast decode of small constants gives exactly what gs's load gives: dtype, shape, bits, a
+    writable array of its own; tensors it does not read directly (typed fields, other dtypes) go to gs."""
+    proto = numpy_helper.from_array(value, "c")
+    if not raw:
+        proto = helper.make_tensor("c", proto.data_type, value.shape, value.ravel().tolist())
+    c = gs.Constant("c", LazyValues(proto))
+    fast, slow = fold_shapes._decode_small(c), fold_shapes.peek(c)
+    assert fast.dtype == slow.dtype and fast.shape == slow.shape and fast.tobytes() == slow.tobytes()
+    assert fast.flags.writeable and fast.flags.owndata and fast.flags.c_contiguous
+
+
+def test_small_decode_reads_raw_numbers_itself(monkeypatch):
+    """The common case (raw int64 bytes, as exporters write shape constants) does not go through gs."""
+    c = gs.Constant("c", LazyValues(numpy_helper.from_array(np.array([2, -1], np.int64), "c")))
+    monkeypatch.setattr(fold_shapes, "peek", lambda c: pytest.fail("went to gs"))
+    assert fold_shapes._decode_small(c).tolist() == [2, -1]
