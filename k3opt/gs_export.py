@@ -20,7 +20,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
-from .ir import Graph, Tensor, all_graphs, gs_fast_paths
+from .ir import Graph, Tensor, all_graphs, gs_fast_paths, node_subgraphs
 
 
 def export_onnx(graph: Graph, tensors: Optional[dict[str, Tensor]] = None) -> onnx.ModelProto:
@@ -29,8 +29,8 @@ def export_onnx(graph: Graph, tensors: Optional[dict[str, Tensor]] = None) -> on
         return gs.export_onnx(graph, do_type_check=False)
     model = onnx.ModelProto()
     model.ir_version = onnx.IR_VERSION  # as onnx.helper.make_model
-    _write_graph(graph, model.graph, tensor_map(graph) if tensors is None else dict(tensors))
-    model.opset_import.extend(import_domains(graph))
+    used = _write_graph(graph, model.graph, tensor_map(graph) if tensors is None else dict(tensors))
+    model.opset_import.extend(import_domains(graph, used=used))
     model.producer_name = graph.producer_name
     model.producer_version = graph.producer_version
     if graph.ir_version is not None:
@@ -58,25 +58,36 @@ def tensor_map(graph: Graph) -> dict[str, Tensor]:
     return found
 
 
-def import_domains(graph: Graph, graphs: Optional[Sequence[Graph]] = None) -> list[onnx.OperatorSetIdProto]:
+def import_domains(graph: Graph, graphs: Optional[Sequence[Graph]] = None,
+                   used: Optional[set[Optional[str]]] = None) -> list[onnx.OperatorSetIdProto]:
     """gs's ``update_import_domains(graph)``, without gs's slow walk for subgraphs when it would add nothing.
 
     ``graphs``: ``graph`` and its subgraphs when the caller already knows them (``[graph]``: none), so
-    even the walk that finds them is saved.
+    even the walk that finds them is saved; ``used``: the domains of all their nodes, when known.
     """
     if graph.import_domains is not None:
-        used = {n.domain for g in (all_graphs(graph) if graphs is None else graphs) for n in g.nodes}
-        used.discard(None)
+        if used is None:
+            used = {n.domain for g in (all_graphs(graph) if graphs is None else graphs) for n in g.nodes}
+        used = used - {None}
         if used <= {o.domain for o in graph.import_domains}:
             return graph.import_domains
     return update_import_domains(graph)
 
 
-def _write_graph(graph: Graph, out: onnx.GraphProto, tensors: dict[str, Tensor]) -> None:
+def _write_graph(graph: Graph, out: onnx.GraphProto, tensors: dict[str, Tensor]) -> Optional[set[Optional[str]]]:
     """``OnnxExporter.export_graph(graph, do_type_check=False)`` (then ``make_graph``), into ``out``;
-    ``tensors``: ``tensor_map(graph)``, which this consumes."""
+    ``tensors``: ``tensor_map(graph)``, which this consumes.
+
+    Returns the domains of the nodes written (saves :func:`import_domains` its own walk), None when a
+    node holds a body (whose nodes count too).
+    """
+    used: Optional[set[Optional[str]]] = set()
     for node in graph.nodes:
         _write_node(node, out.node.add())
+        if used is not None:
+            used.add(node.domain)
+            if node.attrs and node_subgraphs(node):
+                used = None
     out.name = graph.name
     for t in graph.inputs:
         _write_value_info(t, out.input)
@@ -99,6 +110,7 @@ def _write_graph(graph: Graph, out: onnx.GraphProto, tensors: dict[str, Tensor])
                         if isinstance(t, gs.Variable) and (t.dtype is not None or t.shape is not None)], out)
     if graph.doc_string:
         out.doc_string = graph.doc_string
+    return used
 
 
 #: ONNX types whose numpy arrays gs writes as ``tobytes()`` into ``raw_data`` (no packing, no conversion).

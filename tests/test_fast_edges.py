@@ -401,6 +401,19 @@ def test_fast_export_writes_gs_bytes(make, odd):
     assert ours == gs.export_onnx(graph, do_type_check=False).SerializeToString()
 
 
+@pytest.mark.parametrize("where", ["top", "body"])
+def test_fast_export_imports_a_new_domain_like_gs(where):
+    """The domains the export collects while writing the nodes (or, with bodies, gs's walk) give gs's imports."""
+    from k3opt import gs_export
+
+    graph = gs.import_onnx(_if_model())
+    node = graph.nodes[-1] if where == "top" else next(n for n in graph.nodes if n.op == "If").attrs["then_branch"].nodes[0]
+    node.domain = "new.domain"
+    ours = gs_export.export_onnx(graph)
+    assert ours.SerializeToString() == gs.export_onnx(graph, do_type_check=False).SerializeToString()
+    assert "new.domain" in {o.domain for o in ours.opset_import}
+
+
 def _value_info_graph(*variables: gs.Variable) -> gs.Graph:
     x = gs.Variable("x", dtype=np.float32, shape=[2])
     return gs.Graph(nodes=[gs.Node("Custom", inputs=[x], outputs=list(variables))], inputs=[x], outputs=[],
