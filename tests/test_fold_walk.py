@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto as T, helper
 
 import k3opt
+from k3opt.report import Report
 from k3opt.ir import Graph, Node, Tensor, const_value, producer
 from k3opt.passes.base import PassContext
 from k3opt.passes.manager import PassManager
@@ -102,3 +103,32 @@ def test_unsorted_graph_with_a_branch_reading_folded_values(compared_walks):
 def test_zoo_walks_match(compared_walks, name, exporter):
     k3opt.optimize(onnx.load(zoo_model(name, exporter)))
     assert sum(compared_walks) > 0
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter, skips", [("llama", "torchscript", True), ("gpt2", "torchscript", True),
+                                                   ("deepseek_v3", "torchscript", False), ("llama", "dynamo", False)])
+def test_skipped_value_walk_changes_nothing(monkeypatch, name, exporter, skips):
+    """A value sweep is skipped when the last one found no foldable node and the shape sweep since changed
+    nothing; forcing every walk gives the same model and rewrite counts, with more walks."""
+    walks: list = []
+    real = FoldConstants._foldable
+
+    def foldable(self, graph, ctx):
+        walks.append(len(graph.nodes))
+        return real(self, graph, ctx)
+
+    monkeypatch.setattr(FoldConstants, "_foldable", foldable)
+    model = onnx.load(zoo_model(name, exporter))
+    runs = []
+    for touched in (None, True):  # None: as the pass says; True: every shape sweep claims a change
+        if touched:
+            real_shapes = FoldConstants._fold_shapes
+            monkeypatch.setattr(FoldConstants, "_fold_shapes", lambda self, g, ctx: (real_shapes(self, g, ctx)[0], True))
+        walks.clear()
+        report = Report()
+        out = k3opt.optimize(model, report=report).SerializeToString()
+        runs.append((out, [(p["name"], p["rewrites"]) for p in report.passes], len(walks)))
+    (fast, fast_counts, fast_walks), (slow, slow_counts, slow_walks) = runs
+    assert fast == slow and fast_counts == slow_counts
+    assert (fast_walks < slow_walks) == skips

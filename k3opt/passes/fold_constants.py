@@ -61,9 +61,15 @@ class FoldConstants(Pass):
         # One memo for every sweep: each change tells it what it rewired (traces are re-walked only there).
         with remembered_dims(graph):
             total = self._constant_nodes(graph, ctx)
+            none_foldable = False  # the last value sweep found no foldable node, and left the graph as it was
             for _ in range(MAX_SWEEPS):
                 ctx.changed()  # the sweeps ask the census for candidates: it must see the last sweep's rewrites
-                n = self._fold_shapes(graph, ctx) + self._fold_values(graph, ctx)
+                n, touched = self._fold_shapes(graph, ctx)
+                if none_foldable and not touched:
+                    break  # the graph is as that sweep saw it: no node is foldable still (n is 0)
+                order = self._foldable(graph, ctx)
+                none_foldable = not order
+                n += self._fold_values(graph, ctx, order)
                 if not n:
                     break
                 total += n
@@ -93,7 +99,8 @@ class FoldConstants(Pass):
         return len(dead)
 
     # -- sweep 2 -----------------------------------------------------------
-    def _fold_shapes(self, graph: Graph, ctx: PassContext) -> int:
+    def _fold_shapes(self, graph: Graph, ctx: PassContext) -> tuple[int, bool]:
+        """Fold shape computations; returns (nodes removed, whether the graph changed at all)."""
         folded: list[Node] = []
         installed: list = []
         for node in ctx.nodes_of(graph, SHAPE_OPS):  # the census: shared with the passes at this graph version
@@ -103,11 +110,11 @@ class FoldConstants(Pass):
                     folded.append(node)
         n = _drop_dead(graph, folded)
         _take_names(installed)
-        return n
+        return n, bool(folded)
 
     # -- sweep 3 -----------------------------------------------------------
-    def _fold_values(self, graph: Graph, ctx: PassContext) -> int:
-        order = self._foldable(graph, ctx)
+    def _fold_values(self, graph: Graph, ctx: PassContext, order: list[Node]) -> int:
+        """Evaluate ``order`` (:meth:`_foldable`'s answer) and install what it hands to the rest of the graph."""
         if not order:
             return 0
         changed = 0
