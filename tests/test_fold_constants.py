@@ -357,3 +357,27 @@ def test_long_constant_chain_folds_without_recursion_limits():
     out, _ = fold(model)
     assert op_counts(out) == {"Add": 1}
     assert_equivalent(model, out)
+
+
+def test_constant_nodes_leave_no_links():
+    """Constant nodes become initializers: every reader (two of one, one of another, none of an unread one)
+    reads the initializer, which has no producer, and the removed nodes are linked to nothing."""
+    nodes = [
+        helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.ones(2, np.float32))),
+        helper.make_node("Constant", [], ["d"], value_float=2.0),
+        helper.make_node("Constant", [], ["unread"], value_int=3),
+        helper.make_node("Add", ["x", "c"], ["s"]), helper.make_node("Mul", ["s", "c"], ["m"]),
+        helper.make_node("Mul", ["m", "d"], ["y"]),
+    ]
+    graph = gs.import_onnx(make_model(nodes, [("x", F, [2])], [("y", F, [2])], {}, opset=17))
+    consts = [n for n in graph.nodes if n.op == "Constant"]
+    ctx = PassContext(opset=17)
+    assert FoldConstants()._constant_nodes(graph, ctx) == 2
+    assert [n.op for n in graph.nodes] == ["Constant", "Add", "Mul", "Mul"]  # the unread one stays
+    for node in consts[:2]:
+        assert not node.inputs and not node.outputs
+    readers = {n.outputs[0].name: n for n in graph.nodes[1:]}
+    c, d = readers["s"].inputs[1], readers["y"].inputs[1]
+    assert isinstance(c, gs.Constant) and isinstance(d, gs.Constant) and readers["m"].inputs[1] is c
+    assert (c.name, d.name) == ("c", "d") and not c.inputs and not d.inputs
+    assert [id(n) for n in c.outputs] == [id(readers["s"]), id(readers["m"])] and d.outputs == [readers["y"]]

@@ -29,7 +29,7 @@ from ..ir import (
     Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, producer, replace_uses,
 )
 from .base import Pass, PassContext, register_pass
-from .cleanup_rewire import detach, detach_all, is_used, remove
+from .cleanup_rewire import detach, is_used, remove
 from .fold_eval import EvalError, as_array, outer_refs, run_ort, run_reference
 from .fold_guard import too_big
 from .fold_shapes import fold_shape_value, forget, remember_value, remembered_dims, rewiring
@@ -94,7 +94,8 @@ class FoldConstants(Pass):
             value.name = name
             done.append(node)
         dead: list[Node] = []
-        detach_all(done, dead)  # all at once: each link list is filtered once
+        for node in done:  # no inputs: unlinking from its one output is all (detach_all's batching buys nothing)
+            detach(node, dead)
         remove(graph, dead)
         return len(dead)
 
