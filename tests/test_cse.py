@@ -223,3 +223,52 @@ def test_detach_all_links_like_detaching_one_by_one():
     assert _links(graphs[0]) == _links(graphs[1]) and [n.name for n in one_by_one] == [n.name for n in batch]
     assert not any(n.inputs or n.outputs for n in batch)
     assert [c.name for c in graphs[1].tensors()["x"].outputs] == ["m0", "m2", "m4", "m5"]  # the body's Muls unlinked
+
+
+def _random_graph(seed: int) -> gs.Graph:
+    """Nodes sharing inputs and ops in many ways, some with attributes CSE cannot compare, in random order
+    (not topological: merges then rewire nodes already visited)."""
+    import random
+
+    rng = random.Random(seed)
+    tensors = [gs.Variable("x", dtype=np.float32, shape=[2]), gs.Variable("y", dtype=np.float32, shape=[2])]
+    nodes = []
+    for i in range(60):
+        op = rng.choice(["Relu", "Add", "Add"])
+        inputs = [rng.choice(tensors[:2 + i // 8] + tensors[-2:]) for _ in range(1 if op == "Relu" else 2)]
+        attrs = rng.choice([{}, {"a": 1}, {"a": 2}, {"a": 1, "odd": {}}])  # a dict: not comparable
+        out = gs.Variable(f"t{i}", dtype=np.float32, shape=[2])
+        nodes.append(gs.Node(op, name=f"n{i}", attrs=dict(attrs), inputs=inputs, outputs=[out]))
+        tensors.append(out)
+    rng.shuffle(nodes)
+    return gs.Graph(nodes=nodes, inputs=tensors[:2], outputs=tensors[-3:], opset=17)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_node_merges_match_keying_every_node(seed):
+    """Keying attributes only for nodes whose head another shares merges exactly what keying all did."""
+    from k3opt.passes import cse
+    from k3opt.passes.cleanup_rewire import detach_all, remove
+
+    def keyed_all(graph: gs.Graph) -> int:
+        seen, merged = {}, []
+        for node in list(graph.nodes):
+            head = cse._node_head(node)
+            attrs = None if head is None else cse._attrs_key(node)
+            if attrs is None:
+                continue
+            keep = seen.setdefault((head, attrs), node)
+            if keep is not node and EliminateCommonSubexpressions._merge(graph, node, keep):
+                merged.append(node)
+        dead = []
+        detach_all(merged, dead)
+        remove(graph, dead)
+        return len(dead)
+
+    def state(graph: gs.Graph) -> list:
+        return [(n.name, [t.name for t in n.inputs]) for n in graph.nodes] + [[t.name for t in graph.outputs]]
+
+    ours, theirs = _random_graph(seed), _random_graph(seed)
+    n = EliminateCommonSubexpressions()._nodes(ours)
+    assert n == keyed_all(theirs) and n > 0
+    assert state(ours) == state(theirs)

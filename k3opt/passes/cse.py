@@ -120,9 +120,16 @@ def _attr_key(value: object) -> Optional[Hashable]:
     return (type(value).__name__, value)
 
 
-def _node_key(node: Node) -> Optional[Hashable]:
+def _node_head(node: Node) -> Optional[Hashable]:
+    """What two equal nodes share besides their attributes (op, domain, the input objects, the output
+    count); None for a node never merged."""
     if (node.domain or "") not in _DOMAINS or node.op in RANDOM_OPS or not node.outputs:
         return None
+    return (node.op, node.domain or "", tuple(map(id, node.inputs)), len(node.outputs))
+
+
+def _attrs_key(node: Node) -> Optional[Hashable]:
+    """The node's attributes as a key (:func:`_attr_key`, by name); None when one cannot be compared."""
     attrs = []
     if node.attrs:
         for k in sorted(node.attrs):
@@ -130,7 +137,11 @@ def _node_key(node: Node) -> Optional[Hashable]:
             if key is None:
                 return None
             attrs.append((k, key))
-    return (node.op, node.domain or "", tuple(attrs), tuple(map(id, node.inputs)), len(node.outputs))
+    return tuple(attrs)
+
+
+#: No node had this head yet (see ``_nodes``).
+_UNSEEN = object()
 
 
 def _external(c: gs.Constant) -> bool:
@@ -195,13 +206,32 @@ class EliminateCommonSubexpressions(Pass):
         return merged
 
     def _nodes(self, graph: Graph) -> int:
+        """Merge each node into the first one equal to it (same head and attributes).
+
+        A node's attributes are keyed only once a second node shares its head (most heads are unique:
+        keying every node's attributes was a third of this walk); the head is taken when the node is
+        visited, as merges rewire the inputs of the nodes after it, and attributes do not change here.
+        """
         seen: dict[Hashable, Node] = {}
+        alone: dict[Hashable, Optional[Node]] = {}  # head -> its only node so far (None: there were more)
         merged: list[Node] = []
         for node in list(graph.nodes):
-            key = _node_key(node)
-            if key is None:
+            head = _node_head(node)
+            if head is None:
                 continue
-            keep = seen.setdefault(key, node)
+            first = alone.get(head, _UNSEEN)
+            if first is _UNSEEN:
+                alone[head] = node
+                continue
+            if first is not None:
+                alone[head] = None
+                attrs = _attrs_key(first)
+                if attrs is not None:
+                    seen.setdefault((head, attrs), first)
+            attrs = _attrs_key(node)
+            if attrs is None:
+                continue
+            keep = seen.setdefault((head, attrs), node)
             if keep is node or not self._merge(graph, node, keep):
                 continue
             merged.append(node)  # nothing reads its outputs any more; unlinked from its inputs below, all at once
