@@ -124,7 +124,7 @@ def test_skipped_value_walk_changes_nothing(monkeypatch, name, exporter, skips):
     for touched in (None, True):  # None: as the pass says; True: every shape sweep claims a change
         if touched:
             real_shapes = FoldConstants._fold_shapes
-            monkeypatch.setattr(FoldConstants, "_fold_shapes", lambda self, g, ctx: (real_shapes(self, g, ctx)[0], True))
+            monkeypatch.setattr(FoldConstants, "_fold_shapes", lambda self, *a: (real_shapes(self, *a)[0], True))
         walks.clear()
         report = Report()
         out = k3opt.optimize(model, report=report).SerializeToString()
@@ -132,3 +132,24 @@ def test_skipped_value_walk_changes_nothing(monkeypatch, name, exporter, skips):
     (fast, fast_counts, fast_walks), (slow, slow_counts, slow_walks) = runs
     assert fast == slow and fast_counts == slow_counts
     assert (fast_walks < slow_walks) == skips
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", [("llama", "torchscript"), ("gpt2", "torchscript"), ("llama", "dynamo"),
+                                            ("vit", "torchscript"), ("bert", "dynamo")])
+def test_shape_sweeps_see_every_shape_op_in_order(monkeypatch, name, exporter):
+    """Each shape sweep gets the shape ops still in the graph (carried over from the run's first census
+    answer): exactly the graph's shape ops, in graph order, as a fresh scan finds them."""
+    from k3opt.passes.fold_constants import SHAPE_OPS
+
+    sweeps: list = []
+    real = FoldConstants._fold_shapes
+
+    def fold_shapes(self, graph, ctx, nodes):
+        assert [id(n) for n in nodes] == [id(n) for n in graph.nodes if n.op in SHAPE_OPS]
+        sweeps.append(len(nodes))
+        return real(self, graph, ctx, nodes)
+
+    monkeypatch.setattr(FoldConstants, "_fold_shapes", fold_shapes)
+    k3opt.optimize(onnx.load(zoo_model(name, exporter)))
+    assert len(sweeps) > 1 and sweeps[0] > 0

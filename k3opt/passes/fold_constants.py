@@ -60,11 +60,14 @@ class FoldConstants(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> int:
         # One memo for every sweep: each change tells it what it rewired (traces are re-walked only there).
         with remembered_dims(graph):
+            # The census is asked before any rewrite (the manager drops it after a run that rewrote). No sweep
+            # adds a shape op, so each sweep's candidates are those of the sweep before still in the graph.
+            shape_nodes = ctx.nodes_of(graph, SHAPE_OPS)
             total = self._constant_nodes(graph, ctx)
             none_foldable = False  # the last value sweep found no foldable node, and left the graph as it was
             for _ in range(MAX_SWEEPS):
-                ctx.changed()  # the sweeps ask the census for candidates: it must see the last sweep's rewrites
-                n, touched = self._fold_shapes(graph, ctx)
+                shape_nodes = _still_in(graph, shape_nodes)
+                n, touched = self._fold_shapes(graph, ctx, shape_nodes)
                 if none_foldable and not touched:
                     break  # the graph is as that sweep saw it: no node is foldable still (n is 0)
                 order = self._foldable(graph, ctx)
@@ -100,11 +103,12 @@ class FoldConstants(Pass):
         return len(dead)
 
     # -- sweep 2 -----------------------------------------------------------
-    def _fold_shapes(self, graph: Graph, ctx: PassContext) -> tuple[int, bool]:
-        """Fold shape computations; returns (nodes removed, whether the graph changed at all)."""
+    def _fold_shapes(self, graph: Graph, ctx: PassContext, nodes: list[Node]) -> tuple[int, bool]:
+        """Fold the shape computations among ``nodes`` (the graph's, in graph order); returns (nodes removed,
+        whether the graph changed at all)."""
         folded: list[Node] = []
         installed: list = []
-        for node in ctx.nodes_of(graph, SHAPE_OPS):  # the census: shared with the passes at this graph version
+        for node in nodes:
             if (node.domain or "") in ("", "ai.onnx") and is_used(graph, node.outputs[0]):
                 value = fold_shape_value(node)
                 if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
@@ -231,6 +235,12 @@ class FoldConstants(Pass):
                     continue
             known.update(got)
         return known
+
+
+def _still_in(graph: Graph, nodes: list[Node]) -> list[Node]:
+    """Those of ``nodes`` the graph still holds (ids only: no node is read, a census is a read of every one)."""
+    held = {id(n) for n in graph.nodes}
+    return [n for n in nodes if id(n) in held]
 
 
 def _holders(graph: Graph) -> list[Node]:
