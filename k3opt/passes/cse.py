@@ -144,8 +144,9 @@ def _attrs_key(node: Node) -> Optional[Hashable]:
 _UNSEEN = object()
 
 
-def _external(c: gs.Constant) -> bool:
-    proto = getattr(c._values, "tensor", None)
+def _external(values: object) -> bool:
+    """Whether a constant's values (``Constant._values``) live in external data."""
+    proto = getattr(values, "tensor", None)
     return isinstance(proto, TensorProto) and proto.data_location == TensorProto.EXTERNAL
 
 
@@ -188,8 +189,9 @@ class EliminateCommonSubexpressions(Pass):
             for t in node.inputs:
                 if id(t) not in seen and isinstance(t, gs.Constant):
                     seen.add(id(t))
-                    if t._values.nbytes <= limit and not _external(t):
-                        groups.setdefault((t.dtype, tuple(t.shape)), {})[id(t)] = t
+                    values = t._values  # what Constant.dtype and .shape read, read once
+                    if values.nbytes <= limit and not _external(values):
+                        groups.setdefault((values.dtype, tuple(values.shape)), {})[id(t)] = t
         merged = 0
         for group in groups.values():
             if len(group) < 2:
