@@ -63,8 +63,8 @@ def compared_walks(monkeypatch) -> list:
     sizes: list = []
     real = FoldConstants._foldable
 
-    def foldable(self, graph, ctx):
-        got = real(self, graph, ctx)
+    def foldable(self, graph, ctx, starts):
+        got = real(self, graph, ctx, starts)
         want = _walk_from_every_node(self, graph, ctx)
         assert [id(n) for n in got] == [id(n) for n in want]
         sizes.append(len(got))
@@ -114,9 +114,9 @@ def test_skipped_value_walk_changes_nothing(monkeypatch, name, exporter, skips):
     walks: list = []
     real = FoldConstants._foldable
 
-    def foldable(self, graph, ctx):
+    def foldable(self, graph, ctx, starts):
         walks.append(len(graph.nodes))
-        return real(self, graph, ctx)
+        return real(self, graph, ctx, starts)
 
     monkeypatch.setattr(FoldConstants, "_foldable", foldable)
     model = onnx.load(zoo_model(name, exporter))
@@ -145,11 +145,34 @@ def test_shape_sweeps_see_every_shape_op_in_order(monkeypatch, name, exporter):
     sweeps: list = []
     real = FoldConstants._fold_shapes
 
-    def fold_shapes(self, graph, ctx, nodes):
+    def fold_shapes(self, graph, ctx, nodes, made):
         assert [id(n) for n in nodes] == [id(n) for n in graph.nodes if n.op in SHAPE_OPS]
         sweeps.append(len(nodes))
-        return real(self, graph, ctx, nodes)
+        return real(self, graph, ctx, nodes, made)
 
     monkeypatch.setattr(FoldConstants, "_fold_shapes", fold_shapes)
     k3opt.optimize(onnx.load(zoo_model(name, exporter)))
     assert len(sweeps) > 1 and sweeps[0] > 0
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", [("llama", "torchscript"), ("gpt2", "torchscript"), ("llama", "dynamo"),
+                                            ("deepseek_v3", "torchscript"), ("bert", "dynamo")])
+def test_start_nodes_carried_over_match_a_scan(monkeypatch, name, exporter):
+    """A later sweep's start nodes, kept from the last sweep's and the readers of what was installed since,
+    are exactly those a scan of every node finds, in graph order."""
+    from k3opt.passes import fold_constants
+
+    carried: list = []
+    real = fold_constants._starts
+
+    def starts(graph, last, installed):
+        got = real(graph, last, installed)
+        if last is not None:
+            assert [id(n) for n in got] == [id(n) for n in real(graph, None, [])]
+            carried.append(len(got))
+        return got
+
+    monkeypatch.setattr(fold_constants, "_starts", starts)
+    k3opt.optimize(onnx.load(zoo_model(name, exporter)))
+    assert carried

@@ -65,14 +65,18 @@ class FoldConstants(Pass):
             shape_nodes = ctx.nodes_of(graph, SHAPE_OPS)
             total = self._constant_nodes(graph, ctx)
             none_foldable = False  # the last value sweep found no foldable node, and left the graph as it was
+            starts: Optional[list[Node]] = None  # the value walk's start nodes at its last sweep
+            installed: list[tuple[Tensor, Tensor]] = []  # (tensor, constant) installed since
             for _ in range(MAX_SWEEPS):
                 shape_nodes = _still_in(graph, shape_nodes)
-                n, touched = self._fold_shapes(graph, ctx, shape_nodes)
+                n, touched = self._fold_shapes(graph, ctx, shape_nodes, installed)
                 if none_foldable and not touched:
                     break  # the graph is as that sweep saw it: no node is foldable still (n is 0)
-                order = self._foldable(graph, ctx)
+                starts = _starts(graph, starts, installed)
+                installed.clear()
+                order = self._foldable(graph, ctx, starts)
                 none_foldable = not order
-                n += self._fold_values(graph, ctx, order)
+                n += self._fold_values(graph, ctx, order, installed)
                 if not n:
                     break
                 total += n
@@ -103,9 +107,9 @@ class FoldConstants(Pass):
         return len(dead)
 
     # -- sweep 2 -----------------------------------------------------------
-    def _fold_shapes(self, graph: Graph, ctx: PassContext, nodes: list[Node]) -> tuple[int, bool]:
-        """Fold the shape computations among ``nodes`` (the graph's, in graph order); returns (nodes removed,
-        whether the graph changed at all)."""
+    def _fold_shapes(self, graph: Graph, ctx: PassContext, nodes: list[Node], made: list) -> tuple[int, bool]:
+        """Fold the shape computations among ``nodes`` (the graph's, in graph order), adding to ``made`` what
+        is installed; returns (nodes removed, whether the graph changed at all)."""
         folded: list[Node] = []
         installed: list = []
         for node in nodes:
@@ -114,12 +118,14 @@ class FoldConstants(Pass):
                 if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
                     folded.append(node)
         n = _drop_dead(graph, folded)
+        made += installed
         _take_names(installed)
         return n, bool(folded)
 
     # -- sweep 3 -----------------------------------------------------------
-    def _fold_values(self, graph: Graph, ctx: PassContext, order: list[Node]) -> int:
-        """Evaluate ``order`` (:meth:`_foldable`'s answer) and install what it hands to the rest of the graph."""
+    def _fold_values(self, graph: Graph, ctx: PassContext, order: list[Node], made: list) -> int:
+        """Evaluate ``order`` (:meth:`_foldable`'s answer) and install what it hands to the rest of the graph,
+        adding it to ``made``."""
         if not order:
             return 0
         changed = 0
@@ -139,11 +145,12 @@ class FoldConstants(Pass):
         if not changed:
             return 0
         changed += _drop_dead(graph, dead)
+        made += installed
         _take_names(installed)
         return changed
 
-    def _foldable(self, graph: Graph, ctx: PassContext) -> list[Node]:
-        """Foldable nodes in topological order (a worklist from nodes with constant inputs)."""
+    def _foldable(self, graph: Graph, ctx: PassContext, starts: list[Node]) -> list[Node]:
+        """Foldable nodes in topological order (a worklist from ``starts``, the nodes with constant inputs)."""
         overridable = {id(t) for t in graph.inputs}
         in_graph = {id(n) for n in graph.nodes}
         pending: set[int] = set()
@@ -151,28 +158,15 @@ class FoldConstants(Pass):
         seen: set[int] = set()
 
         def ready(t: Tensor) -> bool:
-            if not t.name or id(t) in pending:
-                return True
-            if id(t) in overridable:
-                return False
-            if isinstance(t, gs.Constant):
-                return True
-            made = t.inputs  # its producer, read inline: this runs for an input of every node on every sweep
-            return bool(made) and made[0].op == "Constant"
+            return not t.name or id(t) in pending or _constant(t, overridable)
 
         def value(t: Tensor) -> Optional[np.ndarray]:
             return None if id(t) in pending else const_value(t)
 
         # Depth-first from constant-fed nodes, no recursion limit. Only nodes whose inputs are all constant now
         # start a walk: any other node is reached (and decided, in the same state) as a reader of the last of
-        # its inputs to become pending, before the walk comes back to where it would start. Nothing is pending
-        # yet, so a first input computed by a non-Constant node rules a node out without a call to ready().
-        stack = [
-            n for n in reversed(graph.nodes)
-            if not ((ins := n.inputs) and (t := ins[0]).name and (made := t.inputs) and made[0].op != "Constant"
-                    and not isinstance(t, gs.Constant))
-            and all(map(ready, ins))
-        ]
+        # its inputs to become pending, before the walk comes back to where it would start.
+        stack = starts[::-1]
         holders: Optional[list[Node]] = None
         while stack:
             node = stack.pop()
@@ -237,6 +231,46 @@ class FoldConstants(Pass):
         return known
 
 
+def _constant(t: Tensor, overridable: set[int]) -> bool:
+    """True when named tensor ``t`` is a constant (an initializer no graph input overrides, or a Constant's output)."""
+    if id(t) in overridable:
+        return False
+    if isinstance(t, gs.Constant):
+        return True
+    made = t.inputs  # its producer, read inline: this runs for an input of every node on every sweep
+    return bool(made) and made[0].op == "Constant"
+
+
+def _starts(graph: Graph, last: Optional[list[Node]], installed: list[tuple[Tensor, Tensor]]) -> list[Node]:
+    """The nodes whose inputs are all constant, in graph order.
+
+    Without ``last``, a scan of every node. Else from ``last`` (the answer at the last sweep) and
+    ``installed`` since: an input that is constant stays so, so a node joins only by reading a tensor
+    installed since (the constant, or the graph output a Constant node now computes), and none leaves but
+    by leaving the graph.
+    """
+    overridable = {id(t) for t in graph.inputs}
+
+    def all_constant(node: Node) -> bool:
+        return all(not t.name or _constant(t, overridable) for t in node.inputs)
+
+    if last is None:
+        # A first input computed by a non-Constant node rules a node out without a call.
+        return [
+            n for n in graph.nodes
+            if not ((ins := n.inputs) and (t := ins[0]).name and (made := t.inputs) and made[0].op != "Constant"
+                    and not isinstance(t, gs.Constant))
+            and all_constant(n)
+        ]
+    position = {id(n): i for i, n in enumerate(graph.nodes)}
+    found = {id(n): n for n in last if id(n) in position}
+    for t, const in installed:
+        for reader in (*t.outputs, *const.outputs):
+            if id(reader) in position and id(reader) not in found and all_constant(reader):
+                found[id(reader)] = reader
+    return sorted(found.values(), key=lambda n: position[id(n)])
+
+
 def _still_in(graph: Graph, nodes: list[Node]) -> list[Node]:
     """Those of ``nodes`` the graph still holds (ids only: no node is read, a census is a read of every one)."""
     held = {id(n) for n in graph.nodes}
@@ -268,8 +302,9 @@ def _install(graph: Graph, ctx: PassContext, t: Tensor, value: np.ndarray, insta
     A graph output gets a ``Constant`` node producing it under its own name
     (an initializer as graph output is legal ONNX but not every runtime takes
     it); other readers read a new initializer, returned so that it can take
-    ``t``'s name once ``t`` is gone. Returns None (graph untouched) when
-    ``value`` cannot be stored as a tensor.
+    ``t``'s name once ``t`` is gone. Either way ``(t, const)`` is added to
+    ``installed``. Returns None (graph untouched) when ``value`` cannot be
+    stored as a tensor.
     """
     try:
         const = as_constant(ctx.fresh_name(t.name), value)
@@ -282,6 +317,7 @@ def _install(graph: Graph, ctx: PassContext, t: Tensor, value: np.ndarray, insta
         if p is not None:
             p.outputs[[i for i, o in enumerate(p.outputs) if o is t][0]] = gs.Variable(ctx.fresh_name(t.name))
         graph.nodes.insert(0, gs.Node("Constant", ctx.fresh_name(t.name + "_const"), {"value": const}, [], [t]))
+        installed.append((t, const))  # t keeps its name (and its new producer)
         return const
     rewiring([t], const)  # readers now read a constant: what was traced through them may change
     replace_uses(graph, t, const)
