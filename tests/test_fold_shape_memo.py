@@ -201,3 +201,18 @@ def test_small_decode_reads_raw_numbers_itself(monkeypatch):
     c = gs.Constant("c", LazyValues(numpy_helper.from_array(np.array([2, -1], np.int64), "c")))
     monkeypatch.setattr(fold_shapes, "peek", lambda c: pytest.fail("went to gs"))
     assert fold_shapes._decode_small(c).tolist() == [2, -1]
+
+
+def test_small_constants_are_read_outside_the_memo_but_tracked():
+    """A small constant read while tracing keeps no memo entry of its own (it is remembered per process), yet
+    the result that read it is dropped when it is rewired, as through the memo; a big one is memoized."""
+    graph = _reshaped_graph()
+    y, minus1 = graph.tensors()["y"], graph.tensors()["minus1"]
+    big = as_constant("big", np.arange(fold_shapes.MAX_DECODED_BYTES, dtype=np.int64))
+    with remembered_dims() as memo:
+        got = memo.get(y, 7, 1, lambda: (fold_shapes._const(minus1).tolist(), fold_shapes._const(big).size))
+        assert got == ([-1], fold_shapes.MAX_DECODED_BYTES)
+        assert id(minus1) not in memo._results and -2 in memo._results[id(big)][1]
+        assert id(y) in memo._readers[id(minus1)] and id(y) in memo._readers[id(big)]
+        memo.forget([minus1])
+        assert id(y) not in memo._results

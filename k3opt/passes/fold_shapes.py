@@ -200,7 +200,14 @@ def forget(tensors: Iterable[Tensor]) -> None:
 
 
 def _const(t: Tensor) -> object:
-    return _remembered(t, -2, 0, lambda: small_const_value(t))
+    """:func:`small_const_value` of ``t``, a read of ``t`` for the result being remembered. Only big values go
+    through the memo (decoded once per memo): a small one is remembered per process already, and most
+    constants are read once per memo, where the memo's bookkeeping cost more than the read."""
+    _read(t)
+    c = const_tensor(t)
+    if c is None or _small(c._values):
+        return _small_value(c)
+    return _remembered(t, -2, 0, lambda: peek(c))
 
 
 #: Small constants as decoded (at most this many bytes: shape computations' integers), by their lazy value
@@ -222,7 +229,11 @@ def small_int_list(t: Tensor) -> Optional[list[int]]:
 
 def small_const_value(t: Tensor) -> Optional[np.ndarray]:
     """:func:`~k3opt.ir.const_value`, remembering small decoded values (:data:`_decoded`); never modify it."""
-    c = const_tensor(t)
+    return _small_value(const_tensor(t))
+
+
+def _small_value(c: Optional[gs.Constant]) -> Optional[np.ndarray]:
+    """:func:`small_const_value` of the constant ``c`` (None for None)."""
     if c is None:
         return None
     lazy = c._values
