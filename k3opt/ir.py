@@ -16,6 +16,8 @@ from onnx_graphsurgeon.logger import G_LOGGER
 from onnx_graphsurgeon.ir.tensor import LazyValues
 from onnx_graphsurgeon.util.misc import SynchronizedList
 
+from .errors import InputError
+
 Tensor = gs.Tensor
 Node = gs.Node
 Graph = gs.Graph
@@ -98,7 +100,20 @@ def peek(c: gs.Constant) -> np.ndarray:
     leaves the original TensorProto to be exported untouched.
     """
     v = c._values
-    return v.load() if isinstance(v, LazyValues) else v
+    if not isinstance(v, LazyValues):
+        return v
+    try:
+        return v.load()
+    except ValueError as exc:
+        if type(v) is LazyValues:  # a model's own tensor (k3opt's lazy values are its own business)
+            raise bad_data(c, exc) from None
+        raise
+
+
+def bad_data(c: gs.Constant, exc: Exception) -> InputError:
+    """The error for a model tensor whose stored bytes do not fit its type and dims (say, short raw_data):
+    a fault of the input, named as such, not a crash of the pass that read it."""
+    return InputError(f"tensor '{c.name}': its data does not fit its type and shape ({exc})")
 
 
 def as_constant(name: str, value: np.ndarray) -> gs.Constant:

@@ -46,7 +46,36 @@ def _write(folder: Path, name: str, data) -> Path:
     return path
 
 
+def short_raw_data(model: onnx.ModelProto, name: str, cut: int) -> onnx.ModelProto:
+    """``model`` with ``cut`` bytes missing from the end of initializer ``name``'s raw_data."""
+    t = next(t for t in model.graph.initializer if t.name == name)
+    t.raw_data = t.raw_data[:-cut]
+    return model
+
+
+def short_shape_constant() -> onnx.ModelProto:
+    """A Reshape whose int64 shape constant holds 12 bytes for its two elements (the shape computations
+    decode it: fold-constants, remove-noop-ops)."""
+    model = make_model([helper.make_node("Reshape", ["x", "s"], ["y"])], [("x", TensorProto.FLOAT, [2, 8])],
+                       [("y", TensorProto.FLOAT, [2, 8])], {"s": np.array([2, 8], np.int64)})
+    return short_raw_data(model, "s", 4)
+
+
+def short_sibling_weight() -> onnx.ModelProto:
+    """Q/K/V-like MatMuls reading one activation, one weight 8 bytes short (sibling merge reads the weights)."""
+    rng = np.random.default_rng(0)
+    weights = {f"w{i}": rng.standard_normal((16, 16)).astype(np.float32) for i in range(3)}
+    model = make_model([helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(3)],
+                       [("x", TensorProto.FLOAT, [2, 16])], [(f"y{i}", TensorProto.FLOAT, [2, 16]) for i in range(3)],
+                       weights)
+    return short_raw_data(model, "w1", 8)
+
+
 BAD_FILES = {
+    "short raw_data of a shape constant": (lambda d: _write(d, "m.onnx", short_shape_constant()),
+                                           "tensor 's': its data does not fit its type and shape"),
+    "short raw_data of a weight": (lambda d: _write(d, "m.onnx", short_sibling_weight()),
+                                   "tensor 'w1': its data does not fit its type and shape"),
     "empty": (lambda d: _write(d, "m.onnx", b""), "file is empty"),
     "random bytes": (lambda d: _write(d, "m.onnx", np.random.default_rng(0).bytes(4096)), "not a"),
     "truncated": (lambda d: _write(d, "m.onnx", good_model().SerializeToString()[:150]), "not a readable ONNX model"),

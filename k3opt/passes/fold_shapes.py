@@ -31,7 +31,7 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from ..ir import Graph, Node, Tensor, const_tensor, declared_symbols, peek, producer
+from ..ir import Graph, Node, Tensor, bad_data, const_tensor, declared_symbols, peek, producer
 from .cleanup_rewire import unsqueeze_axes
 
 #: Longest integer constant read as part of a shape computation.
@@ -262,7 +262,10 @@ def _decode_small(c: gs.Constant) -> np.ndarray:
     if dtype is None or not t.HasField("raw_data") or t.data_location == TensorProto.EXTERNAL \
             or t.HasField("segment"):
         return peek(c)
-    return np.frombuffer(t.raw_data, dtype).reshape(tuple(t.dims)).copy()  # a copy, as gs's load gives
+    try:
+        return np.frombuffer(t.raw_data, dtype).reshape(tuple(t.dims)).copy()  # a copy, as gs's load gives
+    except ValueError as exc:  # raw_data of the wrong length
+        raise bad_data(c, exc) from None
 
 
 def _small(lazy: object) -> bool:
