@@ -176,3 +176,27 @@ def test_start_nodes_carried_over_match_a_scan(monkeypatch, name, exporter):
     monkeypatch.setattr(fold_constants, "_starts", starts)
     k3opt.optimize(onnx.load(zoo_model(name, exporter)))
     assert carried
+
+
+def test_start_nodes_carried_over_include_a_graph_output_s_new_constant_node(monkeypatch):
+    """A folded graph output gets a Constant node: a scan counts it as a start node (no inputs), so the
+    carried-over start nodes must too, or the next sweep's starts differ from a scan's."""
+    from k3opt.passes import fold_constants
+
+    carried: list = []
+    real = fold_constants._starts
+
+    def starts(graph, last, installed):
+        got = real(graph, last, installed)
+        if last is not None:
+            assert [id(n) for n in got] == [id(n) for n in real(graph, None, [])]
+            carried.append([n.op for n in got])
+        return got
+
+    monkeypatch.setattr(fold_constants, "_starts", starts)
+    c = np.arange(4, dtype=np.float32)
+    model = make_model([helper.make_node("Add", ["a", "b"], ["y"]), helper.make_node("Relu", ["x"], ["z"])],
+                       [("x", F, [4])], [("y", F, [4]), ("z", F, [4])], {"a": c, "b": c})
+    out = k3opt.optimize(model, passes=["fold-constants"])
+    assert [n.op_type for n in out.graph.node] == ["Constant", "Relu"]
+    assert carried == [["Constant"]]

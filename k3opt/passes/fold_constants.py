@@ -246,8 +246,8 @@ def _starts(graph: Graph, last: Optional[list[Node]], installed: list[tuple[Tens
 
     Without ``last``, a scan of every node. Else from ``last`` (the answer at the last sweep) and
     ``installed`` since: an input that is constant stays so, so a node joins only by reading a tensor
-    installed since (the constant, or the graph output a Constant node now computes), and none leaves but
-    by leaving the graph.
+    installed since (the constant, or the graph output a Constant node now computes) or by being that
+    new Constant node (no inputs), and none leaves but by leaving the graph.
     """
     overridable = {id(t) for t in graph.inputs}
 
@@ -265,9 +265,9 @@ def _starts(graph: Graph, last: Optional[list[Node]], installed: list[tuple[Tens
     position = {id(n): i for i, n in enumerate(graph.nodes)}
     found = {id(n): n for n in last if id(n) in position}
     for t, const in installed:
-        for reader in (*t.outputs, *const.outputs):
-            if id(reader) in position and id(reader) not in found and all_constant(reader):
-                found[id(reader)] = reader
+        for node in (*t.outputs, *const.outputs, *t.inputs):  # readers; t.inputs: a graph output's new Constant node
+            if id(node) in position and id(node) not in found and all_constant(node):
+                found[id(node)] = node
     return sorted(found.values(), key=lambda n: position[id(n)])
 
 
