@@ -155,32 +155,10 @@ def test_shape_sweeps_see_every_shape_op_in_order(monkeypatch, name, exporter):
     assert len(sweeps) > 1 and sweeps[0] > 0
 
 
-@needs_torch
-@pytest.mark.parametrize("name, exporter", [("llama", "torchscript"), ("gpt2", "torchscript"), ("llama", "dynamo"),
-                                            ("deepseek_v3", "torchscript"), ("bert", "dynamo")])
-def test_start_nodes_carried_over_match_a_scan(monkeypatch, name, exporter):
-    """A later sweep's start nodes, kept from the last sweep's and the readers of what was installed since,
-    are exactly those a scan of every node finds, in graph order."""
-    from k3opt.passes import fold_constants
-
-    carried: list = []
-    real = fold_constants._starts
-
-    def starts(graph, last, installed):
-        got = real(graph, last, installed)
-        if last is not None:
-            assert [id(n) for n in got] == [id(n) for n in real(graph, None, [])]
-            carried.append(len(got))
-        return got
-
-    monkeypatch.setattr(fold_constants, "_starts", starts)
-    k3opt.optimize(onnx.load(zoo_model(name, exporter)))
-    assert carried
-
-
-def test_start_nodes_carried_over_include_a_graph_output_s_new_constant_node(monkeypatch):
-    """A folded graph output gets a Constant node: a scan counts it as a start node (no inputs), so the
-    carried-over start nodes must too, or the next sweep's starts differ from a scan's."""
+@pytest.fixture
+def carried_starts(monkeypatch) -> list:
+    """Checks every later sweep's start nodes (carried over from the last sweep's and the readers of what
+    was installed since) against a scan of every node: the same nodes in graph order. Collects their ops."""
     from k3opt.passes import fold_constants
 
     carried: list = []
@@ -194,9 +172,24 @@ def test_start_nodes_carried_over_include_a_graph_output_s_new_constant_node(mon
         return got
 
     monkeypatch.setattr(fold_constants, "_starts", starts)
+    return carried
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", [("llama", "torchscript"), ("gpt2", "torchscript"), ("llama", "dynamo"),
+                                            ("deepseek_v3", "torchscript"), ("bert", "dynamo")])
+def test_start_nodes_carried_over_match_a_scan(carried_starts, name, exporter):
+    """A later sweep's start nodes are exactly those a scan of every node finds, in graph order."""
+    k3opt.optimize(onnx.load(zoo_model(name, exporter)))
+    assert carried_starts
+
+
+def test_start_nodes_carried_over_include_a_graph_output_s_new_constant_node(carried_starts):
+    """A folded graph output gets a Constant node: a scan counts it as a start node (no inputs), so the
+    carried-over start nodes must too, or the next sweep's starts differ from a scan's."""
     c = np.arange(4, dtype=np.float32)
     model = make_model([helper.make_node("Add", ["a", "b"], ["y"]), helper.make_node("Relu", ["x"], ["z"])],
                        [("x", F, [4])], [("y", F, [4]), ("z", F, [4])], {"a": c, "b": c})
     out = k3opt.optimize(model, passes=["fold-constants"])
     assert [n.op_type for n in out.graph.node] == ["Constant", "Relu"]
-    assert carried == [["Constant"]]
+    assert carried_starts == [["Constant"]]
