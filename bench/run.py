@@ -141,13 +141,19 @@ def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, limits: dict
 def time_samples(rows: list[dict], src: Path, scratch: Path, model_type: str, limits: dict, runs: int) -> None:
     """Optimize ``src`` again with each :data:`TIMED` optimizer that succeeded, interleaved (one fresh
     process per run, outputs discarded), until each has ``runs`` times; ``row["time_samples"]`` holds them
-    all (the first run's included), ``row["time_median_s"]`` their median. A failed rerun is left out."""
+    all (the first run's included), ``row["time_median_s"]`` their median. A failed rerun is left out.
+
+    Each round rotates the order one further and every other round reverses it: a process runs slower
+    right after one that used much memory (on this VM, k3opt's 64-layer run +17 % right after
+    onnxslim's), so no optimizer may always follow the same one (a rotation alone keeps each one's
+    predecessor; a few seeded shuffles can repeat one order)."""
     rows = [r for r in rows if r["optimizer"] in TIMED and r["status"] == "ok"]
     for row in rows:
         row["time_samples"] = [row["payload"]["time_s"]]
     scratch.mkdir(parents=True, exist_ok=True)
-    for _ in range(runs - 1):
-        for row in rows:
+    for r in range(1, runs):
+        order = rows[r % len(rows):] + rows[:r % len(rows)] if rows else []
+        for row in order[::-1] if r % 2 else order:
             dst = scratch / "model.onnx"
             res = run_measured(python_module("bench.optimizers", row["optimizer"], str(src), str(dst), model_type),
                                **limits)

@@ -136,6 +136,27 @@ def test_time_samples_rerun_the_timed_optimizers_interleaved(tmp_path):
     assert not (tmp_path / "again").exists()
 
 
+
+def test_time_samples_vary_which_optimizer_runs_before_which(tmp_path, monkeypatch):
+    """Each round runs every timed optimizer once, in its own order: k3opt must not always follow onnxslim
+    (a process right after a memory-hungry one runs slower on this VM)."""
+    from bench.procs import ProcResult
+
+    calls = []
+
+    def fake(cmd, timeout_s, max_rss_mb=None):
+        calls.append(cmd[cmd.index("bench.optimizers") + 1])
+        return ProcResult("ok", 0, 0.1, 1.0, {"time_s": 1.0}, "")
+
+    monkeypatch.setattr(bench_run, "run_measured", fake)
+    rows = [{"optimizer": o, "status": "ok", "payload": {"time_s": 1.0}} for o in ("k3opt", "onnxsim", "onnxslim")]
+    bench_run.time_samples(rows, tmp_path / "m.onnx", tmp_path / "again", "gpt2", {"timeout_s": 5}, runs=7)
+    rounds = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    assert len(rounds) == 6 and all(sorted(r) == ["k3opt", "onnxsim", "onnxslim"] for r in rounds)
+    before_k3opt = {calls[i - 1] for i, name in enumerate(calls) if name == "k3opt" and i}
+    assert before_k3opt == {"onnxsim", "onnxslim"}
+    assert all(len(row["time_samples"]) == 7 for row in rows)
+
 def test_time_goals_read_the_medians():
     from bench.report import scaling
 
