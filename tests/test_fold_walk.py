@@ -162,7 +162,7 @@ def carried_starts(monkeypatch) -> list:
     from k3opt.passes import fold_constants
 
     carried: list = []
-    real = fold_constants._starts
+    real = fold_constants.start_nodes
 
     def starts(graph, last, installed):
         got = real(graph, last, installed)
@@ -171,7 +171,7 @@ def carried_starts(monkeypatch) -> list:
             carried.append([n.op for n in got])
         return got
 
-    monkeypatch.setattr(fold_constants, "_starts", starts)
+    monkeypatch.setattr(fold_constants, "start_nodes", starts)
     return carried
 
 

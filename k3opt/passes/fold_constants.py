@@ -33,6 +33,7 @@ from .cleanup_rewire import detach, is_used, remove
 from .fold_eval import EvalError, as_array, outer_refs, run_ort, run_reference
 from .fold_guard import too_big
 from .fold_shapes import fold_shape_value, forget, remember_value, remembered_dims, rewiring
+from .fold_starts import is_constant, start_nodes, still_in
 
 #: Ops whose result is not a function of their inputs.
 RANDOM_OPS = frozenset(
@@ -68,11 +69,11 @@ class FoldConstants(Pass):
             starts: Optional[list[Node]] = None  # the value walk's start nodes at its last sweep
             installed: list[tuple[Tensor, Tensor]] = []  # (tensor, constant) installed since
             for _ in range(MAX_SWEEPS):
-                shape_nodes = _still_in(graph, shape_nodes)
+                shape_nodes = still_in(graph, shape_nodes)
                 n, touched = self._fold_shapes(graph, ctx, shape_nodes, installed)
                 if none_foldable and not touched:
                     break  # the graph is as that sweep saw it: no node is foldable still (n is 0)
-                starts = _starts(graph, starts, installed)
+                starts = start_nodes(graph, starts, installed)
                 installed.clear()
                 order = self._foldable(graph, ctx, starts)
                 none_foldable = not order
@@ -158,7 +159,7 @@ class FoldConstants(Pass):
         seen: set[int] = set()
 
         def ready(t: Tensor) -> bool:
-            return not t.name or id(t) in pending or _constant(t, overridable)
+            return not t.name or id(t) in pending or is_constant(t, overridable)
 
         def value(t: Tensor) -> Optional[np.ndarray]:
             return None if id(t) in pending else const_value(t)
@@ -229,52 +230,6 @@ class FoldConstants(Pass):
                     continue
             known.update(got)
         return known
-
-
-def _constant(t: Tensor, overridable: set[int]) -> bool:
-    """True when named tensor ``t`` is a constant (an initializer no graph input overrides, or a Constant's output)."""
-    if id(t) in overridable:
-        return False
-    if isinstance(t, gs.Constant):
-        return True
-    made = t.inputs  # its producer, read inline: this runs for an input of every node on every sweep
-    return bool(made) and made[0].op == "Constant"
-
-
-def _starts(graph: Graph, last: Optional[list[Node]], installed: list[tuple[Tensor, Tensor]]) -> list[Node]:
-    """The nodes whose inputs are all constant, in graph order.
-
-    Without ``last``, a scan of every node. Else from ``last`` (the answer at the last sweep) and
-    ``installed`` since: an input that is constant stays so, so a node joins only by reading a tensor
-    installed since (the constant, or the graph output a Constant node now computes) or by being that
-    new Constant node (no inputs), and none leaves but by leaving the graph.
-    """
-    overridable = {id(t) for t in graph.inputs}
-
-    def all_constant(node: Node) -> bool:
-        return all(not t.name or _constant(t, overridable) for t in node.inputs)
-
-    if last is None:
-        # A first input computed by a non-Constant node rules a node out without a call.
-        return [
-            n for n in graph.nodes
-            if not ((ins := n.inputs) and (t := ins[0]).name and (made := t.inputs) and made[0].op != "Constant"
-                    and not isinstance(t, gs.Constant))
-            and all_constant(n)
-        ]
-    position = {id(n): i for i, n in enumerate(graph.nodes)}
-    found = {id(n): n for n in last if id(n) in position}
-    for t, const in installed:
-        for node in (*t.outputs, *const.outputs, *t.inputs):  # readers; t.inputs: a graph output's new Constant node
-            if id(node) in position and id(node) not in found and all_constant(node):
-                found[id(node)] = node
-    return sorted(found.values(), key=lambda n: position[id(n)])
-
-
-def _still_in(graph: Graph, nodes: list[Node]) -> list[Node]:
-    """Those of ``nodes`` the graph still holds (ids only: no node is read, a census is a read of every one)."""
-    held = {id(n) for n in graph.nodes}
-    return [n for n in nodes if id(n) in held]
 
 
 def _holders(graph: Graph) -> list[Node]:
