@@ -154,13 +154,9 @@ def time_samples(rows: list[dict], src: Path, scratch: Path, model_type: str, li
     for r in range(1, runs):
         order = rows[r % len(rows):] + rows[:r % len(rows)] if rows else []
         for row in order[::-1] if r % 2 else order:
-            dst = scratch / "model.onnx"
-            res = run_measured(python_module("bench.optimizers", row["optimizer"], str(src), str(dst), model_type),
-                               **limits)
-            if res.status == "ok":
-                row["time_samples"].append(res.payload["time_s"])
-            for f in scratch.iterdir():
-                f.unlink()
+            t = _timed_run(row["optimizer"], src, scratch, model_type, limits)
+            if t is not None:
+                row["time_samples"].append(t)
     for row in rows:
         row["time_median_s"] = float(np.median(row["time_samples"]))
         print(f"  {row['optimizer']}: median {row['time_median_s']:.2f} s of {len(row['time_samples'])} runs",
@@ -176,17 +172,24 @@ def series_runs(series: list[tuple[int, Path, str]], scratch: Path, limits: dict
     margin over that time. Keys are the depths as strings (JSON); a failed run is left out."""
     samples: dict[str, list[float]] = {str(depth): [] for depth, _, _ in series}
     scratch.mkdir(parents=True, exist_ok=True)
-    dst = scratch / "model.onnx"
     for r in range(rounds):
         for depth, src, model_type in series[r % len(series):] + series[:r % len(series)]:
-            res = run_measured(python_module("bench.optimizers", SUBJECT, str(src), str(dst), model_type), **limits)
-            if res.status == "ok":
-                samples[str(depth)].append(res.payload["time_s"])
-            for f in scratch.iterdir():
-                f.unlink()
+            t = _timed_run(SUBJECT, src, scratch, model_type, limits)
+            if t is not None:
+                samples[str(depth)].append(t)
     scratch.rmdir()
     print("  series: " + ", ".join(f"{d} layers {np.median(t):.2f} s" for d, t in samples.items() if t), flush=True)
     return samples
+
+
+def _timed_run(optimizer: str, src: Path, scratch: Path, model_type: str, limits: dict) -> Optional[float]:
+    """One more optimize run of ``src`` in a fresh process, for its time only (None when it failed); its
+    output in ``scratch`` is deleted."""
+    res = run_measured(python_module("bench.optimizers", optimizer, str(src), str(scratch / "model.onnx"),
+                                     model_type), **limits)
+    for f in scratch.iterdir():
+        f.unlink()
+    return res.payload["time_s"] if res.status == "ok" else None
 
 
 def _load() -> str:
