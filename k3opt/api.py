@@ -12,7 +12,7 @@ import gc
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -207,6 +207,7 @@ class _Run:
         report.passes = [manager.stats[p.name].as_dict() for p in pipeline]
         report.rounds = manager.rounds
         report.counters = {k: v for k, v in sorted(ctx.counters.items()) if v}
+        report.sites = ctx.site_records()
         report.notes.extend(refresher.notes + [n for n in ctx.notes if n not in report.notes])
         if original is not None:
             with self.step("verifying", "verify"):
@@ -285,7 +286,7 @@ class _Run:
             culprit = f"; the opset conversion to {opsets.model_opset(out)} after the passes diverges"
         else:
             culprit = self._bisect(start, start is not original, manager, pipeline, ctx, result_of)
-        detail = result.get("reason") or _worst(result)
+        detail = verifier.failure_detail(result)
         raise VerificationError(f"optimized model differs from the original ({detail}){culprit}")
 
     def _bisect(self, start: bytes, converted: bool, manager: PassManager, pipeline: list, ctx: PassContext,
@@ -373,11 +374,3 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
-
-def _worst(result: Mapping[str, Any]) -> str:
-    bad = [o for o in result["outputs"] if not o["passed"]]
-    if not bad:
-        return "output count differs"
-    o = bad[0]
-    return (f"output '{o['name']}': max abs err {o['max_abs']:.3g}, max rel err {o['max_rel']:.3g}, "
-            f"rtol {o['rtol']:g}, atol {o['atol']:g}")

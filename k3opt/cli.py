@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Optional
 
 import click
@@ -23,7 +24,7 @@ from .cli_options import (
     run_options,
     verify_options,
 )
-from .errors import K3optError, VerificationError
+from .errors import InputError, K3optError, UsageError, VerificationError
 from .report import Report
 
 EXIT_USAGE = 2
@@ -80,29 +81,43 @@ def main() -> None:
 
 @main.command("optimize")
 @click.argument("model", type=click.Path())
+@click.argument("positional_output", metavar="[OUT]", required=False, type=click.Path())
 @output_options
 @pipeline_options
 @verify_options
 @run_options
-def optimize_cmd(model: str, output: Optional[str], external_data: Optional[bool], fsync: bool, overwrite: bool,
-                 report_path: Optional[str], quiet: bool, debug: bool, **params: Any) -> None:
-    """Optimize MODEL (an .onnx file) and write IN.k3opt.onnx (or -o OUT)."""
+def optimize_cmd(model: str, positional_output: Optional[str], output: Optional[str], external_data: Optional[bool],
+                 fsync: bool, overwrite: bool, report_path: Optional[str], quiet: bool, debug: bool,
+                 **params: Any) -> None:
+    """Optimize MODEL (an .onnx file) and write OUT (default MODEL.k3opt.onnx); OUT or -o OUT, as onnxsim does."""
     report = Report()
     try:
-        optimize_file(model, output or default_output(model), overwrite=overwrite, external_data=external_data,
-                      fsync=fsync, report=report, progress=progress_for({"quiet": quiet}), **optimize_kwargs(params))
+        optimize_file(model, _output_of(model, positional_output, output), overwrite=overwrite,
+                      external_data=external_data, fsync=fsync, report=report,
+                      progress=progress_for({"quiet": quiet}), **optimize_kwargs(params))
     except VerificationError:
         if report_path:
-            report.write_json(report_path)
+            report.write(report_path)
         if not quiet:
             click.echo(report.table(), err=True)
         raise
     if report_path:
-        report.write_json(report_path)
+        report.write(report_path)
     if not quiet:
         for warning in report.warnings:
             click.echo(f"k3opt: warning: {warning}", err=True)
         click.echo(report.table())
+
+
+def _output_of(model: str, positional: Optional[str], option: Optional[str]) -> Path:
+    """The output path: ``OUT`` or ``-o OUT`` (not both), else ``MODEL.k3opt.onnx`` next to a model file."""
+    if positional and option:
+        raise UsageError(f"two outputs given ({positional} and -o {option}): give OUT or -o OUT, not both")
+    if positional or option:
+        return Path(positional or option)
+    if Path(model).is_dir():  # default_output would name a file after the folder
+        raise InputError(f"{model}: is a directory, not an ONNX model file")
+    return default_output(model)
 
 
 @main.command("passes")

@@ -116,8 +116,8 @@ def output_options(f: F) -> F:
         click.option("--fsync", is_flag=True,
                      help="Flush the output to disk before exiting (survives a power loss; costs writing out what is cached)."),
         click.option("--overwrite", is_flag=True, help="Allow the output to replace the input."),
-        click.option("--report", "report_path", type=click.Path(dir_okay=False), metavar="F.json",
-                     help="Also write the report as JSON."),
+        click.option("--report", "report_path", type=click.Path(dir_okay=False), metavar="F.json|F.html",
+                     help="Also write the report: JSON, or a self-contained HTML page for F.html."),
     ])
 
 

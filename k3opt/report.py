@@ -9,6 +9,7 @@ from typing import Any, Optional
 import onnx
 
 from .errors import OutputError
+from .verify import error_figures, summary_line
 
 
 def op_counts(model: onnx.ModelProto) -> dict[str, int]:
@@ -49,9 +50,14 @@ class Report:
     #: each entry of ``passes`` has the part that pass counted.
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: Each fusion candidate's outcome and each pass's notes: dicts with pass, rule, site, status
+    #: ("applied", "declined", "note") and reason (see ``PassContext.site``).
+    sites: list[dict[str, str]] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     verification: Optional[dict[str, Any]] = None
     lowering: list[str] = dataclasses.field(default_factory=list)
+    #: ``k3opt check`` of the output for --target cann, when run: {"model", "findings": [str, ...]}.
+    check: Optional[dict[str, Any]] = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     files: list[str] = dataclasses.field(default_factory=list)
 
@@ -60,10 +66,20 @@ class Report:
 
     def write_json(self, path: str | Path) -> None:
         """Write ``as_dict`` as JSON (OutputError when the file cannot be written)."""
-        try:
-            Path(path).write_text(json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n")
-        except OSError as exc:
-            raise OutputError(f"{path}: cannot write report ({exc.strerror or exc})") from None
+        _write(path, json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n")
+
+    def write_html(self, path: str | Path) -> None:
+        """Write the report as one self-contained HTML page (see k3opt/report_html.py)."""
+        from .report_html import render
+
+        _write(path, render(self))
+
+    def write(self, path: str | Path) -> None:
+        """``--report F``: an HTML page for ``.html``/``.htm``, JSON otherwise."""
+        if Path(path).suffix.lower() in (".html", ".htm"):
+            self.write_html(path)
+        else:
+            self.write_json(path)
 
     def table(self) -> str:
         """The compact before/after summary the CLI prints."""
@@ -72,7 +88,7 @@ class Report:
             b, a = self.before, self.after
             lines.append(f"{'':24}{'before':>12}{'after':>12}")
             lines.append(f"{'nodes':24}{b.nodes:>12}{a.nodes:>12}")
-            lines.append(f"{'size':24}{_size(b.size_bytes):>12}{_size(a.size_bytes):>12}")
+            lines.append(f"{'size':24}{size_text(b.size_bytes):>12}{size_text(a.size_bytes):>12}")
             if b.opset != a.opset:
                 lines.append(f"{'opset':24}{b.opset:>12}{a.opset:>12}")
             for op in sorted(set(b.ops) | set(a.ops)):
@@ -89,11 +105,11 @@ class Report:
                     lines.append(f"{label:32}{p['rewrites']:>10}{p['time_s']:>9.2f}s")
                 lines.extend(f"{'  ' + key:32}{value:>10}" for key, value in sorted(p.get("counters", {}).items()))
         if self.verification:
-            lines.append("verification: " + verification_line(self.verification))
+            lines.append("verification: " + summary_line(self.verification))
             outputs = self.verification["outputs"]
             if 1 < len(outputs) <= 8:
-                lines.extend(f"  {o['name']}: max abs err {o['max_abs']:.3g}, max rel err {o['max_rel']:.3g}"
-                             + ("" if o["passed"] else "  FAILED") for o in outputs)
+                lines.extend(f"  {o['name']}: {error_figures(o)}" + ("" if o["passed"] else "  FAILED")
+                             for o in outputs)
         lines.extend(f"note: {n}" for n in self.notes)
         lines.extend(f"cann: {n}" for n in self.lowering)
         if self.output:
@@ -101,19 +117,14 @@ class Report:
         return "\n".join(lines)
 
 
-def verification_line(v: dict[str, Any]) -> str:
-    """One line for a verification result dict (see k3opt.verify)."""
-    if not v["outputs"]:
-        return f"{v['status']} ({v.get('reason', 'no outputs compared')})"
-    worst_abs = max((o["max_abs"] for o in v["outputs"]), default=0.0)
-    worst_rel = max((o["max_rel"] for o in v["outputs"]), default=0.0)
-    return (
-        f"{v['status']} ({len(v['outputs'])} outputs, max abs err {worst_abs:.3g}, "
-        f"max rel err {worst_rel:.3g}; rtol {v['rtol']:g}, atol {v['atol']:g})"
-    )
+def _write(path: str | Path, text: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write report ({exc.strerror or exc})") from None
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     value = float(n)
     for unit in ("B", "KB", "MB"):
         if value < 1024:

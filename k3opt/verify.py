@@ -168,7 +168,14 @@ def compare(
     expected: Sequence[np.ndarray], actual: Sequence[np.ndarray], names: Sequence[str], *,
     rtol: Optional[float] = None, atol: Optional[float] = None,
 ) -> dict[str, Any]:
-    """Per-output max abs/rel error; ``status`` is "passed" or "failed"."""
+    """Per-output errors; ``status`` is "passed" or "failed".
+
+    An element passes when ``|actual - expected| <= atol + rtol * |expected|``.
+    Each output records ``tol_fraction``, the worst element's error divided by
+    its own allowance (the figure the decision is made on: passed iff <= 1),
+    ``max_abs``, and ``max_rel`` (error over ``|expected|``, huge near zeros:
+    kept for the JSON report, not shown).
+    """
     outputs = []
     ok = True
     for name, a, b in zip(names, expected, actual):
@@ -178,21 +185,26 @@ def compare(
         t = default_atol if atol is None else atol
         entry: dict[str, Any] = {"name": name, "dtype": str(a.dtype), "rtol": r, "atol": t}
         if a.shape != b.shape:
-            entry.update(max_abs=float("inf"), max_rel=float("inf"), passed=False,
+            entry.update(max_abs=float("inf"), max_rel=float("inf"), tol_fraction=float("inf"), passed=False,
                          detail=f"shape {list(b.shape)} instead of {list(a.shape)}")
         elif not np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_:
             same = bool(np.array_equal(a, b))
-            entry.update(max_abs=0.0 if same else float("inf"), max_rel=0.0 if same else float("inf"), passed=same)
+            worst = 0.0 if same else float("inf")
+            entry.update(max_abs=worst, max_rel=worst, tol_fraction=worst, passed=same)
         else:
             a64, b64 = a.astype(np.float64), b.astype(np.float64)
             both_nan = np.isnan(a64) & np.isnan(b64)
             diff = np.where(both_nan, 0.0, np.abs(a64 - b64))
             diff = np.where(np.isnan(diff), np.inf, diff)
             rel = diff / np.maximum(np.abs(a64), np.finfo(np.float64).tiny)
+            allowed = t + r * np.abs(a64)
+            with np.errstate(divide="ignore", invalid="ignore"):  # allowed is 0 only with atol 0
+                fraction = np.where(diff == 0, 0.0, diff / allowed)
             entry.update(
                 max_abs=float(diff.max(initial=0.0)),
                 max_rel=float(np.where(diff == 0, 0.0, rel).max(initial=0.0)),
-                passed=bool(np.all(both_nan | (diff <= t + r * np.abs(a64)))),
+                tol_fraction=float(np.nan_to_num(fraction, nan=np.inf, posinf=np.inf).max(initial=0.0)),
+                passed=bool(np.all(both_nan | (diff <= allowed))),
             )
         ok = ok and entry["passed"]
         outputs.append(entry)
@@ -200,7 +212,35 @@ def compare(
         ok = False
     used_rtol = max((o["rtol"] for o in outputs), default=rtol or 1e-4)
     used_atol = max((o["atol"] for o in outputs), default=atol or 1e-5)
-    return {"status": "passed" if ok else "failed", "outputs": outputs, "rtol": used_rtol, "atol": used_atol}
+    return {"status": "passed" if ok else "failed", "outputs": outputs, "rtol": used_rtol, "atol": used_atol,
+            "tol_fraction": max((o["tol_fraction"] for o in outputs), default=0.0),
+            "max_abs": max((o["max_abs"] for o in outputs), default=0.0)}
+
+
+def error_figures(o: Mapping[str, Any]) -> str:
+    """``worst 0.23 of tolerance, max abs err 4.8e-07`` for one output (or a whole result) of :func:`compare`."""
+    return f"worst {o['tol_fraction']:.2g} of tolerance, max abs err {o['max_abs']:.3g}"
+
+
+def summary_line(v: Mapping[str, Any]) -> str:
+    """The report's verification line: status, the worst element against its tolerance, the tolerances."""
+    if not v["outputs"]:
+        return f"{v['status']} ({v.get('reason', 'no outputs compared')})"
+    count = len(v["outputs"])
+    return (f"{v['status']} ({count} output{'s' if count > 1 else ''}; {error_figures(v)}; "
+            f"rtol {v['rtol']:g}, atol {v['atol']:g})")
+
+
+def failure_detail(v: Mapping[str, Any]) -> str:
+    """What a failed comparison says in the error line: the reason, or the first failing output's figures."""
+    if v.get("reason"):
+        return v["reason"]
+    bad = [o for o in v["outputs"] if not o["passed"]]
+    if not bad:
+        return "output count differs"
+    o = bad[0]
+    return f"output '{o['name']}': {error_figures(o)} (rtol {o['rtol']:g}, atol {o['atol']:g})"
+
 
 
 def skipped(reason: str) -> dict[str, Any]:

@@ -138,4 +138,27 @@ def test_report_lists_each_output_when_there_are_several():
     report = Report(verification=verify.compare([a, a], [a, a * 2], ["a", "b"]))
     table = report.table()
     assert "verification: failed (2 outputs" in table
-    assert "  a: max abs err 0, max rel err 0\n" in table and table.rstrip().endswith("b: max abs err 1, max rel err 1  FAILED")
+    # b: |2 - 1| = 1 against 1e-5 + 1e-4 * 1 allowed
+    assert "  a: worst 0 of tolerance, max abs err 0\n" in table
+    assert table.rstrip().endswith("b: worst 9.1e+03 of tolerance, max abs err 1  FAILED")
+
+
+def test_tolerance_fraction_is_the_figure_the_decision_is_made_on():
+    expected = np.array([0.0, 1e-30, 100.0], np.float32)
+    near = expected + np.array([5e-6, 5e-6, 5e-3], np.float32)  # each half (or less) of its allowance
+    result = verify.compare([expected], [near], ["y"], rtol=1e-4, atol=1e-5)
+    out = result["outputs"][0]
+    assert result["status"] == "passed" and out["tol_fraction"] == pytest.approx(0.5, rel=1e-2)
+    assert out["max_rel"] > 1e20  # the old figure divides by ~0: kept in the JSON, never shown
+    line = verify.summary_line(result)
+    assert line.startswith("passed (1 output; worst 0.5 of tolerance, max abs err 0.005;") and "rel" not in line
+    far = verify.compare([expected], [expected + np.float32(2e-5)], ["y"], rtol=1e-4, atol=1e-5)
+    assert far["status"] == "failed" and far["outputs"][0]["tol_fraction"] == pytest.approx(2, rel=1e-2)
+    assert verify.failure_detail(far).startswith("output 'y': worst 2 of tolerance")
+
+
+def test_tolerance_fraction_with_zero_allowance_is_infinite_not_nan():
+    a = np.zeros(2, np.float32)
+    assert verify.compare([a], [a], ["y"], rtol=0, atol=0)["outputs"][0]["tol_fraction"] == 0
+    bad = verify.compare([a], [a + 1], ["y"], rtol=0, atol=0)["outputs"][0]
+    assert bad["tol_fraction"] == float("inf") and not bad["passed"]

@@ -61,7 +61,7 @@ def export_cmd(source: str, task: Optional[str], exporter: str, export_opset: Op
         raise
     finally:
         if report_path:
-            report.write_json(report_path)
+            report.write(report_path)
     if not quiet:
         for warning in report.warnings:
             click.echo(f"k3opt: warning: {warning}", err=True)

@@ -99,6 +99,12 @@ class PassContext:
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Set by the pass manager while it runs (see :meth:`nodes_of`); None: every question scans the graph.
     census: Optional[OpCensus] = dataclasses.field(default=None, repr=False, compare=False)
+    #: The pass running now (set by the pass manager): :meth:`site` and :meth:`note` records name it.
+    current_pass: Optional[str] = None
+    #: What happened at each fusion candidate, keyed (pass, rule, site): see :meth:`site`.
+    sites: dict[tuple[str, str, str], dict[str, str]] = dataclasses.field(default_factory=dict)
+    #: The pass that recorded each note (notes recorded outside a pass are absent).
+    note_passes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def emit_opset(self) -> int:
@@ -109,6 +115,25 @@ class PassContext:
         """Record a report note once (passes run repeatedly to a fixed point)."""
         if message not in self.notes:
             self.notes.append(message)
+        if self.current_pass is not None:
+            self.note_passes.setdefault(message, self.current_pass)
+
+    def site(self, site: str, status: str, reason: str = "", rule: str = "") -> None:
+        """Record the outcome at one fusion candidate for the report: "applied", or "declined" with the reason.
+
+        Rounds repeat candidates: the first reason a site was declined for is kept, and "applied" wins.
+        """
+        key = (self.current_pass or "", rule, site)
+        if key not in self.sites or status == "applied":
+            self.sites[key] = {"pass": key[0], "rule": rule, "site": site, "status": status, "reason": reason}
+
+    def site_records(self) -> list[dict[str, str]]:
+        """The report's ``sites``: each candidate's outcome (a site a pass fused is not also listed as declined
+        by it), then each note with the pass that made it (status "note")."""
+        applied = {(r["pass"], r["site"]) for r in self.sites.values() if r["status"] == "applied"}
+        records = [r for r in self.sites.values() if r["status"] == "applied" or (r["pass"], r["site"]) not in applied]
+        return records + [{"pass": self.note_passes[n], "rule": "", "site": "", "status": "note", "reason": n}
+                          for n in self.notes if n in self.note_passes]
 
     def fresh_name(self, base: str) -> str:
         """A deterministic tensor/node name not yet used in the graph."""

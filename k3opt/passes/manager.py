@@ -152,6 +152,7 @@ class PassManager:
         names the pass (and plugin)."""
         st = self.stats[p.name]
         counted = dict(ctx.counters)
+        outer, ctx.current_pass = ctx.current_pass, p.name
         t0 = time.perf_counter()
         try:
             result = call()
@@ -165,6 +166,7 @@ class PassManager:
             raise
         finally:
             st.time_s += time.perf_counter() - t0
+            ctx.current_pass = outer
         for key, value in ctx.counters.items():
             if value != counted.get(key, 0):
                 st.counters[key] = st.counters.get(key, 0) + value - counted.get(key, 0)

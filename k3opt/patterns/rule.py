@@ -157,9 +157,13 @@ class RuleApplier:
             if why is not None:
                 if closest is not None:
                     closest.record(node, n_patterns + 1, why)
+                if not self.dry_run:
+                    self.ctx.site(describe(node), "declined", why, rule.name)
                 continue
             if self.dry_run or self._rewrite(rule, m, node):
                 self.matched[rule.name] += 1
+                if not self.dry_run:
+                    self.ctx.site(describe(node), "applied", rule=rule.name)
                 if rule.debugging():
                     log.warning("rule '%s' matched at node '%s' (%s)", rule.name, node.name, node.op)
                 return True
