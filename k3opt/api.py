@@ -172,7 +172,10 @@ class _Run:
             size = io.proto_size(model, None if on_disk is None else os.path.getsize(on_disk), external)
             report.before = ModelSummary.of(model, size, opset_before)
         shapes.fix_inputs(model, input_shapes)
-        original = self._runnable_original(model) if verify else None
+        original = None
+        if verify:
+            with self.step("preparing verification", "verify"):  # serializing a big model takes seconds
+                original = self._runnable_original(model)
         # Up before the passes (fusions may need the newer opset), down after them (see opset.converts_down).
         down = opsets.converts_down(model, opset, target=target)
         if not down:
@@ -285,6 +288,8 @@ class _Run:
             self.report.verification["first_diverging_pass"] = "opset conversion"
             culprit = f"; the opset conversion to {opsets.model_opset(out)} after the passes diverges"
         else:
+            if self.progress is not None:
+                self.progress("finding the first diverging pass")
             culprit = self._bisect(start, start is not original, manager, pipeline, ctx, result_of)
         detail = verifier.failure_detail(result)
         raise VerificationError(f"optimized model differs from the original ({detail}){culprit}")

@@ -102,6 +102,10 @@ def optimize_cmd(model: str, positional_output: Optional[str], output: Optional[
             click.echo(report.table(), err=True)
         raise
     if report_path:
+        if report.target == "cann":  # the page shows what ATC will make of the output
+            from .cann_bridge.compile import check_record
+
+            report.check = check_record(report.output)
         report.write(report_path)
     if not quiet:
         for warning in report.warnings:

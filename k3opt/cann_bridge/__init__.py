@@ -9,11 +9,12 @@ from __future__ import annotations
 from .atc_command import AtcOptions, build_command
 from .atc_locate import find_atc
 from .compat import Finding, check_model
-from .compile import CompileResult, compile_model
+from .compile import AtcUnavailable, CompileResult, compile_model
 from .lowering import invariant_violations, lower
 
 __all__ = [
     "AtcOptions",
+    "AtcUnavailable",
     "CompileResult",
     "Finding",
     "build_command",

@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import click
 import onnx
 
 from ..cli_options import optimize_kwargs, progress_for, run_options, verify_options
 from ..errors import InputError
+from ..report import Report
 from .atc_command import AtcOptions, parse_input_shape
 from .compat import check_model
 from .compile import compile_model
@@ -61,12 +62,14 @@ def check(model: str, target: str, input_shapes: tuple[str, ...], dynamic_dims: 
 @click.option("--log", "log", default="error", show_default=True, help="ATC log level")
 @click.option("--atc", "atc", help="path of the atc executable (default: PATH, then the CANN install)")
 @click.option("--dry-run", is_flag=True, help="optimize and print the ATC command without running ATC")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), metavar="F.json|F.html",
+              help="also write the report (lowerings, pre-flight check): JSON, or an HTML page for F.html")
 @verify_options
 @run_options
 def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, output: str,
                 input_shapes: tuple[str, ...], dynamic_dims: str, dynamic_batch_size: str, dynamic_image_size: str,
                 precision_mode: str, precision_mode_v2: str, fusion_switch_file: str, input_format: str, log: str,
-                atc: str, dry_run: bool, **kw: Any) -> None:
+                atc: str, dry_run: bool, report_path: Optional[str], **kw: Any) -> None:
     """Optimize MODEL for Ascend (target cann) and compile it with ATC into OUTPUT.om.
 
     The optimized ONNX is written to OUTPUT.onnx; the graph is verified in
@@ -78,8 +81,13 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
                       dynamic_image_size=dynamic_image_size, fusion_switch_file=fusion_switch_file, log=log,
                       extra_args=extra_args)
     say = None if kw["quiet"] else click.echo
-    result = compile_model(model, output, opts, atc=atc, dry_run=dry_run, echo=say, progress=progress_for(kw),
-                           **optimize_kwargs(kw))
+    report = Report()
+    try:
+        result = compile_model(model, output, opts, atc=atc, dry_run=dry_run, echo=say, progress=progress_for(kw),
+                               report=report, **optimize_kwargs(kw))
+    finally:
+        if report_path and report.before is not None:  # nothing to report before the optimization ran
+            report.write(report_path)
     if say is None:
         return
     if dry_run:

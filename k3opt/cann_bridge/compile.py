@@ -24,6 +24,15 @@ from .compat import Finding, check_model
 Echo = Callable[[str], None]
 
 
+class AtcUnavailable(CompileError):
+    """ATC could not be found or started: an environment problem, so exit status 2 like a usage error.
+
+    Status 1 stays for a model that does not compile (pre-flight findings, ATC ran and failed).
+    """
+
+    exit_code = 2
+
+
 @dataclasses.dataclass
 class CompileResult:
     """What a compile produced: the ``.om`` (None on a dry run), the optimized ONNX and the ATC command."""
@@ -42,7 +51,7 @@ def _optimize(model: Union[str, os.PathLike, onnx.ModelProto], dst: Path, static
     options.setdefault("verify", True)
     shapes = static_shapes or None
     if isinstance(model, onnx.ModelProto):
-        report = Report()
+        report = options.pop("report", None) or Report()
         out = api.optimize(model, target="cann", input_shapes=shapes, report=report, **options)
         report.files = [str(p) for p in io.save(out, dst)]
         report.output = str(dst)
@@ -65,9 +74,11 @@ def compile_model(
     ``output`` is ATC's prefix (no ``.om``). ``dry_run`` stops before ATC
     (pre-flight findings are reported, not raised) and needs no ATC install.
     ``echo`` receives ATC's output lines as they come. Extra keyword
-    arguments go to :func:`k3opt.optimize` (``verify``, ``rtol``...).
-    Raises UsageError for options ATC would reject, CompileError when the
-    model will not parse or ATC fails (exit status 1).
+    arguments go to :func:`k3opt.optimize` (``verify``, ``rtol``, ``report``: a Report to fill in,
+    which also gets the pre-flight check's findings in ``check``).
+    Raises UsageError for options ATC would reject, AtcUnavailable (a
+    CompileError, exit status 2) when ATC cannot be found or started,
+    CompileError when the model will not parse or ATC fails (exit status 1).
     """
     say = echo or (lambda line: None)
     shapes = validate(options)
@@ -84,6 +95,7 @@ def compile_model(
         say(f"lowering: {line}")
     optimized = onnx.load(str(onnx_path), load_external_data=False)
     findings = check_model(optimized, shapes, options.dynamic_option())
+    report.check = check_record(onnx_path, findings)
     cmd = build_command(tool, str(onnx_path), str(prefix), options)
     if dry_run:
         for f in findings:
@@ -96,7 +108,13 @@ def compile_model(
     fusion = prefix.parent / "fusion_result.json"
     before = fusion.stat().st_mtime_ns if fusion.exists() else None
     say(render(cmd))
-    result = run_atc(cmd, cwd=prefix.parent, echo=say)
+    progress = optimize_options.get("progress")
+    if progress is not None:
+        progress("running ATC")
+    try:
+        result = run_atc(cmd, cwd=prefix.parent, echo=say)
+    except CompileError as exc:  # raised only when the executable cannot be started
+        raise AtcUnavailable(str(exc)) from None
     raise_for_result(result)
     om = prefix.with_name(prefix.name + ".om")
     if not om.is_file():
@@ -106,10 +124,17 @@ def compile_model(
     return CompileResult(om, onnx_path, cmd, report, findings, summary)
 
 
+def check_record(model: Union[str, os.PathLike], findings: Optional[list[Finding]] = None) -> dict:
+    """The report's ``check`` entry: ``k3opt check --target cann`` of the model file (its findings when known)."""
+    if findings is None:
+        findings = check_model(onnx.load(str(model), load_external_data=False), [], None)
+    return {"model": str(model), "findings": [str(f) for f in findings]}
+
+
 def _locate(atc: Optional[str], dry_run: bool) -> str:
     try:
         return str(find_atc(atc))
-    except CompileError:
+    except CompileError as exc:
         if dry_run:
             return "atc"
-        raise
+        raise AtcUnavailable(str(exc)) from None

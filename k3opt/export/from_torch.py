@@ -47,6 +47,9 @@ def from_torch(
     if "output_opset" in optimize_options:
         optimize_options["opset"] = optimize_options.pop("output_opset")
     external_data = wants_external_data(module, external_data)
+    progress = optimize_options.get("progress")
+    if progress is not None:  # the torch export is the longest silent phase of a big model
+        progress(f"exporting with the {exporter} exporter")
     with tempfile.TemporaryDirectory(prefix=".k3opt-export-", dir=path.parent) as tmp:
         raw = export_onnx(module, example_inputs, Path(tmp) / "exported.onnx", input_names=input_names,
                           output_names=output_names, dynamic_axes=dynamic_axes, dynamic_shapes=dynamic_shapes,

@@ -84,6 +84,8 @@ def from_transformers(
     if task is not None and task not in TASKS:
         raise UsageError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     require_torch("transformers")
+    if options.get("progress") is not None:
+        options["progress"]("loading the transformers model")
     model = load_model(model_or_config, task, seed)
     task = task or infer_task(model)
     if use_cache and task != "text-generation":
