@@ -24,7 +24,7 @@ h3{font-size:14px;margin:14px 0 6px}
 .meta{color:#555f70;margin:0 0 10px}.meta code{background:#e7eaf0;padding:1px 5px;border-radius:3px}
 table{border-collapse:collapse;background:#fff;box-shadow:0 1px 2px rgba(0,0,0,.08);margin:4px 0 8px}
 th,td{padding:4px 10px;text-align:left;border-bottom:1px solid #eceef2;vertical-align:top}
-th{background:#eef0f4;font-weight:600}td.n,th.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+th{background:#eef0f4;font-weight:600}td:first-child{white-space:nowrap}td.n,th.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 tr.changed td{background:#fff6d6}tr.changed td:first-child{border-left:3px solid #e0a800;font-weight:600}
 .cols{display:grid;grid-template-columns:auto 1fr;gap:28px;align-items:start}
 @media (max-width:960px){.cols{grid-template-columns:1fr}}
@@ -166,7 +166,7 @@ def _verification(r: Report) -> str:
     v = r.verification
     if not v:
         return "<h2>Verification</h2><p class=\"empty\">Not run (--no-verify).</p>"
-    lines = ["<h2>Verification</h2>", f"<p>{_badge(v['status'])} {_e(summary_line(v))}</p>"]
+    lines = ["<h2>Verification</h2>", f"<p>{_badge(v['status'])} {_e(_without_status(summary_line(v), v))}</p>"]
     if v.get("first_diverging_pass"):
         lines.append(f"<p>First diverging pass: <b>{_e(v['first_diverging_pass'])}</b></p>")
     if v["outputs"]:
@@ -178,11 +178,16 @@ def _verification(r: Report) -> str:
             kind = "tol" if fraction <= 1 else "tol over"
             rows.append(f'<tr data-output="{_e(o["name"])}"><td>{_e(o["name"])}</td><td>{_e(o["dtype"])}</td>'
                         f'<td>{_badge("passed" if o["passed"] else "failed")}</td>'
-                        f'<td class="n">{fraction:.3g}</td><td>{_bar(fraction, 1.0, kind, "of tolerance")}</td>'
+                        f'<td class="n">{fraction:.2g}</td><td>{_bar(fraction, 1.0, kind, "of tolerance")}</td>'
                         f'<td class="n">{o["max_abs"]:.3g}</td><td class="n">{o["rtol"]:g}</td>'
                         f'<td class="n">{o["atol"]:g}</td></tr>')
         lines.append(_table(["output", "dtype", "", "worst / tolerance", "", "max abs err", "rtol", "atol"], rows))
     return "\n".join(lines)
+
+
+def _without_status(line: str, v: dict[str, Any]) -> str:
+    """The summary line without its leading status word (the badge says it)."""
+    return line[len(v["status"]):].strip(" ()") if line.startswith(v["status"]) else line
 
 
 def _cann(r: Report) -> str:
