@@ -114,3 +114,22 @@ def test_export_announces_the_torch_export_before_the_pipeline(tmp_path):
                output_names=["y"], progress=sink, verify=False)
     assert sink.messages[0] == "exporting with the torchscript exporter" and sink.messages[1] == "loading"
 
+
+
+@needs_torch
+def test_export_from_transformers_announces_loading_the_model(tmp_path, monkeypatch):
+    import sys
+
+    from k3opt.export import from_transformers
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args):
+        raise Loaded
+
+    monkeypatch.setattr(sys.modules["k3opt.export.from_transformers"], "load_model", load_model)
+    sink = Sink()
+    with pytest.raises(Loaded):
+        from_transformers(tmp_path / "config.json", tmp_path / "m.onnx", progress=sink)
+    assert sink.messages == ["loading the transformers model"]
