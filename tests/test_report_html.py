@@ -124,3 +124,17 @@ def test_verification_failure_still_writes_the_page(register, tmp_path):
     assert result.exit_code == 1
     page = Page((tmp_path / "r.html").read_text())
     assert page.values("data-output") == ["y"] and "test-relu-to-sigmoid" in (tmp_path / "r.html").read_text()
+
+
+def test_compile_report_has_the_pre_flight_check(tmp_path, monkeypatch):
+    from tests.fake_atc import write_fake_atc
+
+    fake = write_fake_atc(tmp_path / "cann")
+    monkeypatch.setenv("FAKE_ATC_UNSUPPORTED", "MatMul")  # ATC runs and fails: the report is still written
+    onnx.save(rms_model(), tmp_path / "m.onnx")
+    result = CliRunner().invoke(main, ["compile", str(tmp_path / "m.onnx"), "--soc-version", "Ascend910B3", "-q",
+                                       "-o", str(tmp_path / "o"), "--atc", str(fake),
+                                       "--report", str(tmp_path / "r.json")])
+    assert result.exit_code == 1 and "E19010" in result.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["check"] == {"model": str(tmp_path / "o.onnx"), "findings": []} and data["lowering"]
