@@ -128,7 +128,7 @@ def relations(graph: onnx.GraphProto, inputs: Mapping[str, Sequence[Dim]], aux_p
     for node in graph.node:
         try:
             _walk(rel, node)
-        except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError):
+        except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError, StopIteration, AttributeError):
             pass  # an odd node (missing input, unexpected attribute) gives unknown outputs, no equation
         for out in node.output:
             _tie(rel, out, declared.get(out))
