@@ -3,7 +3,7 @@
 Both run the pipeline of docs/design.md: load (weights stay on disk) ->
 --input-shape -> opset conversion -> gs import -> passes to a fixed point
 -> cleanup/toposort -> export -> verification against the model as given
--> [cann lowering] -> save.
+-> [target lowering passes -> export -> the target's form and invariants] -> save.
 """
 from __future__ import annotations
 
@@ -163,6 +163,9 @@ class _Run:
 
             load_plugins(list(plugins))
         pipeline = build_pipeline(list(passes) if passes is not None else None, tuple(skip), target)
+        # Target lowerings run after the verified passes; one for another target stays, to be skipped with a note.
+        lowering = [p for p in pipeline if p.lowering and (p.targets is None or target in p.targets)]
+        pipeline = [p for p in pipeline if p not in lowering]
         check_pass_options(self.pass_options)
         with self.step("loading", "load"):
             on_disk = None if isinstance(model, onnx.ModelProto) else model
@@ -211,15 +214,30 @@ class _Run:
         if original is not None:
             with self.step("verifying", "verify"):
                 self._verify(original, start, out, manager, pipeline, ctx, before_down)
-        if target == "cann":
-            from .cann_bridge import lower
-
-            with self.step("lowering for CANN", "lower"):
-                out, lines = lower(out)
-            report.lowering = list(lines)
+        if lowering or target == "cann":
+            with self.step(f"lowering for {target}", "lower"):
+                out = self._lower(out, lowering, target)
         # optimize_file measures the files it writes instead (sizing the proto costs a pass over it)
         size = io.proto_size(out) if self.measure_output else 0
         report.after = ModelSummary.of(out, size, opsets.model_opset(out))
+        return out
+
+    def _lower(self, model: onnx.ModelProto, lowering: list, target: str) -> onnx.ModelProto:
+        """Run the target's lowering passes on the verified ``model`` (its notes are the report's lowering
+        lines), export, and put the result in the target's form (:func:`finish_target`)."""
+        ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options))
+        refresher = shapes.ShapeRefresher()
+        manager = PassManager(lowering, shape_inference=refresher, progress=self._pass_progress())
+        with _fewer_collections():
+            graph = io.import_graph(model)
+            manager.run(graph, ctx)
+            out = finish_target(export(graph, model), target)
+        self.report.passes += [manager.stats[p.name].as_dict() for p in lowering]
+        self.report.lowering = list(ctx.notes)
+        self.report.notes.extend(n for n in refresher.notes if n not in self.report.notes)
+        for key, value in ctx.counters.items():
+            if value:
+                self.report.counters[key] = self.report.counters.get(key, 0) + value
         return out
 
     def _pass_progress(self) -> ProgressSink:
@@ -355,6 +373,15 @@ def export(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
     del out.opset_import[:]
     out.opset_import.extend(imports)
     return out
+
+
+def finish_target(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
+    """The exported model in its target's form; raises CompileError when it breaks the target's invariants."""
+    if target == "cann":
+        from .cann_bridge.target_form import finish_model
+
+        return finish_model(model)
+    return model
 
 
 def _load(model: ModelLike, report: Report) -> io.Loaded:

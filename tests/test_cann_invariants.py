@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from k3opt.cann_bridge.lowering import invariant_violations, refusal
+from k3opt.cann_bridge.target_form import invariant_violations
+from k3opt.passes.lower_rmsnorm_npu import refusal
 from tests.helpers import make_model
 
 F = TensorProto.FLOAT

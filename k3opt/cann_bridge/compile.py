@@ -13,7 +13,7 @@ from typing import Callable, Optional, Union
 
 import onnx
 
-from .. import api, io
+from .. import io, optimize, optimize_file
 from ..errors import CompileError, UsageError
 from ..report import Report
 from .atc_command import AtcOptions, build_command, check_output_prefix, render, validate
@@ -43,11 +43,11 @@ def _optimize(model: Union[str, os.PathLike, onnx.ModelProto], dst: Path, static
     shapes = static_shapes or None
     if isinstance(model, onnx.ModelProto):
         report = Report()
-        out = api.optimize(model, target="cann", input_shapes=shapes, report=report, **options)
+        out = optimize(model, target="cann", input_shapes=shapes, report=report, **options)
         report.files = [str(p) for p in io.save(out, dst)]
         report.output = str(dst)
         return report
-    return api.optimize_file(model, dst, target="cann", input_shapes=shapes, **options)
+    return optimize_file(model, dst, target="cann", input_shapes=shapes, **options)
 
 
 def compile_model(
