@@ -137,6 +137,8 @@ class _Run:
         self.source_files: set[str] = set()
         #: Size the optimized proto for the report (optimize_file takes the saved files' sizes).
         self.measure_output = True
+        #: (feeds, onnxruntime's outputs of the original, output names), once verification ran them.
+        self._expected: Optional[tuple[dict, list, list[str]]] = None
 
     @contextlib.contextmanager
     def step(self, message: str, key: str) -> Iterator[None]:
@@ -216,15 +218,22 @@ class _Run:
                 self._verify(original, start, out, manager, pipeline, ctx, before_down)
         if lowering or target == "cann":
             with self.step(f"lowering for {target}", "lower"):
-                out = self._lower(out, lowering, target)
+                out, lowered_by = self._lower(out, lowering, target)
+            if original is not None and lowering:
+                with self.step("verifying the lowering", "verify_lowering"):
+                    self._verify_lowering(out, *lowered_by)
         # optimize_file measures the files it writes instead (sizing the proto costs a pass over it)
         size = io.proto_size(out) if self.measure_output else 0
         report.after = ModelSummary.of(out, size, opsets.model_opset(out))
         return out
 
-    def _lower(self, model: onnx.ModelProto, lowering: list, target: str) -> onnx.ModelProto:
+    def _lower(self, model: onnx.ModelProto, lowering: list, target: str) -> tuple[onnx.ModelProto, tuple]:
         """Run the target's lowering passes on the verified ``model`` (its notes are the report's lowering
-        lines), export, and put the result in the target's form (:func:`finish_target`)."""
+        lines), export, and put the result in the target's form (:func:`finish_target`).
+
+        Returns the lowered model and what :meth:`_verify_lowering` needs to bisect a divergence.
+        """
+        start = model.SerializeToString() if self._expected is not None else b""
         ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options))
         refresher = shapes.ShapeRefresher()
         manager = PassManager(lowering, shape_inference=refresher, progress=self._pass_progress())
@@ -238,7 +247,46 @@ class _Run:
         for key, value in ctx.counters.items():
             if value:
                 self.report.counters[key] = self.report.counters.get(key, 0) + value
-        return out
+        return out, (start, manager, lowering, ctx)
+
+    def _verify_lowering(self, out: onnx.ModelProto, start: bytes, manager: PassManager, lowering: list,
+                         ctx: PassContext) -> None:
+        """Compare the lowered model, run by the target's reference evaluator, with onnxruntime's outputs of
+        the original (same inputs); on divergence bisect the lowering steps and raise VerificationError."""
+        report = self.report
+        evaluate = reference_evaluator(ctx.target)
+        why = "onnxruntime did not run the original" if self._expected is None else None
+        if why is None and evaluate is None:
+            why = f"no reference evaluator for target {ctx.target}"
+        if why is None and (len(out.graph.node) > REFERENCE_MAX_NODES or io.proto_size(out) > REFERENCE_MAX_BYTES):
+            why = (f"the lowered model is over the reference evaluator's bound ({REFERENCE_MAX_NODES} nodes, "
+                   f"{REFERENCE_MAX_BYTES >> 20} MB): onnx's reference evaluator is slow and keeps every value")
+        if why is not None:
+            report.lowering_verification = verifier.skipped(why)
+            report.warnings.append(f"verification of the lowering skipped: {why}")
+            return
+        assert self._expected is not None and evaluate is not None
+        feeds, expected, names = self._expected
+
+        def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
+            try:
+                model = onnx.load_from_string(verifier.runnable_bytes(candidate))
+                actual = evaluate(model).run(None, dict(feeds))
+            except Exception as exc:  # an op the reference refuses (outside its documented contract) fails too
+                return verifier.failed(f"the reference evaluator cannot run the lowered model: {_first_line(exc)}",
+                                       self.rtol, self.atol)
+            if [o.name for o in candidate.graph.output] != names:
+                return verifier.failed("the lowered model's outputs are not the original's", self.rtol, self.atol)
+            return verifier.compare(expected, actual, names, rtol=self.rtol, atol=self.atol)
+
+        result = report.lowering_verification = result_of(out)
+        if result["status"] == "passed":
+            return
+        culprit = self._bisect(start, False, manager, lowering, ctx,
+                               lambda candidate: result_of(finish_target(candidate, ctx.target)), result)
+        detail = result.get("reason") or _worst(result)
+        raise VerificationError(f"the lowered model differs from the original under the {ctx.target} reference "
+                                f"evaluator ({detail}){culprit}")
 
     def _pass_progress(self) -> ProgressSink:
         if self.progress is None:
@@ -278,6 +326,7 @@ class _Run:
             return self._skip_verification(f"original model: {exc}")
         except Exception as exc:  # ORT cannot run the original on our inputs: nothing to compare
             return self._skip_verification(f"onnxruntime failed on the original model: {_first_line(exc)}")
+        self._expected = (feeds, expected, names)
 
         def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
             try:
@@ -307,11 +356,13 @@ class _Run:
         raise VerificationError(f"optimized model differs from the original ({detail}){culprit}")
 
     def _bisect(self, start: bytes, converted: bool, manager: PassManager, pipeline: list, ctx: PassContext,
-                result_of: Callable[[onnx.ModelProto], dict]) -> str:
+                result_of: Callable[[onnx.ModelProto], dict], record: Optional[dict] = None) -> str:
         """Re-run the passes on fresh imports, stopping after k steps, to find the first bad step.
 
         Step 0 (no pass) is a candidate when the opset was converted: the converter may be the culprit.
+        The culprit is written into ``record`` (default: the report's verification).
         """
+        record = self.report.verification if record is None else record
         candidates = ([0] if converted else []) + [i + 1 for i, s in enumerate(manager.steps) if s.rewrites]
 
         def diverges(k: int) -> bool:
@@ -330,10 +381,10 @@ class _Run:
         if step is None:
             return ""
         if step == 0:
-            self.report.verification["first_diverging_pass"] = "opset conversion"
+            record["first_diverging_pass"] = "opset conversion"
             return f"; the opset conversion to {ctx.opset} already diverges"
         bad = manager.steps[step - 1]
-        self.report.verification["first_diverging_pass"] = bad.name
+        record["first_diverging_pass"] = bad.name
         return f"; first diverging pass: {bad.name} (round {bad.round})"
 
 
@@ -373,6 +424,21 @@ def export(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
     del out.opset_import[:]
     out.opset_import.extend(imports)
     return out
+
+
+#: Bounds for verifying a lowered model with a reference evaluator (onnx's: pure Python per node, and it
+#: keeps every intermediate value): larger models are skipped with a warning.
+REFERENCE_MAX_NODES = 20_000
+REFERENCE_MAX_BYTES = 512 << 20
+
+
+def reference_evaluator(target: str) -> Optional[Callable[[onnx.ModelProto], Any]]:
+    """``model -> evaluator`` (with ``.run(None, feeds)``) that runs the target's lowered ops, or None."""
+    if target == "cann":
+        from .cann_bridge.reference_ops import evaluator
+
+        return evaluator
+    return None
 
 
 def finish_target(model: onnx.ModelProto, target: str) -> onnx.ModelProto:

@@ -52,6 +52,8 @@ class Report:
     warnings: list[str] = dataclasses.field(default_factory=list)
     verification: Optional[dict[str, Any]] = None
     lowering: list[str] = dataclasses.field(default_factory=list)
+    #: The lowered model (target cann) run by the reference evaluator vs onnxruntime's original outputs.
+    lowering_verification: Optional[dict[str, Any]] = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     files: list[str] = dataclasses.field(default_factory=list)
 
@@ -96,6 +98,9 @@ class Report:
                              + ("" if o["passed"] else "  FAILED") for o in outputs)
         lines.extend(f"note: {n}" for n in self.notes)
         lines.extend(f"cann: {n}" for n in self.lowering)
+        if self.lowering_verification:
+            lines.append("lowering verification (reference evaluator): "
+                         + verification_line(self.lowering_verification))
         if self.output:
             lines.append(f"wrote {self.output}")
         return "\n".join(lines)

@@ -156,3 +156,37 @@ def test_cast_like_with_unknown_dtype_is_kept_and_reported():
     assert ctx.notes == ["1 CastLike kept for cann, which has no CastLike parser (dtype of the second input "
                          "unknown: cl)"]
     assert graph.nodes[0].op == "CastLike"
+
+
+def test_the_lowered_graph_is_verified_by_the_reference_evaluator():
+    report = Report()
+    k3opt.optimize(rms_model(eps=1e-6, layers=(1e-5,)), target="cann", verify=True, report=report)
+    assert report.verification["status"] == "passed"
+    assert report.lowering_verification["status"] == "passed"
+    assert "lowering verification (reference evaluator): passed" in report.table()
+    report = Report()
+    k3opt.optimize(rms_model(eps=1e-6), target="cann", verify=False, report=report)
+    assert report.lowering_verification is None
+
+
+def test_an_inexact_lowering_fails_the_verification_and_is_bisected(monkeypatch):
+    """A lowering that pretends eps 1e-5 is the plugin's: the reference (fixed 1e-6) tells the difference."""
+    import k3opt.passes.lower_rmsnorm_npu as lowering
+
+    monkeypatch.setattr(lowering, "PLUGIN_EPSILON", 1e-5)
+    small = {"x": (1e-3 * np.random.default_rng(0).standard_normal((2, 3, 16))).astype(np.float32)}
+    report = Report()
+    with pytest.raises(k3opt.VerificationError, match="reference evaluator .*first diverging pass: lower-rmsnorm-npu"):
+        k3opt.optimize(rms_model(eps=1e-5), target="cann", verify=True, input_data=small, report=report)
+    assert report.verification["status"] == "passed"
+    assert report.lowering_verification["first_diverging_pass"] == "lower-rmsnorm-npu"
+
+
+def test_a_model_over_the_bound_skips_the_reference_verification_with_a_warning(monkeypatch):
+    import k3opt.api
+
+    monkeypatch.setattr(k3opt.api, "REFERENCE_MAX_NODES", 1)
+    report = Report()
+    k3opt.optimize(rms_model(eps=1e-6), target="cann", verify=True, report=report)
+    assert report.lowering_verification["status"] == "skipped"
+    assert any("verification of the lowering skipped" in w for w in report.warnings)

@@ -36,7 +36,9 @@ def _cases():
 def test_cann_target_invariants_on_exports(name, exporter):
     path = zoo_model(name, exporter)
     report = Report()
-    out = k3opt.optimize(str(path), target="cann", report=report)
+    out = k3opt.optimize(str(path), target="cann", verify=True, report=report)
+    assert report.verification["status"] == "passed"
+    assert report.lowering_verification["status"] == "passed", report.lowering_verification  # reference NPU ops
     assert [(o.domain or "", o.version) for o in out.opset_import] == [("", 17)]
     assert invariant_violations(out) == []
     assert op_counts(out).get("NPURmsNorm", 0) == expected_npu_rmsnorms(name), report.lowering
