@@ -245,13 +245,27 @@ class NPUIncreFlashAttention(OpRun):
         return (_from_bnsd(attention(q, k, v, masked, scale_value, 1, False), layout),)
 
 
+class GatherElements(OpRun):
+    """The standard op, as the ONNX spec and onnxruntime define it (``out[i][j] = data[index[i][j]][j]`` for
+    axis 0): onnx 1.23's reference implementation fails when the indices are smaller than the data on the
+    other axes (TorchScript BERT's ``token_type_ids`` buffer), which onnxruntime and the spec allow."""
+
+    op_domain = ""
+
+    def _run(self, data, indices, axis=0):  # noqa: D102
+        axis = axis % data.ndim
+        index = np.where(indices < 0, indices + data.shape[axis], indices)
+        box = tuple(slice(None) if a == axis else slice(0, n) for a, n in enumerate(indices.shape))
+        return (np.take_along_axis(data[box], index, axis=axis),)
+
+
 def _in_domain(cls: type, domain: str) -> type:
     return type(cls.__name__, (cls,), {"op_domain": domain})
 
 
 #: The ops for the evaluator: each in the default domain and in ``npu`` (torch_npu's exporter form).
 REFERENCE_OPS = [cls for base in (NPURmsNorm, NPUPromptFlashAttention, NPUIncreFlashAttention)
-                 for cls in (base, _in_domain(base, NPU_DOMAIN))]
+                 for cls in (base, _in_domain(base, NPU_DOMAIN))] + [GatherElements]
 
 
 def evaluator(model: Any) -> Any:
