@@ -14,8 +14,8 @@ contract (sources and facts in :mod:`k3opt.cann_bridge.reference_ops` and docs/c
   the bottom-right causal triangle is ``sparse_mode=3`` with the documented 2048 x 2048 template;
 - a query row with every key masked: what the device returns there is undocumented, so such rows are
   overridden in the graph (``Where(no key kept, graph's value, attention)``) with what the decomposed
-  graph gives: 0 (a -inf fill under torch sdpa's IsNaN guard) or the mean of v (a finite fill such as
-  the dtype's lowest, float32 only); -inf without the guard (NaN) is kept decomposed. The kernel's
+  graph gives: 0 (a -inf fill under torch sdpa's IsNaN guard) or the mean of v (a finite fill at or
+  below -1e30, such as float32's lowest); -inf without the guard (NaN) is kept decomposed. The kernel's
   invalid-row correction (``inner_precise`` bit 1, recommended with a mask) is asked for too;
 - one head dim (MLA's qk/v pair is TND-only and bf16-only), D <= 512, N <= 256, N / N_kv <= 64; a mask of
   unknown form, or one whose head axis is not provably 1, is kept decomposed.
@@ -79,8 +79,8 @@ def _masked_rows_refusal(am: AttentionMatch) -> Optional[str]:
     """Why the graph's result for a query row with every key masked cannot be rebuilt, or None.
 
     The graph gives 0 there for a -inf fill with torch sdpa's IsNaN guard, the mean of v for a finite fill
-    at or below -1e30 in float32 (guard or not: every score rounds to the fill, |score| < 1e22, so the
-    softmax is uniform), NaN for -inf without the guard (not rebuilt). The device's own result for such
+    at or below -1e30 (guard or not: in float32 and bfloat16 every score under 1e22 in magnitude rounds to
+    the fill, so the softmax is uniform), NaN for -inf without the guard (not rebuilt). The device's own result for such
     a row is undocumented, so the lowering overrides those rows itself (:meth:`LowerAttentionNPU._dead_rows`).
     """
     if am.keep is None or am.causal_only:
@@ -88,9 +88,6 @@ def _masked_rows_refusal(am: AttentionMatch) -> Optional[str]:
     if am.mask_fill == float("-inf"):
         return None if am.zero_fully_masked else \
             "the mask fills -inf without the IsNaN guard: a query row with every key masked is NaN in the graph"
-    if am.dtype != TensorProto.FLOAT:
-        return (f"a query row with every key masked averages v in the graph only when the fill swamps every "
-                f"score; in {TensorProto.DataType.Name(am.dtype)} it need not")
     return None
 
 
