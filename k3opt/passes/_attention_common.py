@@ -157,19 +157,19 @@ def _analyze(m: Match) -> AttentionMatch:
     walked: list[Node] = []
     q_scale, q = _peel_scale(qk.inputs[0], walked, "q")
     kt_scale, kt = _peel_scale(qk.inputs[1], walked, "k")
-    k4, k_layout, k_scale = _untransposed_key(kt, walked)
+    k4, k_perm, k_scale = _untransposed_key(kt, walked)
     scale *= q_scale * kt_scale * k_scale
     if not (math.isfinite(scale) and scale > 0):
         raise _Decline(f"the total scale {scale:g} is not a positive finite number")
-    _, k, rep_k = _repeat_kv(k4, walked) if k_layout == "bnsd" else (False, k4, None)
+    _, k, rep_k = _repeat_kv(k4, walked) if k_perm == IDENTITY else (False, k4, None)
     _, v, rep_v = _repeat_kv(pv.inputs[1], walked)
     _no_escape(m.graph, chain, pv)
     dtype = _dtype_of(q, k, v, pv.outputs[0], scores)
-    k_dims = fold_shapes.tensor_dims(k) if k_layout == "bnsd" else _bsnd_as_bnsd(k)
+    k_dims = _permuted_dims(k, k_perm)
     if checks.rank(q) != 4 or k_dims is None or len(k_dims) != 4 or checks.rank(v) != 4:
         raise _Decline("q, k and v are not all rank 4")
     q_heads, dqk = _heads(q, scores), _static(q, 3, "q's head dim")
-    kv_heads = _kv_heads(k, rep_k, k4, q_heads, "k") if k_layout == "bnsd" else \
+    kv_heads = _kv_heads(k, rep_k, k4, q_heads, "k") if k_perm == IDENTITY else \
         (k_dims[1] if isinstance(k_dims[1], int) else None)
     v_heads = _kv_heads(v, rep_v, pv.inputs[1], q_heads, "v")
     if (kv_heads is not None and v_heads is not None and kv_heads != v_heads) or rep_k != rep_v:
@@ -180,11 +180,11 @@ def _analyze(m: Match) -> AttentionMatch:
     if mask is not None:
         _check_mask(mask, dtype)
     keep, fill, causal = _mask_form(mask, q, k_dims) if mask is not None else (None, None, False)
-    past = _decode_parts(k if k_layout == "bnsd" else None, v)
+    past = _decode_parts(k if k_perm == IDENTITY else None, v)
     m.nodes.extend(walked + [n for n in chain if n not in m.nodes])  # detached by the commit once dead
     am = AttentionMatch(q, k, v, q_heads, kv_heads if kv_heads is not None else v_heads, dqk, dv, scale, mask, keep, causal,
                         m.which("probs") == 1 and _guarded(m), *past, pv.outputs[0], sm, dtype, m, fill)
-    m.memo["k_layout"] = k_layout
+    m.memo["k_perm"] = k_perm
     return am
 
 
@@ -260,24 +260,30 @@ def _scalar_const(t: Tensor) -> bool:
     return checks.const_value(t).dtype.kind == "f"
 
 
-def _untransposed_key(kt: Tensor, walked: list[Node]) -> tuple[Tensor, str, float]:
-    """The keys under ``k^T``: (keys, "bnsd" or "bsnd", the scale factors applied to them before the transpose)."""
+def _untransposed_key(kt: Tensor, walked: list[Node]) -> tuple[Tensor, tuple[int, ...], float]:
+    """The keys under ``k^T``: (a tensor X, the perm taking X to BNSD keys, the scale factors applied to X).
+
+    ``k^T = Transpose(X, p)`` gives the keys as ``Transpose(X, p with its last two entries swapped)``:
+    X itself for p = [0,1,3,2], a head split fused in for TorchScript's [0,2,3,1], dynamo's [3,1,0,2] of
+    an in-place update; or dynamo's 3-D batched transpose of BNSD keys.
+    """
     n = producer(kt)
     if n is not None and n.op == "Transpose":
         perm = [int(p) for p in n.attrs.get("perm", ())]
+        if sorted(perm) != [0, 1, 2, 3]:
+            raise _Decline(f"the keys are transposed with perm {perm}, not a rank-4 k^T")
         walked.append(n)
         scale, k = _peel_scale(n.inputs[0], walked, "k")
-        if perm == [0, 1, 3, 2]:
-            return k, "bnsd", scale
-        if perm == [0, 2, 3, 1]:
-            return k, "bsnd", scale
-        raise _Decline(f"the keys are transposed with perm {perm}, not to k^T")
+        return k, (perm[0], perm[1], perm[3], perm[2]), scale
     if n is not None and n.op == "Reshape":
         k = _batched_transpose(n, walked)
         if k is not None:
             scale, k = _peel_scale(k, walked, "k")
-            return k, "bnsd", scale
+            return k, IDENTITY, scale
     raise _Decline("the second operand of the scores MatMul is not a transposed key")
+
+
+IDENTITY = (0, 1, 2, 3)
 
 
 def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
@@ -360,6 +366,15 @@ def _is_dim(ref: object, x: Tensor, axis: int) -> bool:
     return ref is not None and fold_shapes.dim_at(x, axis) == ref
 
 
+def _same(a: object, b: object) -> bool:
+    """Two :func:`_shape_refs` elements are provably the same size."""
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] is b[0] and a[1] == b[1]:
+        return True
+    a = fold_shapes.dim_at(*a) if isinstance(a, tuple) else a
+    b = fold_shapes.dim_at(*b) if isinstance(b, tuple) else b
+    return a is not None and a == b and not (isinstance(a, int) and a < 0)
+
+
 def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[bool, Tensor, Optional[int]]:
     """``Reshape(Expand(Unsqueeze(x, 2), [B, H, rep, S, D]), [B, H*rep, S, D])`` -> (True, x, rep); else (False, t, None).
 
@@ -382,16 +397,18 @@ def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[bool, Tensor, Optional[in
         raise _Decline("GQA's repeat of the keys/values has a repeat count that is not constant")
     out = _shape_refs(r.inputs[1])
     copy = not r.attrs.get("allowzero", 0)
-    if out is None or len(out) != 4 or not (_is_dim(out[0], x, 0) or (copy and out[0] == 0)) \
-            or not _is_dim(out[2], x, 2) or not _is_dim(out[3], x, 3):
+    # The Expand's dim j is its target's element where that is not 1, else x's dim.
+    kept = [(out[0], 0, 0), (out[2], 3, 2), (out[3], 4, 3)] if out is not None and len(out) == 4 else None
+    if kept is None or not all((copy and o == 0 and j == 0) or (_same(o, target[j]) if target[j] != 1
+                                                                 else _is_dim(o, x, axis)) for o, j, axis in kept):
         raise _Decline("GQA's Reshape of the repeated keys/values does not provably merge just the heads axes")
     walked.extend([r, e, u])
     return True, x, target[2]
 
 
-def _bsnd_as_bnsd(k: Tensor) -> Optional[list]:
-    dims = fold_shapes.tensor_dims(k)
-    return None if dims is None or len(dims) != 4 else [dims[0], dims[2], dims[1], dims[3]]
+def _permuted_dims(x: Tensor, perm: tuple[int, ...]) -> Optional[list]:
+    dims = fold_shapes.tensor_dims(x)
+    return None if dims is None or len(dims) != 4 else [dims[p] for p in perm]
 
 
 def _static(t: Tensor, axis: int, what: str) -> int:
@@ -519,7 +536,7 @@ def _decode_parts(k: Optional[Tensor], v: Tensor) -> tuple:
 
 
 def _materialized(op: RewriteBuilder, am: AttentionMatch) -> AttentionMatch:
-    """``am`` with BNSD keys: BSND keys (head split fused into the transpose) get a Transpose to BNSD."""
-    if am.match.memo.get("k_layout") != "bsnd":
-        return am
-    return dataclasses.replace(am, k=op.Transpose(am.k, perm=[0, 2, 1, 3]))
+    """``am`` with BNSD keys: keys found in another layout (a head split fused into the transpose) get a
+    Transpose to BNSD."""
+    perm = am.match.memo.get("k_perm", IDENTITY)
+    return am if perm == IDENTITY else dataclasses.replace(am, k=op.Transpose(am.k, perm=list(perm)))
