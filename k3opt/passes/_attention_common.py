@@ -312,13 +312,20 @@ def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
 
 
 def _shape_refs(t: Tensor) -> Optional[list]:
-    """A small shape tensor element by element: ints for constants, ``(x, axis)`` for dims of a Shape(x)."""
+    """A small integer tensor (a shape) element by element: ints for constants, ``("dim", x, axis)`` for
+    dims of a Shape(x), ``("elem", t, i)`` for an element of anything else (equal only to itself)."""
     value = checks.const_value(t)
     if value is not None:
         return [int(v) for v in value.reshape(-1)] if value.dtype.kind in "iu" and value.size <= 8 else None
     n = producer(t)
-    if n is None:
-        return None
+    refs = None if n is None else _computed_refs(n)
+    if refs is None and ir.const_shape(t) is not None and len(t.shape) <= 1 and int(np.prod(t.shape)) <= 8:
+        refs = [("elem", t, i) for i in range(int(np.prod(t.shape)))]
+    return refs
+
+
+def _computed_refs(n: Node) -> Optional[list]:
+    """:func:`_shape_refs` of the output of ``n``, from its op."""
     if n.op == "Concat" and int(n.attrs.get("axis", 0)) in (0, -1):
         parts = [_shape_refs(i) for i in n.inputs]
         return None if any(p is None for p in parts) else [e for p in parts for e in p]
@@ -328,7 +335,7 @@ def _shape_refs(t: Tensor) -> Optional[list]:
             return None
         start, end = int(n.attrs.get("start", 0)), n.attrs.get("end")
         axes = range(r)[slice(start, None if end is None else int(end))]
-        return [(n.inputs[0], a) for a in axes]
+        return [("dim", n.inputs[0], a) for a in axes]
     if n.op == "Slice" and len(n.inputs) in (3, 4) and (len(n.inputs) < 4 or _ints(n.inputs[3]) == [0]):
         src, starts, ends = _shape_refs(n.inputs[0]), _ints(n.inputs[1]), _ints(n.inputs[2])
         if src is None or starts is None or ends is None or len(starts) != 1 or len(ends) != 1:
@@ -338,8 +345,8 @@ def _shape_refs(t: Tensor) -> Optional[list]:
         src, idx = _shape_refs(n.inputs[0]), _ints(n.inputs[1])
         return None if src is None or idx is None or len(idx) != 1 or not -len(src) <= idx[0] < len(src) \
             else [src[idx[0]]]
-    if n.op == "Unsqueeze":
-        return _shape_refs(n.inputs[0])
+    if n.op in ("Unsqueeze", "Reshape", "Squeeze") and len(n.outputs[0].shape or (0, 0)) <= 1:
+        return _shape_refs(n.inputs[0])  # a 0-D or 1-D result has the elements in their order
     if n.op == "Where":  # TorchScript's expand target: Where(Equal(shape, -1), 1, shape), the Equal folded
         cond, parts = checks.const_value(n.inputs[0]), [_shape_refs(i) for i in n.inputs[1:]]
         if cond is None or cond.ndim != 1 or any(p is None or len(p) not in (1, cond.size) for p in parts):
@@ -357,22 +364,23 @@ def _ints(t: Tensor) -> Optional[list[int]]:
 def _is_dim(ref: object, x: Tensor, axis: int) -> bool:
     """``ref`` (from :func:`_shape_refs`) is dim ``axis`` of ``x``: read from ``x``'s shape, or equal to it as a
     number or a symbol (equal ``dim_param`` names are equal sizes)."""
-    if isinstance(ref, tuple):
-        if ref[0] is x and ref[1] == axis:
-            return True
-        ref = fold_shapes.dim_at(ref[0], ref[1])
-    if isinstance(ref, int) and ref < 0:
-        return False
-    return ref is not None and fold_shapes.dim_at(x, axis) == ref
+    return _same(ref, ("dim", x, axis))
 
 
 def _same(a: object, b: object) -> bool:
-    """Two :func:`_shape_refs` elements are provably the same size."""
-    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] is b[0] and a[1] == b[1]:
+    """Two :func:`_shape_refs` elements are provably the same size: one element of one tensor, or equal
+    numbers or symbols (equal ``dim_param`` names are equal sizes)."""
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] and a[1] is b[1] and a[2] == b[2]:
         return True
-    a = fold_shapes.dim_at(*a) if isinstance(a, tuple) else a
-    b = fold_shapes.dim_at(*b) if isinstance(b, tuple) else b
+    a, b = _size(a), _size(b)
     return a is not None and a == b and not (isinstance(a, int) and a < 0)
+
+
+def _size(ref: object) -> object:
+    """What is known of a ref's size: a number, a symbol, or None."""
+    if isinstance(ref, tuple):
+        return fold_shapes.dim_at(ref[1], ref[2]) if ref[0] == "dim" else None
+    return ref
 
 
 def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[bool, Tensor, Optional[int]]:
@@ -394,7 +402,7 @@ def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[bool, Tensor, Optional[in
         return False, t, None
     target = _shape_refs(e.inputs[1])
     if target is None or len(target) != 5 or not isinstance(target[2], int) or target[2] <= 0:
-        raise _Decline("GQA's repeat of the keys/values has a repeat count that is not constant")
+        raise _Decline("GQA's Expand of the keys/values has no readable target with a constant repeat count")
     out = _shape_refs(r.inputs[1])
     copy = not r.attrs.get("allowzero", 0)
     # The Expand's dim j is its target's element where that is not 1, else x's dim.
