@@ -35,7 +35,7 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
 from .. import ir
-from ..ir import Graph, Node, Tensor, is_graph_output, producer
+from ..ir import Graph, NameScope, Node, Tensor, is_graph_output, producer
 from ..patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ..patterns.rule_pass import sweep
 from . import fold_shapes
@@ -73,8 +73,8 @@ class AttentionMatch:
     softmax: Node
     dtype: int
     match: Match
-    #: The masked-out fill of a ``Where(keep, 0, fill)`` (or constant) mask: -inf, or a finite value at
-    #: or below :data:`MASKED_BELOW`; None when ``keep`` is None.
+    #: The fill of a ``Where(keep, 0, fill)`` mask (or of a constant mask of 0s and one value): -inf or a
+    #: negative number; None for a mask of unknown form. ``keep`` is set when it is -inf or <= MASKED_BELOW.
     mask_fill: Optional[float] = None
 
 
@@ -117,6 +117,8 @@ def attention_rules(rewrite: Callable[[RewriteBuilder, AttentionMatch], Optional
 
 def apply_attention(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
     """Apply ``rules`` (one sweep each, anchors from ``ctx``'s census); returns the rewrites."""
+    if ctx.names is None:
+        ctx.names = NameScope(graph)
     return sum(sweep(graph, ctx, [rule]) for rule in rules)
 
 
@@ -178,7 +180,7 @@ def _analyze(m: Match) -> AttentionMatch:
         raise _Decline(f"q's head dim {dqk} differs from k's {k_dims[3]}")
     dv = _static(v, 3, "v's head dim")
     if mask is not None:
-        _check_mask(mask, dtype)
+        _check_mask(mask, scores, dtype)
     keep, fill, causal = _mask_form(mask, q, k_dims) if mask is not None else (None, None, False)
     past = _decode_parts(k if k_perm == IDENTITY else None, v)
     m.nodes.extend(walked + [n for n in chain if n not in m.nodes])  # detached by the commit once dead
@@ -485,45 +487,55 @@ def _dtype_of(*tensors: Tensor) -> int:
     return dtype
 
 
-def _check_mask(mask: Tensor, dtype: int) -> None:
+def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
+    """The mask has the scores' dtype, and no known dim of it broadcasts the scores to a larger shape
+    (dims unknown here are checked by the fused op at run time against (B, Nq, Sq, Skv))."""
     if _elem(mask) != dtype:
         raise _Decline("the mask's dtype is not the scores'")
     r = checks.rank(mask)
     if r is None or r > 4:
         raise _Decline(f"the mask's rank ({r}) is unknown or above the scores' 4 (it would broadcast them)")
+    for i in range(r):
+        d, s = fold_shapes.dim_at(mask, i), fold_shapes.dim_at(scores, 4 - r + i)
+        if isinstance(d, int) and d != 1 and isinstance(s, int) and s != d:
+            raise _Decline(f"the mask's dim {i} ({d}) broadcasts the scores' ({s})")
 
 
 def _mask_form(mask: Tensor, q: Tensor, k_dims: list) -> tuple[Optional[Tensor], Optional[float], bool]:
-    """(keep, fill, causal_only) of an additive mask: ``Where(keep, 0, fill)`` or a constant of 0s and one fill."""
-    n = producer(mask)
-    value = checks.const_value(mask)
+    """(keep, fill, causal_only) of an additive mask ``Where(keep, 0, fill)`` or a constant of 0s and one
+    negative fill; ``keep`` only when the fill masks out (-inf or at most :data:`MASKED_BELOW`)."""
+    value = checks.const_value(mask) if ir.is_const(mask) and _size_of(mask) <= 1 << 22 else None
     if value is not None:
-        if value.size > 1 << 22:
-            return None, None, False
         fills = np.unique(value[value != 0])
-        if len(fills) > 1 or (len(fills) == 1 and not fills[0] <= MASKED_BELOW):
+        if len(fills) > 1 or (len(fills) == 1 and not fills[0] < 0):
             return None, None, False
         keep_value = value == 0
         fill = float(fills[0]) if len(fills) else float("-inf")
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
-        return keep, fill, _causal(keep_value, q, k_dims)
-    if n is None or n.op != "Where" or len(n.inputs) != 3:
+        return (keep if fill <= MASKED_BELOW else None), fill, _causal(keep_value, q, k_dims)
+    n = producer(mask)
+    if n is None or n.op != "Where" or len(n.inputs) != 3 or _elem(n.inputs[0]) != TensorProto.BOOL:
         return None, None, False
     zero, fill = checks.const_value(n.inputs[1]), checks.const_value(n.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or zero.ndim > 4 or fill.ndim > 4 \
-            or float(zero.reshape(-1)[0]) != 0.0 or not float(fill.reshape(-1)[0]) <= MASKED_BELOW:
+            or float(zero.reshape(-1)[0]) != 0.0 or not float(fill.reshape(-1)[0]) < 0:
         return None, None, False
-    if _elem(n.inputs[0]) != TensorProto.BOOL:
-        return None, None, False
-    keep = n.inputs[0]
-    kv = checks.const_value(keep)
-    return keep, float(fill.reshape(-1)[0]), kv is not None and kv.size <= 1 << 22 and _causal(kv, q, k_dims)
+    keep, f = n.inputs[0], float(fill.reshape(-1)[0])
+    kv = checks.const_value(keep) if ir.is_const(keep) and _size_of(keep) <= 1 << 22 else None
+    return (keep if f <= MASKED_BELOW else None), f, kv is not None and _causal(kv, q, k_dims)
+
+
+def _size_of(t: Tensor) -> int:
+    c = ir.const_tensor(t)
+    return int(np.prod(c.shape, dtype=np.int64)) if c is not None else 0
 
 
 def _causal(keep: np.ndarray, q: Tensor, k_dims: list) -> bool:
-    """``keep`` is exactly the bottom-right aligned causal triangle of the (static) q and k lengths."""
+    """``keep`` is exactly the bottom-right aligned causal triangle of the (static) q and k lengths, with
+    at least as many keys as queries (so every query row keeps a key)."""
     sq, skv = fold_shapes.dim_at(q, 2), k_dims[2]
-    if keep.ndim < 2 or not isinstance(sq, int) or not isinstance(skv, int) or keep.shape[-2:] != (sq, skv) \
+    if keep.ndim < 2 or not isinstance(sq, int) or not isinstance(skv, int) or skv < sq \
+            or keep.shape[-2:] != (sq, skv) \
             or any(d != 1 for d in keep.shape[:-2]):
         return False
     tri = np.arange(skv)[None, :] <= np.arange(sq)[:, None] + (skv - sq)
