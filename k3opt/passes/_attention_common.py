@@ -35,7 +35,7 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
 from .. import ir
-from ..ir import Graph, Node, Tensor, is_graph_output, producer
+from ..ir import Graph, NameScope, Node, Tensor, is_graph_output, producer
 from ..patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ..patterns.rule_pass import sweep
 from . import fold_shapes
@@ -73,8 +73,8 @@ class AttentionMatch:
     softmax: Node
     dtype: int
     match: Match
-    #: The masked-out fill of a ``Where(keep, 0, fill)`` (or constant) mask: -inf, or a finite value at
-    #: or below :data:`MASKED_BELOW`; None when ``keep`` is None.
+    #: The fill of a ``Where(keep, 0, fill)`` mask (or of a constant mask of 0s and one value): -inf or a
+    #: negative number; None for a mask of unknown form. ``keep`` is set when it is -inf or <= MASKED_BELOW.
     mask_fill: Optional[float] = None
 
 
@@ -117,6 +117,8 @@ def attention_rules(rewrite: Callable[[RewriteBuilder, AttentionMatch], Optional
 
 def apply_attention(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
     """Apply ``rules`` (one sweep each, anchors from ``ctx``'s census); returns the rewrites."""
+    if ctx.names is None:
+        ctx.names = NameScope(graph)
     return sum(sweep(graph, ctx, [rule]) for rule in rules)
 
 
@@ -157,19 +159,19 @@ def _analyze(m: Match) -> AttentionMatch:
     walked: list[Node] = []
     q_scale, q = _peel_scale(qk.inputs[0], walked, "q")
     kt_scale, kt = _peel_scale(qk.inputs[1], walked, "k")
-    k4, k_layout, k_scale = _untransposed_key(kt, walked)
+    k4, k_perm, k_scale = _untransposed_key(kt, walked)
     scale *= q_scale * kt_scale * k_scale
     if not (math.isfinite(scale) and scale > 0):
         raise _Decline(f"the total scale {scale:g} is not a positive finite number")
-    _, k, rep_k = _repeat_kv(k4, walked) if k_layout == "bnsd" else (False, k4, None)
+    _, k, rep_k = _repeat_kv(k4, walked) if k_perm == IDENTITY else (False, k4, None)
     _, v, rep_v = _repeat_kv(pv.inputs[1], walked)
     _no_escape(m.graph, chain, pv)
     dtype = _dtype_of(q, k, v, pv.outputs[0], scores)
-    k_dims = fold_shapes.tensor_dims(k) if k_layout == "bnsd" else _bsnd_as_bnsd(k)
+    k_dims = _permuted_dims(k, k_perm)
     if checks.rank(q) != 4 or k_dims is None or len(k_dims) != 4 or checks.rank(v) != 4:
         raise _Decline("q, k and v are not all rank 4")
     q_heads, dqk = _heads(q, scores), _static(q, 3, "q's head dim")
-    kv_heads = _kv_heads(k, rep_k, k4, q_heads, "k") if k_layout == "bnsd" else \
+    kv_heads = _kv_heads(k, rep_k, k4, q_heads, "k") if k_perm == IDENTITY else \
         (k_dims[1] if isinstance(k_dims[1], int) else None)
     v_heads = _kv_heads(v, rep_v, pv.inputs[1], q_heads, "v")
     if (kv_heads is not None and v_heads is not None and kv_heads != v_heads) or rep_k != rep_v:
@@ -178,13 +180,13 @@ def _analyze(m: Match) -> AttentionMatch:
         raise _Decline(f"q's head dim {dqk} differs from k's {k_dims[3]}")
     dv = _static(v, 3, "v's head dim")
     if mask is not None:
-        _check_mask(mask, dtype)
+        _check_mask(mask, scores, dtype)
     keep, fill, causal = _mask_form(mask, q, k_dims) if mask is not None else (None, None, False)
-    past = _decode_parts(k if k_layout == "bnsd" else None, v)
+    past = _decode_parts(k if k_perm == IDENTITY else None, v)
     m.nodes.extend(walked + [n for n in chain if n not in m.nodes])  # detached by the commit once dead
     am = AttentionMatch(q, k, v, q_heads, kv_heads if kv_heads is not None else v_heads, dqk, dv, scale, mask, keep, causal,
                         m.which("probs") == 1 and _guarded(m), *past, pv.outputs[0], sm, dtype, m, fill)
-    m.memo["k_layout"] = k_layout
+    m.memo["k_perm"] = k_perm
     return am
 
 
@@ -260,24 +262,30 @@ def _scalar_const(t: Tensor) -> bool:
     return checks.const_value(t).dtype.kind == "f"
 
 
-def _untransposed_key(kt: Tensor, walked: list[Node]) -> tuple[Tensor, str, float]:
-    """The keys under ``k^T``: (keys, "bnsd" or "bsnd", the scale factors applied to them before the transpose)."""
+def _untransposed_key(kt: Tensor, walked: list[Node]) -> tuple[Tensor, tuple[int, ...], float]:
+    """The keys under ``k^T``: (a tensor X, the perm taking X to BNSD keys, the scale factors applied to X).
+
+    ``k^T = Transpose(X, p)`` gives the keys as ``Transpose(X, p with its last two entries swapped)``:
+    X itself for p = [0,1,3,2], a head split fused in for TorchScript's [0,2,3,1], dynamo's [3,1,0,2] of
+    an in-place update; or dynamo's 3-D batched transpose of BNSD keys.
+    """
     n = producer(kt)
     if n is not None and n.op == "Transpose":
         perm = [int(p) for p in n.attrs.get("perm", ())]
+        if sorted(perm) != [0, 1, 2, 3]:
+            raise _Decline(f"the keys are transposed with perm {perm}, not a rank-4 k^T")
         walked.append(n)
         scale, k = _peel_scale(n.inputs[0], walked, "k")
-        if perm == [0, 1, 3, 2]:
-            return k, "bnsd", scale
-        if perm == [0, 2, 3, 1]:
-            return k, "bsnd", scale
-        raise _Decline(f"the keys are transposed with perm {perm}, not to k^T")
+        return k, (perm[0], perm[1], perm[3], perm[2]), scale
     if n is not None and n.op == "Reshape":
         k = _batched_transpose(n, walked)
         if k is not None:
             scale, k = _peel_scale(k, walked, "k")
-            return k, "bnsd", scale
+            return k, IDENTITY, scale
     raise _Decline("the second operand of the scores MatMul is not a transposed key")
+
+
+IDENTITY = (0, 1, 2, 3)
 
 
 def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
@@ -306,13 +314,20 @@ def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
 
 
 def _shape_refs(t: Tensor) -> Optional[list]:
-    """A small shape tensor element by element: ints for constants, ``(x, axis)`` for dims of a Shape(x)."""
+    """A small integer tensor (a shape) element by element: ints for constants, ``("dim", x, axis)`` for
+    dims of a Shape(x), ``("elem", t, i)`` for an element of anything else (equal only to itself)."""
     value = checks.const_value(t)
     if value is not None:
         return [int(v) for v in value.reshape(-1)] if value.dtype.kind in "iu" and value.size <= 8 else None
     n = producer(t)
-    if n is None:
-        return None
+    refs = None if n is None else _computed_refs(n)
+    if refs is None and ir.const_shape(t) is not None and len(t.shape) <= 1 and int(np.prod(t.shape)) <= 8:
+        refs = [("elem", t, i) for i in range(int(np.prod(t.shape)))]
+    return refs
+
+
+def _computed_refs(n: Node) -> Optional[list]:
+    """:func:`_shape_refs` of the output of ``n``, from its op."""
     if n.op == "Concat" and int(n.attrs.get("axis", 0)) in (0, -1):
         parts = [_shape_refs(i) for i in n.inputs]
         return None if any(p is None for p in parts) else [e for p in parts for e in p]
@@ -322,7 +337,7 @@ def _shape_refs(t: Tensor) -> Optional[list]:
             return None
         start, end = int(n.attrs.get("start", 0)), n.attrs.get("end")
         axes = range(r)[slice(start, None if end is None else int(end))]
-        return [(n.inputs[0], a) for a in axes]
+        return [("dim", n.inputs[0], a) for a in axes]
     if n.op == "Slice" and len(n.inputs) in (3, 4) and (len(n.inputs) < 4 or _ints(n.inputs[3]) == [0]):
         src, starts, ends = _shape_refs(n.inputs[0]), _ints(n.inputs[1]), _ints(n.inputs[2])
         if src is None or starts is None or ends is None or len(starts) != 1 or len(ends) != 1:
@@ -332,8 +347,8 @@ def _shape_refs(t: Tensor) -> Optional[list]:
         src, idx = _shape_refs(n.inputs[0]), _ints(n.inputs[1])
         return None if src is None or idx is None or len(idx) != 1 or not -len(src) <= idx[0] < len(src) \
             else [src[idx[0]]]
-    if n.op == "Unsqueeze":
-        return _shape_refs(n.inputs[0])
+    if n.op in ("Unsqueeze", "Reshape", "Squeeze") and len(n.outputs[0].shape or (0, 0)) <= 1:
+        return _shape_refs(n.inputs[0])  # a 0-D or 1-D result has the elements in their order
     if n.op == "Where":  # TorchScript's expand target: Where(Equal(shape, -1), 1, shape), the Equal folded
         cond, parts = checks.const_value(n.inputs[0]), [_shape_refs(i) for i in n.inputs[1:]]
         if cond is None or cond.ndim != 1 or any(p is None or len(p) not in (1, cond.size) for p in parts):
@@ -351,13 +366,23 @@ def _ints(t: Tensor) -> Optional[list[int]]:
 def _is_dim(ref: object, x: Tensor, axis: int) -> bool:
     """``ref`` (from :func:`_shape_refs`) is dim ``axis`` of ``x``: read from ``x``'s shape, or equal to it as a
     number or a symbol (equal ``dim_param`` names are equal sizes)."""
+    return _same(ref, ("dim", x, axis))
+
+
+def _same(a: object, b: object) -> bool:
+    """Two :func:`_shape_refs` elements are provably the same size: one element of one tensor, or equal
+    numbers or symbols (equal ``dim_param`` names are equal sizes)."""
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] and a[1] is b[1] and a[2] == b[2]:
+        return True
+    a, b = _size(a), _size(b)
+    return a is not None and a == b and not (isinstance(a, int) and a < 0)
+
+
+def _size(ref: object) -> object:
+    """What is known of a ref's size: a number, a symbol, or None."""
     if isinstance(ref, tuple):
-        if ref[0] is x and ref[1] == axis:
-            return True
-        ref = fold_shapes.dim_at(ref[0], ref[1])
-    if isinstance(ref, int) and ref < 0:
-        return False
-    return ref is not None and fold_shapes.dim_at(x, axis) == ref
+        return fold_shapes.dim_at(ref[1], ref[2]) if ref[0] == "dim" else None
+    return ref
 
 
 def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[bool, Tensor, Optional[int]]:
@@ -379,19 +404,21 @@ def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[bool, Tensor, Optional[in
         return False, t, None
     target = _shape_refs(e.inputs[1])
     if target is None or len(target) != 5 or not isinstance(target[2], int) or target[2] <= 0:
-        raise _Decline("GQA's repeat of the keys/values has a repeat count that is not constant")
+        raise _Decline("GQA's Expand of the keys/values has no readable target with a constant repeat count")
     out = _shape_refs(r.inputs[1])
     copy = not r.attrs.get("allowzero", 0)
-    if out is None or len(out) != 4 or not (_is_dim(out[0], x, 0) or (copy and out[0] == 0)) \
-            or not _is_dim(out[2], x, 2) or not _is_dim(out[3], x, 3):
+    # The Expand's dim j is its target's element where that is not 1, else x's dim.
+    kept = [(out[0], 0, 0), (out[2], 3, 2), (out[3], 4, 3)] if out is not None and len(out) == 4 else None
+    if kept is None or not all((copy and o == 0 and j == 0) or (_same(o, target[j]) if target[j] != 1
+                                                                 else _is_dim(o, x, axis)) for o, j, axis in kept):
         raise _Decline("GQA's Reshape of the repeated keys/values does not provably merge just the heads axes")
     walked.extend([r, e, u])
     return True, x, target[2]
 
 
-def _bsnd_as_bnsd(k: Tensor) -> Optional[list]:
-    dims = fold_shapes.tensor_dims(k)
-    return None if dims is None or len(dims) != 4 else [dims[0], dims[2], dims[1], dims[3]]
+def _permuted_dims(x: Tensor, perm: tuple[int, ...]) -> Optional[list]:
+    dims = fold_shapes.tensor_dims(x)
+    return None if dims is None or len(dims) != 4 else [dims[p] for p in perm]
 
 
 def _static(t: Tensor, axis: int, what: str) -> int:
@@ -460,45 +487,55 @@ def _dtype_of(*tensors: Tensor) -> int:
     return dtype
 
 
-def _check_mask(mask: Tensor, dtype: int) -> None:
+def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
+    """The mask has the scores' dtype, and no known dim of it broadcasts the scores to a larger shape
+    (dims unknown here are checked by the fused op at run time against (B, Nq, Sq, Skv))."""
     if _elem(mask) != dtype:
         raise _Decline("the mask's dtype is not the scores'")
     r = checks.rank(mask)
     if r is None or r > 4:
         raise _Decline(f"the mask's rank ({r}) is unknown or above the scores' 4 (it would broadcast them)")
+    for i in range(r):
+        d, s = fold_shapes.dim_at(mask, i), fold_shapes.dim_at(scores, 4 - r + i)
+        if isinstance(d, int) and d != 1 and isinstance(s, int) and s != d:
+            raise _Decline(f"the mask's dim {i} ({d}) broadcasts the scores' ({s})")
 
 
 def _mask_form(mask: Tensor, q: Tensor, k_dims: list) -> tuple[Optional[Tensor], Optional[float], bool]:
-    """(keep, fill, causal_only) of an additive mask: ``Where(keep, 0, fill)`` or a constant of 0s and one fill."""
-    n = producer(mask)
-    value = checks.const_value(mask)
+    """(keep, fill, causal_only) of an additive mask ``Where(keep, 0, fill)`` or a constant of 0s and one
+    negative fill; ``keep`` only when the fill masks out (-inf or at most :data:`MASKED_BELOW`)."""
+    value = checks.const_value(mask) if ir.is_const(mask) and _size_of(mask) <= 1 << 22 else None
     if value is not None:
-        if value.size > 1 << 22:
-            return None, None, False
         fills = np.unique(value[value != 0])
-        if len(fills) > 1 or (len(fills) == 1 and not fills[0] <= MASKED_BELOW):
+        if len(fills) > 1 or (len(fills) == 1 and not fills[0] < 0):
             return None, None, False
         keep_value = value == 0
         fill = float(fills[0]) if len(fills) else float("-inf")
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
-        return keep, fill, _causal(keep_value, q, k_dims)
-    if n is None or n.op != "Where" or len(n.inputs) != 3:
+        return (keep if fill <= MASKED_BELOW else None), fill, _causal(keep_value, q, k_dims)
+    n = producer(mask)
+    if n is None or n.op != "Where" or len(n.inputs) != 3 or _elem(n.inputs[0]) != TensorProto.BOOL:
         return None, None, False
     zero, fill = checks.const_value(n.inputs[1]), checks.const_value(n.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or zero.ndim > 4 or fill.ndim > 4 \
-            or float(zero.reshape(-1)[0]) != 0.0 or not float(fill.reshape(-1)[0]) <= MASKED_BELOW:
+            or float(zero.reshape(-1)[0]) != 0.0 or not float(fill.reshape(-1)[0]) < 0:
         return None, None, False
-    if _elem(n.inputs[0]) != TensorProto.BOOL:
-        return None, None, False
-    keep = n.inputs[0]
-    kv = checks.const_value(keep)
-    return keep, float(fill.reshape(-1)[0]), kv is not None and kv.size <= 1 << 22 and _causal(kv, q, k_dims)
+    keep, f = n.inputs[0], float(fill.reshape(-1)[0])
+    kv = checks.const_value(keep) if ir.is_const(keep) and _size_of(keep) <= 1 << 22 else None
+    return (keep if f <= MASKED_BELOW else None), f, kv is not None and _causal(kv, q, k_dims)
+
+
+def _size_of(t: Tensor) -> int:
+    c = ir.const_tensor(t)
+    return int(np.prod(c.shape, dtype=np.int64)) if c is not None else 0
 
 
 def _causal(keep: np.ndarray, q: Tensor, k_dims: list) -> bool:
-    """``keep`` is exactly the bottom-right aligned causal triangle of the (static) q and k lengths."""
+    """``keep`` is exactly the bottom-right aligned causal triangle of the (static) q and k lengths, with
+    at least as many keys as queries (so every query row keeps a key)."""
     sq, skv = fold_shapes.dim_at(q, 2), k_dims[2]
-    if keep.ndim < 2 or not isinstance(sq, int) or not isinstance(skv, int) or keep.shape[-2:] != (sq, skv) \
+    if keep.ndim < 2 or not isinstance(sq, int) or not isinstance(skv, int) or skv < sq \
+            or keep.shape[-2:] != (sq, skv) \
             or any(d != 1 for d in keep.shape[:-2]):
         return False
     tri = np.arange(skv)[None, :] <= np.arange(sq)[:, None] + (skv - sq)
@@ -519,7 +556,7 @@ def _decode_parts(k: Optional[Tensor], v: Tensor) -> tuple:
 
 
 def _materialized(op: RewriteBuilder, am: AttentionMatch) -> AttentionMatch:
-    """``am`` with BNSD keys: BSND keys (head split fused into the transpose) get a Transpose to BNSD."""
-    if am.match.memo.get("k_layout") != "bsnd":
-        return am
-    return dataclasses.replace(am, k=op.Transpose(am.k, perm=[0, 2, 1, 3]))
+    """``am`` with BNSD keys: keys found in another layout (a head split fused into the transpose) get a
+    Transpose to BNSD."""
+    perm = am.match.memo.get("k_perm", IDENTITY)
+    return am if perm == IDENTITY else dataclasses.replace(am, k=op.Transpose(am.k, perm=list(perm)))

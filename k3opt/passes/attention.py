@@ -17,6 +17,7 @@ one of the dtype's lowest value alike, per the op's errata) are made to agree wi
 - fill = the dtype's lowest value (transformers' eager and dynamo masks): the graph gives a uniform
   row (every score rounds to that value); the mask is rebuilt with the next larger value, which every
   partially masked row still zeroes exactly and a fully masked one keeps uniform;
+- a finite fill above the lowest value is added as it is (no row can be taken for a masked one);
 - a mask of unknown form is declined (it may hold either value in a full row).
 
 Below opset 23, or for another target, attentions stay decomposed: the pass counts them once on
@@ -46,7 +47,7 @@ def mask_refusal(am: AttentionMatch) -> Optional[str]:
     """Why Attention-23 (as onnxruntime runs it) would differ from the graph on fully masked rows, or None."""
     if am.mask is None or am.causal_only:
         return None
-    if am.keep is None:
+    if am.mask_fill is None:
         return ("the mask is of unknown form: Attention zeroes a query row whose biases are all -inf or the "
                 "dtype's lowest value, the decomposed graph need not")
     if am.mask_fill == float("-inf") and not am.zero_fully_masked:
@@ -65,9 +66,14 @@ def to_attention(op: RewriteBuilder, am: AttentionMatch) -> Optional[Tensor]:
         attrs.update(q_num_heads=am.q_num_heads, kv_num_heads=am.kv_num_heads)
     if am.mask is None:
         return op.Attention(am.q, am.k, am.v, **attrs)
-    if am.causal_only:
+    if am.causal_only and _square(am):  # is_causal aligns by past_key's length; the keys here hold the past
         return op.Attention(am.q, am.k, am.v, is_causal=1, **attrs)
     return op.Attention(am.q, am.k, am.v, _fitted_mask(op, am, _mask_value(op, am)), **attrs)
+
+
+def _square(am: AttentionMatch) -> bool:
+    sq, skv = fold_shapes.dim_at(am.q, 2), fold_shapes.dim_at(am.k, 2)
+    return isinstance(sq, int) and sq == skv
 
 
 def _mask_value(op: RewriteBuilder, am: AttentionMatch) -> Tensor:
