@@ -212,3 +212,9 @@ def test_refusals_keep_the_attention_decomposed_with_the_reason(model, why):
     assert flash_nodes(out) == [] and "Softmax" in {n.op_type for n in out.graph.node}
     assert any(why in line and "kept decomposed" in line for line in report.lowering), report.lowering
     assert "NPU flash attention: 0 of 1 attention(s) lowered" in report.lowering[1]
+
+
+def test_float16_attention_is_lowered_and_verified_in_float16():
+    out, report = lower(attention_model(dtype=T.FLOAT16), dead_row=True)
+    assert len(flash_nodes(out)) == 1
+    assert report.lowering_verification["status"] == "passed" and report.lowering_verification["rtol"] == 1e-2
