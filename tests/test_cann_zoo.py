@@ -11,8 +11,8 @@ from k3opt.cann_bridge import AtcOptions, check_model, compile_model, invariant_
 from k3opt.report import Report
 from tests.fake_atc import recorded_argv, write_fake_atc
 from tests.helpers import op_counts
-from tests.zoo import (EXPORTERS, NAMES, zoo_config, zoo_decode_inputs, zoo_decode_model, zoo_decode_params,
-                       zoo_inputs, zoo_model)
+from tests.zoo import (EXPORTERS, NAMES, family, zoo_config, zoo_decode_inputs, zoo_decode_model,
+                       zoo_decode_params, zoo_inputs, zoo_model)
 
 #: RMSNorms per decoder layer (input and post-attention; MLA adds the q_a and kv_a norms), plus the final norm.
 _RMS_PER_LAYER = {"llama": 2, "qwen2": 2, "deepseek_v3": 4}
@@ -64,14 +64,17 @@ _STATIC_SHAPES = {("bert", "torchscript"), ("gpt2", "torchscript"), ("vit", "tor
 
 
 def _flash_cases():
-    return [pytest.param(n, e, id=f"{n}-{e}", marks=[pytest.mark.slow] if e == "dynamo" else [])
-            for n in ("bert", "gpt2", "llama", "qwen2", "vit") for e in EXPORTERS]
+    """sdpa (default) and eager attention; dynamo and eager ones marked slow."""
+    families = ("bert", "gpt2", "llama", "qwen2", "vit")
+    return [pytest.param(n, e, id=f"{n}-{e}", marks=[pytest.mark.slow] if e == "dynamo" or n != family(n) else [])
+            for n in families + tuple(f"{f}_eager" for f in families) for e in EXPORTERS]
 
 
 @pytest.mark.parametrize("name, exporter", _flash_cases())
 def test_one_prompt_flash_attention_per_layer_in_prefill(name, exporter):
+    """Eager exports fill the mask with the dtype's lowest (a fully masked row is the mean of v): exact too."""
     feeds = zoo_inputs(name)
-    static = {k: list(v.shape) for k, v in feeds.items()} if (name, exporter) in _STATIC_SHAPES else None
+    static = {k: list(v.shape) for k, v in feeds.items()} if (family(name), exporter) in _STATIC_SHAPES else None
     out, report = lowered(zoo_model(name, exporter), feeds, input_shapes=static)
     layers = zoo_config(name).num_hidden_layers
     assert flash_attentions(out) == layers, report.lowering
