@@ -218,3 +218,12 @@ def test_float16_attention_is_lowered_and_verified_in_float16():
     out, report = lower(attention_model(dtype=T.FLOAT16), dead_row=True)
     assert len(flash_nodes(out)) == 1
     assert report.lowering_verification["status"] == "passed" and report.lowering_verification["rtol"] == 1e-2
+
+
+def test_causal_mask_with_more_queries_than_keys_is_a_full_mask():
+    """Bottom-right causal with Sq > Skv fully masks the first rows: not sparse_mode 3 (the kernel's invalid rows
+    are undocumented), but the full mask and the graph's zeros for those rows (sdpa's guard)."""
+    out, report = lower(attention_model(mask="causal", guard=True, sq=6, skv=3))
+    (pfa,) = flash_nodes(out)
+    assert attrs(pfa)["sparse_mode"] == 0 and "Where" in {n.op_type for n in out.graph.node}
+    assert report.lowering_verification["status"] == "passed"

@@ -118,6 +118,7 @@ def test_both_flash_attention_forms_parse():
     bad = _flash_model(17, "npu", [("npu", 1)])
     bad.graph.node[1].op_type = "NPUFusedAttentionScore"
     found = [str(f) for f in check_model(bad)]
-    assert any(f.startswith("op: npu::1::NPUFusedAttentionScore x1 (ifa): ATC registers npu::1 only for") for f in found)
+    assert any(f.startswith("op: npu::1::NPUFusedAttentionScore x1 (ifa): ATC registers npu::1 only for")
+               for f in found)
     found = [str(f) for f in check_model(_flash_model(17, "npu", [("npu", 2)]))]
     assert any(f.startswith("opset: 2 opset imports") for f in found)

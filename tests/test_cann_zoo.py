@@ -57,7 +57,7 @@ def test_cann_target_invariants_on_exports(name, exporter):
     assert op_counts(out).get("NPURmsNorm", 0) == expected_npu_rmsnorms(name), report.lowering
 
 
-#: Exports whose head count shape inference loses with dynamic batch/sequence (ViT: batch) (``Reshape(x, [B, S, -1, D])``):
+#: Exports whose head count shape inference loses with dynamic batch/sequence dims (``Reshape(x, [B, S, -1, D])``):
 #: lowered with the inputs' static shapes, which is what ``k3opt compile`` gives the optimizer.
 _STATIC_SHAPES = {("bert", "torchscript"), ("gpt2", "torchscript"), ("vit", "torchscript"), ("bert", "dynamo"),
                   ("vit", "dynamo")}

@@ -75,15 +75,15 @@ def static_dim(t: Tensor, axis: int) -> Optional[int]:
     return None
 
 
-def _masked_rows_refusal(am: AttentionMatch) -> Optional[str]:
+def _masked_rows_refusal(am: AttentionMatch, causal: bool) -> Optional[str]:
     """Why the graph's result for a query row with every key masked cannot be rebuilt, or None.
 
     The graph gives 0 there for a -inf fill with torch sdpa's IsNaN guard, the mean of v for a finite fill
     at or below -1e30 (guard or not: in float32 and bfloat16 every score under 1e22 in magnitude rounds to
-    the fill, so the softmax is uniform), NaN for -inf without the guard (not rebuilt). The device's own result for such
-    a row is undocumented, so the lowering overrides those rows itself (:meth:`LowerAttentionNPU._dead_rows`).
+    the fill, so the softmax is uniform), NaN for -inf without the guard (not rebuilt). The device's own
+    result for such a row is undocumented, so the lowering overrides those rows (:meth:`LowerAttentionNPU._dead_rows`).
     """
-    if am.keep is None or am.causal_only:
+    if am.keep is None or causal:
         return None
     if am.mask_fill == float("-inf"):
         return None if am.zero_fully_masked else \
@@ -133,7 +133,8 @@ class LowerAttentionNPU(Pass):
     def _declined(self, softmax: Node, why: str) -> None:
         self.kept.setdefault(softmax.name, f"attention at '{softmax.name}' kept decomposed: {why}")
 
-    def _refusal(self, am: AttentionMatch, heads: Optional[int], kv_heads: Optional[int]) -> Optional[str]:
+    def _refusal(self, am: AttentionMatch, heads: Optional[int], kv_heads: Optional[int], causal: bool
+                 ) -> Optional[str]:
         if self.form == "opset16" and self.why_not_16:
             return (f"the opset-16 form was asked for, but {', '.join(self.why_not_16)} differ(s) from opset 17 "
                     "(use npu_attention_form=npu)")
@@ -148,14 +149,17 @@ class LowerAttentionNPU(Pass):
             return f"{heads} heads over {kv_heads} key/value heads is outside the kernel's limits"
         if am.mask is not None and am.keep is None:
             return "the mask is of unknown form (not a boolean keep mask filled with -inf or the dtype's lowest)"
-        return _masked_rows_refusal(am)
+        return _masked_rows_refusal(am, causal)
 
     def _rewrite(self, op: RewriteBuilder, am: AttentionMatch) -> Optional[Tensor]:
         heads = am.q_num_heads or static_dim(am.q, 1)
         kv_heads = am.kv_num_heads or static_dim(am.v, 1)
-        why = self._refusal(am, heads, kv_heads)
+        sq, skv = fold_shapes.dim_at(am.q, 2), fold_shapes.dim_at(am.k, 2)
+        # sparse_mode 3 (bottom-right causal) only where no row is fully masked (Sq <= Skv); else a full mask
+        causal = am.causal_only and isinstance(sq, int) and isinstance(skv, int) and sq <= skv
+        why = self._refusal(am, heads, kv_heads, causal)
         mask: Optional[Tensor] = None
-        keep = self._keep(am) if why is None and am.keep is not None and not am.causal_only else None
+        keep = self._keep(am) if why is None and am.keep is not None and not causal else None
         if isinstance(keep, str):
             why = keep
         elif keep is not None:
@@ -166,7 +170,7 @@ class LowerAttentionNPU(Pass):
         assert heads is not None and kv_heads is not None
         domain = NPU_DOMAIN if self.form == "npu" else STAGING_DOMAIN
         where = am.softmax.name
-        if am.past_key is not None and kv_heads == 1 and fold_shapes.dim_at(am.q, 2) == 1 and mask is None:
+        if am.past_key is not None and kv_heads == 1 and sq == 1 and mask is None:
             self.lowered.append(f"attention at '{where}' -> NPUIncreFlashAttention (one-head cache, one query)")
             return op.NPUIncreFlashAttention(am.q, am.k, am.v, None, None, None, _domain=domain,
                                              _name="NPUIncreFlashAttention", num_heads=heads, input_layout="BNSD",
@@ -174,7 +178,7 @@ class LowerAttentionNPU(Pass):
         attrs = dict(num_heads=heads, input_layout="BNSD", scale_value=float(am.scale), num_key_value_heads=kv_heads,
                      pre_tokens=ALL_TOKENS, next_tokens=ALL_TOKENS, sparse_mode=0, inner_precise=HIGH_PRECISION)
         inputs: list = [am.q, am.k, am.v]
-        if am.causal_only:
+        if causal:
             if self.template is None:
                 self.template = op.const(template_mask(), np.bool_)
             inputs += [None, self.template]
