@@ -227,3 +227,31 @@ def test_causal_mask_with_more_queries_than_keys_is_a_full_mask():
     (pfa,) = flash_nodes(out)
     assert attrs(pfa)["sparse_mode"] == 0 and "Where" in {n.op_type for n in out.graph.node}
     assert report.lowering_verification["status"] == "passed"
+
+
+def _head_split(shape_of_other: bool):
+    """x (B, S, 32) -> Reshape(x, [B, S, -1, 8]) with B, S read from Shape(x) (or from another tensor) -> BNSD."""
+    src = "other" if shape_of_other else "x"
+    nodes = [helper.make_node("Shape", [src], ["shp"]),
+             helper.make_node("Gather", ["shp", "i0"], ["b"], axis=0),
+             helper.make_node("Gather", ["shp", "i1"], ["s"], axis=0),
+             helper.make_node("Unsqueeze", ["b", "ax"], ["b1"]), helper.make_node("Unsqueeze", ["s", "ax"], ["s1"]),
+             helper.make_node("Concat", ["b1", "s1", "minus1", "d"], ["target"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["split"]),
+             helper.make_node("Transpose", ["split"], ["q"], perm=[0, 2, 1, 3])]
+    inits = {"i0": np.array(0, np.int64), "i1": np.array(1, np.int64), "ax": np.array([0], np.int64),
+             "minus1": np.array([-1], np.int64), "d": np.array([8], np.int64)}
+    inputs = [("x", T.FLOAT, ["B", "S", 32]), ("other", T.FLOAT, ["B2", "S2", 32])]
+    return make_model(nodes, inputs, [("q", T.FLOAT, ["B", None, "S", 8])], inits)
+
+
+@pytest.mark.parametrize("other, heads", [(False, 4), (True, None)])
+def test_head_count_of_a_dynamic_head_split(other, heads):
+    """-1 = 32 / 8 only when B and S are provably x's own dims (the same Shape), not another tensor's."""
+    from k3opt import io, shapes
+    from k3opt.passes.lower_attention_npu import static_dim
+
+    graph = io.import_graph(_head_split(other))
+    shapes.ShapeRefresher()(graph)
+    q = next(t for t in graph.outputs if t.name == "q")
+    assert static_dim(q, 1) == heads and static_dim(q, 3) == 8

@@ -42,7 +42,7 @@ from ..errors import UsageError
 from ..ir import Graph, Node, Tensor, producer
 from ..patterns import RewriteBuilder, checks
 from . import fold_shapes
-from ._attention_common import AttentionMatch, apply_attention, attention_rules
+from ._attention_common import AttentionMatch, _shape_refs, apply_attention, attention_rules
 from .base import Pass, PassContext, register_pass
 
 FORMS = ("auto", "opset16", "npu")
@@ -50,29 +50,82 @@ FORMS = ("auto", "opset16", "npu")
 HIGH_PRECISION, ROW_CORRECTION = 0, 2
 
 
-def static_dim(t: Tensor, axis: int) -> Optional[int]:
-    """Dim ``axis`` of ``t`` when provable: the dim analysis, else through a Transpose and a Reshape whose
-    target has a constant at that position (TorchScript's ``Concat(B, S, N, D)`` head split)."""
-    d = fold_shapes.dim_at(t, axis)
-    if isinstance(d, int) and d > 0:
-        return d
+#: How many producers :func:`dim_refs` looks through.
+_DEPTH = 12
+
+
+def dim_refs(t: Tensor, depth: int = _DEPTH) -> Optional[list]:
+    """Each dim of ``t``: a number, or ``("dim", x, axis)`` naming it as dim ``axis`` of the tensor ``x`` it is
+    provably equal to (canonical: the furthest such tensor found), through head-split Reshapes (target
+    elements read by the recogniser's :func:`_shape_refs`), Transposes, Splits and same-shape ops."""
+    shape = t.shape
+    if shape is None:
+        return None
+    own: list = [int(d) if isinstance(d, (int, np.integer)) and d >= 0 else ("dim", t, i) for i, d in enumerate(shape)]
     n = producer(t)
-    if n is not None and n.op == "Transpose" and len(n.attrs.get("perm", ())) > axis:
-        return static_dim(n.inputs[0], int(n.attrs["perm"][axis]))
+    if n is None or depth <= 0 or (n.domain or "") not in ("", "ai.onnx") or not n.inputs:
+        return own
+    inner: Optional[list] = None
+    if n.op == "Transpose" and len(n.attrs.get("perm", ())) == len(own):
+        src = dim_refs(n.inputs[0], depth - 1)
+        inner = None if src is None or len(src) != len(own) else [src[int(p)] for p in n.attrs["perm"]]
+    elif n.op == "Split" and n.inputs[0].shape is not None and len(n.inputs[0].shape) == len(own):
+        axis = int(n.attrs.get("axis", 0)) % len(own)
+        src = dim_refs(n.inputs[0], depth - 1)
+        inner = None if src is None else [r if i == axis else src[i] for i, r in enumerate(own)]
+    elif n.op in fold_shapes.UNARY_SAME_SHAPE:
+        inner = dim_refs(n.inputs[0], depth - 1)
+    elif n.op == "Reshape" and len(n.inputs) == 2:
+        target = [_canonical(r, depth - 1) for r in (_shape_refs(n.inputs[1]) or [])]
+        if len(target) == len(own):
+            copy = not n.attrs.get("allowzero", 0)
+            src = dim_refs(n.inputs[0], depth - 1) if copy and 0 in target else None
+            inner = [own[i] if r == -1 or (isinstance(r, tuple) and r[0] != "dim") else
+                     (src[i] if r == 0 and copy and src is not None and i < len(src) else r)
+                     for i, r in enumerate(target)]
+            inner = None if any(r == 0 and copy for r in inner) else inner
+    if inner is None or len(inner) != len(own):
+        return own
+    return [o if isinstance(o, int) else r for o, r in zip(own, inner)]
+
+
+def _canonical(ref: object, depth: int) -> object:
+    """A :func:`_shape_refs` element as :func:`dim_refs` names it."""
+    if isinstance(ref, tuple) and ref[0] == "dim":
+        refs = dim_refs(ref[1], depth)
+        return refs[ref[2]] if refs is not None and ref[2] < len(refs) else ref
+    return ref
+
+
+def static_dim(t: Tensor, axis: int) -> Optional[int]:
+    """Dim ``axis`` of ``t`` when provable: a number in :func:`dim_refs`, or the ``-1`` of a head-split
+    Reshape whose other target dims are provably the input's (their sizes cancel, numbers remain)."""
+    refs = dim_refs(t)
+    if refs is None or axis >= len(refs):
+        return None
+    ref = refs[axis]
+    if isinstance(ref, int):
+        return ref if ref > 0 else None
+    x, i = ref[1], ref[2]
+    n = producer(x)
     if n is None or n.op != "Reshape" or len(n.inputs) != 2:
         return None
-    target, at = producer(n.inputs[1]), 0
-    pieces = target.inputs if target is not None and target.op == "Concat" else [n.inputs[1]]
-    for piece in pieces:
-        length = checks.static_shape(piece)
-        if length is None or len(length) != 1:
+    target = [_canonical(r, _DEPTH) for r in (_shape_refs(n.inputs[1]) or [])]
+    src = dim_refs(n.inputs[0])
+    if src is None or len(target) != len(x.shape or ()) or i >= len(target) or target[i] != -1 or \
+            any(r == 0 for r in target):
+        return None
+    rest = [r for j, r in enumerate(target) if j != i]
+    numerator = list(src)
+    for r in [r for r in rest if isinstance(r, tuple)]:
+        if r not in numerator:  # identity of canonical refs: the same dim of the same tensor
             return None
-        if at <= axis < at + length[0]:
-            value = checks.const_value(piece)
-            v = None if value is None else int(value.reshape(-1)[axis - at])
-            return v if v is not None and v > 0 else None
-        at += length[0]
-    return None
+        numerator.remove(r)
+    if not all(isinstance(r, int) for r in numerator):
+        return None
+    num = int(np.prod(numerator, dtype=np.int64))
+    den = int(np.prod([r for r in rest if isinstance(r, int)], dtype=np.int64))
+    return num // den if den > 0 and num % den == 0 and num // den > 0 else None
 
 
 def _masked_rows_refusal(am: AttentionMatch, causal: bool) -> Optional[str]:
