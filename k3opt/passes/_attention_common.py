@@ -131,7 +131,9 @@ class _Decline(Exception):
 def analyze(m: Match) -> Optional[AttentionMatch]:
     """The :class:`AttentionMatch` of a structural match, or None with ``m.fail(reason)``."""
     try:
-        return _analyze(m)
+        # Dims traced once per match; the symbols the graph declares (batch, sequence) are not traced.
+        with fold_shapes.remembered_dims(m.graph):
+            return _analyze(m)
     except _Decline as why:
         m.fail(str(why))
         return None
@@ -147,6 +149,7 @@ def _analyze(m: Match) -> AttentionMatch:
     axis = int(sm.attrs.get("axis", -1))
     if axis not in (-1, 3):
         raise _Decline(f"the Softmax is over axis {axis}, not the last (keys) axis")
+    matched = {id(n) for n in m.nodes}
     chain: list[Node] = [n for n in m.nodes if n is not pv]  # scores .. probabilities: must not escape
     mask, scores = _split_mask(x, chain)
     scale, t = _peel_scale(scores, chain, "the scores")
@@ -168,7 +171,7 @@ def _analyze(m: Match) -> AttentionMatch:
     _no_escape(m.graph, chain, pv)
     dtype = _dtype_of(q, k, v, pv.outputs[0], scores)
     k_dims = _permuted_dims(k, k_perm)
-    if checks.rank(q) != 4 or k_dims is None or len(k_dims) != 4 or checks.rank(v) != 4:
+    if checks.rank(q) != 4 or k_dims is None or checks.rank(v) != 4:
         raise _Decline("q, k and v are not all rank 4")
     q_heads, dqk = _heads(q, scores), _static(q, 3, "q's head dim")
     kv_heads = _kv_heads(k, rep_k, k4, q_heads, "k") if k_perm == IDENTITY else \
@@ -183,7 +186,7 @@ def _analyze(m: Match) -> AttentionMatch:
         _check_mask(mask, scores, dtype)
     keep, fill, causal = _mask_form(mask, q, k_dims) if mask is not None else (None, None, False)
     past = _decode_parts(k if k_perm == IDENTITY else None, v)
-    m.nodes.extend(walked + [n for n in chain if n not in m.nodes])  # detached by the commit once dead
+    m.nodes.extend(n for n in walked + chain if id(n) not in matched)  # detached by the commit once dead
     am = AttentionMatch(q, k, v, q_heads, kv_heads if kv_heads is not None else v_heads, dqk, dv, scale, mask, keep, causal,
                         m.which("probs") == 1 and _guarded(m), *past, pv.outputs[0], sm, dtype, m, fill)
     m.memo["k_perm"] = k_perm
@@ -246,7 +249,7 @@ def _peel_scale(t: Tensor, walked: list[Node], what: str) -> tuple[float, Tensor
         if not _scalar_const(n.inputs[const_at]):
             raise _Decline(f"{what} is multiplied or divided by a constant that is not a float scalar "
                            f"(shape {ir.const_tensor(n.inputs[const_at]).shape}): not a scale of q @ k^T")
-        c = float(checks.const_value(n.inputs[const_at]).reshape(-1)[0])
+        c = float(_small_const(n.inputs[const_at]).reshape(-1)[0])
         if not math.isfinite(c) or c == 0.0:
             raise _Decline(f"a scale factor of {what} is {c:g}")
         scale = scale / c if n.op == "Div" else scale * c
@@ -257,9 +260,9 @@ def _peel_scale(t: Tensor, walked: list[Node], what: str) -> tuple[float, Tensor
 def _scalar_const(t: Tensor) -> bool:
     """A float constant of one element and rank <= 4 (it cannot raise the rank of a BNSD operand)."""
     c = ir.const_tensor(t)
-    if c is None or len(c.shape) > 4 or int(np.prod(c.shape, dtype=np.int64)) != 1:
+    if c is None or len(c.shape) > 4 or math.prod(c.shape) != 1:
         return False
-    return checks.const_value(t).dtype.kind == "f"
+    return _small_const(t).dtype.kind == "f"
 
 
 def _untransposed_key(kt: Tensor, walked: list[Node]) -> tuple[Tensor, tuple[int, ...], float]:
@@ -316,13 +319,13 @@ def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
 def _shape_refs(t: Tensor) -> Optional[list]:
     """A small integer tensor (a shape) element by element: ints for constants, ``("dim", x, axis)`` for
     dims of a Shape(x), ``("elem", t, i)`` for an element of anything else (equal only to itself)."""
-    value = checks.const_value(t)
+    value = _small_const(t)
     if value is not None:
         return [int(v) for v in value.reshape(-1)] if value.dtype.kind in "iu" and value.size <= 8 else None
     n = producer(t)
     refs = None if n is None else _computed_refs(n)
-    if refs is None and ir.const_shape(t) is not None and len(t.shape) <= 1 and int(np.prod(t.shape)) <= 8:
-        refs = [("elem", t, i) for i in range(int(np.prod(t.shape)))]
+    if refs is None and ir.const_shape(t) is not None and len(t.shape) <= 1 and math.prod(t.shape) <= 8:
+        refs = [("elem", t, i) for i in range(math.prod(t.shape))]
     return refs
 
 
@@ -350,7 +353,7 @@ def _computed_refs(n: Node) -> Optional[list]:
     if n.op in ("Unsqueeze", "Reshape", "Squeeze") and len(n.outputs[0].shape or (0, 0)) <= 1:
         return _shape_refs(n.inputs[0])  # a 0-D or 1-D result has the elements in their order
     if n.op == "Where":  # TorchScript's expand target: Where(Equal(shape, -1), 1, shape), the Equal folded
-        cond, parts = checks.const_value(n.inputs[0]), [_shape_refs(i) for i in n.inputs[1:]]
+        cond, parts = _small_const(n.inputs[0]), [_shape_refs(i) for i in n.inputs[1:]]
         if cond is None or cond.ndim != 1 or any(p is None or len(p) not in (1, cond.size) for p in parts):
             return None
         pick = [p * cond.size if len(p) == 1 else p for p in parts]
@@ -358,8 +361,14 @@ def _computed_refs(n: Node) -> Optional[list]:
     return None
 
 
+def _small_const(t: Tensor) -> Optional[np.ndarray]:
+    """The value of a small constant (decoded once per process), else None."""
+    c = ir.const_tensor(t)
+    return None if c is None or math.prod(c.shape) > 64 else fold_shapes.small_const_value(t)
+
+
 def _ints(t: Tensor) -> Optional[list[int]]:
-    value = checks.const_value(t)
+    value = _small_const(t)
     return None if value is None or value.dtype.kind not in "iu" else [int(v) for v in value.reshape(-1)]
 
 
@@ -416,9 +425,18 @@ def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[bool, Tensor, Optional[in
     return True, x, target[2]
 
 
-def _permuted_dims(x: Tensor, perm: tuple[int, ...]) -> Optional[list]:
-    dims = fold_shapes.tensor_dims(x)
-    return None if dims is None or len(dims) != 4 else [dims[p] for p in perm]
+class _PermutedDims:
+    """The dims of ``Transpose(x, perm)``, each traced when first asked for."""
+
+    def __init__(self, x: Tensor, perm: tuple[int, ...]):
+        self.x, self.perm = x, perm
+
+    def __getitem__(self, i: int) -> object:
+        return fold_shapes.dim_at(self.x, self.perm[i])
+
+
+def _permuted_dims(x: Tensor, perm: tuple[int, ...]) -> Optional[_PermutedDims]:
+    return _PermutedDims(x, perm) if checks.rank(x) == 4 else None
 
 
 def _static(t: Tensor, axis: int, what: str) -> int:
@@ -489,19 +507,20 @@ def _dtype_of(*tensors: Tensor) -> int:
 
 def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
     """The mask has the scores' dtype, and no known dim of it broadcasts the scores to a larger shape
-    (dims unknown here are checked by the fused op at run time against (B, Nq, Sq, Skv))."""
+    (dims inference leaves unknown are checked by the fused op at run time against (B, Nq, Sq, Skv))."""
     if _elem(mask) != dtype:
         raise _Decline("the mask's dtype is not the scores'")
     r = checks.rank(mask)
     if r is None or r > 4:
         raise _Decline(f"the mask's rank ({r}) is unknown or above the scores' 4 (it would broadcast them)")
-    for i in range(r):
-        d, s = fold_shapes.dim_at(mask, i), fold_shapes.dim_at(scores, 4 - r + i)
+    for i in range(r):  # the dims inference knows (tracing the others costs more than it proves)
+        d = mask.shape[i]
+        s = scores.shape[4 - r + i] if scores.shape is not None and len(scores.shape) == 4 else None
         if isinstance(d, int) and d != 1 and isinstance(s, int) and s != d:
             raise _Decline(f"the mask's dim {i} ({d}) broadcasts the scores' ({s})")
 
 
-def _mask_form(mask: Tensor, q: Tensor, k_dims: list) -> tuple[Optional[Tensor], Optional[float], bool]:
+def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims") -> tuple[Optional[Tensor], Optional[float], bool]:
     """(keep, fill, causal_only) of an additive mask ``Where(keep, 0, fill)`` or a constant of 0s and one
     negative fill; ``keep`` only when the fill masks out (-inf or at most :data:`MASKED_BELOW`)."""
     value = checks.const_value(mask) if ir.is_const(mask) and _size_of(mask) <= 1 << 22 else None
@@ -516,7 +535,7 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: list) -> tuple[Optional[Tensor],
     n = producer(mask)
     if n is None or n.op != "Where" or len(n.inputs) != 3 or _elem(n.inputs[0]) != TensorProto.BOOL:
         return None, None, False
-    zero, fill = checks.const_value(n.inputs[1]), checks.const_value(n.inputs[2])
+    zero, fill = _small_const(n.inputs[1]), _small_const(n.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or zero.ndim > 4 or fill.ndim > 4 \
             or float(zero.reshape(-1)[0]) != 0.0 or not float(fill.reshape(-1)[0]) < 0:
         return None, None, False
@@ -527,10 +546,10 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: list) -> tuple[Optional[Tensor],
 
 def _size_of(t: Tensor) -> int:
     c = ir.const_tensor(t)
-    return int(np.prod(c.shape, dtype=np.int64)) if c is not None else 0
+    return math.prod(c.shape) if c is not None else 0
 
 
-def _causal(keep: np.ndarray, q: Tensor, k_dims: list) -> bool:
+def _causal(keep: np.ndarray, q: Tensor, k_dims: "_PermutedDims") -> bool:
     """``keep`` is exactly the bottom-right aligned causal triangle of the (static) q and k lengths, with
     at least as many keys as queries (so every query row keeps a key)."""
     sq, skv = fold_shapes.dim_at(q, 2), k_dims[2]
