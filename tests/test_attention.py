@@ -70,7 +70,7 @@ class Attn:
         x = scores
         if mask is not None:
             x = self.op("Add", x, self.mask(mask, mask_shape, q_len, sk, causal_value))
-        probs = self.op("Softmax", x, axis=axis, out="probs")
+        probs = self.op("Softmax", x, out="probs", **({} if axis is None else {"axis": axis}))
         if guard:
             probs = self.op("Where", self.op("IsNaN", probs), self.const(0.0), probs)
         if dropout:
@@ -285,6 +285,14 @@ def test_float16():
 
 def test_softmax_over_another_axis():
     assert_declined(Attn(axis=2).model(), "not the last (keys) axis")
+
+
+def test_softmax_default_axis_before_opset_13_is_not_the_keys():
+    """Opset 12's Softmax defaults to axis 1 (over the flattened heads, queries and keys)."""
+    model = Attn(opset=12, axis=None, guard=False, mask=None).model()
+    out, pm, ctx = fuse(model)
+    assert ctx.counters.get("attention_found", 0) == 0
+    assert any("not the last (keys) axis" in n for n in ctx.notes)
 
 
 def test_non_constant_scale():

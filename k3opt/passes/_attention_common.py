@@ -38,6 +38,7 @@ from .. import ir
 from ..ir import Graph, NameScope, Node, Tensor, is_graph_output, producer
 from ..patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ..patterns.rule_pass import sweep
+from ..patterns.schema import attr_value
 from . import fold_shapes
 from .base import PassContext
 
@@ -146,8 +147,8 @@ def _analyze(m: Match) -> AttentionMatch:
     x = sm.inputs[0]
     if checks.rank(x) != 4:
         raise _Decline(f"the scores have rank {checks.rank(x)}, not 4 (batch, heads, queries, keys)")
-    axis = int(sm.attrs.get("axis", -1))
-    if axis not in (-1, 3):
+    axis = attr_value(sm.attrs, "Softmax", "", m.ctx.opset if m.ctx is not None else 23, "axis")
+    if axis not in (-1, 3):  # (below opset 13 the default is 1: a softmax over the flattened heads and rows)
         raise _Decline(f"the Softmax is over axis {axis}, not the last (keys) axis")
     matched = {id(n) for n in m.nodes}
     chain: list[Node] = [n for n in m.nodes if n is not pv]  # scores .. probabilities: must not escape
