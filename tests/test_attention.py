@@ -135,10 +135,11 @@ def fuse(model, target="onnx"):
 def feeds_for(model, full_rows=True, seed=0):
     """Random inputs; with ``full_rows`` the keep mask has a fully masked query row (and one fully open)."""
     feeds = random_feeds(model, seed)
-    if "keep" in feeds and full_rows:
-        feeds["keep"][...] = True
-        feeds["keep"][1, ..., -1, :] = False
-        feeds["keep"][0, ..., -1, -2:] = False
+    keep = feeds.get("keep")
+    if keep is not None and full_rows and keep.ndim == 4:
+        keep[...] = True
+        keep[1, ..., -1, :] = False
+        keep[0, ..., -1, -2:] = False
     return feeds
 
 
@@ -221,6 +222,12 @@ def test_padding_mask_over_keys_only_is_expanded_to_the_query_length():
     """A (B, 1, 1, Skv) mask broadcasts over the queries; onnxruntime's Attention wants (.., Sq, Skv)."""
     out, node, _ = assert_fused(Attn(mask_shape=(B, 1, 1, S)).model())
     assert "Expand" in op_counts(out)
+
+
+@pytest.mark.parametrize("shape", [(S,), (S, S), (NQ, 1, S)])
+def test_masks_of_lower_rank(shape):
+    out, node, _ = assert_fused(Attn(mask_shape=shape).model(), feeds=None)
+    assert len(node.input) == 4
 
 
 def test_exact_causal_mask_becomes_is_causal():
