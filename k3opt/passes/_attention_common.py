@@ -30,6 +30,7 @@ import dataclasses
 import math
 from typing import Callable, Optional, Sequence
 
+import ml_dtypes
 import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
@@ -44,8 +45,9 @@ from .base import PassContext
 
 #: Element types the attention's q/k/v/output may have (the fused ops' float types).
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
-#: A mask fill at or below this is "masked out" (transformers uses the dtype's lowest value or -inf).
-MASKED_BELOW = -1e30
+#: A mask fill at or below this fraction of the dtype's lowest value is "masked out" (transformers fills
+#: -inf or the lowest value; every score plus such a fill rounds to it or gives exp() == 0).
+MASKED_FRACTION = 0.5
 
 
 @dataclasses.dataclass
@@ -75,7 +77,7 @@ class AttentionMatch:
     dtype: int
     match: Match
     #: The fill of a ``Where(keep, 0, fill)`` mask (or of a constant mask of 0s and one value): -inf or a
-    #: negative number; None for a mask of unknown form. ``keep`` is set when it is -inf or <= MASKED_BELOW.
+    #: negative number; None for a mask of unknown form. ``keep`` is set when it masks out (:func:`masks_out`).
     mask_fill: Optional[float] = None
 
 
@@ -185,7 +187,7 @@ def _analyze(m: Match) -> AttentionMatch:
     dv = _static(v, 3, "v's head dim")
     if mask is not None:
         _check_mask(mask, scores, dtype)
-    keep, fill, causal = _mask_form(mask, q, k_dims) if mask is not None else (None, None, False)
+    keep, fill, causal = _mask_form(mask, q, k_dims, dtype) if mask is not None else (None, None, False)
     past = _decode_parts(k if k_perm == IDENTITY else None, v)
     m.nodes.extend(n for n in walked + chain if id(n) not in matched)  # detached by the commit once dead
     am = AttentionMatch(q, k, v, q_heads, kv_heads if kv_heads is not None else v_heads, dqk, dv, scale, mask, keep, causal,
@@ -521,9 +523,14 @@ def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
             raise _Decline(f"the mask's dim {i} ({d}) broadcasts the scores' ({s})")
 
 
-def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims") -> tuple[Optional[Tensor], Optional[float], bool]:
+def masks_out(fill: float, dtype: int) -> bool:
+    """A mask value that excludes a key: -inf, or at most half the dtype's lowest value."""
+    return fill <= MASKED_FRACTION * float(ml_dtypes.finfo(helper.tensor_dtype_to_np_dtype(dtype)).min)
+
+
+def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int) -> tuple[Optional[Tensor], Optional[float], bool]:
     """(keep, fill, causal_only) of an additive mask ``Where(keep, 0, fill)`` or a constant of 0s and one
-    negative fill; ``keep`` only when the fill masks out (-inf or at most :data:`MASKED_BELOW`)."""
+    negative fill; ``keep`` only when the fill masks out (:func:`masks_out`)."""
     value = checks.const_value(mask) if ir.is_const(mask) and _size_of(mask) <= 1 << 22 else None
     if value is not None:
         fills = np.unique(value[value != 0])
@@ -532,7 +539,7 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims") -> tuple[Option
         keep_value = value == 0
         fill = float(fills[0]) if len(fills) else float("-inf")
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
-        return (keep if fill <= MASKED_BELOW else None), fill, _causal(keep_value, q, k_dims)
+        return (keep if masks_out(fill, dtype) else None), fill, _causal(keep_value, q, k_dims)
     n = producer(mask)
     if n is None or n.op != "Where" or len(n.inputs) != 3 or _elem(n.inputs[0]) != TensorProto.BOOL:
         return None, None, False
@@ -542,7 +549,7 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims") -> tuple[Option
         return None, None, False
     keep, f = n.inputs[0], float(fill.reshape(-1)[0])
     kv = checks.const_value(keep) if ir.is_const(keep) and _size_of(keep) <= 1 << 22 else None
-    return (keep if f <= MASKED_BELOW else None), f, kv is not None and _causal(kv, q, k_dims)
+    return (keep if masks_out(f, dtype) else None), f, kv is not None and _causal(kv, q, k_dims)
 
 
 def _size_of(t: Tensor) -> int:
