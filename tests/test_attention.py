@@ -372,3 +372,41 @@ def test_below_opset_23_counted_and_left_decomposed():
 def test_cann_target_counted_and_left_decomposed():
     out, pm, ctx = fuse(Attn().model(), target="cann")
     assert not attention_nodes(out) and "1 attention(s) found, left decomposed: target cann" in ctx.notes
+
+
+# -- cost -----------------------------------------------------------------------------------------------------
+
+class _CountingList(list):
+    """A node list that counts the walks over it."""
+
+    walks = 0
+
+    def __iter__(self):
+        _CountingList.walks += 1
+        return super().__iter__()
+
+
+def _parallel_attentions(n: int) -> onnx.ModelProto:
+    """``n`` independent attentions in one graph (their inputs and outputs renamed apart)."""
+    one = Attn(scale="mul", mask="where_min", guard=False, kv_heads=2, repeat=True).model()
+    graph = onnx.GraphProto()
+    for i in range(n):
+        part = onnx.compose.add_prefix(one, f"a{i}_")
+        graph.node.extend(part.graph.node)
+        graph.input.extend(part.graph.input)
+        graph.output.extend(part.graph.output)
+        graph.initializer.extend(part.graph.initializer)
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=one.opset_import,
+                                                               ir_version=one.ir_version))
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_walks_over_the_graph_do_not_grow_with_the_attentions(n):
+    """One sweep finds its anchors once and edits the node list once, however many attentions match."""
+    graph = gs.import_onnx(_parallel_attentions(n))
+    graph.nodes = _CountingList(graph.nodes)
+    ctx = PassContext(opset=23, names=NameScope(graph))
+    _CountingList.walks = 0
+    from k3opt.passes.attention import RULES
+    assert apply_attention(graph, ctx, RULES) == n
+    assert _CountingList.walks <= 4
