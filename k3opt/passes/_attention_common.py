@@ -164,36 +164,64 @@ def _analyze(m: Match) -> AttentionMatch:
     chain.append(qk)
     walked: list[Node] = []
     q_scale, q = _peel_scale(qk.inputs[0], walked, "q")
-    kt_scale, kt = _peel_scale(qk.inputs[1], walked, "k")
-    k4, k_perm, k_scale = _untransposed_key(kt, walked)
-    scale *= q_scale * kt_scale * k_scale
+    kv = _keys_and_values(qk.inputs[1], pv.inputs[1], walked)
+    scale *= q_scale * kv.scale
     if not (math.isfinite(scale) and scale > 0):
         raise _Decline(f"the total scale {scale:g} is not a positive finite number")
-    _, k, rep_k = _repeat_kv(k4, walked) if k_perm == IDENTITY else (False, k4, None)
-    _, v, rep_v = _repeat_kv(pv.inputs[1], walked)
     _no_escape(m.graph, chain, pv)
-    dtype = _dtype_of(q, k, v, pv.outputs[0], scores)
-    k_dims = _permuted_dims(k, k_perm)
-    if checks.rank(q) != 4 or k_dims is None or checks.rank(v) != 4:
-        raise _Decline("q, k and v are not all rank 4")
+    dtype = _dtype_of(q, kv.k, kv.v, pv.outputs[0], scores)
+    if checks.rank(q) != 4:
+        raise _Decline("q is not rank 4")
     q_heads, dqk = _heads(q, scores), _static(q, 3, "q's head dim")
-    kv_heads = _kv_heads(k, rep_k, k4, q_heads, "k") if k_perm == IDENTITY else \
-        (k_dims[1] if isinstance(k_dims[1], int) else None)
-    v_heads = _kv_heads(v, rep_v, pv.inputs[1], q_heads, "v")
-    if (kv_heads is not None and v_heads is not None and kv_heads != v_heads) or rep_k != rep_v:
-        raise _Decline(f"k and v have different head counts or repeats ({kv_heads}, {v_heads})")
-    if isinstance(k_dims[3], int) and k_dims[3] != dqk:
-        raise _Decline(f"q's head dim {dqk} differs from k's {k_dims[3]}")
-    dv = _static(v, 3, "v's head dim")
+    kv_heads = kv.heads(q_heads)
+    if isinstance(kv.dims[3], int) and kv.dims[3] != dqk:
+        raise _Decline(f"q's head dim {dqk} differs from k's {kv.dims[3]}")
     if mask is not None:
         _check_mask(mask, scores, dtype)
-    keep, fill, causal = _mask_form(mask, q, k_dims, dtype) if mask is not None else (None, None, False)
-    past = _decode_parts(k if k_perm == IDENTITY else None, v)
+    keep, fill, causal = _mask_form(mask, q, kv.dims, dtype) if mask is not None else (None, None, False)
+    past = _decode_parts(kv.k if kv.perm == IDENTITY else None, kv.v)
     m.nodes.extend(n for n in walked + chain if id(n) not in matched)  # detached by the commit once dead
-    am = AttentionMatch(q, k, v, q_heads, kv_heads if kv_heads is not None else v_heads, dqk, dv, scale, mask, keep, causal,
-                        m.which("probs") == 1 and _guarded(m), *past, pv.outputs[0], sm, dtype, m, fill)
-    m.memo["k_perm"] = k_perm
-    return am
+    m.memo["k_perm"] = kv.perm
+    return AttentionMatch(q, kv.k, kv.v, q_heads, kv_heads, dqk, _static(kv.v, 3, "v's head dim"), scale, mask,
+                          keep, causal, _guarded(m), *past, pv.outputs[0], sm, dtype, m, fill)
+
+
+@dataclasses.dataclass
+class _KeysValues:
+    """The keys under ``k^T`` and the values, before repeat_kv: ``Transpose(k, perm)`` is BNSD."""
+
+    k: Tensor
+    perm: tuple[int, ...]
+    scale: float  # the factors applied to the keys
+    k_repeated: Tensor
+    rep_k: Optional[int]
+    v: Tensor
+    v_repeated: Tensor
+    rep_v: Optional[int]
+
+    @property
+    def dims(self) -> "_PermutedDims":
+        return _PermutedDims(self.k, self.perm)
+
+    def heads(self, q_heads: Optional[int]) -> Optional[int]:
+        """The kv head count (None when not static), checked against q's and between k and v."""
+        k_heads = _kv_heads(self.k, self.rep_k, self.k_repeated, q_heads, "k") if self.perm == IDENTITY else \
+            (self.dims[1] if isinstance(self.dims[1], int) else None)
+        v_heads = _kv_heads(self.v, self.rep_v, self.v_repeated, q_heads, "v")
+        if (k_heads is not None and v_heads is not None and k_heads != v_heads) or self.rep_k != self.rep_v:
+            raise _Decline(f"k and v have different head counts or repeats ({k_heads}, {v_heads})")
+        return k_heads if k_heads is not None else v_heads
+
+
+def _keys_and_values(kt: Tensor, v_repeated: Tensor, walked: list[Node]) -> _KeysValues:
+    """The keys (from the scores MatMul's second operand) and values, scale factors and repeat_kv stripped."""
+    kt_scale, kt = _peel_scale(kt, walked, "k")
+    k_repeated, perm, k_scale = _untransposed_key(kt, walked)
+    k, rep_k = _repeat_kv(k_repeated, walked) if perm == IDENTITY else (k_repeated, None)
+    v, rep_v = _repeat_kv(v_repeated, walked)
+    if checks.rank(k) != 4 or checks.rank(v) != 4:
+        raise _Decline("k and v are not both rank 4")
+    return _KeysValues(k, perm, kt_scale * k_scale, k_repeated, rep_k, v, v_repeated, rep_v)
 
 
 def _guarded(m: Match) -> bool:
@@ -397,8 +425,8 @@ def _size(ref: object) -> object:
     return ref
 
 
-def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[bool, Tensor, Optional[int]]:
-    """``Reshape(Expand(Unsqueeze(x, 2), [B, H, rep, S, D]), [B, H*rep, S, D])`` -> (True, x, rep); else (False, t, None).
+def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[Tensor, Optional[int]]:
+    """``Reshape(Expand(Unsqueeze(x, 2), [B, H, rep, S, D]), [B, H*rep, S, D])`` -> (x, rep); else (t, None).
 
     The Reshape must keep dims 0, 2 and 3 (so, row-major, it merges exactly the heads and the repeat
     axes); ``rep`` must be a constant. The Expand's other target elements need no proof: where one
@@ -409,11 +437,11 @@ def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[bool, Tensor, Optional[in
     e = producer(r.inputs[0]) if r is not None and r.op == "Reshape" else None
     u = producer(e.inputs[0]) if e is not None and e.op == "Expand" else None
     if u is None or u.op != "Unsqueeze":
-        return False, t, None
+        return t, None
     axes = u.attrs.get("axes") if "axes" in u.attrs else (_ints(u.inputs[1]) if len(u.inputs) > 1 else None)
     x = u.inputs[0]
     if axes is None or [int(a) for a in axes] not in ([2], [-3]) or checks.rank(x) != 4:
-        return False, t, None
+        return t, None
     target = _shape_refs(e.inputs[1])
     if target is None or len(target) != 5 or not isinstance(target[2], int) or target[2] <= 0:
         raise _Decline("GQA's Expand of the keys/values has no readable target with a constant repeat count")
@@ -425,7 +453,7 @@ def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[bool, Tensor, Optional[in
                                                                  else _is_dim(o, x, axis)) for o, j, axis in kept):
         raise _Decline("GQA's Reshape of the repeated keys/values does not provably merge just the heads axes")
     walked.extend([r, e, u])
-    return True, x, target[2]
+    return x, target[2]
 
 
 class _PermutedDims:
@@ -436,10 +464,6 @@ class _PermutedDims:
 
     def __getitem__(self, i: int) -> object:
         return fold_shapes.dim_at(self.x, self.perm[i])
-
-
-def _permuted_dims(x: Tensor, perm: tuple[int, ...]) -> Optional[_PermutedDims]:
-    return _PermutedDims(x, perm) if checks.rank(x) == 4 else None
 
 
 def _static(t: Tensor, axis: int, what: str) -> int:
@@ -528,7 +552,8 @@ def masks_out(fill: float, dtype: int) -> bool:
     return fill <= MASKED_FRACTION * float(ml_dtypes.finfo(helper.tensor_dtype_to_np_dtype(dtype)).min)
 
 
-def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int) -> tuple[Optional[Tensor], Optional[float], bool]:
+def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
+               ) -> tuple[Optional[Tensor], Optional[float], bool]:
     """(keep, fill, causal_only) of an additive mask ``Where(keep, 0, fill)`` or a constant of 0s and one
     negative fill; ``keep`` only when the fill masks out (:func:`masks_out`)."""
     value = checks.const_value(mask) if ir.is_const(mask) and _size_of(mask) <= 1 << 22 else None
