@@ -20,12 +20,17 @@ def layers(name: str) -> int:
     return getattr(config, "num_hidden_layers", None) or config.n_layer
 
 
-def optimized(path, feeds) -> tuple[onnx.ModelProto, onnx.ModelProto]:
-    """(original, optimized at opset 23), the optimize call verifying on ``feeds``."""
+def fused_per_layer(path, name: str, feeds) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(original, optimized at opset 23): the optimize call verified on ``feeds``, one Attention per layer,
+    no Softmax left, the graph outputs kept."""
     report = Report()
     out = k3opt.optimize(str(path), opset=23, verify=True, input_data=feeds, report=report)
     assert report.verification["status"] == "passed", report.verification
-    return onnx.load(str(path)), out
+    counts = op_counts(out)
+    assert counts.get("Attention") == layers(name) and "Softmax" not in counts
+    original = onnx.load(str(path))
+    assert [o.name for o in out.graph.output] == [o.name for o in original.graph.output]
+    return original, out
 
 
 def left_padded(feeds: dict) -> dict:
@@ -47,9 +52,7 @@ def assert_same_outputs(original, out, feeds) -> None:
 @pytest.mark.parametrize("name, exporter", zoo_attention_params())
 def test_one_attention_per_layer(name, exporter):
     feeds = zoo_inputs(name)
-    original, out = optimized(zoo_model(name, exporter), feeds)
-    counts = op_counts(out)
-    assert counts.get("Attention") == layers(name) and "Softmax" not in counts
+    original, out = fused_per_layer(zoo_model(name, exporter), name, feeds)
     assert_same_outputs(original, out, feeds)
     assert_same_outputs(original, out, left_padded(feeds))
 
@@ -58,11 +61,7 @@ def test_one_attention_per_layer(name, exporter):
 @pytest.mark.parametrize("name, exporter", zoo_decode_params())
 def test_decode_step_with_the_kv_cache(name, exporter):
     """One new token after a cache of 6, and 3 new after 4; the present outputs are kept."""
-    feeds = zoo_decode_inputs(name)
-    original, out = optimized(zoo_decode_model(name, exporter), feeds)
-    counts = op_counts(out)
-    assert counts.get("Attention") == layers(name) and "Softmax" not in counts
-    assert [o.name for o in out.graph.output] == [o.name for o in original.graph.output]
+    original, out = fused_per_layer(zoo_decode_model(name, exporter), name, zoo_decode_inputs(name))
     for past, new in ((6, 1), (4, 3), (1, 1)):
         assert_same_outputs(original, out, zoo_decode_inputs(name, past=past, new=new))
 
