@@ -203,7 +203,7 @@ def test_decode_with_a_gqa_cache_is_prompt_flash_attention():
     (lambda: attention_model(mask="float", guard=False), "the mask is of unknown form"),
     (lambda: attention_model(guard=False), "fills -inf without the IsNaN guard"),
     (lambda: attention_model(dtype=T.FLOAT16, fill=float(np.finfo(np.float16).min), guard=False),
-     "the mask is of unknown form"),  # fp16's lowest does not swamp the scores
+     "in FLOAT16 the fill -65504 does not swamp the scores"),
 ])
 def test_refusals_keep_the_attention_decomposed_with_the_reason(model, why):
     m = model()

@@ -14,8 +14,9 @@ contract (sources and facts in :mod:`k3opt.cann_bridge.reference_ops` and docs/c
   the bottom-right causal triangle is ``sparse_mode=3`` with the documented 2048 x 2048 template;
 - a query row with every key masked: what the device returns there is undocumented, so such rows are
   overridden in the graph (``Where(no key kept, graph's value, attention)``) with what the decomposed
-  graph gives: 0 (a -inf fill under torch sdpa's IsNaN guard) or the mean of v (a finite fill at or
-  below -1e30, such as float32's lowest); -inf without the guard (NaN) is kept decomposed. The kernel's
+  graph gives: 0 (a -inf fill under torch sdpa's IsNaN guard) or the mean of v (a finite fill such as
+  the dtype's lowest, float32/bfloat16); -inf without the guard (NaN) and float16's lowest (the value
+  depends on the scores) are kept decomposed. The kernel's
   invalid-row correction (``inner_precise`` bit 1, recommended with a mask) is asked for too;
 - one head dim (MLA's qk/v pair is TND-only and bf16-only), D <= 512, N <= 256, N / N_kv <= 64; a mask of
   unknown form, or one whose head axis is not provably 1, is kept decomposed.
@@ -46,6 +47,8 @@ from ._attention_common import AttentionMatch, _shape_refs, apply_attention, att
 from .base import Pass, PassContext, register_pass
 
 FORMS = ("auto", "opset16", "npu")
+#: Float types in which a mask fill the recogniser accepts (<= half the lowest value) swamps any realistic score.
+_SWAMPING_TYPES = (TensorProto.FLOAT, TensorProto.BFLOAT16)
 #: inner_precise: bit 0 = 0 high precision; bit 1 = the invalid-row correction ([PFA-doc] "innerPrecise").
 HIGH_PRECISION, ROW_CORRECTION = 0, 2
 
@@ -132,8 +135,10 @@ def _masked_rows_refusal(am: AttentionMatch, causal: bool) -> Optional[str]:
     """Why the graph's result for a query row with every key masked cannot be rebuilt, or None.
 
     The graph gives 0 there for a -inf fill with torch sdpa's IsNaN guard, the mean of v for a finite fill
-    at or below -1e30 (guard or not: in float32 and bfloat16 every score under 1e22 in magnitude rounds to
-    the fill, so the softmax is uniform), NaN for -inf without the guard (not rebuilt). The device's own
+    (guard or not) in float32 or bfloat16, where the recogniser's fills (<= half the dtype's lowest) make
+    every score under 1e30 in magnitude round to the fill, so the softmax is uniform; NaN for -inf without
+    the guard, and a score-dependent value in float16 (its lowest, -65504, is only 32 apart from its
+    neighbour): those are kept decomposed. The device's own
     result for such a row is undocumented, so the lowering overrides those rows (:meth:`LowerAttentionNPU._dead_rows`).
     """
     if am.keep is None or causal:
@@ -141,6 +146,9 @@ def _masked_rows_refusal(am: AttentionMatch, causal: bool) -> Optional[str]:
     if am.mask_fill == float("-inf"):
         return None if am.zero_fully_masked else \
             "the mask fills -inf without the IsNaN guard: a query row with every key masked is NaN in the graph"
+    if am.dtype not in _SWAMPING_TYPES:
+        return (f"a query row with every key masked: in {TensorProto.DataType.Name(am.dtype)} the fill "
+                f"{am.mask_fill:g} does not swamp the scores, so the graph's value there depends on them")
     return None
 
 
