@@ -236,7 +236,6 @@ class _Run:
 
         Returns the lowered model and what :meth:`_verify_lowering` needs to bisect a divergence.
         """
-        start = model.SerializeToString() if self._expected is not None else b""
         ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options))
         refresher = shapes.ShapeRefresher()
         manager = PassManager(lowering, shape_inference=refresher, progress=self._pass_progress())
@@ -250,9 +249,9 @@ class _Run:
         for key, value in ctx.counters.items():
             if value:
                 self.report.counters[key] = self.report.counters.get(key, 0) + value
-        return out, (start, manager, lowering, ctx)
+        return out, (model, manager, lowering, ctx)
 
-    def _verify_lowering(self, out: onnx.ModelProto, start: bytes, manager: PassManager, lowering: list,
+    def _verify_lowering(self, out: onnx.ModelProto, before: onnx.ModelProto, manager: PassManager, lowering: list,
                          ctx: PassContext) -> None:
         """Compare the lowered model, run by the target's reference evaluator, with onnxruntime's outputs of
         the original (same inputs); on divergence bisect the lowering steps and raise VerificationError."""
@@ -285,6 +284,7 @@ class _Run:
         result = report.lowering_verification = result_of(out)
         if result["status"] == "passed":
             return
+        start = verifier.runnable_bytes(before)  # the lowering's input, its weights inlined for fresh imports
         culprit = self._bisect(start, False, manager, lowering, ctx,
                                lambda candidate: result_of(finish_target(candidate, ctx.target)), result)
         detail = result.get("reason") or _worst(result)
