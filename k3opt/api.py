@@ -3,7 +3,7 @@
 Both run the pipeline of docs/design.md: load (weights stay on disk) ->
 --input-shape -> opset conversion -> gs import -> passes to a fixed point
 -> cleanup/toposort -> export -> verification against the model as given
--> [cann lowering] -> save.
+-> [target lowering passes -> export -> the target's form and invariants] -> save.
 """
 from __future__ import annotations
 
@@ -139,6 +139,8 @@ class _Run:
         self.source_files: set[str] = set()
         #: Size the optimized proto for the report (optimize_file takes the saved files' sizes).
         self.measure_output = True
+        #: (feeds, onnxruntime's outputs of the original, output names), once verification ran them.
+        self._expected: Optional[tuple[dict, list, list[str]]] = None
 
     @contextlib.contextmanager
     def step(self, message: str, key: str) -> Iterator[None]:
@@ -165,6 +167,9 @@ class _Run:
 
             load_plugins(list(plugins))
         pipeline = build_pipeline(list(passes) if passes is not None else None, tuple(skip), target)
+        # Target lowerings run after the verified passes; one for another target stays, to be skipped with a note.
+        lowering = [p for p in pipeline if p.lowering and (p.targets is None or target in p.targets)]
+        pipeline = [p for p in pipeline if p not in lowering]
         check_pass_options(self.pass_options)
         with self.step("loading", "load"):
             on_disk = None if isinstance(model, onnx.ModelProto) else model
@@ -218,16 +223,77 @@ class _Run:
         if original is not None:
             with self.step("verifying", "verify"):
                 self._verify(original, start, out, manager, pipeline, ctx, before_down)
-        if target == "cann":
-            from .cann_bridge import lower
-
-            with self.step("lowering for CANN", "lower"):
-                out, lines = lower(out)
-            report.lowering = list(lines)
+        if lowering or target == "cann":
+            with self.step(f"lowering for {target}", "lower"):
+                out, lowered_by = self._lower(out, lowering, target)
+            if original is not None and lowering:
+                with self.step("verifying the lowering", "verify_lowering"):
+                    self._verify_lowering(out, *lowered_by)
         # optimize_file measures the files it writes instead (sizing the proto costs a pass over it)
         size = io.proto_size(out) if self.measure_output else 0
         report.after = ModelSummary.of(out, size, opsets.model_opset(out))
         return out
+
+    def _lower(self, model: onnx.ModelProto, lowering: list, target: str) -> tuple[onnx.ModelProto, tuple]:
+        """Run the target's lowering passes on the verified ``model`` (its notes are the report's lowering
+        lines), export, and put the result in the target's form (:func:`finish_target`).
+
+        Returns the lowered model and what :meth:`_verify_lowering` needs to bisect a divergence.
+        """
+        ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options))
+        refresher = shapes.ShapeRefresher()
+        manager = PassManager(lowering, shape_inference=refresher, progress=self._pass_progress())
+        with _fewer_collections():
+            graph = io.import_graph(model)
+            manager.run(graph, ctx)
+            out = finish_target(export(graph, model), target)
+        self.report.passes += [manager.stats[p.name].as_dict() for p in lowering]
+        self.report.lowering = list(ctx.notes)
+        self.report.notes.extend(n for n in refresher.notes if n not in self.report.notes)
+        for key, value in ctx.counters.items():
+            if value:
+                self.report.counters[key] = self.report.counters.get(key, 0) + value
+        return out, (model, manager, lowering, ctx)
+
+    def _verify_lowering(self, out: onnx.ModelProto, before: onnx.ModelProto, manager: PassManager, lowering: list,
+                         ctx: PassContext) -> None:
+        """Compare the lowered model, run by the target's reference evaluator, with onnxruntime's outputs of
+        the original (same inputs); on divergence bisect the lowering steps and raise VerificationError."""
+        report = self.report
+        evaluate = reference_evaluator(ctx.target)
+        why = "onnxruntime did not run the original" if self._expected is None else None
+        if why is None and evaluate is None:
+            why = f"no reference evaluator for target {ctx.target}"
+        if why is None and (len(out.graph.node) > REFERENCE_MAX_NODES or io.proto_size(out) > REFERENCE_MAX_BYTES):
+            why = (f"the lowered model is over the reference evaluator's bound ({REFERENCE_MAX_NODES} nodes, "
+                   f"{REFERENCE_MAX_BYTES >> 20} MB): onnx's reference evaluator is slow and keeps every value")
+        if why is not None:
+            report.lowering_verification = verifier.skipped(why)
+            report.warnings.append(f"verification of the lowering skipped: {why}")
+            return
+        assert self._expected is not None and evaluate is not None
+        feeds, expected, names = self._expected
+
+        def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
+            try:
+                model = onnx.load_from_string(verifier.runnable_bytes(candidate))
+                actual = evaluate(model).run(None, dict(feeds))
+            except Exception as exc:  # an op the reference refuses (outside its documented contract) fails too
+                return verifier.failed(f"the reference evaluator cannot run the lowered model: {_first_line(exc)}",
+                                       self.rtol, self.atol)
+            if [o.name for o in candidate.graph.output] != names:
+                return verifier.failed("the lowered model's outputs are not the original's", self.rtol, self.atol)
+            return verifier.compare(expected, actual, names, rtol=self.rtol, atol=self.atol)
+
+        result = report.lowering_verification = result_of(out)
+        if result["status"] == "passed":
+            return
+        start = verifier.runnable_bytes(before)  # the lowering's input, its weights inlined for fresh imports
+        culprit = self._bisect(start, False, manager, lowering, ctx,
+                               lambda candidate: result_of(finish_target(candidate, ctx.target)), result)
+        detail = result.get("reason") or _worst(result)
+        raise VerificationError(f"the lowered model differs from the original under the {ctx.target} reference "
+                                f"evaluator ({detail}){culprit}")
 
     def _pass_progress(self) -> ProgressSink:
         if self.progress is None:
@@ -276,6 +342,7 @@ class _Run:
         sized = verify_dims.shapes_note(feeds)
         if sized:
             self.report.notes.append(sized)
+        self._expected = (feeds, expected, names)
 
         def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
             try:
@@ -309,11 +376,13 @@ class _Run:
         raise VerificationError(f"optimized model differs from the original ({detail}){culprit}")
 
     def _bisect(self, start: bytes, converted: bool, manager: PassManager, pipeline: list, ctx: PassContext,
-                result_of: Callable[[onnx.ModelProto], dict]) -> str:
+                result_of: Callable[[onnx.ModelProto], dict], record: Optional[dict] = None) -> str:
         """Re-run the passes on fresh imports, stopping after k steps, to find the first bad step.
 
         Step 0 (no pass) is a candidate when the opset was converted: the converter may be the culprit.
+        The culprit is written into ``record`` (default: the report's verification).
         """
+        record = self.report.verification if record is None else record
         candidates = ([0] if converted else []) + [i + 1 for i, s in enumerate(manager.steps) if s.rewrites]
 
         def diverges(k: int) -> bool:
@@ -332,10 +401,10 @@ class _Run:
         if step is None:
             return ""
         if step == 0:
-            self.report.verification["first_diverging_pass"] = "opset conversion"
+            record["first_diverging_pass"] = "opset conversion"
             return f"; the opset conversion to {ctx.opset} already diverges"
         bad = manager.steps[step - 1]
-        self.report.verification["first_diverging_pass"] = bad.name
+        record["first_diverging_pass"] = bad.name
         return f"; first diverging pass: {bad.name} (round {bad.round})"
 
 
@@ -375,6 +444,30 @@ def export(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
     del out.opset_import[:]
     out.opset_import.extend(imports)
     return out
+
+
+#: Bounds for verifying a lowered model with a reference evaluator (onnx's: pure Python per node, and it
+#: keeps every intermediate value): larger models are skipped with a warning.
+REFERENCE_MAX_NODES = 20_000
+REFERENCE_MAX_BYTES = 512 << 20
+
+
+def reference_evaluator(target: str) -> Optional[Callable[[onnx.ModelProto], Any]]:
+    """``model -> evaluator`` (with ``.run(None, feeds)``) that runs the target's lowered ops, or None."""
+    if target == "cann":
+        from .cann_bridge.reference_ops import evaluator
+
+        return evaluator
+    return None
+
+
+def finish_target(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
+    """The exported model in its target's form; raises CompileError when it breaks the target's invariants."""
+    if target == "cann":
+        from .cann_bridge.target_form import finish_model
+
+        return finish_model(model)
+    return model
 
 
 def _load(model: ModelLike, report: Report) -> io.Loaded:

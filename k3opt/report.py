@@ -58,6 +58,8 @@ class Report:
     lowering: list[str] = dataclasses.field(default_factory=list)
     #: ``k3opt check`` of the output for --target cann, when run: {"model", "findings": [str, ...]}.
     check: Optional[dict[str, Any]] = None
+    #: The lowered model (target cann) run by the reference evaluator vs onnxruntime's original outputs.
+    lowering_verification: Optional[dict[str, Any]] = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     files: list[str] = dataclasses.field(default_factory=list)
 
@@ -112,6 +114,9 @@ class Report:
                              for o in outputs)
         lines.extend(f"note: {n}" for n in self.notes)
         lines.extend(f"cann: {n}" for n in self.lowering)
+        if self.lowering_verification:
+            lines.append("lowering verification (reference evaluator): "
+                         + verification_line(self.lowering_verification))
         if self.output:
             lines.append(f"wrote {self.output}")
         return "\n".join(lines)

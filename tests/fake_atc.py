@@ -12,7 +12,8 @@ Selecting behaviour (env var, or a file of the same name beside the script):
 - ``FAKE_ATC_MODE``: ``success`` (default), ``E19999`` (inner error),
   ``silent`` (exit 0 without the success line), ``success-but-exit-1``,
   ``libhal`` (the missing-driver loader error).
-- ``FAKE_ATC_UNSUPPORTED``: comma-separated op types that fail with E19010.
+- ``FAKE_ATC_UNSUPPORTED``: comma-separated op types that fail with E19010 (keyed as ATC keys them:
+  ``<domain>::<that domain's opset import>::<Op>``, e.g. ``npu::1::NPUPromptFlashAttention``).
 - ``FAKE_ATC_FUSION``: non-empty -> write ``fusion_result.json`` in the cwd.
 """
 from __future__ import annotations
@@ -125,7 +126,9 @@ def main():
         opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
         bad_nodes = [n for n in model.graph.node if n.op_type in unsupported]
         if bad_nodes:
-            fail(*[f"E19010: No parser is registered for Op [{n.name}, optype [ai.onnx::{opset}::{n.op_type}]]."
+            versions = {o.domain or "ai.onnx": o.version for o in model.opset_import}
+            fail(*[f"E19010: No parser is registered for Op [{n.name}, optype "
+                   f"[{n.domain or 'ai.onnx'}::{versions.get(n.domain or 'ai.onnx', opset)}::{n.op_type}]]."
                    for n in bad_nodes])
     if mode == "E19999":
         fail("E19999: Inner Error!", "        [GraphOpt][Prepare] failed")

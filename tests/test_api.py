@@ -98,23 +98,33 @@ def test_passes_needing_a_newer_opset_are_skipped_with_a_note(register):
     assert any("test-needs-18 skipped" in n for n in report.notes)
 
 
-def test_target_cann_is_exactly_17_and_lowered(monkeypatch):
-    import k3opt.cann_bridge as bridge
+def test_target_cann_is_exactly_17_and_lowered():
+    from k3opt.passes.base import register_pass, unregister_pass
 
     seen = []
 
-    def fake_lower(model):
-        seen.append([(o.domain, o.version) for o in model.opset_import])
-        return model, ["lowered 0 ops"]
+    class SeeLowering(Pass):
+        """A lowering pass: runs after the other passes, on the opset-17 graph; its notes are the lowering lines."""
 
-    monkeypatch.setattr(bridge, "lower", fake_lower)
-    model = small_model(18)
-    model.opset_import.append(helper.make_opsetid("ai.onnx", 18))
-    report = Report()
-    out = k3opt.optimize(model, target="cann", report=report)
-    assert seen == [[("", 17)]]
+        name, lowering, targets = "test-see-lowering", True, ("cann",)
+
+        def run(self, graph, ctx):
+            seen.append((ctx.opset, sorted({n.op for n in graph.nodes})))
+            ctx.note("lowered 0 ops")
+            return 0
+
+    register_pass(SeeLowering)
+    try:
+        model = small_model(18)
+        model.opset_import.append(helper.make_opsetid("ai.onnx", 18))
+        report = Report()
+        out = k3opt.optimize(model, target="cann", passes=["remove-identity", "test-see-lowering"], report=report)
+    finally:
+        unregister_pass("test-see-lowering")
+    assert seen == [(17, sorted({n.op_type for n in out.graph.node}))]
     assert [(o.domain, o.version) for o in out.opset_import] == [("", 17)]
     assert report.lowering == ["lowered 0 ops"]
+    assert [p["name"] for p in report.passes] == ["remove-identity", "test-see-lowering"]
     gelu = make_model([helper.make_node("Gelu", ["x"], ["y"], name="g")], [("x", TensorProto.FLOAT, [2])],
                       [("y", TensorProto.FLOAT, [2])], opset=20)
     with pytest.raises(UsageError, match="op Gelu .*does not exist at opset 17"):

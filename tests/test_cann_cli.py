@@ -86,6 +86,7 @@ def test_compile_success(runner, tmp_path, atc, monkeypatch):
     assert "ATC run success" in res.stdout and f"wrote {out}.om" in res.stdout
     assert "ATC fusions: 2 of 3 passes took effect" in res.stdout
     assert "lowering: NPURmsNorm: 1 of 1 RMSNorm(s) lowered" in res.stdout
+    assert "lowering verification (reference evaluator): passed" in res.stdout
     argv = recorded_argv(atc)[-1]
     assert argv == ["--framework=5", f"--model={out}.onnx", f"--output={out}", "--soc_version=Ascend910B3",
                     "--input_shape=x:2,3,16", "--input_format=ND", "--log=error"]

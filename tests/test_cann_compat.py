@@ -94,3 +94,31 @@ def test_rejected_input_dtypes():
     for ok in (TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.INT64, TensorProto.BOOL):
         model.graph.input[0].type.tensor_type.elem_type = ok
         assert check_model(model) == []
+
+
+def _flash_model(opset, domain="", imports=()):
+    pfa = helper.make_node("NPUPromptFlashAttention", ["x", "x", "x"], ["y"], name="pfa", num_heads=1,
+                           input_layout="BSH", domain=domain)
+    ifa = helper.make_node("NPUIncreFlashAttention", ["y", "x", "x", "", "", ""], ["z"], name="ifa", num_heads=1,
+                           input_layout="BSH", domain=domain)
+    graph = helper.make_graph([pfa, ifa], "g", [helper.make_tensor_value_info("x", F, [1, 1, 4])],
+                              [helper.make_tensor_value_info("z", F, [1, 1, 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                   *(helper.make_opsetid(d, v) for d, v in imports)])
+
+
+def test_both_flash_attention_forms_parse():
+    """ai.onnx::16 (default domain) and npu::1 (torch_npu's form, two imports) are both registered."""
+    assert check_model(_flash_model(16)) == []
+    assert check_model(_flash_model(17, "npu", [("npu", 1)])) == []
+    found = [str(f) for f in check_model(_flash_model(17))]
+    assert "op: ai.onnx::17::NPUIncreFlashAttention x1 (ifa): ATC parses it only at opsets 11..16, 19" in found
+    found = [str(f) for f in check_model(_flash_model(17, "npu"))]
+    assert any("npu::1::NPUPromptFlashAttention x1 (pfa): the model has no npu:1 opset import" in f for f in found)
+    bad = _flash_model(17, "npu", [("npu", 1)])
+    bad.graph.node[1].op_type = "NPUFusedAttentionScore"
+    found = [str(f) for f in check_model(bad)]
+    assert any(f.startswith("op: npu::1::NPUFusedAttentionScore x1 (ifa): ATC registers npu::1 only for")
+               for f in found)
+    found = [str(f) for f in check_model(_flash_model(17, "npu", [("npu", 2)]))]
+    assert any(f.startswith("opset: 2 opset imports") for f in found)

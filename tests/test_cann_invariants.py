@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from k3opt.cann_bridge.lowering import invariant_violations, refusal
+from k3opt.cann_bridge.target_form import invariant_violations
+from k3opt.passes.lower_rmsnorm_npu import refusal
 from tests.helpers import make_model
 
 F = TensorProto.FLOAT
@@ -60,3 +61,34 @@ def test_model_local_functions_violate():
 def test_refusal(args, why):
     got = refusal(*args)
     assert got == why if why is None else why in (got or "")
+
+
+def _pfa(domain=""):
+    return helper.make_node("NPUPromptFlashAttention", ["x", "x", "x"], ["y"], name="pfa", num_heads=1,
+                            input_layout="BSH", domain=domain)
+
+
+@pytest.mark.parametrize("nodes, opsets, expected", [
+    ([_pfa()], (("", 16),), None),
+    ([_pfa("npu")], (("", 17), ("npu", 1)), None),
+    ([_pfa()], (("", 17),), "NPU op ATC does not register at opset 17"),
+    ([_pfa("npu")], (("", 17),), "not an op ATC registers as npu::1"),
+    ([helper.make_node("LayerNormalization", ["x", "x"], ["y"], name="ln")], (("", 16),),
+     "neither a standard opset-16 op"),
+    ([_pfa("npu")], (("", 17), ("npu", 2)), "expected exactly one default-domain import"),
+])
+def test_flash_attention_forms(nodes, opsets, expected):
+    found = invariant_violations(model_with(nodes, opsets))
+    assert found == [] if expected is None else any(expected in f for f in found), found
+
+
+def test_the_staged_form_moves_to_opset_16_only_when_nothing_differs():
+    from k3opt.cann_bridge import finish_model
+    from k3opt.cann_bridge.target_form import STAGING_DOMAIN
+    from k3opt.errors import CompileError
+
+    out = finish_model(model_with([_pfa(STAGING_DOMAIN)], (("", 17), (STAGING_DOMAIN, 1))))
+    assert [(o.domain, o.version) for o in out.opset_import] == [("", 16)] and not out.graph.node[0].HasField("domain")
+    ln = helper.make_node("LayerNormalization", ["y", "x"], ["z"], name="ln")
+    with pytest.raises(CompileError, match="LayerNormalization differ"):
+        finish_model(model_with([_pfa(STAGING_DOMAIN), ln], (("", 17), (STAGING_DOMAIN, 1))))

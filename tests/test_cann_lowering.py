@@ -1,4 +1,8 @@
-"""`lower`: RMSNorm -> NPURmsNorm exactly where ATC's plugin (fixed eps 1e-6) computes the same thing."""
+"""lower-rmsnorm-npu: RMSNorm -> NPURmsNorm exactly where ATC's plugin (fixed eps 1e-6) computes the same thing.
+
+The lowering runs as a pass of ``--target cann`` (after the verified passes); ``lowered`` runs only it,
+through the production pipeline (import, pass manager, export, the target's form and invariants).
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -8,17 +12,20 @@ from onnx import TensorProto, helper, numpy_helper
 
 import k3opt
 from k3opt import io
-from k3opt.cann_bridge import invariant_violations, lower
-from k3opt.cann_bridge.lowering import cast_like_to_cast
+from k3opt.cann_bridge import finish_model, invariant_violations
+from k3opt.passes.base import PassContext
+from k3opt.passes.cleanup_castlike import CastLikeToCast
 from k3opt.report import Report
 from tests.cann_models import decompose_npu_rmsnorm, rms_model, rmsnorm_nodes
 from tests.helpers import assert_equivalent, make_model, op_counts
 
 
-def lowered(model):
-    out, lines = lower(model)
+def lowered(model, passes=("lower-rmsnorm-npu",)):
+    report = Report()
+    out = k3opt.optimize(model, target="cann", passes=list(passes), report=report)
     assert invariant_violations(out) == []
-    return out, lines
+    assert report.passes[-1]["name"] == passes[-1]  # counted like any pass
+    return out, report.lowering
 
 
 def test_eps_1e6_becomes_npu_rmsnorm_and_matches_the_plugin_formula():
@@ -105,11 +112,22 @@ def test_through_the_pipeline_target_cann():
     assert_equivalent(model, decompose_npu_rmsnorm(out))
 
 
-def test_lower_refuses_to_return_a_model_breaking_the_invariants():
+def test_the_target_form_refuses_a_model_breaking_the_invariants():
     model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", TensorProto.FLOAT, [2])],
                        [("y", TensorProto.FLOAT, [2])], opset=18)
     with pytest.raises(k3opt.CompileError, match="cann target's invariants"):
-        lower(model)
+        finish_model(model)
+
+
+def test_lowering_is_bisected_like_any_pass():
+    """A lowering step is a pass step: the report has its statistics, and --skip switches it off."""
+    report = Report()
+    out = k3opt.optimize(rms_model(eps=1e-6), target="cann", skip=["lower-rmsnorm-npu"], report=report)
+    assert "NPURmsNorm" not in op_counts(out) and not any(line.startswith("NPURmsNorm") for line in report.lowering)
+    report = Report()
+    k3opt.optimize(rms_model(eps=1e-6), target="cann", report=report)
+    stats = next(p for p in report.passes if p["name"] == "lower-rmsnorm-npu")
+    assert stats["rewrites"] == 1 and stats["runs"] >= 1
 
 
 
@@ -119,10 +137,9 @@ def test_cast_like_becomes_cast(like_type):
              helper.make_node("CastLike", ["x", "like"], ["c"], name="cl"),
              helper.make_node("CastLike", ["c", "x"], ["y"], name="back")]
     model = make_model(nodes, [("x", TensorProto.FLOAT, [2, 3])], [("y", TensorProto.FLOAT, [2, 3])])
-    out, lines = lowered(model)
+    out = k3opt.optimize(model, target="cann")  # castlike-to-cast, a default pass of every target
     assert op_counts(out) == {"Cast": 2}
     assert [a.i for n in out.graph.node for a in n.attribute if a.name == "to"] == [like_type, TensorProto.FLOAT]
-    assert lines[-1] == "CastLike -> Cast: 2 lowered"
     feeds = {"x": (np.random.default_rng(0).standard_normal((2, 3)) * 10).astype(np.float32)}
     assert_equivalent(model, out, feeds=feeds, rtol=0, atol=0)
 
@@ -133,5 +150,43 @@ def test_cast_like_with_unknown_dtype_is_kept_and_reported():
                        [("y", TensorProto.FLOAT16, [2])])
     graph = io.import_graph(model)
     graph.inputs[1].dtype = None
-    assert cast_like_to_cast(graph) == ["CastLike -> Cast: 0 lowered; 1 kept (dtype of the second input unknown: cl)"]
+    ctx = PassContext(opset=17, target="cann")
+    assert CastLikeToCast().run(graph, ctx) == 0
+    CastLikeToCast().finish(graph, ctx)
+    assert ctx.notes == ["1 CastLike kept for cann, which has no CastLike parser (dtype of the second input "
+                         "unknown: cl)"]
     assert graph.nodes[0].op == "CastLike"
+
+
+def test_the_lowered_graph_is_verified_by_the_reference_evaluator():
+    report = Report()
+    k3opt.optimize(rms_model(eps=1e-6, layers=(1e-5,)), target="cann", verify=True, report=report)
+    assert report.verification["status"] == "passed"
+    assert report.lowering_verification["status"] == "passed"
+    assert "lowering verification (reference evaluator): passed" in report.table()
+    report = Report()
+    k3opt.optimize(rms_model(eps=1e-6), target="cann", verify=False, report=report)
+    assert report.lowering_verification is None
+
+
+def test_an_inexact_lowering_fails_the_verification_and_is_bisected(monkeypatch):
+    """A lowering that pretends eps 1e-5 is the plugin's: the reference (fixed 1e-6) tells the difference."""
+    import k3opt.passes.lower_rmsnorm_npu as lowering
+
+    monkeypatch.setattr(lowering, "PLUGIN_EPSILON", 1e-5)
+    small = {"x": (1e-3 * np.random.default_rng(0).standard_normal((2, 3, 16))).astype(np.float32)}
+    report = Report()
+    with pytest.raises(k3opt.VerificationError, match="reference evaluator .*first diverging pass: lower-rmsnorm-npu"):
+        k3opt.optimize(rms_model(eps=1e-5), target="cann", verify=True, input_data=small, report=report)
+    assert report.verification["status"] == "passed"
+    assert report.lowering_verification["first_diverging_pass"] == "lower-rmsnorm-npu"
+
+
+def test_a_model_over_the_bound_skips_the_reference_verification_with_a_warning(monkeypatch):
+    import k3opt.api
+
+    monkeypatch.setattr(k3opt.api, "REFERENCE_MAX_NODES", 1)
+    report = Report()
+    k3opt.optimize(rms_model(eps=1e-6), target="cann", verify=True, report=report)
+    assert report.lowering_verification["status"] == "skipped"
+    assert any("verification of the lowering skipped" in w for w in report.warnings)

@@ -95,25 +95,28 @@ def zoo_config(name: str) -> Any:
         "vit": lambda: tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                     image_size=IMAGE, patch_size=8, num_channels=3),
     }
-    if name not in configs:
-        raise KeyError(f"no zoo model {name!r}; choose one of {', '.join(NAMES)}")
-    return configs[name]()
+    if family(name) not in configs:
+        raise KeyError(f"no zoo model {name!r}; choose one of {', '.join(NAMES + EAGER_NAMES)}")
+    config = configs[family(name)]()
+    if name in EAGER_NAMES:
+        config._attn_implementation = "eager"
+    return config
 
 
 def input_names(name: str) -> list[str]:
     """Graph input names of zoo model ``name``."""
-    return ["pixel_values"] if name == "vit" else ["input_ids", "attention_mask"]
+    return ["pixel_values"] if family(name) == "vit" else ["input_ids", "attention_mask"]
 
 
 def output_names(name: str) -> list[str]:
     """Graph output names of zoo model ``name``."""
-    return ["last_hidden_state", "pooler_output"] if name in ("bert", "vit") else ["logits"]
+    return ["last_hidden_state", "pooler_output"] if family(name) in ("bert", "vit") else ["logits"]
 
 
 def zoo_inputs(name: str, batch: int = BATCH, seq: int = TEXT_SEQ, seed: int = SEED) -> dict[str, np.ndarray]:
     """Seeded numpy inputs for zoo model ``name``; row 1 of a text model's mask pads its last 3 positions."""
     rng = np.random.default_rng(seed)
-    if name == "vit":
+    if family(name) == "vit":
         return {"pixel_values": rng.standard_normal((batch, 3, IMAGE, IMAGE)).astype(np.float32)}
     mask = np.ones((batch, seq), dtype=np.int64)
     if batch > 1:
@@ -137,9 +140,9 @@ def zoo_torch_model(name: str) -> Any:
 
     config = zoo_config(name)
     torch.manual_seed(SEED)
-    if name == "bert":
+    if family(name) == "bert":
         hf = tf.BertModel(config)
-    elif name == "vit":
+    elif family(name) == "vit":
         hf = tf.ViTModel(config)
     else:
         hf = tf.AutoModelForCausalLM.from_config(config)
@@ -191,8 +194,8 @@ def _locked(path: Path) -> Iterator[None]:
 def zoo_model(name: str, exporter: str = "torchscript") -> Path:
     """Path of the cached ONNX export of zoo model ``name`` with ``exporter`` (exported on first use)."""
     _require()
-    if name not in NAMES or exporter not in EXPORTERS:
-        raise KeyError(f"no zoo model {name!r}/{exporter!r}; names {NAMES}, exporters {EXPORTERS}")
+    if name not in NAMES + EAGER_NAMES or exporter not in EXPORTERS:
+        raise KeyError(f"no zoo model {name!r}/{exporter!r}; names {NAMES + EAGER_NAMES}, exporters {EXPORTERS}")
     target = cache_dir() / f"{name}-{exporter}-{cache_key()}.onnx"
     return _build_once(target, lambda tmp: _export(name, exporter, tmp))
 
@@ -301,3 +304,23 @@ def decode_torch_outputs(name: str, feeds: dict[str, np.ndarray]) -> list[np.nda
         out = model(tensors[0], tensors[1], tuple(tensors[2:]))
     return [t.numpy() for t in out]
 # ----------------------------------------------------------------------------- end of decode steps
+
+
+# ----------------------------------------------------------------------------- eager attention
+# ``<family>_eager``: the same model (same weights and inputs) with transformers' eager attention
+# (``attn_implementation="eager"``: MatMul, scale, additive float mask, Softmax, MatMul) instead of
+# the default ``sdpa``, whose exported decomposition differs (split scale, -inf mask, IsNaN guard).
+
+EAGER_NAMES = tuple(f"{n}_eager" for n in NAMES)
+
+
+def family(name: str) -> str:
+    """The model family of a zoo name (``llama_eager`` -> ``llama``)."""
+    return name[:-len("_eager")] if name in EAGER_NAMES else name
+
+
+def zoo_attention_params() -> list:
+    """``pytest.param(name, exporter)`` for every zoo pair, sdpa and eager; dynamo ones marked slow."""
+    return [pytest.param(n, e, marks=[pytest.mark.slow] if e == "dynamo" else [], id=f"{n}-{e}")
+            for n in NAMES + EAGER_NAMES for e in EXPORTERS]
+# ----------------------------------------------------------------------------- end of eager attention

@@ -1,6 +1,8 @@
 """k3opt.cann_bridge: from an optimized ONNX model to an Ascend ``.om`` through Huawei's ATC (docs/cann.md).
 
-- :func:`lower`: the NPU lowerings of ``--target cann`` (called by the core pipeline after verification).
+- The NPU lowerings of ``--target cann`` are passes (``lower-rmsnorm-npu``, ``lower-attention-npu``) that
+  the core pipeline runs after its verification; :func:`finish_model` puts the result in the target's
+  form and checks :func:`invariant_violations`; :mod:`.reference_ops` runs the NPU ops in numpy.
 - :func:`compile_model`: optimize for cann, pre-flight check, run ATC (``k3opt compile``).
 - :func:`check_model`: what ATC will refuse in a model (``k3opt check --target cann``).
 """
@@ -10,7 +12,7 @@ from .atc_command import AtcOptions, build_command
 from .atc_locate import find_atc
 from .compat import Finding, check_model
 from .compile import AtcUnavailable, CompileResult, compile_model
-from .lowering import invariant_violations, lower
+from .target_form import finish_model, invariant_violations
 
 __all__ = [
     "AtcOptions",
@@ -21,6 +23,6 @@ __all__ = [
     "check_model",
     "compile_model",
     "find_atc",
+    "finish_model",
     "invariant_violations",
-    "lower",
 ]

@@ -48,10 +48,11 @@ _SPECIAL = {
     "LayerNormalization": range(17, 19),
     "NPURmsNorm": range(11, 19),
     "NPUAddRmsNorm": range(11, 19),
-    # Registered for 11..16 and 19, NOT 17/18: unusable at k3opt's cann opset 17.
+    # Registered for 11..16 and 19, NOT 17/18 (the OriginOpType lists of
+    # attention/{prompt,incre}_flash_attention/framework/npu_*_flash_attention_onnx_plugin.cpp in
+    # cann/ops-transformer, mirror yuanfang-chen/ops-transformer): a model with one is at 16, or uses npu::1.
     "NPUPromptFlashAttention": [*range(11, 17), 19],
-    # Named as registered by the reference without opsets; assumed like NPURmsNorm.
-    "NPUIncreFlashAttention": range(11, 19),
+    "NPUIncreFlashAttention": [*range(11, 17), 19],
     "NPUFusedAttentionScore": range(11, 19),
     "NPUMoeInitRouting": range(11, 19),
 }
@@ -64,6 +65,10 @@ ATC_PARSERS: dict[str, frozenset[int]] = {
 
 #: NPU-specific ops ATC maps directly; the only non-standard ops a cann-target model may contain.
 NPU_OPS = frozenset(op for op in _SPECIAL if op.startswith("NPU"))
+
+#: NPU ops whose plugin also registers ``npu::1::<Op>`` (torch_npu's exporter domain), as read in the plugin
+#: sources: the two flash attentions (above) and NPURmsNorm (hicann/ops-nn norm/rms_norm/framework).
+NPU_DOMAIN_OPS = frozenset({"NPURmsNorm", "NPUPromptFlashAttention", "NPUIncreFlashAttention"})
 
 #: Graph-input element types the ONNX parser maps to a GE type (``onnx.TensorProto`` names).
 ACCEPTED_INPUT_DTYPES = frozenset({

@@ -73,7 +73,8 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
     """Optimize MODEL for Ascend (target cann) and compile it with ATC into OUTPUT.om.
 
     The optimized ONNX is written to OUTPUT.onnx; the graph is verified in
-    onnxruntime before the NPU lowering. Flags after `--` go to ATC as they are.
+    onnxruntime before the NPU lowering, the lowered one with the reference NPU
+    ops. Flags after `--` go to ATC as they are.
     """
     opts = AtcOptions(soc_version=soc_version, input_shapes=input_shapes, input_format=input_format,
                       precision_mode=precision_mode, precision_mode_v2=precision_mode_v2,

@@ -1,7 +1,8 @@
 """Pre-flight check: what ATC will refuse in a model, found in a second instead of minutes into ATC.
 
 Reports every node ATC has no parser for (by op type, domain and model
-opset, from :mod:`.atc_ops`), opset imports the parser trips on, graph
+opset, from :mod:`.atc_ops`; NPU ops in the ``npu`` domain with an
+``npu:1`` import are torch_npu's form and parse), opset imports the parser trips on, graph
 inputs with dynamic dims that no ``--input-shape`` fixes, and graph inputs
 whose dtype ATC rejects.
 """
@@ -13,9 +14,11 @@ from typing import Iterator, Optional, Sequence
 import onnx
 
 from .atc_command import InputShape
-from .atc_ops import ACCEPTED_INPUT_DTYPES, ATC_PARSERS, MAX_OPSET, MIN_OPSET
+from .atc_ops import ACCEPTED_INPUT_DTYPES, ATC_PARSERS, MAX_OPSET, MIN_OPSET, NPU_DOMAIN_OPS
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+#: torch_npu's exporter domain: ATC's NPU plugins register ``npu::1::<Op>`` (see :mod:`.atc_ops`).
+_NPU_IMPORT = ("npu", 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +46,16 @@ def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
                 yield from all_nodes(sub)
 
 
+def _npu_imported(model: onnx.ModelProto) -> bool:
+    return any((o.domain, o.version) == _NPU_IMPORT for o in model.opset_import)
+
+
 def _opset_findings(model: onnx.ModelProto) -> list[Finding]:
-    imports = [f"{o.domain or 'ai.onnx'}:{o.version}" for o in model.opset_import]
+    """One default-domain import (plus ``npu:1``, the NPU ops' own registration, which the plugins parse)."""
+    imports = [f"{o.domain or 'ai.onnx'}:{o.version}" for o in model.opset_import
+               if (o.domain, o.version) != _NPU_IMPORT]
     found = []
-    if len(imports) != 1:
+    if len(imports) != 1 or len(model.opset_import) > 2:
         found.append(Finding("opset", f"{len(imports)} opset imports ({', '.join(imports)}); ATC's parser "
                                       "wants exactly one default-domain import (E16005)"))
     version = default_opset(model)
@@ -59,22 +68,29 @@ def _opset_findings(model: onnx.ModelProto) -> list[Finding]:
 def _op_findings(model: onnx.ModelProto) -> list[Finding]:
     version = default_opset(model)
     by_key: dict[tuple[str, str], list[str]] = {}
+    npu = _npu_imported(model)
     for node in all_nodes(model.graph):
         domain = node.domain or "ai.onnx"
+        if domain == _NPU_IMPORT[0] and npu and node.op_type in NPU_DOMAIN_OPS:
+            continue  # registered as npu::1::<Op>
         known = ATC_PARSERS.get(node.op_type) if node.domain in _DEFAULT_DOMAINS else None
         if known is None or version not in known:
             by_key.setdefault((domain, node.op_type), []).append(node.name or "<unnamed>")
     found = []
     for (domain, op), names in sorted(by_key.items()):
         known = ATC_PARSERS.get(op) if domain == "ai.onnx" else None
-        if domain != "ai.onnx":
+        if domain == _NPU_IMPORT[0]:
+            why = (f"ATC registers npu::1 only for {', '.join(sorted(NPU_DOMAIN_OPS))}" if npu
+                   else "the model has no npu:1 opset import")
+        elif domain != "ai.onnx":
             why = f"domain {domain} has no ATC parsers"
         elif known is None:
             why = "not in k3opt's table of ATC parsers"
         else:
             why = f"ATC parses it only at opsets {_ranges(sorted(known))}"
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        found.append(Finding("op", f"{domain}::{version}::{op} x{len(names)} ({shown}): {why}"))
+        key = f"npu::1::{op}" if domain == _NPU_IMPORT[0] else f"{domain}::{version}::{op}"
+        found.append(Finding("op", f"{key} x{len(names)} ({shown}): {why}"))
     return found
 
 

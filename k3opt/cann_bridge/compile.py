@@ -13,9 +13,9 @@ from typing import Callable, Optional, Union
 
 import onnx
 
-from .. import api, io
+from .. import io, optimize, optimize_file
 from ..errors import CompileError, UsageError
-from ..report import Report
+from ..report import Report, verification_line
 from .atc_command import AtcOptions, build_command, check_output_prefix, render, validate
 from .atc_locate import find_atc
 from .atc_run import raise_for_result, run_atc, summarize_fusion_result
@@ -52,11 +52,11 @@ def _optimize(model: Union[str, os.PathLike, onnx.ModelProto], dst: Path, static
     shapes = static_shapes or None
     if isinstance(model, onnx.ModelProto):
         report = options.pop("report", None) or Report()
-        out = api.optimize(model, target="cann", input_shapes=shapes, report=report, **options)
+        out = optimize(model, target="cann", input_shapes=shapes, report=report, **options)
         report.files = [str(p) for p in io.save(out, dst)]
         report.output = str(dst)
         return report
-    return api.optimize_file(model, dst, target="cann", input_shapes=shapes, **options)
+    return optimize_file(model, dst, target="cann", input_shapes=shapes, **options)
 
 
 def compile_model(
@@ -93,6 +93,8 @@ def compile_model(
     report = _optimize(model, onnx_path, static, optimize_options)
     for line in report.lowering:
         say(f"lowering: {line}")
+    if report.lowering_verification:
+        say("lowering verification (reference evaluator): " + verification_line(report.lowering_verification))
     optimized = onnx.load(str(onnx_path), load_external_data=False)
     findings = check_model(optimized, shapes, options.dynamic_option())
     report.check = check_record(onnx_path, findings)

@@ -191,6 +191,9 @@ class Pass:
     min_opset: ClassVar[int] = 1
     #: Targets the pass applies to; None means every target.
     targets: ClassVar[Optional[tuple[str, ...]]] = None
+    #: A target lowering (e.g. to NPU ops for cann): runs in a second pass-manager run, after the other
+    #: passes reached their fixed point and were verified in onnxruntime (which may not run what it emits).
+    lowering: ClassVar[bool] = False
     #: In the default pipeline? (False: only when selected with --passes.)
     default: ClassVar[bool] = True
     #: Name of the plugin that registered the pass, None for built-ins.

@@ -1,0 +1,275 @@
+"""numpy reference implementations of the NPU ops k3opt emits, for ``onnx.reference.ReferenceEvaluator``.
+
+onnxruntime cannot run NPU nodes, so a ``--target cann`` model is verified by
+running it in onnx's reference evaluator with these ops (:func:`evaluator`),
+and a user with an NPU can compare the device with them. Each op implements
+what the ATC plugin hands to the kernel (attributes the plugin drops are
+ignored here too) and refuses, with an error, what its documentation does
+not define. Sources, by short name in the comments:
+
+- [PFA-plugin] cann/ops-transformer (mirror yuanfang-chen/ops-transformer)
+  ``attention/prompt_flash_attention/framework/npu_prompt_flash_attention_onnx_plugin.cpp``
+- [PFA-IR] same repository, ``attention/prompt_flash_attention/op_graph/prompt_flash_attention_proto.h``
+- [PFA-doc] same repository, ``attention/prompt_flash_attention/docs/aclnnPromptFlashAttentionV3.md``
+- [PFA-torch] torch_npu ``npu_prompt_flash_attention``:
+  https://hiascend.com/document/detail/zh/Pytorch/60RC1/apiref/apilist/ptaoplist_000453.html and
+  https://gitcode.com/Ascend/op-plugin/blob/7.3.0/docs/context/torch_npu-npu_prompt_flash_attention.md
+- [IFA-plugin] ``attention/incre_flash_attention/framework/npu_incre_flash_attention_onnx_plugin.cpp``
+- [IFA-IR] ``attention/incre_flash_attention/op_graph/incre_flash_attention_proto.h``
+- [IFA-torch] torch_npu ``npu_incre_flash_attention``:
+  https://hiascend.com/document/detail/zh/Pytorch/60RC1/apiref/apilist/ptaoplist_000451.html
+- [RMS-plugin] hicann/ops-nn ``norm/rms_norm/framework/npu_rms_norm_onnx_plugin.cpp`` and
+  ``norm/rms_norm/op_graph/rms_norm_proto.h`` (see docs/cann.md, "Lowerings")
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+from onnx.reference.op_run import OpRun
+
+from .target_form import NPU_DOMAIN
+
+#: [RMS-plugin]: the plugin ignores the node's attributes and sets RmsNorm's epsilon to 1e-6.
+RMS_EPSILON = 1e-6
+#: [PFA-plugin]: the node has 3, 5, 7, 9 or 12 inputs (query, key, value; pse_shift, atten_mask;
+#: actual_seq_lengths, actual_seq_lengths_kv; deq_scale1, quant_scale1; deq_scale2, quant_scale2, quant_offset2).
+PFA_INPUT_COUNTS = (3, 5, 7, 9, 12)
+#: [PFA-IR] / [PFA-doc] "sparseMode": 0 defaultMask, 1 allMask, 2 leftUpCausal, 3 rightDownCausal, 4 band.
+#: 2..4 take the optimized 2048 x 2048 mask ``triu(ones, 1)`` instead of a full one.
+SPARSE_TEMPLATE = 2048
+#: [PFA-doc]: "preTokens ... 2147483647" (the documented "everything" value of pre/next tokens).
+ALL_TOKENS = 2147483647
+#: [PFA-doc] limits (Atlas A2/A3): D <= 512, N <= 256, numHeads / numKeyValueHeads <= 64.
+MAX_HEAD_DIM, MAX_HEADS, MAX_GROUP = 512, 256, 64
+
+
+class ReferenceError(ValueError):
+    """The node asks for something the documented contract does not define (or k3opt does not model)."""
+
+
+def template_mask() -> np.ndarray:
+    """The optimized causal mask sparse modes 2..4 take ([PFA-doc]): bool ``triu(ones(2048, 2048), 1)``."""
+    return np.triu(np.ones((SPARSE_TEMPLATE, SPARSE_TEMPLATE), dtype=bool), 1)
+
+
+def _bnsd(x: np.ndarray, layout: str, heads: int) -> np.ndarray:
+    """``x`` as (B, N, S, D) from ``layout`` ([PFA-doc] "inputLayout": BSH, BSND, BNSD)."""
+    if layout == "BNSD" and x.ndim == 4:
+        return x
+    if layout == "BSND" and x.ndim == 4:
+        return x.transpose(0, 2, 1, 3)
+    if layout == "BSH" and x.ndim == 3:
+        b, s, h = x.shape
+        if h % heads:
+            raise ReferenceError(f"BSH hidden size {h} is not a multiple of {heads} heads")
+        return x.reshape(b, s, heads, h // heads).transpose(0, 2, 1, 3)
+    raise ReferenceError(f"input_layout {layout!r} with a rank-{x.ndim} tensor is not modelled")
+
+
+def _from_bnsd(x: np.ndarray, layout: str) -> np.ndarray:
+    if layout == "BNSD":
+        return x
+    y = x.transpose(0, 2, 1, 3)
+    return y if layout == "BSND" else y.reshape(y.shape[0], y.shape[1], -1)
+
+
+def _mask4(mask: np.ndarray, q_len: int, kv_len: int) -> np.ndarray:
+    """A bool (B|1, 1, Sq, Skv) view of a documented mask shape: (S, S), (B|1, S, S), (B|1, 1, S, S)
+    ([PFA-doc] "attenMask"); dtypes bool, int8, uint8, 1/True = masked ([PFA-torch], [IFA-torch])."""
+    if mask.dtype not in (np.bool_, np.int8, np.uint8):
+        raise ReferenceError(f"atten_mask dtype {mask.dtype} is not bool, int8 or uint8")
+    m = mask.astype(bool)
+    if m.ndim == 2:
+        m = m[None, None]
+    elif m.ndim == 3:
+        m = m[:, None]
+    if m.ndim != 4 or m.shape[1] != 1 or m.shape[2:] != (q_len, kv_len):
+        raise ReferenceError(f"atten_mask shape {list(mask.shape)} is not (S, S), (B|1, S, S) or (B|1, 1, S, S) "
+                             f"for Sq={q_len}, Skv={kv_len}")
+    return m
+
+
+def _masked(sparse_mode: int, mask: Optional[np.ndarray], pre: int, nxt: int, q_len: int, kv_len: int
+            ) -> Optional[np.ndarray]:
+    """Which (query, key) pairs are masked out, broadcastable to (B, N, Sq, Skv); None: none.
+
+    [PFA-doc] "sparseMode": 0 without a mask masks nothing (pre/next tokens are then ignored); 0 with a
+    mask takes a full (Sq x Skv) mask and computes only the band ``i - pre <= j <= i + next``; 1 takes
+    the full mask as it is; 2 is causal from the top left, 3 causal from the bottom right (both with
+    the 2048 template mask). 4 (band) and 5..8 are not modelled.
+    """
+    i = np.arange(q_len)[:, None]
+    j = np.arange(kv_len)[None, :]
+    if sparse_mode in (0, 1):
+        if mask is None:
+            if sparse_mode == 1:
+                raise ReferenceError("sparse_mode 1 (allMask) needs an atten_mask")
+            return None
+        m = _mask4(mask, q_len, kv_len)
+        if sparse_mode == 0:
+            m = m | ((j < i - pre) | (j > i + nxt))[None, None]
+        return m
+    if sparse_mode in (2, 3):
+        if mask is None or mask.shape[-2:] != (SPARSE_TEMPLATE, SPARSE_TEMPLATE) or \
+                not np.array_equal(mask.astype(bool).reshape(-1, SPARSE_TEMPLATE, SPARSE_TEMPLATE)[0], template_mask()):
+            raise ReferenceError(f"sparse_mode {sparse_mode} needs the 2048 x 2048 triu(ones, 1) template mask")
+        offset = 0 if sparse_mode == 2 else kv_len - q_len
+        return (j > i + offset)[None, None]
+    raise ReferenceError(f"sparse_mode {sparse_mode} is not modelled (k3opt emits 0 and 3)")
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, masked: Optional[np.ndarray], scale: float,
+              kv_heads: int, fix_masked_rows: bool) -> np.ndarray:
+    """``softmax(scale * q @ k^T, masked out) @ v`` in float32 for (B, N, S, D) tensors, cast to q's dtype.
+
+    GQA: query head h reads key/value head ``h // (N / N_kv)`` ([PFA-doc] "numKeyValueHeads": N must be a
+    multiple of it; 0 means N). A query row with every key masked: its result is not documented
+    ([PFA-doc] "innerPrecise": with bits 0b00/0b01 "precision may be lost" when a row of the mask is
+    all 1; bit 1 turns on the invalid-row correction). With the correction (``fix_masked_rows``) the
+    reference gives 0 for such a row; without it NaN, so a comparison fails rather than guess.
+    """
+    heads = q.shape[1]
+    if kv_heads <= 0:
+        kv_heads = heads
+    if heads % kv_heads or k.shape[1] != kv_heads or v.shape[1] != kv_heads:
+        raise ReferenceError(f"{heads} query heads, num_key_value_heads {kv_heads}, key/value with "
+                             f"{k.shape[1]}/{v.shape[1]} heads")
+    if heads // kv_heads > MAX_GROUP or heads > MAX_HEADS:
+        raise ReferenceError(f"{heads} heads over {kv_heads} KV heads is outside the documented limits")
+    if q.shape[-1] != k.shape[-1] or v.shape[-1] != q.shape[-1] or q.shape[-1] > MAX_HEAD_DIM:
+        raise ReferenceError(f"head dims q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}: one D <= "
+                             f"{MAX_HEAD_DIM} is documented for these layouts")
+    group = heads // kv_heads
+    kf = np.repeat(k.astype(np.float32), group, axis=1)
+    vf = np.repeat(v.astype(np.float32), group, axis=1)
+    scores = np.float32(scale) * (q.astype(np.float32) @ kf.swapaxes(-1, -2))
+    if masked is not None:
+        masked = np.broadcast_to(masked, scores.shape)
+        scores = np.where(masked, -np.inf, scores)
+    top = scores.max(axis=-1, keepdims=True)
+    dead = ~np.isfinite(top)  # every key of the row masked
+    e = np.exp(scores - np.where(dead, 0, top))
+    e = np.where(dead, 0, e)
+    total = e.sum(axis=-1, keepdims=True)
+    probs = e / np.where(dead, 1, total)
+    out = probs @ vf
+    if not fix_masked_rows:
+        out = np.where(dead, np.float32(np.nan), out)
+    return out.astype(q.dtype)
+
+
+def _present(inputs: Sequence[Any], i: int) -> Optional[np.ndarray]:
+    return inputs[i] if i < len(inputs) and inputs[i] is not None else None
+
+
+class NPURmsNorm(OpRun):
+    """``NPURmsNorm(x, gamma) -> (y, rstd)`` ([RMS-plugin]): over gamma's rank of trailing dims, in float32,
+    ``rstd = 1 / sqrt(mean(x^2) + 1e-6)``, ``y = x * rstd * gamma`` cast to x's dtype; rstd float32 with
+    the normalized dims kept as 1. The plugin reads no attribute (epsilon fixed)."""
+
+    op_domain = ""
+
+    def _run(self, x, gamma):  # noqa: D102 - OpRun's interface
+        k = gamma.ndim
+        if k == 0 or k > x.ndim or x.shape[x.ndim - k:] != gamma.shape:
+            raise ReferenceError(f"gamma {list(gamma.shape)} is not the trailing dims of x {list(x.shape)}")
+        xf = x.astype(np.float32)
+        axes = tuple(range(x.ndim - k, x.ndim))
+        rstd = (1 / np.sqrt(np.mean(xf * xf, axis=axes, keepdims=True) + np.float32(RMS_EPSILON))).astype(np.float32)
+        return (xf * rstd * gamma.astype(np.float32)).astype(x.dtype), rstd
+
+
+class NPUPromptFlashAttention(OpRun):
+    """Prefill flash attention as the plugin passes it on ([PFA-plugin]).
+
+    Inputs by position (groups of [PFA-plugin]): query, key, value, pse_shift, atten_mask,
+    actual_seq_lengths, actual_seq_lengths_kv, quantization scales; only the first five are modelled and
+    pse_shift must be absent. Attributes as the plugin reads them, with ITS defaults when absent (not
+    torch_npu's): num_heads, input_layout (both required), scale_value 1.0, pre_tokens 0, next_tokens 0,
+    num_key_value_heads 0 (= num_heads), sparse_mode 0, inner_precise 1.
+    """
+
+    op_domain = ""
+
+    def _run(self, *inputs, num_heads=None, input_layout=None, scale_value=1.0, pre_tokens=0,  # noqa: D102
+             next_tokens=0, num_key_value_heads=0, sparse_mode=0, inner_precise=1):
+        if len(inputs) not in PFA_INPUT_COUNTS:
+            raise ReferenceError(f"{len(inputs)} inputs: the plugin takes {PFA_INPUT_COUNTS}")
+        if num_heads is None or input_layout is None:
+            raise ReferenceError("num_heads and input_layout are required (the plugin refuses the node)")
+        if any(_present(inputs, i) is not None for i in (3, *range(5, len(inputs)))):
+            raise ReferenceError("only query, key, value and atten_mask are modelled")
+        layout = input_layout.decode() if isinstance(input_layout, bytes) else input_layout
+        q = _bnsd(inputs[0], layout, num_heads)
+        kv_heads = num_key_value_heads or num_heads
+        k, v = _bnsd(inputs[1], layout, kv_heads), _bnsd(inputs[2], layout, kv_heads)
+        if q.shape[1] != num_heads:
+            raise ReferenceError(f"query has {q.shape[1]} heads, num_heads is {num_heads}")
+        masked = _masked(sparse_mode, _present(inputs, 4), pre_tokens, next_tokens, q.shape[2], k.shape[2])
+        out = attention(q, k, v, masked, scale_value, kv_heads, bool(inner_precise & 2))
+        return (_from_bnsd(out, layout),)
+
+
+class NPUIncreFlashAttention(OpRun):
+    """Decode flash attention (one query row against the cache) as the plugin passes it on ([IFA-plugin]).
+
+    Inputs: query, n keys, n values, pse_shift, atten_mask, actual_seq_lengths (``len - 4`` must be even;
+    only n = 1, no pse_shift and no actual_seq_lengths are modelled). The plugin reads only num_heads,
+    input_layout and scale_value: num_key_value_heads keeps the IR default 1 ([IFA-IR]) whatever the
+    node says, so the key/value cache must have ONE head. atten_mask: (B, Skv), (B, 1, Skv) or
+    (B, 1, 1, Skv), 1 = masked ([IFA-torch]); the query's S must be 1 ([IFA-IR] / torch_npu). No
+    invalid-row correction is documented for IFA: a fully masked row gives NaN here.
+    """
+
+    op_domain = ""
+
+    def _run(self, *inputs, num_heads=None, input_layout=None, scale_value=1.0, **ignored):  # noqa: D102
+        if len(inputs) != 6:
+            raise ReferenceError(f"{len(inputs)} inputs: only query, key, value, pse_shift, atten_mask, "
+                                 "actual_seq_lengths (one key and one value) are modelled")
+        if num_heads is None or input_layout is None:
+            raise ReferenceError("num_heads and input_layout are required (the plugin refuses the node)")
+        if _present(inputs, 3) is not None or _present(inputs, 5) is not None:
+            raise ReferenceError("pse_shift and actual_seq_lengths are not modelled")
+        layout = input_layout.decode() if isinstance(input_layout, bytes) else input_layout
+        q = _bnsd(inputs[0], layout, num_heads)
+        k, v = _bnsd(inputs[1], layout, 1), _bnsd(inputs[2], layout, 1)
+        if q.shape[2] != 1:
+            raise ReferenceError(f"the query has S = {q.shape[2]}; IncreFlashAttention takes S = 1")
+        mask = _present(inputs, 4)
+        masked = None
+        if mask is not None:
+            b = mask.shape[0]
+            masked = _mask4(mask.reshape(b, 1, 1, mask.shape[-1]) if mask.ndim in (2, 3) else mask, 1, k.shape[2])
+        return (_from_bnsd(attention(q, k, v, masked, scale_value, 1, False), layout),)
+
+
+class GatherElements(OpRun):
+    """The standard op, as the ONNX spec and onnxruntime define it (``out[i][j] = data[index[i][j]][j]`` for
+    axis 0): onnx 1.23's reference implementation fails when the indices are smaller than the data on the
+    other axes (TorchScript BERT's ``token_type_ids`` buffer), which onnxruntime and the spec allow."""
+
+    op_domain = ""
+
+    def _run(self, data, indices, axis=0):  # noqa: D102
+        axis = axis % data.ndim
+        index = np.where(indices < 0, indices + data.shape[axis], indices)
+        box = tuple(slice(None) if a == axis else slice(0, n) for a, n in enumerate(indices.shape))
+        return (np.take_along_axis(data[box], index, axis=axis),)
+
+
+def _in_domain(cls: type, domain: str) -> type:
+    return type(cls.__name__, (cls,), {"op_domain": domain})
+
+
+#: The ops for the evaluator: each in the default domain and in ``npu`` (torch_npu's exporter form).
+REFERENCE_OPS = [cls for base in (NPURmsNorm, NPUPromptFlashAttention, NPUIncreFlashAttention)
+                 for cls in (base, _in_domain(base, NPU_DOMAIN))] + [GatherElements]
+
+
+def evaluator(model: Any) -> Any:
+    """An ``onnx.reference.ReferenceEvaluator`` for ``model`` (proto or bytes) that runs the NPU ops."""
+    from onnx.reference import ReferenceEvaluator
+
+    return ReferenceEvaluator(model, new_ops=REFERENCE_OPS)
