@@ -291,7 +291,7 @@ class _Run:
         start = verifier.runnable_bytes(before)  # the lowering's input, its weights inlined for fresh imports
         culprit = self._bisect(start, False, manager, lowering, ctx,
                                lambda candidate: result_of(finish_target(candidate, ctx.target)), result)
-        detail = result.get("reason") or _worst(result)
+        detail = verifier.failure_detail(result)
         raise VerificationError(f"the lowered model differs from the original under the {ctx.target} reference "
                                 f"evaluator ({detail}){culprit}")
 

@@ -116,7 +116,7 @@ class Report:
         lines.extend(f"cann: {n}" for n in self.lowering)
         if self.lowering_verification:
             lines.append("lowering verification (reference evaluator): "
-                         + verification_line(self.lowering_verification))
+                         + summary_line(self.lowering_verification))
         if self.output:
             lines.append(f"wrote {self.output}")
         return "\n".join(lines)

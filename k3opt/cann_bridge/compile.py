@@ -15,7 +15,8 @@ import onnx
 
 from .. import io, optimize, optimize_file
 from ..errors import CompileError, UsageError
-from ..report import Report, verification_line
+from ..report import Report
+from ..verify import summary_line
 from .atc_command import AtcOptions, build_command, check_output_prefix, render, validate
 from .atc_locate import find_atc
 from .atc_run import raise_for_result, run_atc, summarize_fusion_result
@@ -94,7 +95,7 @@ def compile_model(
     for line in report.lowering:
         say(f"lowering: {line}")
     if report.lowering_verification:
-        say("lowering verification (reference evaluator): " + verification_line(report.lowering_verification))
+        say("lowering verification (reference evaluator): " + summary_line(report.lowering_verification))
     optimized = onnx.load(str(onnx_path), load_external_data=False)
     findings = check_model(optimized, shapes, options.dynamic_option())
     report.check = check_record(onnx_path, findings)
