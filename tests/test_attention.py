@@ -25,7 +25,7 @@ class Attn:
 
     def __init__(self, *, scale="split", k_form="bnsd", kv_heads=NQ, repeat=False, mask="where_inf", guard=True,
                  dv=D, dqk=D, past=0, axis=-1, elem=TP.FLOAT, opset=23, mask_shape=(B, 1, S, S),
-                 causal_value=None, dropout=False, extra_outputs=(), q_len=S):
+                 causal_value=None, dropout=False, extra_outputs=(), q_len=S, q_table=False):
         self.nodes, self.inits, self.inputs, self.outputs = [], {}, [], []
         self.elem, self.opset, self.np = elem, opset, helper.tensor_dtype_to_np_dtype(elem)
         sk = past + q_len
@@ -42,6 +42,8 @@ class Attn:
             self.outputs += [("present_k", elem, [B, kv_heads, sk, dqk]), ("present_v", elem, [B, kv_heads, sk, dv])]
         if repeat:
             k, v = self.repeat(k, NQ // kv_heads), self.repeat(v, NQ // kv_heads)
+        if q_table:  # q times a constant table (a folded rotary factor): part of q, not a scale
+            q = self.op("Mul", q, self.const(np.linspace(0.5, 1.5, q_len * dqk).reshape(q_len, dqk)))
         d4 = self.const(float(dqk) ** -0.25)
         if scale == "split":
             q = self.op("Mul", q, d4)
@@ -68,6 +70,7 @@ class Attn:
             scores = self.op("Div", scores, self.input("divisor", []))
         elif scale == "vector":
             scores = self.op("Mul", scores, self.const(np.full(sk, dqk ** -0.5)))
+
         x = scores
         if mask is not None:
             x = self.op("Add", x, self.mask(mask, mask_shape, q_len, sk, causal_value))
@@ -193,6 +196,10 @@ def test_mqa_by_broadcast():
 def test_mla_head_dims_differ():
     """DeepSeek-V3's MLA: qk head dim 12 (nope 8 + rope 4), v head dim 8."""
     assert_fused(Attn(dqk=12, dv=8, scale="mul").model(), scale=12 ** -0.5)
+
+
+def test_q_times_a_constant_table_is_part_of_q():
+    _, node, _ = assert_fused(Attn(scale="div", q_table=True).model(), scale=D ** -0.5)
 
 
 def test_no_mask():

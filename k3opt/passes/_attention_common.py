@@ -8,8 +8,9 @@ Scaled dot-product attention as the exporters emit it, anchored at the
 - ``x``: the scores plus at most one additive mask (``Add``), the scores ``MatMul(q', k')`` times
   constant scalars after it (``Mul``/``Div``, eager's ``/ sqrt(d)``);
 - ``q'``: ``q`` times constant scalars (sdpa's ``d^-1/4``); ``k'``: the keys transposed, times constant
-  scalars before or after the transpose: ``Transpose(k, [0,1,3,2])`` of BNSD keys,
-  ``Transpose(k, [0,2,3,1])`` of BSND keys (the head split fused in), or dynamo's 3-D form
+  scalars before or after the transpose: ``Transpose(X, p)`` for any rank-4 perm that makes k^T
+  (``[0,1,3,2]`` of BNSD keys, ``[0,2,3,1]`` of BSND keys with the head split fused in, dynamo's
+  ``[3,1,0,2]``; the match's k is then ``Transpose(X, [0,2,1,3])`` etc.), or dynamo's 3-D form
   ``Reshape(Transpose(Reshape(k, [-1, S, D]), [0,2,1]), [B, N, D, S])`` with the shapes proven to
   be ``k``'s own;
 - GQA's repeat_kv on k and v, ``Reshape(Expand(Unsqueeze(k, 2), [B, Nkv, rep, S, D]), [B, Nkv*rep, S, D])``,
@@ -20,8 +21,8 @@ A match is described by an :class:`AttentionMatch`; :func:`analyze` declines (``
 the softmax is over the last axis of rank-4 scores, every scale factor is a positive finite
 constant scalar (their product is ``scale``), no intermediate from the scores to the probabilities
 is read elsewhere or is a graph output, there is no Dropout, q/k/v/output share one float dtype,
-the head counts and head dims are static and GQA's head count divides, and the mask does not
-raise the scores' rank. What a fused op does with a query row whose keys are all masked is the
+the head dims are static, GQA's repeat provably merges just the heads (the head counts are given
+when static), and the mask does not raise the scores' rank nor broadcast a static dim of them. What a fused op does with a query row whose keys are all masked is the
 lowering's concern (``zero_fully_masked`` and ``keep``/``mask_fill`` say what the graph does).
 """
 from __future__ import annotations
@@ -127,6 +128,9 @@ def apply_attention(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> in
 
 # -- analysis ------------------------------------------------------------------------------------------------
 
+SCORES = "the scores"
+
+
 class _Decline(Exception):
     """Why a match cannot be fused (raised inside :func:`analyze`, turned into ``m.fail``)."""
 
@@ -155,7 +159,7 @@ def _analyze(m: Match) -> AttentionMatch:
     matched = {id(n) for n in m.nodes}
     chain: list[Node] = [n for n in m.nodes if n is not pv]  # scores .. probabilities: must not escape
     mask, scores = _split_mask(x, chain)
-    scale, t = _peel_scale(scores, chain, "the scores")
+    scale, t = _peel_scale(scores, chain, SCORES)
     qk = producer(t)
     if qk is not None and qk.op in ("Mul", "Div"):
         raise _Decline(f"the scores are scaled by a non-constant ({qk.op} '{qk.name}')")
@@ -266,7 +270,8 @@ def _reaches_matmul(t: Tensor) -> bool:
 def _peel_scale(t: Tensor, walked: list[Node], what: str) -> tuple[float, Tensor]:
     """Strip Mul/Div by constant scalars from ``t``: (the product of the factors, the tensor under them).
 
-    A Mul/Div by a constant of more than one element is refused: it is not a scale the fused op applies.
+    On the scores, a Mul/Div by a constant of more than one element is refused (it is not a scale the
+    fused op applies); on q or k it ends the walk.
     """
     scale = 1.0
     while True:
@@ -278,7 +283,9 @@ def _peel_scale(t: Tensor, walked: list[Node], what: str) -> tuple[float, Tensor
         if const_at is None:
             return scale, t
         if not _scalar_const(n.inputs[const_at]):
-            raise _Decline(f"{what} is multiplied or divided by a constant that is not a float scalar "
+            if what != SCORES:  # part of how q or k is computed (a constant rotary table, say)
+                return scale, t
+            raise _Decline(f"{what} are multiplied or divided by a constant that is not a float scalar "
                            f"(shape {ir.const_tensor(n.inputs[const_at]).shape}): not a scale of q @ k^T")
         c = float(_small_const(n.inputs[const_at]).reshape(-1)[0])
         if not math.isfinite(c) or c == 0.0:
