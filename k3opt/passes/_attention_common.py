@@ -96,8 +96,9 @@ def attention_rules(rewrite: Callable[[RewriteBuilder, AttentionMatch], Optional
                     on_decline: Optional[Callable[[Node, str], None]] = None) -> list[Rule]:
     """The attention rule, rebuilt by ``rewrite(op, am)`` (the replacement of ``am.output``, or None).
 
-    ``on_decline(softmax, reason)`` hears every refusal, the recogniser's and the rewrite's (a rewrite
-    declining calls ``am.match.fail(reason)`` first); apply with :func:`apply_attention`.
+    ``on_decline(softmax, reason)`` hears every refusal: the recogniser's, and a rewrite's that calls
+    ``am.match.fail(reason)`` before returning None (one returning None without a reason, a recorder
+    say, is not a refusal). Apply with :func:`apply_attention`.
     """
 
     def check(m: Match) -> bool:
@@ -112,8 +113,8 @@ def attention_rules(rewrite: Callable[[RewriteBuilder, AttentionMatch], Optional
             return None
         am = _materialized(op, am)
         out = rewrite(op, am)
-        if out is None and on_decline is not None:
-            on_decline(am.softmax, m.failure or "declined by the lowering")
+        if out is None and m.failure and on_decline is not None:
+            on_decline(am.softmax, m.failure)
         return out
 
     return [Rule(name, _pattern, apply, check, allow_escaping=True,
