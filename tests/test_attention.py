@@ -25,7 +25,7 @@ class Attn:
 
     def __init__(self, *, scale="split", k_form="bnsd", kv_heads=NQ, repeat=False, mask="where_inf", guard=True,
                  dv=D, dqk=D, past=0, axis=-1, elem=TP.FLOAT, opset=23, mask_shape=(B, 1, S, S),
-                 causal_value=None, dropout=False, extra_outputs=(), q_len=S):
+                 causal_value=None, dropout=False, extra_outputs=(), q_len=S, q_table=False):
         self.nodes, self.inits, self.inputs, self.outputs = [], {}, [], []
         self.elem, self.opset, self.np = elem, opset, helper.tensor_dtype_to_np_dtype(elem)
         sk = past + q_len
@@ -41,7 +41,10 @@ class Attn:
             v = self.op("Concat", pv, v, axis=2, out="present_v")
             self.outputs += [("present_k", elem, [B, kv_heads, sk, dqk]), ("present_v", elem, [B, kv_heads, sk, dv])]
         if repeat:
-            k, v = self.repeat(k, NQ // kv_heads), self.repeat(v, NQ // kv_heads)
+            k = self.repeat(k, NQ // kv_heads, merged=k_form == "batched5")
+            v = self.repeat(v, NQ // kv_heads)
+        if q_table:  # q times a constant table (a folded rotary factor): part of q, not a scale
+            q = self.op("Mul", q, self.const(np.linspace(0.5, 1.5, q_len * dqk).reshape(q_len, dqk)))
         d4 = self.const(float(dqk) ** -0.25)
         if scale == "split":
             q = self.op("Mul", q, d4)
@@ -49,6 +52,9 @@ class Attn:
             kt = self.op("Transpose", k, perm=[0, 1, 3, 2])
         elif k_form == "bsnd":
             kt = self.op("Transpose", k, perm=[0, 2, 3, 1])
+        elif k_form == "batched5":  # the same, flattening GQA's rank-5 repeat directly (static shapes)
+            flat = self.op("Reshape", k, self.ints([-1, sk, dqk]))
+            kt = self.op("Reshape", self.op("Transpose", flat, perm=[0, 2, 1]), self.ints([B, NQ, dqk, sk]))
         else:  # dynamo: Reshape(Transpose(Reshape(k, [-1, S, D]), [0, 2, 1]), Shape(k)[:2] + [D, S])
             shape = self.op("Shape", k)
             flat = self.op("Reshape", k, self.op("Concat", self.ints([-1]), self.op("Slice", shape, self.ints([-2]),
@@ -68,6 +74,7 @@ class Attn:
             scores = self.op("Div", scores, self.input("divisor", []))
         elif scale == "vector":
             scores = self.op("Mul", scores, self.const(np.full(sk, dqk ** -0.5)))
+
         x = scores
         if mask is not None:
             x = self.op("Add", x, self.mask(mask, mask_shape, q_len, sk, causal_value))
@@ -104,12 +111,15 @@ class Attn:
         self.nodes.append(helper.make_node(op, list(inputs), [out], name=f"n{len(self.nodes)}_{op}", **attrs))
         return out
 
-    def repeat(self, x, rep):
-        """repeat_kv: Reshape(Expand(Unsqueeze(x, 2), [B, H, rep, S, D]), [B, H*rep, S, D]), shapes from Shape(x)."""
+    def repeat(self, x, rep, merged=False):
+        """repeat_kv: Reshape(Expand(Unsqueeze(x, 2), [B, H, rep, S, D]), [B, H*rep, S, D]), shapes from Shape(x)
+        (``merged``: the rank-5 Expand, its Reshape left to the next one)."""
         shape = self.op("Shape", x)
         dims = [self.op("Gather", shape, self.ints([i]), axis=0) for i in range(4)]
         target = self.op("Concat", dims[0], dims[1], self.ints([rep]), dims[2], dims[3], axis=0)
         expanded = self.op("Expand", self.op("Unsqueeze", x, self.ints([2])), target)
+        if merged:
+            return expanded
         merged = self.op("Concat", dims[0], self.ints([NQ]), dims[2], dims[3], axis=0)
         return self.op("Reshape", expanded, merged)
 
@@ -186,6 +196,12 @@ def test_gqa_repeat_kv_is_absorbed():
     assert node.input[1] == "k" and node.input[2] == "v"
 
 
+def test_gqa_repeat_flattened_by_the_batched_transpose():
+    """dynamo with static shapes: merge-reshapes leaves Reshape(Expand(...), [-1, S, D]) under the transpose."""
+    out, node, _ = assert_fused(Attn(kv_heads=2, repeat=True, k_form="batched5").model(), kv_num_heads=2)
+    assert node.input[1] == "k" and "Expand" not in op_counts(out)
+
+
 def test_mqa_by_broadcast():
     assert_fused(Attn(kv_heads=1).model(), q_num_heads=NQ, kv_num_heads=1)
 
@@ -193,6 +209,10 @@ def test_mqa_by_broadcast():
 def test_mla_head_dims_differ():
     """DeepSeek-V3's MLA: qk head dim 12 (nope 8 + rope 4), v head dim 8."""
     assert_fused(Attn(dqk=12, dv=8, scale="mul").model(), scale=12 ** -0.5)
+
+
+def test_q_times_a_constant_table_is_part_of_q():
+    _, node, _ = assert_fused(Attn(scale="div", q_table=True).model(), scale=D ** -0.5)
 
 
 def test_no_mask():
@@ -234,6 +254,11 @@ def test_masks_of_lower_rank(shape):
 def test_exact_causal_mask_becomes_is_causal():
     out, node, _ = assert_fused(Attn(mask="causal", guard=False).model(), is_causal=1)
     assert len(node.input) == 3
+
+
+def test_causal_mask_repeated_over_the_batch_becomes_is_causal():
+    keep = np.broadcast_to(np.tril(np.ones((S, S), bool)), (B, 1, S, S))
+    assert_fused(Attn(mask="causal", guard=False, causal_value=keep).model(), is_causal=1)
 
 
 def test_non_triangular_causal_mask_stays_a_mask():
@@ -366,12 +391,12 @@ def test_below_opset_23_counted_and_left_decomposed():
     out, pm, ctx = fuse(model)
     assert pm.stats["fuse-attention"].rewrites == 0 and not attention_nodes(out)
     assert ctx.counters["attention_found"] == 1
-    assert "1 attention(s) found, left decomposed: opset < 23" in ctx.notes
+    assert ctx.notes == ["1 attention(s) found, left decomposed: opset < 23"]
 
 
 def test_cann_target_counted_and_left_decomposed():
     out, pm, ctx = fuse(Attn().model(), target="cann")
-    assert not attention_nodes(out) and "1 attention(s) found, left decomposed: target cann" in ctx.notes
+    assert not attention_nodes(out) and ctx.notes == ["1 attention(s) found, left decomposed: target cann"]
 
 
 # -- cost -----------------------------------------------------------------------------------------------------

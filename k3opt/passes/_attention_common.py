@@ -8,8 +8,9 @@ Scaled dot-product attention as the exporters emit it, anchored at the
 - ``x``: the scores plus at most one additive mask (``Add``), the scores ``MatMul(q', k')`` times
   constant scalars after it (``Mul``/``Div``, eager's ``/ sqrt(d)``);
 - ``q'``: ``q`` times constant scalars (sdpa's ``d^-1/4``); ``k'``: the keys transposed, times constant
-  scalars before or after the transpose: ``Transpose(k, [0,1,3,2])`` of BNSD keys,
-  ``Transpose(k, [0,2,3,1])`` of BSND keys (the head split fused in), or dynamo's 3-D form
+  scalars before or after the transpose: ``Transpose(X, p)`` for any rank-4 perm that makes k^T
+  (``[0,1,3,2]`` of BNSD keys, ``[0,2,3,1]`` of BSND keys with the head split fused in, dynamo's
+  ``[3,1,0,2]``; the match's k is then ``Transpose(X, [0,2,1,3])`` etc.), or dynamo's 3-D form
   ``Reshape(Transpose(Reshape(k, [-1, S, D]), [0,2,1]), [B, N, D, S])`` with the shapes proven to
   be ``k``'s own;
 - GQA's repeat_kv on k and v, ``Reshape(Expand(Unsqueeze(k, 2), [B, Nkv, rep, S, D]), [B, Nkv*rep, S, D])``,
@@ -20,8 +21,9 @@ A match is described by an :class:`AttentionMatch`; :func:`analyze` declines (``
 the softmax is over the last axis of rank-4 scores, every scale factor is a positive finite
 constant scalar (their product is ``scale``), no intermediate from the scores to the probabilities
 is read elsewhere or is a graph output, there is no Dropout, q/k/v/output share one float dtype,
-the head counts and head dims are static and GQA's head count divides, and the mask does not
-raise the scores' rank. What a fused op does with a query row whose keys are all masked is the
+the head dims are static, GQA's repeat provably merges just the heads (the head counts are given
+when static), and the mask does not raise the scores' rank nor broadcast a static dim of them.
+What a fused op does with a query row whose keys are all masked is the
 lowering's concern (``zero_fully_masked`` and ``keep``/``mask_fill`` say what the graph does).
 """
 from __future__ import annotations
@@ -94,8 +96,9 @@ def attention_rules(rewrite: Callable[[RewriteBuilder, AttentionMatch], Optional
                     on_decline: Optional[Callable[[Node, str], None]] = None) -> list[Rule]:
     """The attention rule, rebuilt by ``rewrite(op, am)`` (the replacement of ``am.output``, or None).
 
-    ``on_decline(softmax, reason)`` hears every refusal, the recogniser's and the rewrite's (a rewrite
-    declining calls ``am.match.fail(reason)`` first); apply with :func:`apply_attention`.
+    ``on_decline(softmax, reason)`` hears every refusal: the recogniser's, and a rewrite's that calls
+    ``am.match.fail(reason)`` before returning None (one returning None without a reason, a recorder
+    say, is not a refusal). Apply with :func:`apply_attention`.
     """
 
     def check(m: Match) -> bool:
@@ -110,8 +113,8 @@ def attention_rules(rewrite: Callable[[RewriteBuilder, AttentionMatch], Optional
             return None
         am = _materialized(op, am)
         out = rewrite(op, am)
-        if out is None and on_decline is not None:
-            on_decline(am.softmax, m.failure or "declined by the lowering")
+        if out is None and m.failure and on_decline is not None:
+            on_decline(am.softmax, m.failure)
         return out
 
     return [Rule(name, _pattern, apply, check, allow_escaping=True,
@@ -126,6 +129,9 @@ def apply_attention(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> in
 
 
 # -- analysis ------------------------------------------------------------------------------------------------
+
+SCORES = "the scores"
+
 
 class _Decline(Exception):
     """Why a match cannot be fused (raised inside :func:`analyze`, turned into ``m.fail``)."""
@@ -155,7 +161,7 @@ def _analyze(m: Match) -> AttentionMatch:
     matched = {id(n) for n in m.nodes}
     chain: list[Node] = [n for n in m.nodes if n is not pv]  # scores .. probabilities: must not escape
     mask, scores = _split_mask(x, chain)
-    scale, t = _peel_scale(scores, chain, "the scores")
+    scale, t = _peel_scale(scores, chain, SCORES)
     qk = producer(t)
     if qk is not None and qk.op in ("Mul", "Div"):
         raise _Decline(f"the scores are scaled by a non-constant ({qk.op} '{qk.name}')")
@@ -193,11 +199,9 @@ class _KeysValues:
     k: Tensor
     perm: tuple[int, ...]
     scale: float  # the factors applied to the keys
-    k_repeated: Tensor
-    rep_k: Optional[int]
+    k_repeat: Optional[_Repeat]
     v: Tensor
-    v_repeated: Tensor
-    rep_v: Optional[int]
+    v_repeat: Optional[_Repeat]
 
     @property
     def dims(self) -> "_PermutedDims":
@@ -205,10 +209,11 @@ class _KeysValues:
 
     def heads(self, q_heads: Optional[int]) -> Optional[int]:
         """The kv head count (None when not static), checked against q's and between k and v."""
-        k_heads = _kv_heads(self.k, self.rep_k, self.k_repeated, q_heads, "k") if self.perm == IDENTITY else \
+        k_heads = _kv_heads(self.k, self.k_repeat, q_heads, "k") if self.perm == IDENTITY else \
             (self.dims[1] if isinstance(self.dims[1], int) else None)
-        v_heads = _kv_heads(self.v, self.rep_v, self.v_repeated, q_heads, "v")
-        if (k_heads is not None and v_heads is not None and k_heads != v_heads) or self.rep_k != self.rep_v:
+        v_heads = _kv_heads(self.v, self.v_repeat, q_heads, "v")
+        reps = [None if r is None else r.rep for r in (self.k_repeat, self.v_repeat)]
+        if (k_heads is not None and v_heads is not None and k_heads != v_heads) or reps[0] != reps[1]:
             raise _Decline(f"k and v have different head counts or repeats ({k_heads}, {v_heads})")
         return k_heads if k_heads is not None else v_heads
 
@@ -217,11 +222,16 @@ def _keys_and_values(kt: Tensor, v_repeated: Tensor, walked: list[Node]) -> _Key
     """The keys (from the scores MatMul's second operand) and values, scale factors and repeat_kv stripped."""
     kt_scale, kt = _peel_scale(kt, walked, "k")
     k_repeated, perm, k_scale = _untransposed_key(kt, walked)
-    k, rep_k = _repeat_kv(k_repeated, walked) if perm == IDENTITY else (k_repeated, None)
-    v, rep_v = _repeat_kv(v_repeated, walked)
+    if checks.rank(k_repeated) == 5:  # GQA's repeat, its Reshape merged into dynamo's batched transpose
+        k_repeat = _expanded(k_repeated)
+        k = k_repeat.x
+        walked.extend(k_repeat.nodes)
+    else:
+        k, k_repeat = _repeat_kv(k_repeated, walked) if perm == IDENTITY else (k_repeated, None)
+    v, v_repeat = _repeat_kv(v_repeated, walked)
     if checks.rank(k) != 4 or checks.rank(v) != 4:
         raise _Decline("k and v are not both rank 4")
-    return _KeysValues(k, perm, kt_scale * k_scale, k_repeated, rep_k, v, v_repeated, rep_v)
+    return _KeysValues(k, perm, kt_scale * k_scale, k_repeat, v, v_repeat)
 
 
 def _guarded(m: Match) -> bool:
@@ -266,7 +276,8 @@ def _reaches_matmul(t: Tensor) -> bool:
 def _peel_scale(t: Tensor, walked: list[Node], what: str) -> tuple[float, Tensor]:
     """Strip Mul/Div by constant scalars from ``t``: (the product of the factors, the tensor under them).
 
-    A Mul/Div by a constant of more than one element is refused: it is not a scale the fused op applies.
+    On the scores, a Mul/Div by a constant of more than one element is refused (it is not a scale the
+    fused op applies); on q or k it ends the walk.
     """
     scale = 1.0
     while True:
@@ -278,7 +289,9 @@ def _peel_scale(t: Tensor, walked: list[Node], what: str) -> tuple[float, Tensor
         if const_at is None:
             return scale, t
         if not _scalar_const(n.inputs[const_at]):
-            raise _Decline(f"{what} is multiplied or divided by a constant that is not a float scalar "
+            if what != SCORES:  # part of how q or k is computed (a constant rotary table, say)
+                return scale, t
+            raise _Decline(f"{what} are multiplied or divided by a constant that is not a float scalar "
                            f"(shape {ir.const_tensor(n.inputs[const_at]).shape}): not a scale of q @ k^T")
         c = float(_small_const(n.inputs[const_at]).reshape(-1)[0])
         if not math.isfinite(c) or c == 0.0:
@@ -324,27 +337,41 @@ IDENTITY = (0, 1, 2, 3)
 
 def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
     """dynamo's ``Reshape(Transpose(Reshape(k, [-1, S, D]), [0, 2, 1]), [B, N, D, S])`` -> ``k`` (BNSD), when the
-    Reshape targets are provably ``k``'s own dims; else None."""
+    Reshape targets are provably ``k``'s own dims; else None. ``k`` may be GQA's rank-5 repeat (its
+    Reshape to BNSD merged into the flattening one): it is returned as it is."""
     t = producer(outer.inputs[0])
     if t is None or t.op != "Transpose" or [int(p) for p in t.attrs.get("perm", ())] != [0, 2, 1]:
         return None
     inner = producer(t.inputs[0])
-    if inner is None or inner.op != "Reshape" or len(inner.inputs) != 2:
+    if inner is None or inner.op != "Reshape" or len(inner.inputs) != 2 \
+            or inner.attrs.get("allowzero", 0) or outer.attrs.get("allowzero", 0):
         return None
     k = inner.inputs[0]
-    if checks.rank(k) != 4:
+    flat, back = _shape_refs(inner.inputs[1]), _shape_refs(outer.inputs[1])
+    if flat is None or back is None or len(flat) != 3 or len(back) != 4:
         return None
-    flat = _shape_refs(inner.inputs[1])
-    back = _shape_refs(outer.inputs[1])
-    if flat is None or back is None or len(flat) != 3 or len(back) != 4 or flat[0] != -1:
-        return None
-    if not (_is_dim(flat[1], k, 2) and _is_dim(flat[2], k, 3) and _is_dim(back[0], k, 0)
-            and _is_dim(back[1], k, 1) and _is_dim(back[2], k, 3) and _is_dim(back[3], k, 2)):
-        return None
-    if inner.attrs.get("allowzero", 0) or outer.attrs.get("allowzero", 0):
+    if checks.rank(k) == 4:
+        is_dim = lambda ref, j: _is_dim(ref, k, j)  # noqa: E731
+        dims = (0, 2, 3)  # batch, sequence, head dim
+        merged = flat[0] == -1 or _merged(flat[0], k)
+    else:
+        ex = _expanded(k) if checks.rank(k) == 5 else None
+        if ex is None:
+            return None
+        is_dim, dims, merged = ex.is_dim, (0, 3, 4), flat[0] == -1
+    b, s, d = dims
+    # Row-major: (B, N, S, D) -> (B*N, S, D) -> (B*N, D, S) -> (B, N, D, S) is k^T when S, D and B are k's.
+    if not (merged and is_dim(flat[1], s) and is_dim(flat[2], d) and is_dim(back[0], b) and is_dim(back[2], d)
+            and is_dim(back[3], s)):
         return None
     walked.extend([outer, t, inner])
     return k
+
+
+def _merged(ref: object, k: Tensor) -> bool:
+    """``ref`` is the static product of ``k``'s dims 0 and 1 (the batch and heads merged)."""
+    b, n = fold_shapes.dim_at(k, 0), fold_shapes.dim_at(k, 1)
+    return isinstance(ref, int) and isinstance(b, int) and isinstance(n, int) and ref == b * n
 
 
 def _shape_refs(t: Tensor) -> Optional[list]:
@@ -425,35 +452,69 @@ def _size(ref: object) -> object:
     return ref
 
 
-def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[Tensor, Optional[int]]:
-    """``Reshape(Expand(Unsqueeze(x, 2), [B, H, rep, S, D]), [B, H*rep, S, D])`` -> (x, rep); else (t, None).
+@dataclasses.dataclass
+class _Repeat:
+    """GQA's ``Expand(Unsqueeze(x, 2), [B, H, rep, S, D])`` (rank 5), ``rep`` a constant.
 
-    The Reshape must keep dims 0, 2 and 3 (so, row-major, it merges exactly the heads and the repeat
-    axes); ``rep`` must be a constant. The Expand's other target elements need no proof: where one
-    broadcasts a dim of x (1 in x), the repeated copies are equal, so the head a query reads is the
-    same; for the batch, sequence and head dims a fused op checks q/k/v/mask shapes at run time.
+    The target's other elements need no proof: where one broadcasts a dim of x (1 in x), the repeated
+    copies are equal, so the head a query reads is the same; for the batch, sequence and head dims a
+    fused op checks q/k/v/mask shapes at run time.
     """
-    r = producer(t)
-    e = producer(r.inputs[0]) if r is not None and r.op == "Reshape" else None
-    u = producer(e.inputs[0]) if e is not None and e.op == "Expand" else None
+
+    x: Tensor
+    target: list
+    nodes: list[Node]
+
+    @property
+    def rep(self) -> int:
+        return self.target[2]
+
+    def is_dim(self, ref: object, j: int) -> bool:
+        """``ref`` is provably dim ``j`` of the expanded tensor: the target's element where that is not 1,
+        else x's dim."""
+        if self.target[j] != 1:
+            return _same(ref, self.target[j])
+        return _is_dim(ref, self.x, (0, 1, None, 2, 3)[j])
+
+    def heads(self) -> Optional[int]:
+        """The heads after the repeat (H * rep), when static."""
+        h = self.target[1] if self.target[1] != 1 else fold_shapes.dim_at(self.x, 1)
+        h = _size(h)
+        return h * self.rep if isinstance(h, int) and h > 0 else None
+
+
+def _expanded(t: Tensor) -> Optional[_Repeat]:
+    """The :class:`_Repeat` computing ``t``, else None."""
+    e = producer(t)
+    u = producer(e.inputs[0]) if e is not None and e.op == "Expand" and len(e.inputs) == 2 else None
     if u is None or u.op != "Unsqueeze":
-        return t, None
+        return None
     axes = u.attrs.get("axes") if "axes" in u.attrs else (_ints(u.inputs[1]) if len(u.inputs) > 1 else None)
     x = u.inputs[0]
     if axes is None or [int(a) for a in axes] not in ([2], [-3]) or checks.rank(x) != 4:
-        return t, None
+        return None
     target = _shape_refs(e.inputs[1])
     if target is None or len(target) != 5 or not isinstance(target[2], int) or target[2] <= 0:
         raise _Decline("GQA's Expand of the keys/values has no readable target with a constant repeat count")
+    return _Repeat(x, target, [e, u])
+
+
+def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[Tensor, Optional[_Repeat]]:
+    """``Reshape(Expand(Unsqueeze(x, 2), [B, H, rep, S, D]), [B, H*rep, S, D])`` -> (x, its repeat); else (t, None).
+
+    The Reshape must keep dims 0, 2 and 3 (so, row-major, it merges exactly the heads and the repeat axes).
+    """
+    r = producer(t)
+    ex = _expanded(r.inputs[0]) if r is not None and r.op == "Reshape" and len(r.inputs) == 2 else None
+    if ex is None:
+        return t, None
     out = _shape_refs(r.inputs[1])
     copy = not r.attrs.get("allowzero", 0)
-    # The Expand's dim j is its target's element where that is not 1, else x's dim.
-    kept = [(out[0], 0, 0), (out[2], 3, 2), (out[3], 4, 3)] if out is not None and len(out) == 4 else None
-    if kept is None or not all((copy and o == 0 and j == 0) or (_same(o, target[j]) if target[j] != 1
-                                                                 else _is_dim(o, x, axis)) for o, j, axis in kept):
+    if out is None or len(out) != 4 or not ((copy and out[0] == 0) or ex.is_dim(out[0], 0)) \
+            or not ex.is_dim(out[2], 3) or not ex.is_dim(out[3], 4):
         raise _Decline("GQA's Reshape of the repeated keys/values does not provably merge just the heads axes")
-    walked.extend([r, e, u])
-    return x, target[2]
+    walked.extend([r, *ex.nodes])
+    return ex.x, ex
 
 
 class _PermutedDims:
@@ -481,16 +542,15 @@ def _heads(t: Tensor, scores: Tensor) -> Optional[int]:
     return None
 
 
-def _kv_heads(x: Tensor, rep: Optional[int], repeated: Tensor, q_heads: Optional[int], what: str) -> Optional[int]:
+def _kv_heads(x: Tensor, repeat: Optional[_Repeat], q_heads: Optional[int], what: str) -> Optional[int]:
     """The head count of k or v (None when not static), checked against q's."""
     d = fold_shapes.dim_at(x, 1)
     d = d if isinstance(d, int) and d > 0 else None
-    if rep is not None and rep > 1:
-        total = fold_shapes.dim_at(repeated, 1)
-        if q_heads is None or total != q_heads:
+    if repeat is not None and repeat.rep > 1:
+        if q_heads is None or repeat.heads() != q_heads:
             raise _Decline(f"GQA: q's head count is not provably the repeated {what}'s")
-        if d is not None and d * rep != q_heads:
-            raise _Decline(f"{what}'s {d} heads repeated {rep} times are not q's {q_heads}")
+        if d is not None and d * repeat.rep != q_heads:
+            raise _Decline(f"{what}'s {d} heads repeated {repeat.rep} times are not q's {q_heads}")
     if d is not None and q_heads is not None and q_heads % d:
         raise _Decline(f"q's {q_heads} heads are not a multiple of {what}'s {d}")
     return d
@@ -583,15 +643,14 @@ def _size_of(t: Tensor) -> int:
 
 
 def _causal(keep: np.ndarray, q: Tensor, k_dims: "_PermutedDims") -> bool:
-    """``keep`` is exactly the bottom-right aligned causal triangle of the (static) q and k lengths, with
-    at least as many keys as queries (so every query row keeps a key)."""
+    """``keep`` is exactly the bottom-right aligned causal triangle of the (static) q and k lengths, in every
+    leading slice, with at least as many keys as queries (so every query row keeps a key)."""
     sq, skv = fold_shapes.dim_at(q, 2), k_dims[2]
     if keep.ndim < 2 or not isinstance(sq, int) or not isinstance(skv, int) or skv < sq \
-            or keep.shape[-2:] != (sq, skv) \
-            or any(d != 1 for d in keep.shape[:-2]):
+            or keep.shape[-2:] != (sq, skv):
         return False
     tri = np.arange(skv)[None, :] <= np.arange(sq)[:, None] + (skv - sq)
-    return bool(np.array_equal(keep.reshape(sq, skv), tri))
+    return bool((keep.reshape(-1, sq, skv) == tri).all())
 
 
 def _decode_parts(k: Optional[Tensor], v: Tensor) -> tuple:
