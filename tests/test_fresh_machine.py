@@ -3,11 +3,13 @@ features import, a missing optional module is named with what to install, and no
 that only a developer's home has."""
 from __future__ import annotations
 
+import ast
 import configparser
 import os
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import onnx
@@ -64,6 +66,80 @@ def test_export_extra_declares_what_the_dynamo_exporter_imports() -> None:
     export = [r.strip() for r in cfg["options.extras_require"]["export"].splitlines() if r.strip()]
     assert "torch==2.13.0" in export
     assert any(re.fullmatch(r"onnxscript>=[\d.]+", r) for r in export), export
+
+
+def _extras() -> dict[str, list[str]]:
+    """``install_requires`` (as ``""``) and every extra of setup.cfg: distribution names, normalized."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    lists = {"": cfg["options"]["install_requires"], **cfg["options.extras_require"]}
+    return {k: [_norm(re.match(r"[\w.-]+", r.strip()).group()) for r in v.splitlines()
+                if r.strip() and not r.strip().startswith("#")] for k, v in lists.items()}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _closure(names: list[str]) -> set[str]:
+    """``names`` and, as far as they are installed, what they require (an installed one brings those)."""
+    seen, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [_norm(re.match(r"[\w.-]+", r).group()) for r in reqs if "extra ==" not in r]
+    return seen
+
+
+def _required_imports(files: list[Path]) -> dict[str, str]:
+    """Top-level names of third-party modules the files import, each with one file importing it. An import
+    inside ``try: ... except ImportError`` is optional and left out."""
+    found: dict[str, str] = {}
+    local = {"k3opt", "bench", "tests"}
+    for path in files:
+        tree = ast.parse(path.read_text())
+        optional = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try)
+                    and any("ImportError" in ast.unparse(h.type or ast.Name("")) for h in t.handlers)
+                    for stmt in t.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in optional:
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names} - local - set(sys.stdlib_module_names):
+                found.setdefault(top, str(path.relative_to(ROOT)))
+    return found
+
+
+# What each part of the repository may import: install_requires ("") plus the extras its users install.
+PARTS = {
+    "k3opt (but k3opt.export)": ([p for p in (ROOT / "k3opt").rglob("*.py") if "export" not in p.parts], [""]),
+    "k3opt.export": (sorted((ROOT / "k3opt" / "export").glob("*.py")), ["", "export"]),
+    "bench (and the tests/zoo.py it runs)": (sorted((ROOT / "bench").glob("*.py")) + [ROOT / "tests" / "zoo.py"],
+                                             ["", "bench", "export"]),
+    "tests": (sorted((ROOT / "tests").glob("*.py")), ["", "test", "export"]),
+    "examples": (sorted((ROOT / "examples").glob("*.py")), ["", "export"]),
+}
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_every_import_is_declared_by_the_extras_its_users_install(part: str) -> None:
+    files, extras = PARTS[part]
+    declared = _closure([name for extra in extras for name in _extras()[extra]])
+    dists = metadata.packages_distributions()
+    undeclared = {module: where for module, where in _required_imports(files).items()
+                  if not {_norm(d) for d in dists.get(module, [module])} & declared}
+    assert not undeclared, f"{part} imports modules that {extras} do not declare: {undeclared}"
 
 
 @needs_torch
