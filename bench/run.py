@@ -268,6 +268,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
            "versions": versions(), "optimizers": optimizers, "models": []}
     compile_k3opt()
     limits = {"timeout_s": args.timeout, "max_rss_mb": args.max_rss_gb * 1024}
+    CACHE.mkdir(parents=True, exist_ok=True)  # a fresh machine has no ~/.cache/k3opt-bench yet
     with tempfile.TemporaryDirectory(prefix="k3bench-work-", dir=CACHE) as work:
         for spec in specs:
             print(f"{spec.name}", flush=True)

@@ -10,6 +10,7 @@ streams it into the output's data file chunk by chunk.
 from __future__ import annotations
 
 import atexit
+import math
 import mmap
 import os
 import tempfile
@@ -25,7 +26,7 @@ from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from . import gs_roundtrip
+from . import data_location, gs_roundtrip
 from .direct_io import DirectWriter, direct_writer_or_file
 from .errors import InputError, OutputError
 from .gs_export import varint
@@ -98,13 +99,9 @@ def tensor_nbytes(t: TensorProto) -> int:
         return int(info["length"])
     if t.HasField("raw_data"):
         return len(t.raw_data)
-    count = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
     if t.data_type == TensorProto.STRING:
         return sum(len(s) for s in t.string_data)
-    bits = {TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.FLOAT4E2M1: 4}.get(t.data_type)
-    if bits:
-        return (count + 1) // 2
-    return count * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return data_location.claimed_bytes(t) or 0
 
 
 def _external_span(t: TensorProto) -> tuple[str, int, int]:
@@ -309,8 +306,11 @@ def read_model(path: PathLike) -> Loaded:
     try:
         model = _parse(p)
     except (DecodeError, ValueError, RuntimeError, OSError, UnicodeDecodeError) as exc:
+        if "MaxDepth" in str(exc):  # upb's nesting limit: ~30 levels of subgraphs
+            raise InputError(f"{p}: not a readable ONNX model: it nests deeper than protobuf can parse (k3opt "
+                             f"reads subgraphs at most {MAX_GRAPH_DEPTH} levels deep)") from None
         raise InputError(f"{p}: not a readable ONNX model (truncated or corrupt: {exc})") from None
-    return Loaded(model, validate(model, p.parent, source=str(p)))
+    return Loaded(model, validate(model, p.parent, source=str(p), absolute_ok=False))
 
 
 def _parse(p: Path) -> onnx.ModelProto:
@@ -338,12 +338,16 @@ def _parse(p: Path) -> onnx.ModelProto:
     return model
 
 
-def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model") -> list[TensorProto]:
+def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model",
+             absolute_ok: bool = True) -> list[TensorProto]:
     """Check the model's structure and make its external-data locations absolute.
 
-    Relative locations are resolved against ``base_dir`` and must stay
-    inside it; absolute ones are accepted only for k3opt spill files.
-    Returns the tensors that use external data, in :func:`all_tensors` order.
+    Relative locations are resolved against ``base_dir`` and must name regular
+    files inside it (:mod:`k3opt.data_location`); absolute ones are accepted
+    only for k3opt spill files, and only when ``absolute_ok`` (a proto built
+    in this process; a model read from a file never has them). Subgraphs may
+    nest at most :data:`MAX_GRAPH_DEPTH` deep. Returns the tensors that use
+    external data, in :func:`all_tensors` order.
     """
     if not model.HasField("graph") or not model.opset_import or not model.graph.output:
         raise InputError(f"{source}: not an ONNX model (no graph, outputs or opset import)")
@@ -351,34 +355,12 @@ def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model") 
     _check_graph(model.graph, source, frozenset(), external)
     base = Path(os.path.abspath(base_dir))
     for t in external:
-        _resolve_location(t, base, source)
+        spill = absolute_ok and _is_spill_file(external_info(t).get("location", ""))
+        path = data_location.resolve(t, base, source, absolute_ok=spill)
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = str(path)
     return external
-
-
-def _resolve_location(t: TensorProto, base: Path, source: str) -> None:
-    info = external_info(t)
-    location = info.get("location", "")
-    if not location:
-        raise InputError(f"{source}: tensor '{t.name}' has external data without a location")
-    if os.path.isabs(location):
-        if not _is_spill_file(location):
-            raise InputError(f"{source}: tensor '{t.name}' has an absolute external-data path {location}")
-        path = Path(location)
-    else:
-        path = Path(os.path.normpath(base / location))
-        if base not in path.parents:
-            raise InputError(f"{source}: external data of tensor '{t.name}' points outside the model folder")
-    if not path.is_file():
-        raise InputError(f"{source}: missing external-data file {path} (tensor '{t.name}')")
-    try:
-        end = int(info.get("offset", 0)) + tensor_nbytes(t)
-    except ValueError:
-        raise InputError(f"{source}: tensor '{t.name}' has a malformed external-data offset/length") from None
-    if end > path.stat().st_size:
-        raise InputError(f"{source}: external-data file {path} is too short for tensor '{t.name}'")
-    for entry in t.external_data:
-        if entry.key == "location":
-            entry.value = str(path)
 
 
 def check_graph(graph: onnx.GraphProto, source: str = "model", outer: frozenset = frozenset()) -> None:
@@ -388,25 +370,44 @@ def check_graph(graph: onnx.GraphProto, source: str = "model", outer: frozenset 
 
 _EXTERNAL = TensorProto.EXTERNAL
 _NodeIO = list[tuple[list[str], list[str], onnx.NodeProto]]
+#: How deep subgraphs (If/Loop/Scan bodies) may nest; real models stay within a handful of levels, and
+#: protobuf itself cannot parse a model file nested much past 30.
+MAX_GRAPH_DEPTH = 16
+_TYPES = frozenset(v for v in TensorProto.DataType.values() if v != TensorProto.UNDEFINED)
 
 
-def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], external: list[TensorProto]) -> None:
-    """:func:`check_graph`, appending the tensors that use external data to ``external``.
+def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], external: list[TensorProto],
+                 depth: int = 0) -> None:
+    """:func:`check_graph`, appending the tensors that use external data to ``external``; ``depth``: how
+    many bodies ``graph`` is nested in.
 
     One walk in node order suffices for what exporters write (each node after
     the producers of its inputs, each name defined once); anything else takes
     the general check, which finds the same first error as before.
     """
+    if depth > MAX_GRAPH_DEPTH:
+        raise InputError(f"{source}: subgraphs nested more than {MAX_GRAPH_DEPTH} deep (graph '{graph.name}'); "
+                         f"k3opt reads at most {MAX_GRAPH_DEPTH} levels")
     known = set(outer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    known |= {t.name for t in graph.sparse_initializer}
+    if graph.sparse_initializer:
+        _check_sparse(graph, source)
+        known |= {t.values.name for t in graph.sparse_initializer}
     external.extend(t for t in graph.initializer if t.data_location == _EXTERNAL)
     ordered = _walk_in_order(graph, known)
     if ordered is None:
-        return _check_any_order(graph, source, known, external)
+        return _check_any_order(graph, source, known, external, depth)
     visible, holders = ordered
     for attr in holders:
-        _check_attribute(attr, source, visible, external)
+        _check_attribute(attr, source, visible, external, depth)
     _check_outputs(graph, source, visible)
+
+
+def _check_sparse(graph: onnx.GraphProto, source: str) -> None:
+    """Refuse external data in sparse initializers: k3opt (like onnx's loader) does not read it."""
+    for sparse in graph.sparse_initializer:
+        if _EXTERNAL in (sparse.values.data_location, sparse.indices.data_location):
+            raise InputError(f"{source}: sparse initializer '{sparse.values.name}' keeps its data in an external "
+                             f"file, which k3opt does not read")
 
 
 def _walk_in_order(graph: onnx.GraphProto, known: set) -> Optional[tuple[set, list[onnx.AttributeProto]]]:
@@ -429,7 +430,8 @@ def _walk_in_order(graph: onnx.GraphProto, known: set) -> Optional[tuple[set, li
     return available, holders
 
 
-def _check_any_order(graph: onnx.GraphProto, source: str, known: set, external: list[TensorProto]) -> None:
+def _check_any_order(graph: onnx.GraphProto, source: str, known: set, external: list[TensorProto],
+                     depth: int) -> None:
     # (inputs, outputs, node) read once: proto field access is the cost on a big graph
     nodes = [(n.input[:], n.output[:], n) for n in graph.node]
     produced: dict[str, onnx.NodeProto] = {}
@@ -447,22 +449,51 @@ def _check_any_order(graph: onnx.GraphProto, source: str, known: set, external: 
                 )
         for attr in node.attribute:
             if attr.type in _MAY_HOLD_TENSORS:
-                _check_attribute(attr, source, visible, external)
+                _check_attribute(attr, source, visible, external, depth)
     _check_outputs(graph, source, visible)
     _check_acyclic(nodes, known, source)
 
 
 def _check_attribute(attr: onnx.AttributeProto, source: str, visible: AbstractSet[str],
-                     external: list[TensorProto]) -> None:
-    """Collect the attribute's external tensors and check the bodies it holds (seeing ``visible``)."""
-    if attr.HasField("t") and attr.t.data_location == _EXTERNAL:
-        external.append(attr.t)
-    if attr.tensors:  # rarely set: no generator, no list for the usual Constant value
-        external.extend(t for t in attr.tensors if t.data_location == _EXTERNAL)
+                     external: list[TensorProto], depth: int) -> None:
+    """Check the attribute's tensors (collecting the external ones) and the bodies it holds (seeing
+    ``visible``, one level deeper than ``depth``)."""
+    if attr.HasField("t"):
+        _check_attribute_tensor(attr.t, source, external)
+    for t in attr.tensors:
+        _check_attribute_tensor(t, source, external)
     if attr.HasField("g"):
-        _check_graph(attr.g, source, visible, external)
+        _check_graph(attr.g, source, visible, external, depth + 1)
     for sub in attr.graphs:
-        _check_graph(sub, source, visible, external)
+        _check_graph(sub, source, visible, external, depth + 1)
+
+
+def _check_attribute_tensor(t: TensorProto, source: str, external: list[TensorProto]) -> None:
+    """Collect ``t`` when it uses external data, else refuse raw bytes other than its dims and type take.
+
+    An attribute's tensor (a Constant's value) is read whole by the passes and by onnxruntime: one whose
+    dims claim more than its bytes (say 2**62 elements in 4 bytes) is refused here, before anything sizes
+    work by it. Initializers are checked when a pass decodes them (k3opt.ir.bad_data): reading every
+    weight's bytes at load would cost a pass over all of them.
+    """
+    if t.data_location == _EXTERNAL:
+        external.append(t)
+        return
+    if t.data_type not in _TYPES:
+        raise InputError(f"{source}: tensor '{t.name}' has no known data type ({t.data_type})")
+    claimed = data_location.claimed_bytes(t)
+    if claimed is None:
+        raise InputError(f"{source}: tensor '{t.name}' has a negative dimension {list(t.dims)}")
+    if t.HasField("raw_data"):
+        held, want = len(t.raw_data), claimed
+    elif t.data_type in data_location.PACKED_BITS:
+        return  # packed into int32_data by rules of their own: decoding checks them
+    else:
+        per = 2 if t.data_type in (TensorProto.COMPLEX64, TensorProto.COMPLEX128) else 1
+        held, want = len(getattr(t, onnx.helper.tensor_dtype_to_field(t.data_type))), per * math.prod(t.dims)
+    if held != want:
+        raise InputError(f"{source}: tensor '{t.name}': its data does not fit its type and shape "
+                         f"({held} {'bytes' if t.HasField('raw_data') else 'values'} for {list(t.dims)})")
 
 
 def _check_outputs(graph: onnx.GraphProto, source: str, visible: AbstractSet[str]) -> None:

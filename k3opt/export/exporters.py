@@ -25,6 +25,9 @@ EXPORTERS = ("torchscript", "dynamo")
 DEFAULT_OPSET = {"torchscript": 14, "dynamo": 18}
 LARGE_BYTES = 1 << 30
 INSTALL_HINT = "torch and transformers are needed for export: pip install 'k3opt[export]'"
+#: torch's dynamo exporter imports onnxscript, which torch itself does not declare (see setup.cfg).
+DYNAMO_HINT = ("the dynamo exporter needs onnxscript, which is not installed: pip install 'k3opt[export]' "
+               "(or pip install onnxscript), or use the torchscript exporter")
 
 
 class ExportError(K3optError):
@@ -41,6 +44,15 @@ def require_torch(*also: str) -> Any:
     except ImportError as exc:
         raise K3optError(INSTALL_HINT) from exc
     return torch
+
+
+def require_exporter(exporter: str) -> None:
+    """Raise a K3optError naming what to install when ``exporter`` needs a module that is missing."""
+    if exporter == "dynamo":
+        try:
+            importlib.import_module("onnxscript")
+        except ImportError as exc:
+            raise K3optError(DYNAMO_HINT) from exc
 
 
 def export_onnx(
@@ -68,6 +80,7 @@ def export_onnx(
     torch = require_torch()
     if exporter not in EXPORTERS:
         raise K3optError(f"unknown exporter {exporter!r}; choose one of {', '.join(EXPORTERS)}")
+    require_exporter(exporter)
     opset = opset or DEFAULT_OPSET[exporter]
     path = Path(path)
     args = tuple(example_inputs)
@@ -140,8 +153,11 @@ def explain_failure(exporter: str, opset: int, exc: BaseException) -> str:
     reasons = list(dict.fromkeys(_first_line(e) for e in (chain[0], chain[-1])))
     where = f" on op {op}" if op else ""
     other = "dynamo" if exporter == "torchscript" else "torchscript"
+    missing = next((e.name for e in chain if isinstance(e, ModuleNotFoundError) and e.name), None)
+    advice = (f"module {missing.split('.')[0]} is not installed: pip install 'k3opt[export]', or the package "
+              f"that provides it" if missing else f"try exporter={other!r} or another opset")
     return (f"the {exporter} exporter (opset {opset}) failed{where}: {'; caused by: '.join(reasons)[:400]} "
-            f"[{type(exc).__name__}; try exporter={other!r} or another opset]")
+            f"[{type(exc).__name__}; {advice}]")
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
