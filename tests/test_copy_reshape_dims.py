@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper
 
@@ -54,3 +55,39 @@ def test_refused(kwargs):
     if kwargs.get("other_input"):
         feeds["x2"] = RNG.standard_normal((2, 4, 4, 4)).astype(np.float32)
     assert_equivalent(m, out, feeds=feeds)
+
+
+def paddle_head(second=200, two_unknown=False):
+    """PaddleOCR's classifier head: Reshape(pool, Concat(Cast(Slice(Cast(Shape(pool)))), [200])), then the
+    opset-13 Softmax conversion's Flatten/Softmax/Reshape-to-Shape."""
+    i32 = TensorProto.INT32
+    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["pool"]),
+             helper.make_node("Shape", ["pool"], ["sh"]), helper.make_node("Cast", ["sh"], ["sh32"], to=i32),
+             helper.make_node("Slice", ["sh32", "z", "o", "z", "o"], ["b32"]),
+             helper.make_node("Cast", ["b32"], ["b"], to=TensorProto.INT64),
+             helper.make_node("Concat", ["b", "b" if two_unknown else "rest"], ["target"], axis=-1),
+             helper.make_node("Reshape", ["pool", "target"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "W", "bias"], ["logits"]),
+             helper.make_node("Shape", ["logits"], ["lsh"]),
+             helper.make_node("Flatten", ["logits"], ["lf"], axis=1),
+             helper.make_node("Softmax", ["lf"], ["sm"], axis=-1),
+             helper.make_node("Reshape", ["sm", "lsh"], ["y"])]
+    inits = {"z": np.array([0], np.int32), "o": np.array([1], np.int32), "rest": np.array([second], np.int64),
+             "W": RNG.standard_normal((200, 2)).astype(np.float32), "bias": RNG.standard_normal(2).astype(np.float32)}
+    return make_model(nodes, [("x", F, ["N", 200, "h", "w"])], [("y", F, ["N", 2])], inits, opset=17)
+
+
+def test_lone_unknown_becomes_minus_one_and_softmax_wrapping_goes():
+    m = paddle_head()
+    out = k3opt.optimize(m, verify=False)
+    assert op_counts(out) == {"GlobalAveragePool": 1, "Reshape": 1, "Gemm": 1, "Softmax": 1}
+    reshape = next(n for n in out.graph.node if n.op_type == "Reshape")
+    target = next(i for i in out.graph.initializer if i.name == reshape.input[1])
+    assert list(onnx.numpy_helper.to_array(target)) == [-1, 200]
+    assert_equivalent(m, out, feeds={"x": RNG.standard_normal((3, 200, 2, 2)).astype(np.float32)})
+
+
+def test_two_unknowns_stay():
+    m = paddle_head(two_unknown=True)
+    out = k3opt.optimize(m, verify=False, passes=["copy-reshape-dims"])
+    assert op_counts(out)["Concat"] == 1
