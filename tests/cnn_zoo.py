@@ -22,14 +22,12 @@ The cache is ``tests/zoo.py``'s (same folder, lock and versions), keyed by a has
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .zoo import EXPORTERS, _locked, _require, cache_dir, cache_key
+from .zoo import EXPORTERS, _require, build_cached, cache_dir, cache_key
 
 BASE_NAMES = ("mobilenet", "crnn", "yolo", "gru", "audio")
 IF_NAMES = ("gru-if", "audio-if")
@@ -179,32 +177,18 @@ def cnn_model(name: str, exporter: str = "torchscript") -> Path:
     _require()
     if name not in NAMES or exporter not in EXPORTERS:
         raise KeyError(f"no corpus model {name!r}/{exporter!r}; names {NAMES}, exporters {EXPORTERS}")
-    target = cache_dir() / f"cnn-{name}-{exporter}-{_hash()}.onnx"
-    if target.exists():
-        return target
-    with _locked(target.with_suffix(".lock")):
-        if not target.exists():
-            _build(name, exporter, target)
-    return target
+    return build_cached(cache_dir() / f"cnn-{name}-{exporter}-{_hash()}.onnx", lambda tmp: _build(name, exporter, tmp))
 
 
-def _build(name: str, exporter: str, target: Path) -> None:
-    """Export (or wrap the cached base export in an If) into a temp file, then rename it into place."""
+def _build(name: str, exporter: str, path: str) -> None:
+    """Export to ``path``, or wrap the cached base export in an If."""
     import onnx
 
-    fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=target.parent)
-    os.close(fd)
-    try:
-        if name in IF_NAMES:
-            model = onnx.load(str(cnn_model(base_name(name), exporter)))
-            onnx.save(wrap_in_if(model, constant=name == "gru-if"), tmp)
-        else:
-            _export(name, exporter, tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    if name in IF_NAMES:
+        model = onnx.load(str(cnn_model(base_name(name), exporter)))
+        onnx.save(wrap_in_if(model, constant=name == "gru-if"), path)
+    else:
+        _export(name, exporter, path)
 
 
 def _export(name: str, exporter: str, path: str) -> None:

@@ -37,7 +37,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -191,26 +191,31 @@ def zoo_model(name: str, exporter: str = "torchscript") -> Path:
     _require()
     if name not in NAMES or exporter not in EXPORTERS:
         raise KeyError(f"no zoo model {name!r}/{exporter!r}; names {NAMES}, exporters {EXPORTERS}")
-    target = cache_dir() / f"{name}-{exporter}-{cache_key()}.onnx"
+    return build_cached(cache_dir() / f"{name}-{exporter}-{cache_key()}.onnx", lambda tmp: _export(name, exporter, tmp))
+
+
+def build_cached(target: Path, write: Callable[[str], None]) -> Path:
+    """``target``, first built by ``write(tmp)`` into a temp file next to it and renamed into place, under a
+    per-file lock (parallel pytest workers never build one model twice nor read a half-written file)."""
     if target.exists():
         return target
     with _locked(target.with_suffix(".lock")):
         if not target.exists():
-            _export(name, exporter, target)
+            fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=target.parent)
+            os.close(fd)
+            try:
+                write(tmp)
+                os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
     return target
 
 
-def _export(name: str, exporter: str, target: Path) -> None:
-    """Export (k3opt.export, optimize=False) into a temp file next to ``target``, then rename it into place."""
+def _export(name: str, exporter: str, path: str) -> None:
+    """Export (k3opt.export, optimize=False) to ``path``."""
     from k3opt.export import from_transformers
 
-    fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=target.parent)
-    os.close(fd)
-    try:
-        from_transformers(zoo_torch_model(name).model, tmp, exporter=exporter, batch=BATCH, seq_len=TEXT_SEQ,
-                          optimize=False)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    from_transformers(zoo_torch_model(name).model, path, exporter=exporter, batch=BATCH, seq_len=TEXT_SEQ,
+                      optimize=False)
