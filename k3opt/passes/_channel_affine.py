@@ -158,8 +158,9 @@ def channel_operand(graph: Graph, node: Node, ops: frozenset[str], pass_name: st
         p = channel_producer(graph, node.inputs[i])
         if p is None or p.op not in ops:
             continue
-        v = const_value(node.inputs[1 - i]) if const_tensor(node.inputs[1 - i]) is not None and \
-            int(np.prod(const_tensor(node.inputs[1 - i]).shape)) <= MAX_CHANNEL_ELEMENTS else None
+        c = const_tensor(node.inputs[1 - i])
+        small = c is not None and int(np.prod(c.shape)) <= MAX_CHANNEL_ELEMENTS  # a big one is no channel vector
+        v = const_value(node.inputs[1 - i]) if small else None
         vector = None if v is None else per_channel(v, p)
         if v is not None and vector is None:
             refuse(ctx, pass_name, node, "the constant does not broadcast over exactly the channel axis")
