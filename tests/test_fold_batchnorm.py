@@ -242,3 +242,13 @@ def test_refuses_fp16_overflow():
 def test_idle_is_zero():
     model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", F, [2])], [("y", F, [2])])
     assert folded(model, [FoldBatchNorm(), MergeConvBias()])[1] == 0
+
+
+def test_refuses_fp16_subnormal_weights():
+    node, inits = conv()
+    inits = {k: v.astype(np.float16) for k, v in inits.items()}
+    stats = bn_inits(6, np.float16)
+    stats["s"] = np.full(6, 1e-4, np.float16)  # W * 1e-4 / sqrt(var): many weights below fp16's 6.1e-5
+    model = model_with(node, [2, 4, 5, 5], [2, 6, 5, 5], {**inits, **stats}, dtype=H)
+    out, n, ctx = folded(model)
+    assert n == 0 and any("do not fit" in m for m in ctx.notes)

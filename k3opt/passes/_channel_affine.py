@@ -4,8 +4,8 @@ Shared by fold-batchnorm (BatchNormalization, per-channel Mul) and merge-conv-bi
 The producer ``op`` is a Conv, a ConvTranspose, a Gemm or a 2-D MatMul with constant weights; its
 output has exactly one reader (the node folded away) and is not a graph output, so changing its
 value in place is invisible elsewhere. The new weights are computed in float64 and cast to the
-weights' dtype; the fold is refused when that cast overflows or flushes a nonzero value to zero
-(float16), or when the weights are not float16/float32/float64.
+weights' dtype; the fold is refused when that cast overflows or puts a nonzero value below the
+dtype's smallest normal number, or when the weights are not float16/float32/float64.
 """
 from __future__ import annotations
 
@@ -81,10 +81,12 @@ def per_channel(value: np.ndarray, p: Node) -> Optional[np.ndarray]:
 
 
 def _cast(value: np.ndarray, dtype: np.dtype) -> Optional[np.ndarray]:
-    """``value`` (float64) in ``dtype``, or None when that overflows or flushes a nonzero value to zero."""
+    """``value`` (float64) in ``dtype``, or None when that overflows or a nonzero value lands below the
+    dtype's smallest normal number (flushed to zero, or subnormal: fewer significant bits than the
+    decomposed form keeps)."""
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         out = value.astype(dtype)
-    if not np.isfinite(out).all() or ((out == 0) & (value != 0)).any():
+    if not np.isfinite(out).all() or ((np.abs(out) < np.finfo(dtype).tiny) & (value != 0)).any():
         return None
     return out
 
@@ -121,7 +123,7 @@ def fold(graph: Graph, p: Node, scale: Optional[np.ndarray], shift: Optional[np.
     if new_b is not None:
         new_b = _cast(new_b, w.dtype)
     if new_w is None or (new_b is None and (shift is not None or bias is not None)):
-        return f"folded values do not fit {w.dtype} (overflow or a nonzero value flushed to zero)"
+        return f"folded values do not fit {w.dtype} (overflow, or a nonzero value below the smallest normal)"
     set_input(p, 1, as_constant(ctx.fresh_name(f"{p.name}_folded_weight"), new_w))
     if new_b is not None:
         b_const = as_constant(ctx.fresh_name(f"{p.name}_folded_bias"), new_b)

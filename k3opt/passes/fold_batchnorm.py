@@ -11,8 +11,8 @@ scalar scales the Conv/ConvTranspose weights the same way.
 Refused: scale, B, mean or var not constant, not of shape ``(C,)`` or ``var + eps <= 0``; a non-constant
 epsilon is impossible (attribute); ``training_mode=1`` or a used running-mean/var output; ``spatial=0``
 (opset < 9); the producer's output read elsewhere or a graph output; non-constant weights or bias;
-weights not float16/32/64; folded values that overflow the dtype or flush to zero; a Mul constant that
-broadcasts over any axis but the channel's or raises the rank.
+weights not float16/32/64; folded values that overflow the dtype or fall below its smallest normal;
+a Mul constant that broadcasts over any axis but the channel's or raises the rank.
 """
 from __future__ import annotations
 
