@@ -71,6 +71,7 @@ class MergeSlices(NodeRewritePass):
     name = "merge-slices"
     description = "Merge consecutive Slices with constant parameters into one."
     order = 257
+    preserves_shapes = True
     ops = frozenset({"Slice"})
 
     def rewrite(self, graph: Graph, second: Node, ctx: PassContext, dead: list[Node]) -> bool:
