@@ -144,3 +144,20 @@ def test_refuses_shared_pad_output_and_non_constant_pads():
                        [("x", F, X), ("pads", TensorProto.INT64, [8])], [("y", F, ["a", "b", "c", "d"])], wi)
     out, n, _ = run(model)
     assert n == 0
+
+
+def test_pad_of_the_enclosing_graph_stays_there():
+    """A body's Conv reading the main graph's Pad: folding would detach a node of the main graph from a body."""
+    w = RNG.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    body = helper.make_graph([helper.make_node("Conv", ["p", "W"], ["c"]), helper.make_node("Relu", ["c"], ["r"])],
+                             "then", [], [helper.make_tensor_value_info("r", F, None)])
+    other = helper.make_graph([helper.make_node("Conv", ["x", "W"], ["r2"], pads=[1, 1, 1, 1])], "else", [],
+                              [helper.make_tensor_value_info("r2", F, None)])
+    pad, pi = pad_node([0, 0, 1, 1, 0, 0, 1, 1])
+    nodes = [pad, helper.make_node("ReduceSum", ["x"], ["t"], keepdims=0), helper.make_node("Greater", ["t", "z"], ["cond"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=body, else_branch=other)]
+    model = make_model(nodes, [("x", F, X)], [("y", F, ["a", "b", "c", "d"])],
+                       {**pi, "W": w, "z": np.array(0.0, np.float32)})
+    out, n, _ = run(model)
+    assert n == 0 and op_counts(out)["Pad"] == 1
+    assert_equivalent(model, out, feeds={"x": np.abs(RNG.standard_normal(X)).astype(np.float32)})

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..ir import Graph, Node, Tensor, as_constant, const_tensor, const_value, is_graph_output, producer, rank, set_input
 from .base import PassContext
-from .cleanup_rewire import bypass, can_replace, is_used
+from .cleanup_rewire import bypass, can_replace, holds, is_used
 
 #: Weight dtypes the fold computes for (bfloat16 keeps 8 significant bits: a folded weight could lose
 #: more than the decomposed form's rounding of one product).
@@ -28,11 +28,12 @@ MAX_CHANNEL_ELEMENTS = 1 << 20
 
 
 def channel_producer(graph: Graph, t: Tensor) -> Optional[Node]:
-    """The Conv/ConvTranspose/Gemm/MatMul (default domain) computing ``t``, when ``t`` has no other reader."""
+    """The Conv/ConvTranspose/Gemm/MatMul (default domain) of ``graph`` computing ``t``, when ``t`` has no
+    other reader."""
     p = producer(t)
     if p is None or p.op not in PRODUCERS or (p.domain or "") not in ("", "ai.onnx"):
         return None
-    if len(t.outputs) != 1 or is_graph_output(graph, t) or p.outputs[0] is not t:
+    if len(t.outputs) != 1 or is_graph_output(graph, t) or p.outputs[0] is not t or not holds(graph, p):
         return None
     return p
 

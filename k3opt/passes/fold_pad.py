@@ -24,7 +24,7 @@ import numpy as np
 from ..ir import Graph, Node, const_tensor, const_value, producer, set_input
 from .base import PassContext, register_pass
 from ._channel_affine import refuse
-from .cleanup_rewire import NodeRewritePass, detach, int_list, is_used, single_use
+from .cleanup_rewire import NodeRewritePass, detach, holds, int_list, is_used, single_use
 
 READERS = frozenset({"Conv", "AveragePool", "MaxPool"})
 
@@ -80,7 +80,7 @@ class FoldPad(NodeRewritePass):
         pad = producer(node.inputs[0])
         if pad is None or pad.op != "Pad" or (pad.domain or "") not in ("", "ai.onnx"):
             return False
-        if not single_use(graph, node.inputs[0]):
+        if not single_use(graph, node.inputs[0]) or not holds(graph, pad):
             return False
         why = self._refusal(graph, node, pad)
         if why is not None:

@@ -10,7 +10,7 @@ from typing import Optional
 
 from ..ir import Graph, Node, producer, rank
 from .base import PassContext, register_pass
-from .cleanup_rewire import NodeRewritePass, detach, single_use
+from .cleanup_rewire import NodeRewritePass, detach, holds, single_use
 
 
 def concat_axis(node: Node) -> Optional[int]:
@@ -35,7 +35,7 @@ class MergeConcats(NodeRewritePass):
         for i, t in enumerate(node.inputs):
             p = producer(t)
             if p is not None and p.op == "Concat" and (p.domain or "") in ("", "ai.onnx") and \
-                    p is not node and single_use(graph, t) and concat_axis(p) == axis:
+                    p is not node and single_use(graph, t) and concat_axis(p) == axis and holds(graph, p):
                 inner.append(p)
         if not inner:
             return False
