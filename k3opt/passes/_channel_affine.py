@@ -9,7 +9,7 @@ dtype's smallest normal number, or when the weights are not float16/float32/floa
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -23,6 +23,8 @@ FOLD_DTYPES = (np.float16, np.float32, np.float64)
 #: Producers whose output channel the fold can scale; a MatMul's channel is its last axis.
 CONVOLUTIONS = frozenset({"Conv", "ConvTranspose"})
 PRODUCERS = CONVOLUTIONS | {"Gemm", "MatMul"}
+#: ``refuse(node, why) -> False``: records why a node was left (:class:`RefusalNotes`).
+Refuse = Callable[[Node, str], bool]
 #: Constants bigger than this are not read (a per-channel vector is small).
 MAX_CHANNEL_ELEMENTS = 1 << 20
 
@@ -153,8 +155,7 @@ def _scaled_weight(p: Node, w: np.ndarray, s: np.ndarray) -> np.ndarray:
     return w * s[None, :]
 
 
-def channel_operand(graph: Graph, node: Node, ops: frozenset[str], pass_name: str, ctx: PassContext
-                    ) -> Optional[tuple[Node, np.ndarray]]:
+def channel_operand(graph: Graph, node: Node, ops: frozenset[str], refuse: Refuse) -> Optional[tuple[Node, np.ndarray]]:
     """For a binary elementwise ``node`` reading one of ``ops``'s output and a constant: that producer and the
     constant as a per-channel float64 vector (None when there is none, or the constant does not fit, noted)."""
     for i in (0, 1):
@@ -166,13 +167,13 @@ def channel_operand(graph: Graph, node: Node, ops: frozenset[str], pass_name: st
         v = const_value(node.inputs[1 - i]) if small else None
         vector = None if v is None else per_channel(v, p)
         if v is not None and vector is None:
-            refuse(ctx, pass_name, node, "the constant does not broadcast over exactly the channel axis")
+            refuse(node, "the constant does not broadcast over exactly the channel axis")
         return None if vector is None else (p, vector)
     return None
 
 
 def fold_into(graph: Graph, node: Node, p: Node, scale: Optional[np.ndarray], shift: Optional[np.ndarray],
-              ctx: PassContext, dead: list[Node], pass_name: str) -> bool:
+              ctx: PassContext, dead: list[Node], refuse: Refuse) -> bool:
     """Fold the elementwise ``node`` (``p(x) * scale + shift``) into ``p`` and bypass it; False if refused."""
     out = p.outputs[0]
     used = [t for t in node.outputs if is_used(graph, t)]
@@ -180,11 +181,26 @@ def fold_into(graph: Graph, node: Node, p: Node, scale: Optional[np.ndarray], sh
         return False
     why = fold(graph, p, scale, shift, ctx)
     if why is not None:
-        return refuse(ctx, pass_name, node, why)
+        return refuse(node, why)
     return bypass(graph, node, out, dead)
 
 
-def refuse(ctx: PassContext, pass_name: str, node: Node, why: str) -> bool:
-    """Record why ``node`` was left (a report note) and decline."""
-    ctx.note(f"{pass_name}: left {node.op} {node.name}: {why}")
-    return False
+class RefusalNotes:
+    """Why a pass left nodes, as report notes for those still in the graph after the fixed point: a refusal
+    in an early round is often lifted by a later fold (a bias computed by a CastLike, say)."""
+
+    def __init__(self) -> None:
+        self.refusals: dict[int, tuple[Node, str]] = {}
+
+    def refuse(self, node: Node, why: str) -> bool:
+        """Remember why ``node`` was left (the latest reason wins) and decline."""
+        self.refusals[id(node)] = (node, why)
+        return False
+
+    def finish(self, graph: Graph, ctx: PassContext) -> None:
+        if not self.refusals:
+            return
+        alive = {id(n) for g in ctx.graphs(graph) for n in g.nodes}
+        for key, (node, why) in self.refusals.items():
+            if key in alive:
+                ctx.note(f"{getattr(self, 'name', '')}: left {node.op} {node.name}: {why}")

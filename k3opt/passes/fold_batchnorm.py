@@ -22,8 +22,8 @@ import numpy as np
 
 from ..ir import Graph, Node, const_value, is_graph_output
 from .base import PassContext, register_pass
-from ._channel_affine import (CONVOLUTIONS, MAX_CHANNEL_ELEMENTS, channel_operand, channel_producer, fold_into,
-                              out_channels, out_rank, refuse)
+from ._channel_affine import (CONVOLUTIONS, MAX_CHANNEL_ELEMENTS, RefusalNotes, channel_operand, channel_producer,
+                              fold_into, out_channels, out_rank)
 from .cleanup_rewire import NodeRewritePass
 
 
@@ -48,7 +48,7 @@ def batchnorm_affine(node: Node, channels: int) -> tuple[Optional[tuple[np.ndarr
     return (a, bias - mean * a), ""
 
 
-class FoldBatchNorm(NodeRewritePass):
+class FoldBatchNorm(RefusalNotes, NodeRewritePass):
     name = "fold-batchnorm"
     description = "Fold inference BatchNormalization (and per-channel constant Mul) into the Conv/ConvTranspose/Gemm/MatMul before it."
     order = 150
@@ -65,20 +65,20 @@ class FoldBatchNorm(NodeRewritePass):
         if p is None:
             return False
         if any(t.outputs or is_graph_output(graph, t) for t in node.outputs[1:]):
-            return refuse(ctx, self.name, node, "its running mean/var outputs are used")
+            return self.refuse(node, "its running mean/var outputs are used")
         c, r = out_channels(p), out_rank(p)
         if c is None:
-            return refuse(ctx, self.name, node, f"the {p.op}'s weight is not a constant of known shape")
+            return self.refuse(node, f"the {p.op}'s weight is not a constant of known shape")
         if r is None or r < 2 or (p.op == "MatMul" and r != 2):
-            return refuse(ctx, self.name, node, f"the {p.op}'s channels are not on axis 1 (or its rank is unknown)")
+            return self.refuse(node, f"the {p.op}'s channels are not on axis 1 (or its rank is unknown)")
         affine, why = batchnorm_affine(node, c)
         if affine is None:
-            return refuse(ctx, self.name, node, why)
-        return fold_into(graph, node, p, affine[0], affine[1], ctx, dead, self.name)
+            return self.refuse(node, why)
+        return fold_into(graph, node, p, affine[0], affine[1], ctx, dead, self.refuse)
 
     def _mul(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        found = channel_operand(graph, node, CONVOLUTIONS, self.name, ctx)
-        return found is not None and fold_into(graph, node, found[0], found[1], None, ctx, dead, self.name)
+        found = channel_operand(graph, node, CONVOLUTIONS, self.refuse)
+        return found is not None and fold_into(graph, node, found[0], found[1], None, ctx, dead, self.refuse)
 
 
 register_pass(FoldBatchNorm)

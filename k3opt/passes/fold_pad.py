@@ -23,7 +23,7 @@ import numpy as np
 
 from ..ir import Graph, Node, const_tensor, const_value, producer, set_input
 from .base import PassContext, register_pass
-from ._channel_affine import refuse
+from ._channel_affine import RefusalNotes
 from .cleanup_rewire import NodeRewritePass, detach, holds, int_list, is_used, single_use
 
 READERS = frozenset({"Conv", "AveragePool", "MaxPool"})
@@ -69,7 +69,7 @@ def pad_value(pad: Node) -> Optional[float]:
     return None if v is None or v.size != 1 else float(np.asarray(v).ravel()[0])
 
 
-class FoldPad(NodeRewritePass):
+class FoldPad(RefusalNotes, NodeRewritePass):
     name = "fold-pad"
     description = "Fold a constant-mode Pad of the spatial axes into the Conv/AveragePool/MaxPool reading it."
     order = 160
@@ -84,7 +84,7 @@ class FoldPad(NodeRewritePass):
             return False
         why = self._refusal(graph, node, pad)
         if why is not None:
-            return refuse(ctx, self.name, node, why)
+            return self.refuse(node, why)
         r = spatial_rank(node)
         pads = pad_amounts(pad, r + 2)
         own = [int(p) for p in node.attrs.get("pads", [0] * (2 * r))]
@@ -92,7 +92,7 @@ class FoldPad(NodeRewritePass):
         if node.op == "MaxPool":
             extent = [(k - 1) * d + 1 for k, d in zip(node.attrs["kernel_shape"], node.attrs.get("dilations", [1] * r))]
             if any(p >= extent[i % r] for i, p in enumerate(summed)):
-                return refuse(ctx, self.name, node, "a summed pad reaches the kernel extent")
+                return self.refuse(node, "a summed pad reaches the kernel extent")
         if node.op == "AveragePool":
             node.attrs["count_include_pad"] = 1
         node.attrs["auto_pad"] = "NOTSET"

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from ..ir import Graph, Node
 from .base import PassContext, register_pass
-from ._channel_affine import CONVOLUTIONS, channel_operand, fold_into
+from ._channel_affine import CONVOLUTIONS, RefusalNotes, channel_operand, fold_into
 from .cleanup_rewire import NodeRewritePass
 
 BIASED = CONVOLUTIONS | {"Gemm"}
 
 
-class MergeConvBias(NodeRewritePass):
+class MergeConvBias(RefusalNotes, NodeRewritePass):
     name = "merge-conv-bias"
     description = "Merge an Add of a per-channel constant after a Conv/ConvTranspose/Gemm into its bias."
     order = 155
@@ -25,8 +25,8 @@ class MergeConvBias(NodeRewritePass):
     ops = frozenset({"Add"})
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        found = channel_operand(graph, node, BIASED, self.name, ctx)
-        return found is not None and fold_into(graph, node, found[0], None, found[1], ctx, dead, self.name)
+        found = channel_operand(graph, node, BIASED, self.refuse)
+        return found is not None and fold_into(graph, node, found[0], None, found[1], ctx, dead, self.refuse)
 
 
 register_pass(MergeConvBias)
