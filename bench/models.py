@@ -4,7 +4,13 @@
   family and exporter, with the zoo's own inputs;
 - a depth series of one Llama-style model (8, 16, 32, 64 layers, small hidden size, TorchScript export);
 - ``llama-3gb``: the same architecture at hidden 2048 and 16 layers, 3.3 GB of fp32 weights in external
-  data (opt-in: it takes disk and minutes).
+  data (opt-in: it takes disk and minutes);
+- the third-party set: ONNX files that packages on PyPI ship inside their wheels (Silero VAD, PaddleOCR's
+  PP-OCRv4 det/rec and its cls model via rapidocr-onnxruntime), graphs nobody here wrote; listed when the
+  ``thirdparty`` extra is installed (``pip install -e '.[thirdparty]'``), with inputs of the size the
+  packages feed them;
+- the non-transformer corpus (``tests/cnn_zoo.py``: ``cnn-<name>-<exporter>``, CNN, OCR, detector, GRU,
+  Conv1d audio, two of them behind an ``If``), cached by the test zoo, with its own inputs.
 
 Builds run in a child process (``python -m bench.models NAME DST``) so torch's memory goes away with it.
 The Llama cache key hashes what determines the graph (builder source, configs, torch/transformers
@@ -33,6 +39,7 @@ DEPTHS = (8, 16, 32, 64)
 BIG = "llama-3gb"
 DEPTH_PREFIX = "llama-depth"
 ENCODERS = {"bert": "bert", "vit": "vit"}
+CNN_FAMILY = "cnn"
 
 # Llama-style configs: the depth series is small and fast; the big one is TinyLlama-sized (3.3 GB fp32).
 SMALL_LLAMA = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -51,8 +58,18 @@ class ModelSpec:
 
     @property
     def is_zoo(self) -> bool:
-        """A test export from ``tests/zoo.py`` (which caches it itself)."""
+        """A test export from ``tests/zoo.py`` or ``tests/cnn_zoo.py`` (which cache it themselves)."""
         return self.path is None and self.name != BIG and depth_of(self.name) is None
+
+    @property
+    def own_feeds(self) -> bool:
+        """Its inputs come from :func:`zoo_feeds` (test exports, the corpus, the third-party set)."""
+        return self.is_zoo or self.family == THIRD_PARTY_FAMILY
+
+    @property
+    def is_cnn(self) -> bool:
+        """A model of the non-transformer corpus (``tests/cnn_zoo.py``)."""
+        return self.family == CNN_FAMILY and self.path is None
 
     @property
     def ort_model_type(self) -> str:
@@ -66,9 +83,68 @@ def model_set(quick: bool = False, big: bool = False) -> list[ModelSpec]:
     depths = DEPTHS[:2] if quick else DEPTHS
     specs = [ModelSpec(f"{fam}-{exp}", fam) for fam in ZOO_FAMILIES for exp in exporters]
     specs += [ModelSpec(f"{DEPTH_PREFIX}{d}", "llama") for d in depths]
+    specs += [ModelSpec(f"{CNN_FAMILY}-{name}-{exp}", CNN_FAMILY) for name in cnn_names() for exp in exporters]
+    specs += third_party_specs()
     if big:
         specs.append(ModelSpec(BIG, "llama"))
     return specs
+
+
+#: name -> (package, file inside it, {input: (dtype, shape or a fixed value)}) of the third-party set.
+THIRD_PARTY = {
+    "silero-vad": ("silero_vad", "data/silero_vad.onnx",
+                   {"input": ("float32", (1, 512)), "state": ("zeros", (2, 1, 128)), "sr": ("int64", 16000)}),
+    "silero-vad-16k-op15": ("silero_vad", "data/silero_vad_16k_op15.onnx",
+                            {"input": ("float32", (1, 512)), "state": ("zeros", (2, 1, 128)), "sr": ("int64", 16000)}),
+    "ppocr-v4-det": ("rapidocr_onnxruntime", "models/ch_PP-OCRv4_det_infer.onnx", {"x": ("float32", (1, 3, 96, 96))}),
+    "ppocr-v4-rec": ("rapidocr_onnxruntime", "models/ch_PP-OCRv4_rec_infer.onnx", {"x": ("float32", (1, 3, 48, 320))}),
+    "ppocr-mobile-cls": ("rapidocr_onnxruntime", "models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+                         {"x": ("float32", (1, 3, 48, 192))}),
+}
+THIRD_PARTY_FAMILY = "third-party"
+
+
+def third_party_specs() -> list[ModelSpec]:
+    """The third-party models whose package is installed (found without importing it)."""
+    import importlib.util
+
+    specs = []
+    for name, (package, file, _) in THIRD_PARTY.items():
+        found = importlib.util.find_spec(package)
+        for folder in (found.submodule_search_locations or []) if found else []:
+            if (Path(folder) / file).is_file():
+                specs.append(ModelSpec(name, THIRD_PARTY_FAMILY, path=Path(folder) / file))
+                break
+    return specs
+
+
+def _third_party_feeds(name: str) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for input_name, (kind, spec) in THIRD_PARTY[name][2].items():
+        if kind == "zeros":
+            feeds[input_name] = np.zeros(spec, np.float32)
+        elif kind == "int64":
+            feeds[input_name] = np.array(spec, np.int64)
+        else:
+            feeds[input_name] = rng.standard_normal(spec).astype(kind)
+    return feeds
+
+
+def cnn_names() -> tuple[str, ...]:
+    """The corpus's model names (``tests/cnn_zoo.py``; importing it needs no torch)."""
+    sys.path.insert(0, str(REPO))
+    from tests.cnn_zoo import NAMES
+
+    return NAMES
+
+
+def _cnn_parts(name: str) -> tuple[str, str]:
+    """``cnn-gru-if-dynamo`` -> (``gru-if``, ``dynamo``)."""
+    model, exporter = name[len(CNN_FAMILY) + 1:].rsplit("-", 1)
+    return model, exporter
 
 
 def depth_of(name: str) -> Optional[int]:
@@ -113,8 +189,14 @@ def ensure_built(spec: ModelSpec, timeout_s: float = 1800) -> tuple[Optional[Pat
 
 
 def zoo_feeds(spec: ModelSpec) -> dict:
-    """The zoo's own seeded inputs for a test export (batch 2, a padded row, so masks matter)."""
+    """The zoo's own seeded inputs for a test export (batch 2, a padded row, so masks matter; the corpus's)."""
+    if spec.family == THIRD_PARTY_FAMILY:
+        return _third_party_feeds(spec.name)
     sys.path.insert(0, str(REPO))
+    if spec.is_cnn:
+        from tests.cnn_zoo import cnn_inputs
+
+        return cnn_inputs(_cnn_parts(spec.name)[0])
     from tests.zoo import zoo_inputs
 
     return zoo_inputs(spec.family)
@@ -251,6 +333,11 @@ def main(name: str, dst: str) -> None:
         write_result({"path": dst})
         return
     sys.path.insert(0, str(REPO))
+    if name.startswith(CNN_FAMILY + "-"):
+        from tests.cnn_zoo import cnn_model
+
+        write_result({"path": str(cnn_model(*_cnn_parts(name)))})
+        return
     from tests.zoo import zoo_model
 
     family, exporter = name.rsplit("-", 1)

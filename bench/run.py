@@ -101,7 +101,7 @@ def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, limits: dict
         return {"model": spec.name, "error": err}
     work.mkdir(parents=True, exist_ok=True)
     feeds, ref = work / "feeds.npz", work / "reference.npz"
-    np.savez(feeds, **(zoo_feeds(spec) if spec.is_zoo else make_feeds(path)))
+    np.savez(feeds, **(zoo_feeds(spec) if spec.own_feeds else make_feeds(path)))
     original = _evaluate(path, feeds, limits, save=ref)
     entry = {"model": spec.name, "family": spec.family, "path": str(path), "mbytes": model_bytes(path) / 1e6,
              "original": original, "results": []}

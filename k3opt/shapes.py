@@ -136,6 +136,8 @@ class Inferred(NamedTuple):
     types: dict[str, bytes]
     protos: dict[bytes, onnx.TypeProto]
     long: bool
+    #: The inferred graph itself: its If/Loop/Scan bodies hold their own value_info (see :func:`apply_shapes`).
+    graph: Optional[onnx.GraphProto] = None
 
 
 def inferred_types(graph: onnx.GraphProto) -> Inferred:
@@ -148,7 +150,7 @@ def inferred_types(graph: onnx.GraphProto) -> Inferred:
         if key not in protos:
             protos[key] = tp
     long = any(map(_long_type, protos.values())) or any(_long_type(vi.type) for vi in graph.input)
-    return Inferred(types, protos, long)
+    return Inferred(types, protos, long, graph)
 
 
 class ShapeRefresher:
@@ -364,9 +366,42 @@ def apply_shapes(graph: gs.Graph, inferred: Union[onnx.GraphProto, Inferred],
         inferred = inferred_types(inferred)
     if tensors is None:
         tensors = tensor_map(graph)
-    inputs = {id(t) for t in graph.inputs}
     declared = declared_symbols(graph)
     converted = {} if memo is None else memo.setdefault(declared, {})
+    _apply_types(inferred, tensors, {id(t) for t in graph.inputs}, declared, converted)
+    if inferred.graph is not None:
+        _apply_bodies(graph, inferred.graph, declared, converted)
+
+
+#: Ops whose bodies onnx's inference types (value_info inside the body).
+BODY_OPS = frozenset({"If", "Loop", "Scan"})
+
+
+def _apply_bodies(graph: gs.Graph, proto: onnx.GraphProto, declared: frozenset[str], converted: _Converted) -> None:
+    """:func:`apply_shapes` on the bodies of ``graph``'s If/Loop/Scan nodes, from the inferred ``proto``.
+
+    The inferred graph lists the nodes in the gs graph's order (both the seed and the refresh export them
+    so); a node whose op differs there is skipped. Only tensors a body's own nodes compute are updated
+    (its inputs are declared; outer tensors belong to the enclosing graph). Symbols are the main graph's.
+    """
+    holders = [(i, n) for i, n in enumerate(graph.nodes) if n.op in BODY_OPS]
+    if not holders or len(proto.node) != len(graph.nodes):
+        return
+    for i, node in holders:
+        if proto.node[i].op_type != node.op:
+            continue
+        for attr in proto.node[i].attribute:
+            body = node.attrs.get(attr.name)
+            if attr.type != onnx.AttributeProto.GRAPH or not isinstance(body, gs.Graph):
+                continue
+            local = {t.name: t for n in body.nodes for t in n.outputs if t.name}
+            _apply_types(inferred_types(attr.g), local, {id(t) for t in body.inputs}, declared, converted)
+            _apply_bodies(body, attr.g, declared, converted)
+
+
+def _apply_types(inferred: Inferred, tensors: dict[str, gs.Tensor], inputs: set[int], declared: frozenset[str],
+                 converted: _Converted) -> None:
+    """Set each of ``tensors`` (but constants and ``inputs``) to its inferred dtype and shape."""
     for name, key in inferred.types.items():  # fewer than the tensors: no constants, no graph inputs
         tensor = tensors.get(name)
         if tensor is None or isinstance(tensor, gs.Constant) or id(tensor) in inputs:

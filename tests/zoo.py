@@ -197,7 +197,7 @@ def zoo_model(name: str, exporter: str = "torchscript") -> Path:
     if name not in NAMES + EAGER_NAMES or exporter not in EXPORTERS:
         raise KeyError(f"no zoo model {name!r}/{exporter!r}; names {NAMES + EAGER_NAMES}, exporters {EXPORTERS}")
     target = cache_dir() / f"{name}-{exporter}-{cache_key()}.onnx"
-    return _build_once(target, lambda tmp: _export(name, exporter, tmp))
+    return build_cached(target, lambda tmp: _export(name, exporter, tmp))
 
 
 def _export(name: str, exporter: str, path: str, **options: Any) -> None:
@@ -208,7 +208,7 @@ def _export(name: str, exporter: str, path: str, **options: Any) -> None:
                       seq_len=options.pop("seq_len", TEXT_SEQ), optimize=False, **options)
 
 
-def _build_once(target: Path, write: Callable[[str], None]) -> Path:
+def build_cached(target: Path, write: Callable[[str], None]) -> Path:
     """``target``, written by ``write(temp path)`` unless cached: a file lock, a temp file renamed into place."""
     if target.exists():
         return target
@@ -255,7 +255,7 @@ def zoo_decode_model(name: str, exporter: str = "torchscript") -> Path:
     """Path of the cached decode-step export (KV cache in and out) of zoo model ``name``."""
     _require_decode(name, exporter)
     target = cache_dir() / f"{name}-decode-{exporter}-{cache_key()}.onnx"
-    return _build_once(target, lambda tmp: _export(name, exporter, tmp, use_cache=True, seq_len=DECODE_EXAMPLE))
+    return build_cached(target, lambda tmp: _export(name, exporter, tmp, use_cache=True, seq_len=DECODE_EXAMPLE))
 
 
 def decode_input_names(name: str) -> list[str]:

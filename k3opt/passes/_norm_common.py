@@ -134,11 +134,12 @@ def _tail_rule(name: str, core: Callable[[PatternBuilder, Any], Any], tail: tupl
 
 
 def apply_in_order(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
-    """Apply ``rules`` one sweep each, in order (largest pattern first); returns the rewrites.
+    """Apply ``rules`` one sweep each, in order (largest pattern first), to the graph and then to each
+    If/Loop/Scan body (their tensors are shaped too: ``shapes.apply_shapes``); returns the rewrites.
 
     The sweeps find their anchors through ``ctx``'s census, shared until a rewrite changes the graph.
     """
-    return sum(sweep(graph, ctx, [rule]) for rule in rules)
+    return sum(sweep(g, ctx, [rule], explain=g is graph) for g in ctx.graphs(graph) for rule in rules)
 
 
 class OrderedRulesPass(RuleSetPass):

@@ -14,6 +14,7 @@ Each check proves the output has the input's shape, dtype and values:
 - ``Slice`` taking everything (step 1, start 0, end past the known dim or the
   INT64 max sentinel);
 - ``Concat`` of a single input;
+- ``Flatten`` of a 2-D input at axis 1 (the opset-13 Softmax conversion wraps one);
 - ``Add``/``Sub`` of 0, ``Mul``/``Div`` by 1 (``Sub``/``Div``: constant on the
   right only), only when broadcasting the constant cannot change the
   output's shape (every constant dim is 1 or equals the known input dim,
@@ -144,6 +145,12 @@ def _whole_slice(node: Node) -> Optional[Tensor]:
     return x
 
 
+def _same_flatten(node: Node) -> Optional[Tensor]:
+    """A Flatten of a 2-D tensor at axis 1 (or -1): ``(d0, d1)`` is already its own flattening."""
+    x = node.inputs[0]
+    return x if rank(x) == 2 and int(node.attrs.get("axis", 1)) in (1, -1) else None
+
+
 def _single_concat(node: Node) -> Optional[Tensor]:
     return node.inputs[0] if len(node.inputs) == 1 else None
 
@@ -173,6 +180,7 @@ CHECKS: dict[str, Callable[[Node], Optional[Tensor]]] = {
     "CastLike": _same_cast,
     "Slice": _whole_slice,
     "Concat": _single_concat,
+    "Flatten": _same_flatten,
     **{op: _neutral_arith for op in _NEUTRAL},
 }
 

@@ -26,7 +26,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..ir import (
-    Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, producer, replace_uses,
+    Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, node_subgraphs, producer,
+    replace_uses,
 )
 from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach, is_used, remove
@@ -59,28 +60,44 @@ class FoldConstants(Pass):
         self._failed: dict[int, Node] = {}
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        # One memo for every sweep: each change tells it what it rewired (traces are re-walked only there).
+        """Fold ``graph``, then each body of the nodes it still holds (If/Loop/Scan), outermost first."""
+        # One memo for every sweep and graph: each change tells it what it rewired (traces are re-walked only
+        # there); the symbols the main graph declares are not traced.
         with remembered_dims(graph):
-            # The census is asked before any rewrite (the manager drops it after a run that rewrote). No sweep
-            # adds a shape op, so each sweep's candidates are those of the sweep before still in the graph.
-            shape_nodes = ctx.nodes_of(graph, SHAPE_OPS)
-            total = self._constant_nodes(graph, ctx)
-            none_foldable = False  # the last value sweep found no foldable node, and left the graph as it was
-            starts: Optional[list[Node]] = None  # the value walk's start nodes at its last sweep
-            installed: list[tuple[Tensor, Tensor]] = []  # (tensor, constant) installed since
-            for _ in range(MAX_SWEEPS):
-                shape_nodes = still_in(graph, shape_nodes)
-                n, touched = self._fold_shapes(graph, ctx, shape_nodes, installed)
-                if none_foldable and not touched:
-                    break  # the graph is as that sweep saw it: no node is foldable still (n is 0)
-                starts = start_nodes(graph, starts, installed)
-                installed.clear()
-                order = self._foldable(graph, ctx, starts)
-                none_foldable = not order
-                n += self._fold_values(graph, ctx, order, installed)
-                if not n:
-                    break
+            if len(ctx.graphs(graph)) == 1:
+                return self._fold_graph(graph, ctx)
+            total, pending = 0, [graph]
+            while pending:
+                g = pending.pop(0)
+                n = self._fold_graph(g, ctx)
+                if n:
+                    ctx.changed()  # the census answers for the next graph must see this one's rewrites
                 total += n
+                pending += [body for holder in _holders(g) for body in node_subgraphs(holder)]
+            return total
+
+    def _fold_graph(self, graph: Graph, ctx: PassContext) -> int:
+        """The sweeps over one graph (not its bodies)."""
+        # The census is asked before any rewrite (the manager drops it after a run that rewrote). No sweep
+        # adds a shape op, so each sweep's candidates are those of the sweep before still in the graph.
+        shape_nodes = ctx.nodes_of(graph, SHAPE_OPS)
+        total = self._constant_nodes(graph, ctx)
+        none_foldable = False  # the last value sweep found no foldable node, and left the graph as it was
+        starts: Optional[list[Node]] = None  # the value walk's start nodes at its last sweep
+        installed: list[tuple[Tensor, Tensor]] = []  # (tensor, constant) installed since
+        for _ in range(MAX_SWEEPS):
+            shape_nodes = still_in(graph, shape_nodes)
+            n, touched = self._fold_shapes(graph, ctx, shape_nodes, installed)
+            if none_foldable and not touched:
+                break  # the graph is as that sweep saw it: no node is foldable still (n is 0)
+            starts = start_nodes(graph, starts, installed)
+            installed.clear()
+            order = self._foldable(graph, ctx, starts)
+            none_foldable = not order
+            n += self._fold_values(graph, ctx, order, installed)
+            if not n:
+                break
+            total += n
         return total
 
     # -- sweep 1 -----------------------------------------------------------

@@ -378,6 +378,9 @@ def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
         return _dim_at(x, i, depth)
     if node.op == "Concat":
         return _concat_dim(node, i, rank, depth)
+    if (node.op in BATCH_KEEPING and i == 0) or \
+            (node.op in ("Slice", "Resize", "Upsample") and _keeps_axis(node, i, rank)):
+        return _dim_at(x, i, depth)
     if node.op in BROADCASTING and len(node.inputs) >= 2:
         return _broadcast_dim(node.inputs, i, rank, depth)
     if node.op == "MatMul" and len(node.inputs) == 2 and rank >= 2 and i >= rank - 2:
@@ -401,6 +404,24 @@ def _concat_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
         dims = [_dim_at(x, i, depth) for x in node.inputs]
         return next((d for d in dims if isinstance(d, int)), next((d for d in dims if d is not None), None))
     return dim_sum([_dim_at(x, i, depth) for x in node.inputs])
+
+
+def _keeps_axis(node: Node, i: int, rank: int) -> bool:
+    """A Slice that does not slice axis ``i``, or a Resize/Upsample whose constant scale for it is 1."""
+    if node.op == "Slice":
+        if "starts" in node.attrs:  # opset < 10
+            axes = node.attrs.get("axes", list(range(len(node.attrs["starts"]))))
+        else:
+            starts = small_int_list(node.inputs[1]) if len(node.inputs) > 1 else None
+            has_axes = len(node.inputs) > 3 and node.inputs[3].name
+            axes = (small_int_list(node.inputs[3]) if has_axes else
+                    None if starts is None else list(range(len(starts))))
+        return axes is not None and i not in [int(a) % rank for a in axes]
+    if len(node.inputs) > 3 and node.inputs[3].name:  # Resize by sizes: inference knows them when constant
+        return False
+    scales = node.inputs[1] if len(node.inputs) == 2 else node.inputs[2] if len(node.inputs) > 2 else None
+    values = None if scales is None or not scales.name else small_const_value(scales)
+    return values is not None and values.size == rank and float(values.ravel()[i]) == 1.0
 
 
 def _broadcast_dim(operands: Sequence[Tensor], i: int, rank: int, depth: int) -> Dim:
@@ -454,8 +475,12 @@ def _reshaped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
 #: Ops whose output has their first input's shape.
 UNARY_SAME_SHAPE = frozenset({
     "Cast", "CastLike", "Neg", "Sigmoid", "Tanh", "Relu", "Gelu", "Erf", "Sqrt", "Reciprocal", "Exp", "Softmax",
-    "Identity", "Cos", "Sin", "Abs", "Not", "IsNaN",
+    "Identity", "Cos", "Sin", "Abs", "Not", "IsNaN", "LeakyRelu", "HardSigmoid", "HardSwish", "LogSoftmax",
+    "Elu", "Selu", "Softplus", "Mish", "Floor", "Ceil", "Round", "Sign", "Log", "BatchNormalization",
 })
+#: Ops whose output keeps the input's batch (dim 0) whatever their other dims do.
+BATCH_KEEPING = frozenset({"Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",
+                           "LpPool", "InstanceNormalization"})
 #: Elementwise ops with multidirectional broadcasting over all their inputs.
 BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Equal", "Less", "Greater", "And", "Or", "Where"})
 

@@ -132,6 +132,10 @@ class MergeSiblingMatMuls(Pass):
     min_opset = 11  # Split with a negative axis
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Merge in the graph and in every If/Loop/Scan body (a body's siblings may read an outer activation)."""
+        return sum(self._merge_in(g, ctx) for g in ctx.graphs(graph))
+
+    def _merge_in(self, graph: Graph, ctx: PassContext) -> int:
         groups = _sibling_groups(graph, ctx)
         if not groups:
             return 0
