@@ -22,7 +22,7 @@ import time
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from k3opt.ir import NameScope
+from k3opt.graph.ir import NameScope
 from k3opt.passes.base import PassContext
 from k3opt.patterns import Rule
 from k3opt.patterns.rule import RuleApplier

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import onnx
-import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.logger import G_LOGGER
+from . import graph as gs
+from .graph import G_LOGGER
 
-from . import gs_roundtrip, io, ir, opset as opsets, shapes, verify as verifier, verify_dims
+from . import io, opset as opsets, shapes, verify as verifier, verify_dims
+from .graph import gs_roundtrip, ir
 from .errors import InputError, OutputError, UsageError, VerificationError
 from .passes.base import PassContext, build_pipeline, check_pass_options
 from .passes.manager import PassManager

@@ -19,18 +19,19 @@ from typing import AbstractSet, BinaryIO, Callable, Iterator, NamedTuple, Option
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
+from . import graph as gs
 from google.protobuf.message import DecodeError, EncodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
-from onnx_graphsurgeon.ir.tensor import LazyValues
+from .graph import LazyValues
 
-from . import data_location, gs_roundtrip
+from . import data_location
+from .graph import gs_roundtrip
 from .direct_io import DirectWriter, direct_writer_or_file
 from .errors import InputError, OutputError
-from .gs_export import varint
-from .ir import all_graphs
+from .graph.wire import varint
+from .graph.ir import all_graphs
 
 PathLike = Union[str, os.PathLike]
 
@@ -473,7 +474,7 @@ def _check_attribute_tensor(t: TensorProto, source: str, external: list[TensorPr
 
     An attribute's tensor (a Constant's value) is read whole by the passes and by onnxruntime: one whose
     dims claim more than its bytes (say 2**62 elements in 4 bytes) is refused here, before anything sizes
-    work by it. Initializers are checked when a pass decodes them (k3opt.ir.bad_data): reading every
+    work by it. Initializers are checked when a pass decodes them (k3opt.graph.ir.bad_data): reading every
     weight's bytes at load would cost a pass over all of them.
     """
     if t.data_location == _EXTERNAL:

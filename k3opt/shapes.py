@@ -11,18 +11,19 @@ from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
+from . import graph as gs
 from google.protobuf.message import Message
 from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
-from onnx_graphsurgeon.ir.tensor import SparseValues
+from .graph import OnnxExporter, dtype_to_onnx
+from .graph import SparseValues
 
 from .errors import UsageError
-from .gs_export import field, import_domains, node_bytes, tensor_map, varint
+from .graph.gs_export import import_domains, node_bytes, tensor_map
+from .graph.wire import field, varint
 from .io import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
-from .ir import declared_symbols
-from .proto_cache import ProtoCache
+from .graph.ir import declared_symbols
+from .graph.proto_cache import ProtoCache
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
 
@@ -338,7 +339,7 @@ def _weight_input_field(t: gs.Constant) -> bytes:
 
 
 def _import_domains(graph: gs.Graph, protos: ProtoCache) -> list[onnx.OperatorSetIdProto]:
-    """:func:`~k3opt.gs_export.import_domains`; ``protos.uncached == 0`` (every node had plain or
+    """:func:`~k3opt.graph.gs_export.import_domains`; ``protos.uncached == 0`` (every node had plain or
     constant attributes) means no subgraph, so the walk for them is saved too."""
     return import_domains(graph, [graph] if protos.uncached == 0 else None)
 

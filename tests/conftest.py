@@ -50,7 +50,7 @@ class DropOneIdentity(Pass):
     default = False
 
     def run(self, graph, ctx) -> int:
-        from k3opt.ir import replace_uses
+        from k3opt.graph.ir import replace_uses
 
         for node in graph.nodes:
             if node.op == "Identity":

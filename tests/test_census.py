@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto as T, helper
 
 import k3opt
-from k3opt import ir
+from k3opt.graph import ir
 from k3opt.passes import manager
 from k3opt.passes.base import OpCensus, Pass, PassContext
 from k3opt.passes.cleanup_identity import RemoveIdentity

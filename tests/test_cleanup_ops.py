@@ -7,7 +7,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper
 
-from k3opt import ir
+from k3opt.graph import ir
 from k3opt.passes.base import Pass, PassContext
 from k3opt.passes.cleanup_dropout import RemoveDropout
 from k3opt.passes.cleanup_identity import RemoveIdentity

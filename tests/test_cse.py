@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from k3opt.ir import peek
+from k3opt.graph.ir import peek
 
 from k3opt.passes.base import PassContext
 from k3opt.passes.cse import EliminateCommonSubexpressions

@@ -15,7 +15,8 @@ import pytest
 from onnx import TensorProto as T, helper
 from onnx_graphsurgeon.util.exception import OnnxGraphSurgeonException
 
-from k3opt import gs_roundtrip, io, ir
+from k3opt import io
+from k3opt.graph import gs_roundtrip, ir
 
 F = T.FLOAT
 
@@ -285,7 +286,7 @@ IMPORT_CASES = {"kitchen_sink": _kitchen_sink, "if": _if_model, "loop": _loop_mo
 
 @pytest.mark.parametrize("make", IMPORT_CASES.values(), ids=list(IMPORT_CASES))
 def test_fast_import_builds_gs_graph_exactly(make):
-    from k3opt import gs_import
+    from k3opt.graph import gs_import
 
     model = make()
     assert _canonical(gs_import.import_onnx(model)) == _canonical(gs.import_onnx(model))
@@ -294,7 +295,7 @@ def test_fast_import_builds_gs_graph_exactly(make):
 def test_roundtrip_import_restores_skipped_attributes_only_where_gs_imported():
     """Walking only the nodes whose attributes gs imported restores what the full walk restores,
     a skipped kind inside a body included."""
-    from k3opt import gs_import
+    from k3opt.graph import gs_import
 
     opt_type = helper.make_optional_type_proto(helper.make_tensor_type_proto(F, [2]))
     body = helper.make_graph([helper.make_node("Optional", [], ["o"], type=opt_type, name="in_body"),
@@ -317,7 +318,7 @@ def test_roundtrip_import_restores_skipped_attributes_only_where_gs_imported():
 
 
 def test_fast_import_leaves_functions_and_sparse_initializers_to_gs(monkeypatch):
-    from k3opt import gs_import
+    from k3opt.graph import gs_import
 
     calls = []
     real = gs.import_onnx
@@ -331,7 +332,7 @@ def test_fast_import_leaves_functions_and_sparse_initializers_to_gs(monkeypatch)
 
 
 def test_fast_import_matches_gs_on_zoo_models():
-    from k3opt import gs_import
+    from k3opt.graph import gs_import
     from tests.zoo import EXPORTERS, zoo_model
 
     for exporter in EXPORTERS:
@@ -343,7 +344,7 @@ def test_fast_import_leaves_the_graph_in_the_oldest_generation():
     """The young collections must not traverse a freshly imported graph (they did, ~0.5 s per run)."""
     import gc
 
-    from k3opt import gs_import
+    from k3opt.graph import gs_import
 
     graph = gs_import.import_onnx(_kitchen_sink())
     oldest = {id(o) for o in gc.get_objects(generation=2)}
@@ -353,7 +354,7 @@ def test_fast_import_leaves_the_graph_in_the_oldest_generation():
 def test_fast_import_restores_the_collector():
     import gc
 
-    from k3opt import gs_import
+    from k3opt.graph import gs_import
 
     assert gc.isenabled()
     gs_import.import_onnx(_kitchen_sink())
@@ -392,7 +393,7 @@ EXPORT_CASES = {"kitchen_sink": lambda: _kitchen_sink(optional=False), "if": _if
 @pytest.mark.parametrize("make", EXPORT_CASES.values(), ids=list(EXPORT_CASES))
 @pytest.mark.parametrize("odd", [False, True], ids=["as_imported", "odd_tensors"])
 def test_fast_export_writes_gs_bytes(make, odd):
-    from k3opt import gs_export
+    from k3opt.graph import gs_export
 
     graph = gs.import_onnx(make())
     if odd:
@@ -404,7 +405,7 @@ def test_fast_export_writes_gs_bytes(make, odd):
 @pytest.mark.parametrize("where", ["top", "body"])
 def test_fast_export_imports_a_new_domain_like_gs(where):
     """The domains the export collects while writing the nodes (or, with bodies, gs's walk) give gs's imports."""
-    from k3opt import gs_export
+    from k3opt.graph import gs_export
 
     graph = gs.import_onnx(_if_model())
     node = graph.nodes[-1] if where == "top" else next(n for n in graph.nodes if n.op == "If").attrs["then_branch"].nodes[0]
@@ -449,7 +450,7 @@ _BAD_VALUE_INFOS = {
 
 @pytest.mark.parametrize("case", list(_VALUE_INFOS))
 def test_fast_export_value_infos_are_gs_bytes(case):
-    from k3opt import gs_export
+    from k3opt.graph import gs_export
 
     graph = _value_info_graph(*_VALUE_INFOS[case]())
     assert gs_export.export_onnx(graph).SerializeToString() == \
@@ -458,7 +459,7 @@ def test_fast_export_value_infos_are_gs_bytes(case):
 
 @pytest.mark.parametrize("case", list(_BAD_VALUE_INFOS))
 def test_fast_export_refuses_value_infos_gs_refuses(case):
-    from k3opt import gs_export
+    from k3opt.graph import gs_export
 
     graph = _value_info_graph(*_BAD_VALUE_INFOS[case]())
     with pytest.raises(Exception) as theirs:
@@ -468,7 +469,7 @@ def test_fast_export_refuses_value_infos_gs_refuses(case):
 
 
 def test_fast_export_leaves_functions_to_gs():
-    from k3opt import gs_export
+    from k3opt.graph import gs_export
 
     model = _model([helper.make_node("F", ["x"], ["y"], domain="local")], ["x"], ["y"])
     model.functions.append(helper.make_function("local", "F", ["a"], ["b"], [helper.make_node("Neg", ["a"], ["b"])],
@@ -480,7 +481,7 @@ def test_fast_export_leaves_functions_to_gs():
 
 
 def test_tensor_map_is_gs_tensors_without_warnings():
-    from k3opt import gs_export
+    from k3opt.graph import gs_export
 
     graph = gs.import_onnx(_kitchen_sink())
     graph.nodes[0].outputs.append(gs.Variable("x"))  # a distinct tensor reusing a name: the last one wins
@@ -492,7 +493,8 @@ def test_tensor_map_is_gs_tensors_without_warnings():
 def test_optimized_zoo_model_exports_gs_bytes():
     """After the passes (shapes inferred, constants folded), on a real export."""
     import k3opt
-    from k3opt import api, gs_export
+    from k3opt import api
+    from k3opt.graph import gs_export
     from tests.zoo import zoo_model
 
     captured = {}
@@ -513,7 +515,7 @@ def test_optimized_zoo_model_exports_gs_bytes():
 
 def test_an_unverified_gs_release_gets_gs_itself(monkeypatch):
     """The fast import/export build gs's objects and protos by hand: only on the release they were checked on."""
-    from k3opt import gs_export, gs_import
+    from k3opt.graph import gs_export, gs_import
 
     assert ir.gs_fast_paths()  # the installed release is a verified one (else the tests above test gs)
     monkeypatch.setattr(gs, "__version__", "0.7.0")

@@ -17,7 +17,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 import k3opt
 from k3opt.passes import fold_shapes
 from k3opt.passes.fold_shapes import dim_at, remembered_dims, rewiring, shape_elements
-from k3opt.ir import as_constant, replace_uses
+from k3opt.graph.ir import as_constant, replace_uses
 from tests.helpers import make_model
 from tests.zoo import needs_torch, zoo_model
 

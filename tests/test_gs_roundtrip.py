@@ -1,4 +1,4 @@
-"""k3opt.gs_roundtrip: graph inputs with a default initializer and optional-typed tensors survive gs."""
+"""k3opt.graph.gs_roundtrip: graph inputs with a default initializer and optional-typed tensors survive gs."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
 import k3opt
-from k3opt import gs_roundtrip as rt
+from k3opt.graph import gs_roundtrip as rt
 from tests.helpers import assert_equivalent, random_feeds
 
 F = T.FLOAT

@@ -1,10 +1,10 @@
-"""k3opt.ir helpers: constants are read without being cached in the graph."""
+"""k3opt.graph.ir helpers: constants are read without being cached in the graph."""
 from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 from onnx import TensorProto as T, helper
 
-from k3opt import ir
+from k3opt.graph import ir
 
 F = T.FLOAT
 

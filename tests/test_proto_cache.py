@@ -14,8 +14,8 @@ from onnx import TensorProto, helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from k3opt import io
-from k3opt.gs_export import node_bytes
-from k3opt.proto_cache import ProtoCache
+from k3opt.graph.gs_export import node_bytes
+from k3opt.graph.proto_cache import ProtoCache
 from tests.zoo import needs_torch, zoo_model
 
 

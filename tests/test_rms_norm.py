@@ -9,7 +9,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as TP
 
-from k3opt.ir import NameScope
+from k3opt.graph.ir import NameScope
 from k3opt.passes._norm_common import NormMatch, OrderedRulesPass, affine_input, norm_input
 from k3opt.passes.base import PassContext, get_pass
 from k3opt.passes.rms_norm import rmsnorm_rules

@@ -10,7 +10,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onn
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from k3opt import io, shapes
-from k3opt.proto_cache import ProtoCache
+from k3opt.graph.proto_cache import ProtoCache
 from k3opt.shapes import ShapeRefresher, export_for_inference, model_for_inference
 from tests.helpers import make_model
 from tests.zoo import zoo_model

@@ -7,7 +7,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper
 
-from k3opt.lazy_values import ConcatValues
+from k3opt.graph.lazy_values import ConcatValues
 from k3opt.passes.base import PassContext
 from k3opt.passes.manager import PassManager
 from k3opt.passes.sibling_merge import MergeSiblingMatMuls

@@ -6,7 +6,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto
 
-from k3opt import gs_export
+from k3opt.graph import gs_export
 
 ARRAYS = {
     "float32": np.arange(6, dtype=np.float32).reshape(2, 3), "float64": np.array([1.5]), "float16": np.ones(3, np.float16),

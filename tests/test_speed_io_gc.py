@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gc
 
-from k3opt import gs_import
+from k3opt.graph import gs_import
 from tests.test_fast_edges import _kitchen_sink
 
 

@@ -34,11 +34,11 @@ from typing import Callable, Optional, Sequence
 
 import ml_dtypes
 import numpy as np
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 from onnx import TensorProto, helper
 
-from .. import ir
-from ..ir import Graph, NameScope, Node, Tensor, is_graph_output, producer
+from ..graph import ir
+from ..graph.ir import Graph, NameScope, Node, Tensor, is_graph_output, producer
 from ..patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ..patterns.rule_pass import sweep
 from ..patterns.schema import attr_value

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..ir import Graph, Node, Tensor, as_constant, const_tensor, const_value, is_graph_output, producer, rank, set_input
+from ..graph.ir import Graph, Node, Tensor, as_constant, const_tensor, const_value, is_graph_output, producer, rank, set_input
 from .base import PassContext
 from .cleanup_rewire import bypass, can_replace, holds, is_used
 

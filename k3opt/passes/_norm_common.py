@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from onnx import TensorProto, helper
 
-from ..ir import Graph, Node, Tensor
+from ..graph.ir import Graph, Node, Tensor
 from ..patterns import Match, PatternBuilder, RewriteBuilder, Rule, RuleSetPass, checks
 from ..patterns.rule_pass import sweep
 from .base import PassContext

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 from onnx import helper
 
-from ..ir import Graph, Node, Tensor
+from ..graph.ir import Graph, Node, Tensor
 from ..patterns import RewriteBuilder
 from . import fold_shapes
 from ._attention_common import AttentionMatch, apply_attention, attention_rules

@@ -12,7 +12,7 @@ import itertools
 from typing import Any, ClassVar, Collection, Optional, Type
 
 from ..errors import UsageError
-from ..ir import Graph, Node, NameScope, all_graphs
+from ..graph.ir import Graph, Node, NameScope, all_graphs
 
 
 class OpCensus:

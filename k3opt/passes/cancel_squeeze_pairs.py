@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..ir import Graph, Node, rank
+from ..graph.ir import Graph, Node, rank
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass, chain_producer, detach, unsqueeze_axes
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from onnx import TensorProto as T
 
-from ..ir import Graph, Node, set_input
+from ..graph.ir import Graph, Node, set_input
 from .base import register_pass
 from .cleanup_rewire import ChainPass, cast_target, detach, onnx_type
 

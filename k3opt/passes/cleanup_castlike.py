@@ -10,7 +10,7 @@ parser, so ``k3opt check`` will list it too).
 """
 from __future__ import annotations
 
-from ..ir import Graph, Node
+from ..graph.ir import Graph, Node
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, onnx_type
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir import Graph, Node, const_value
+from ..graph.ir import Graph, Node, const_value
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass, is_used
 

@@ -6,7 +6,7 @@ initializer (the output cannot take that tensor's name).
 """
 from __future__ import annotations
 
-from ..ir import Graph, Node
+from ..graph.ir import Graph, Node
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass
 

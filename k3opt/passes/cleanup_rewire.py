@@ -13,7 +13,7 @@ from typing import ClassVar, Optional, Sequence
 import numpy as np
 from onnx import helper
 
-from ..ir import Graph, Node, Tensor, all_graphs, const_value, disconnect, is_graph_output, node_subgraphs, producer, replace_uses
+from ..graph.ir import Graph, Node, Tensor, all_graphs, const_value, disconnect, is_graph_output, node_subgraphs, producer, replace_uses
 from .base import Pass, PassContext
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 
-from ..ir import Graph, Node, Tensor, const_value, is_graph_output, replace_uses
+from ..graph.ir import Graph, Node, Tensor, const_value, is_graph_output, replace_uses
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, detach, int_list
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..ir import Graph, Node, rank, set_input
+from ..graph.ir import Graph, Node, rank, set_input
 from .base import register_pass
 from .cleanup_rewire import ChainPass, bypass, detach
 

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..ir import Graph, Node, as_constant
+from ..graph.ir import Graph, Node, as_constant
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass
 from .cleanup_transpose_chain import perm_of

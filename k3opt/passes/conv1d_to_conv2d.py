@@ -13,9 +13,9 @@ Refused: a non-constant weight (it would need its own Unsqueeze at run time), a 
 from __future__ import annotations
 
 import numpy as np
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 
-from ..ir import Graph, Node, as_constant, const_tensor, const_value, new_variable, set_input
+from ..graph.ir import Graph, Node, as_constant, const_tensor, const_value, new_variable, set_input
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass
 

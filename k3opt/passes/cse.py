@@ -22,12 +22,12 @@ from collections import Counter
 from typing import Callable, Hashable, Optional
 
 import numpy as np
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 from google.protobuf.message import Message
 from onnx import TensorProto, helper
-from onnx_graphsurgeon.ir.tensor import LazyValues
+from ..graph import LazyValues
 
-from ..ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
+from ..graph.ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
 from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import can_replace, detach_all, remove
 from .fold_constants import RANDOM_OPS

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 
-from ..ir import (
+from ..graph.ir import (
     Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, node_subgraphs, producer,
     replace_uses,
 )

@@ -20,11 +20,11 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 from onnx import TensorProto, helper, numpy_helper
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+from ..graph import OnnxExporter
 
-from ..ir import Graph, Node, Tensor, peek, producer
+from ..graph.ir import Graph, Node, Tensor, peek, producer
 from .fold_numpy import KERNELS, numpy_values
 
 # ORT type string -> (type to widen to inside the model, ONNX type to narrow back to).

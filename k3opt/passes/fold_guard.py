@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..ir import Node, Tensor, const_shape, peek
+from ..graph.ir import Node, Tensor, const_shape, peek
 from .fold_shapes import shape_only_uses
 
 DEFAULT_MAX_BYTES = 1 << 20

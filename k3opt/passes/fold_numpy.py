@@ -28,10 +28,10 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import numpy as np
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 from onnx import helper
 
-from ..ir import Graph, Node, Tensor, peek
+from ..graph.ir import Graph, Node, Tensor, peek
 from .fold_shapes import small_const_value
 
 #: Element kinds numpy holds exactly as onnxruntime returns them (no strings, no ml_dtypes types).

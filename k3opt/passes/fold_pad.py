@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..ir import Graph, Node, const_tensor, const_value, producer, set_input
+from ..graph.ir import Graph, Node, const_tensor, const_value, producer, set_input
 from .base import PassContext, register_pass
 from ._channel_affine import RefusalNotes
 from .cleanup_rewire import NodeRewritePass, detach, holds, int_list, is_used, single_use

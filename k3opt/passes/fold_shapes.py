@@ -29,11 +29,11 @@ from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 from onnx import TensorProto
-from onnx_graphsurgeon.ir.tensor import LazyValues
+from ..graph import LazyValues
 
-from ..ir import Graph, Node, Tensor, bad_data, const_tensor, peek, producer
+from ..graph.ir import Graph, Node, Tensor, bad_data, const_tensor, peek, producer
 from .cleanup_rewire import unsqueeze_axes
 
 #: Longest integer constant read as part of a shape computation.
@@ -230,7 +230,7 @@ def small_int_list(t: Tensor) -> Optional[list[int]]:
 
 
 def small_const_value(t: Tensor) -> Optional[np.ndarray]:
-    """:func:`~k3opt.ir.const_value`, remembering small decoded values (:data:`_decoded`); never modify it."""
+    """:func:`~k3opt.graph.ir.const_value`, remembering small decoded values (:data:`_decoded`); never modify it."""
     return _small_value(const_tensor(t))
 
 

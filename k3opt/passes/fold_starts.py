@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 
-from ..ir import Graph, Node, Tensor
+from ..graph.ir import Graph, Node, Tensor
 
 
 def is_constant(t: Tensor, overridable: set[int]) -> bool:

@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 
-from ..ir import Graph, Node, Tensor, all_graphs, const_tensor, const_value
+from ..graph.ir import Graph, Node, Tensor, all_graphs, const_tensor, const_value
 from .base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach, remove
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ir import Tensor
+from ..graph.ir import Tensor
 from ..patterns import PatternBuilder, RewriteBuilder
 from .base import register_pass
 from ._norm_common import TAILS, NormMatch, OrderedRulesPass, affine_input, maybe_cast, norm_input, rms_core, tail_rules

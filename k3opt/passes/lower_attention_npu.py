@@ -40,7 +40,7 @@ from onnx import TensorProto
 from ..cann_bridge.reference_ops import ALL_TOKENS, MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, template_mask
 from ..cann_bridge.target_form import CANN_OPSET, FLASH_OPSET, NPU_DOMAIN, STAGING_DOMAIN, ops_changed_between
 from ..errors import UsageError
-from ..ir import Graph, Node, Tensor, producer
+from ..graph.ir import Graph, Node, Tensor, producer
 from ..patterns import RewriteBuilder, checks
 from . import fold_shapes
 from ._attention_common import AttentionMatch, _shape_refs, apply_attention, attention_rules

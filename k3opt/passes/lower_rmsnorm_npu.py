@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from ..cann_bridge.target_form import STAGING_DOMAIN
-from ..ir import Graph, Tensor
+from ..graph.ir import Graph, Tensor
 from ..patterns import RewriteBuilder
 from ._norm_common import NormMatch, affine_input, apply_in_order, norm_input
 from .base import Pass, PassContext, register_pass

@@ -14,7 +14,7 @@ import time
 from typing import Callable, Optional
 
 from ..errors import K3optError, PluginError
-from ..ir import Graph, NameScope
+from ..graph.ir import Graph, NameScope
 from .base import OpCensus, Pass, PassContext
 
 

@@ -25,9 +25,9 @@ from typing import Optional
 import numpy as np
 import onnx
 
-from .. import ir
+from ..graph import ir
 from ..errors import UsageError
-from ..lazy_values import onnx_type
+from ..graph.lazy_values import onnx_type
 from ..patterns import Match, Rule, rules_pass
 
 #: Gemm's floating types (integer Gemm is rare and not what ATC fuses).

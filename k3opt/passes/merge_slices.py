@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..ir import Graph, Node, as_constant, rank, set_input
+from ..graph.ir import Graph, Node, as_constant, rank, set_input
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, chain_producer, detach, int_list
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Optional
 
-from ..ir import Graph, Node, Tensor
+from ..graph.ir import Graph, Node, Tensor
 from ..patterns import PatternBuilder, RewriteBuilder, Rule
 from .base import Pass, PassContext, register_pass
 from ._norm_common import NormMatch, affine_input, apply_in_order, maybe_cast, norm_input, rms_core, tail_rules

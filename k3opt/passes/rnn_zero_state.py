@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir import Graph, Node, Tensor, const_tensor, const_value, new_variable, producer, set_input
+from ..graph.ir import Graph, Node, Tensor, const_tensor, const_value, new_variable, producer, set_input
 from .base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 
-from ..ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank
-from ..lazy_values import PACKED_TYPES, concat_last_axis, onnx_type
+from ..graph.ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank
+from ..graph.lazy_values import PACKED_TYPES, concat_last_axis, onnx_type
 from .base import Pass, PassContext, register_pass
 
 

@@ -10,10 +10,10 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 from onnx import TensorProto
-from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
+from ..graph import dtype_to_onnx
 
-from .. import ir
-from ..ir import Node, Tensor
+from ..graph import ir
+from ..graph.ir import Node, Tensor
 from .matcher import is_empty
 
 #: ``reduce_axes`` result for a reduction over every axis (axes omitted, noop_with_empty_axes=0).

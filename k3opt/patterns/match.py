@@ -5,8 +5,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import ir
-from ..ir import Graph, Node, Tensor
+from ..graph import ir
+from ..graph.ir import Graph, Node, Tensor
 from ..passes.base import PassContext
 from .matcher import State
 

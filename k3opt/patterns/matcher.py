@@ -18,9 +18,9 @@ import math
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 
-from ..ir import Node, Tensor, const_tensor, const_value, is_const, producer
+from ..graph.ir import Node, Tensor, const_tensor, const_value, is_const, producer
 from .builder import (
     AnyConstantPattern,
     ConstantPattern,

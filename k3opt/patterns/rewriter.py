@@ -18,10 +18,10 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
+from .. import graph as gs
 
-from .. import ir
-from ..ir import Graph, Node, Tensor
+from ..graph import ir
+from ..graph.ir import Graph, Node, Tensor
 from ..passes.base import PassContext
 from .schema import validate_node
 

@@ -5,7 +5,7 @@ import logging
 import os
 from typing import Any, Callable, Optional, Sequence
 
-from ..ir import Graph, Node, Tensor, is_graph_output
+from ..graph.ir import Graph, Node, Tensor, is_graph_output
 from ..passes.base import PassContext
 from .builder import Pattern, build_pattern
 from .match import Match

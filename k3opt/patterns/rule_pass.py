@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar, Collection, Iterator, Optional, Sequ
 import onnx
 
 from ..errors import PluginError
-from ..ir import Graph, NameScope
+from ..graph.ir import Graph, NameScope
 from ..passes.base import Pass, PassContext, register_pass, registered_passes
 from .builder import NodeOutput, OrPattern, ValuePattern
 from .rule import Rule, RuleApplier, RuleError
@@ -200,7 +200,7 @@ def _kebab(name: str) -> str:
 def explain(rules: Union[Rule, Sequence[Rule]], model: Union[onnx.ModelProto, Graph], opset: Optional[int] = None
             ) -> list[str]:
     """Without changing anything: for each rule, where it matches, or why not at the closest candidate."""
-    import onnx_graphsurgeon as gs
+    from .. import graph as gs
 
     rules = [rules] if isinstance(rules, Rule) else list(rules)
     if isinstance(model, onnx.ModelProto):

@@ -31,7 +31,7 @@ _DEFAULTS = "k3opt_input_defaults"
 
 
 def import_onnx(model: onnx.ModelProto) -> Graph:
-    """``gs.import_onnx(model)`` (built by :mod:`k3opt.gs_import`), keeping graph inputs that
+    """``gs.import_onnx(model)`` (built by :mod:`k3opt.graph.gs_import`), keeping graph inputs that
     have a default initializer and node attributes of the kinds gs skips."""
     graph, handed = gs_import.import_noting_handoffs(model)
     restore_default_inputs(model, graph)
@@ -115,7 +115,7 @@ def _shape(vi: onnx.ValueInfoProto):
 
 
 def export_onnx(graph: Graph) -> onnx.ModelProto:
-    """``gs.export_onnx(graph, do_type_check=False)`` (built by :mod:`k3opt.gs_export`) that writes
+    """``gs.export_onnx(graph, do_type_check=False)`` (built by :mod:`k3opt.graph.gs_export`) that writes
     optional types and input defaults."""
     maps = [gs_export.tensor_map(g) for g in all_graphs(graph)]
     odd = [t for tensors in maps for t in tensors.values()

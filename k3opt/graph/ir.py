@@ -16,7 +16,7 @@ from onnx_graphsurgeon.logger import G_LOGGER
 from onnx_graphsurgeon.ir.tensor import LazyValues
 from onnx_graphsurgeon.util.misc import SynchronizedList
 
-from .errors import InputError
+from ..errors import InputError
 
 Tensor = gs.Tensor
 Node = gs.Node

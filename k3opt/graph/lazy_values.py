@@ -26,8 +26,8 @@ import onnx
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from . import io
-from .io import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
+from .. import io
+from ..io import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
 
 Source = Union[np.ndarray, LazyValues]
 

@@ -21,6 +21,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onn
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from .ir import Graph, Tensor, all_graphs, gs_fast_paths, node_subgraphs
+from .wire import field, varint
 
 
 def export_onnx(graph: Graph, tensors: Optional[dict[str, Tensor]] = None) -> onnx.ModelProto:
@@ -283,14 +284,13 @@ def _write_value_info(t: Tensor, entries) -> None:
 
 
 # --- gs's NodeProto as bytes -------------------------------------------------------------------------------------
-# Shape refreshes cache each node's serialized proto (k3opt.proto_cache); the first refresh after folding builds
+# Shape refreshes cache each node's serialized proto (k3opt.graph.proto_cache); the first refresh after folding builds
 # ~7,500 of them. Writing the protobuf wire format of plain nodes directly is ~1.5x faster than building the
 # NodeProto with onnx.helper and serializing it. Fields go in field-number order, as protobuf serializes them.
 
 _INT64 = 1 << 64
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _pack_float = struct.Struct("<f").pack
-_ONE_BYTE = [bytes((n,)) for n in range(0x80)]
 #: AttributeProto.type (field 20) for each attribute kind written here.
 _A = onnx.AttributeProto
 _KIND = {kind: b"\xa0\x01" + bytes((kind,)) for kind in (_A.FLOAT, _A.INT, _A.STRING, _A.TENSOR, _A.FLOATS, _A.INTS,
@@ -298,25 +298,6 @@ _KIND = {kind: b"\xa0\x01" + bytes((kind,)) for kind in (_A.FLOAT, _A.INT, _A.ST
 _INTEGRAL = frozenset((int, bool))
 _REAL = frozenset((int, bool, float))
 _TEXT = frozenset((str, bytes))
-
-
-def varint(n: int) -> bytes:
-    """The protobuf varint of ``n`` >= 0."""
-    if n < 0x80:
-        return _ONE_BYTE[n]
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def field(number: int, payload: bytes) -> bytes:
-    """``payload`` encoded as the length-delimited field ``number`` of a protobuf message."""
-    tag, size = number << 3 | 2, len(payload)
-    return ((_ONE_BYTE[tag] if tag < 0x80 else varint(tag)) + (_ONE_BYTE[size] if size < 0x80 else varint(size))
-            + payload)
 
 
 def _string(tag: bytes, value: str) -> bytes:
