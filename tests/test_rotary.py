@@ -31,12 +31,15 @@ def i64(net: Net, values) -> str:
     return net.const(np.asarray(values, dtype=np.int64), TP.INT64)
 
 
-def angles(net: Net, x: str = "x", etype=TP.FLOAT, half: bool = False, scale=None, trigs=("Cos", "Sin")
-           ) -> list[str]:
+def angles(net: Net, x: str = "x", etype=TP.FLOAT, half: bool = False, scale=None, trigs=("Cos", "Sin"),
+           past=None) -> list[str]:
     """cos/sin as transformers' rotary module computes them from ``arange(seq)`` (Llama): (1, 1, S, D) tensors
-    of ``Concat(freqs, freqs)``, or their first halves (``half``, DeepSeek-V3's interleave form)."""
+    of ``Concat(freqs, freqs)``, or their first halves (``half``, DeepSeek-V3's interleave form); ``past``: the
+    positions of a decode step, ``arange(seq) + past length`` (the past cache's dim 2)."""
     seq = net("Gather", net("Shape", x), i64(net, 2), axis=0)
     pos = net("Range", i64(net, 0), seq, i64(net, 1))
+    if past:
+        pos = net("Add", pos, net("Gather", net("Shape", past), i64(net, 2), axis=0))
     posf = net("Cast", net("Unsqueeze", pos, i64(net, [0, 2])), to=TP.FLOAT)
     emb = net("Concat", *[net("Mul", posf, net.const(INV_FREQ))] * 2, axis=-1)
     out = []
@@ -123,6 +126,14 @@ def test_rotate_half_with_angles_from_positions(kind, neg):
     """Llama/Qwen2: cos/sin computed from arange(seq) at run time; the halves by Slice (exporters) or Split (chunk)."""
     out = assert_fused(llama_model(kind=kind, neg=neg), interleaved=0)
     assert "Neg" not in op_counts(out) and "Concat" in op_counts(out)  # only the angles' Concat(freqs, freqs)
+
+
+def test_decode_step_positions_after_the_cache():
+    """A decode step's positions arange(new) + past: still x's positions, provably."""
+    net = Net(23)
+    model = model_of(net, rotate_half(net, "x", *angles(net, past="past")),
+                     inputs=[X, ("past", TP.FLOAT, ["b", 2, "p", D])])
+    assert_fused(model, feeds=random_feeds(model) | {"past": np.zeros((2, 2, 5, D), np.float32)})
 
 
 def test_q_and_k_share_the_angles_and_fuse_separately():

@@ -305,10 +305,11 @@ def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
             or (op == "Slice" and _slice_spares(node, rank, axis)):
         return inputs[0], axis
     if op in _ANGLE_SCALAR and len(inputs) == 2:
-        # the operand that is not a constant broadcasting (size 1) along this axis
-        varying = [x for x in inputs if not (is_const(x) and _dim_of(x, axis, rank) == 1)]
-        return (varying[0], axis - (rank - len(varying[0].shape))) if len(varying) == 1 and varying[0].shape \
-            and axis - (rank - len(varying[0].shape)) >= 0 else None
+        # the one operand not broadcast along this axis (a position offset or a frequency vector is)
+        if any(x.shape is None for x in inputs):
+            return None
+        varying = [(x, j) for x in inputs for j in [axis - (rank - len(x.shape))] if j >= 0 and x.shape[j] != 1]
+        return varying[0] if len(varying) == 1 else None
     if op == "Unsqueeze":
         axes = _unsqueeze_axes(node, rank)
         if axes is None or axis in axes:
@@ -332,15 +333,6 @@ def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
                 and any(a is inputs[0] for a in limit.inputs):
             return None, _scalar_dim(limit.inputs[1] if limit.inputs[0] is inputs[0] else limit.inputs[0])
     return None
-
-
-def _dim_of(t: Tensor, axis: int, rank: int) -> Optional[int]:
-    """Dim of constant ``t`` at axis ``axis`` of a rank-``rank`` broadcast (1 where ``t`` has no such axis)."""
-    value = const_value(t)
-    if value is None:
-        return None
-    j = axis - (rank - value.ndim)
-    return 1 if j < 0 else int(value.shape[j])
 
 
 def _raw_axes(node: Node) -> Optional[list[int]]:
