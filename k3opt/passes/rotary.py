@@ -526,7 +526,7 @@ class FuseRotary(Pass):
     name = "fuse-rotary"
     description = ("rotary embeddings of q and k (rotate-half, explicit halves, DeepSeek's even/odd pairs) -> "
                    "RotaryEmbedding (target onnx, opset >= 23); counted and kept decomposed otherwise")
-    order = 520
+    order = 515
     needs_shapes = True
     preserves_shapes = True
 
