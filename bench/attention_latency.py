@@ -178,8 +178,8 @@ def render(run: dict) -> str:
             ev = row.get("eval") or {}
             ops = ", ".join(f"{k} {v}" for k, v in sorted((ev.get("ops") or {}).items())
                             if k in ("Attention", "RotaryEmbedding", "RMSNormalization", "Softmax", "Neg"))
-            cells = [row["optimizer"], row["status"] if row["status"] == "ok" else f"{row['status']}: {row['error'][:60]}",
-                     str(ev.get("nodes", "")), "" if row["optimizer"] == "original" else str(equal(row)),
+            status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row['error'][:60]}"
+            cells = [row["optimizer"], status, str(ev.get("nodes", "")), "" if row["optimizer"] == "original" else str(equal(row)),
                      *(_fmt(_median(row, level)) for level in LEVELS), ops]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
