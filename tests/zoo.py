@@ -4,6 +4,8 @@
 ``zoo_inputs(name)`` numpy inputs for it (batch 2, sequence 8, the second row
 padded so the attention mask matters); ``zoo_torch_model(name)`` the torch
 module that was exported (same weights), taking the same inputs positionally.
+``zoo_decode_model``/``zoo_decode_inputs``/``decode_torch_outputs`` are the
+same for one decoding step with the KV cache (``DECODE_NAMES``; see that block).
 
 Names: ``bert``, ``gpt2``, ``llama`` (GQA: 2 KV heads for 4 heads), ``qwen2``
 (QKV bias, GQA), ``deepseek_v3`` (the Kimi K2 architecture: MLA with
@@ -37,7 +39,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -93,25 +95,28 @@ def zoo_config(name: str) -> Any:
         "vit": lambda: tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                     image_size=IMAGE, patch_size=8, num_channels=3),
     }
-    if name not in configs:
-        raise KeyError(f"no zoo model {name!r}; choose one of {', '.join(NAMES)}")
-    return configs[name]()
+    if family(name) not in configs:
+        raise KeyError(f"no zoo model {name!r}; choose one of {', '.join(NAMES + EAGER_NAMES)}")
+    config = configs[family(name)]()
+    if name in EAGER_NAMES:
+        config._attn_implementation = "eager"
+    return config
 
 
 def input_names(name: str) -> list[str]:
     """Graph input names of zoo model ``name``."""
-    return ["pixel_values"] if name == "vit" else ["input_ids", "attention_mask"]
+    return ["pixel_values"] if family(name) == "vit" else ["input_ids", "attention_mask"]
 
 
 def output_names(name: str) -> list[str]:
     """Graph output names of zoo model ``name``."""
-    return ["last_hidden_state", "pooler_output"] if name in ("bert", "vit") else ["logits"]
+    return ["last_hidden_state", "pooler_output"] if family(name) in ("bert", "vit") else ["logits"]
 
 
 def zoo_inputs(name: str, batch: int = BATCH, seq: int = TEXT_SEQ, seed: int = SEED) -> dict[str, np.ndarray]:
     """Seeded numpy inputs for zoo model ``name``; row 1 of a text model's mask pads its last 3 positions."""
     rng = np.random.default_rng(seed)
-    if name == "vit":
+    if family(name) == "vit":
         return {"pixel_values": rng.standard_normal((batch, 3, IMAGE, IMAGE)).astype(np.float32)}
     mask = np.ones((batch, seq), dtype=np.int64)
     if batch > 1:
@@ -135,9 +140,9 @@ def zoo_torch_model(name: str) -> Any:
 
     config = zoo_config(name)
     torch.manual_seed(SEED)
-    if name == "bert":
+    if family(name) == "bert":
         hf = tf.BertModel(config)
-    elif name == "vit":
+    elif family(name) == "vit":
         hf = tf.ViTModel(config)
     else:
         hf = tf.AutoModelForCausalLM.from_config(config)
@@ -189,28 +194,133 @@ def _locked(path: Path) -> Iterator[None]:
 def zoo_model(name: str, exporter: str = "torchscript") -> Path:
     """Path of the cached ONNX export of zoo model ``name`` with ``exporter`` (exported on first use)."""
     _require()
-    if name not in NAMES or exporter not in EXPORTERS:
-        raise KeyError(f"no zoo model {name!r}/{exporter!r}; names {NAMES}, exporters {EXPORTERS}")
+    if name not in NAMES + EAGER_NAMES or exporter not in EXPORTERS:
+        raise KeyError(f"no zoo model {name!r}/{exporter!r}; names {NAMES + EAGER_NAMES}, exporters {EXPORTERS}")
     target = cache_dir() / f"{name}-{exporter}-{cache_key()}.onnx"
+    return _build_once(target, lambda tmp: _export(name, exporter, tmp))
+
+
+def _export(name: str, exporter: str, path: str, **options: Any) -> None:
+    """Export zoo model ``name`` to ``path`` (k3opt.export, optimize=False); ``options`` go to from_transformers."""
+    from k3opt.export import from_transformers
+
+    from_transformers(zoo_torch_model(name).model, path, exporter=exporter, batch=BATCH,
+                      seq_len=options.pop("seq_len", TEXT_SEQ), optimize=False, **options)
+
+
+def _build_once(target: Path, write: Callable[[str], None]) -> Path:
+    """``target``, written by ``write(temp path)`` unless cached: a file lock, a temp file renamed into place."""
     if target.exists():
         return target
     with _locked(target.with_suffix(".lock")):
-        if not target.exists():
-            _export(name, exporter, target)
+        if target.exists():
+            return target
+        fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=target.parent)
+        os.close(fd)
+        try:
+            write(tmp)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 
-def _export(name: str, exporter: str, target: Path) -> None:
-    """Export (k3opt.export, optimize=False) into a temp file next to ``target``, then rename it into place."""
-    from k3opt.export import from_transformers
+# ----------------------------------------------------------------------------- decode steps (KV cache)
+# One decoding step with the KV cache as plain tensors, k3opt.export's ``use_cache=True`` form:
+# inputs ``input_ids`` (batch, sequence) -- the new tokens --, ``attention_mask`` (batch, total_sequence)
+# over past + new, ``past_key_values.{layer}.key|value`` (batch, kv heads, past_sequence, head dim);
+# outputs ``logits`` and ``present.{layer}.key|value`` (past + new long). All four axes are dynamic.
+# The export's example has 3 past and 3 new tokens (the dynamo exporter would fix a size-1 dim), so
+# one graph serves a one-token step (new=1) and a prefill with past (new > 1).
 
-    fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=target.parent)
-    os.close(fd)
-    try:
-        from_transformers(zoo_torch_model(name).model, tmp, exporter=exporter, batch=BATCH, seq_len=TEXT_SEQ,
-                          optimize=False)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+DECODE_NAMES = ("gpt2", "llama", "qwen2")
+DECODE_EXAMPLE = 3  # past and new tokens of the export's example
+
+
+def _require_decode(name: str, exporter: str = "torchscript") -> None:
+    _require()
+    if name not in DECODE_NAMES or exporter not in EXPORTERS:
+        raise KeyError(f"no decode zoo model {name!r}/{exporter!r}; names {DECODE_NAMES}, exporters {EXPORTERS}")
+
+
+def zoo_decode_params() -> list:
+    """``pytest.param(name, exporter)`` for every decode model (ids ``llama-torchscript``...); dynamo ones slow."""
+    return [pytest.param(n, e, marks=[pytest.mark.slow] if e == "dynamo" else [], id=f"{n}-{e}")
+            for n in DECODE_NAMES for e in EXPORTERS]
+
+
+def zoo_decode_model(name: str, exporter: str = "torchscript") -> Path:
+    """Path of the cached decode-step export (KV cache in and out) of zoo model ``name``."""
+    _require_decode(name, exporter)
+    target = cache_dir() / f"{name}-decode-{exporter}-{cache_key()}.onnx"
+    return _build_once(target, lambda tmp: _export(name, exporter, tmp, use_cache=True, seq_len=DECODE_EXAMPLE))
+
+
+def decode_input_names(name: str) -> list[str]:
+    """Graph input names of decode model ``name``: ids, mask, then each layer's past key and value."""
+    layers = zoo_config(name).num_hidden_layers
+    return ["input_ids", "attention_mask",
+            *(f"past_key_values.{i}.{part}" for i in range(layers) for part in ("key", "value"))]
+
+
+def decode_output_names(name: str) -> list[str]:
+    """Graph output names of decode model ``name``: logits, then each layer's present key and value."""
+    return ["logits", *(n.replace("past_key_values.", "present.") for n in decode_input_names(name)[2:])]
+
+
+def zoo_decode_inputs(name: str, past: int = 6, new: int = 1, batch: int = BATCH,
+                      seed: int = SEED) -> dict[str, np.ndarray]:
+    """Seeded inputs of one decode step: ``new`` tokens after a cache of ``past`` (random keys/values).
+
+    Row 1 is left-padded, as batched generation pads a decoder-only model: the
+    mask's first ``min(3, past - 1)`` positions (all in the past) are 0, so the
+    new tokens still see some past and the mask matters.
+    """
+    _require_decode(name)
+    config = zoo_config(name)
+    rng = np.random.default_rng(seed)
+    heads = config.num_attention_heads
+    kv_heads, head_dim = getattr(config, "num_key_value_heads", None) or heads, config.hidden_size // heads
+    mask = np.ones((batch, past + new), dtype=np.int64)
+    if batch > 1 and past > 1:
+        mask[1, :min(3, past - 1)] = 0
+    feeds = {"input_ids": rng.integers(0, VOCAB, (batch, new)).astype(np.int64), "attention_mask": mask}
+    for cache in decode_input_names(name)[2:]:
+        feeds[cache] = rng.standard_normal((batch, kv_heads, past, head_dim)).astype(np.float32)
+    return feeds
+
+
+def decode_torch_outputs(name: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Outputs of the torch decode step for ``feeds`` (numpy in and out), in graph output order."""
+    import torch
+
+    from k3opt.export.task_module import CachedCausalLM
+
+    model = CachedCausalLM(zoo_torch_model(name).model).eval()
+    tensors = [torch.from_numpy(feeds[n].copy()) for n in decode_input_names(name)]
+    with torch.no_grad():
+        out = model(tensors[0], tensors[1], tuple(tensors[2:]))
+    return [t.numpy() for t in out]
+# ----------------------------------------------------------------------------- end of decode steps
+
+
+# ----------------------------------------------------------------------------- eager attention
+# ``<family>_eager``: the same model (same weights and inputs) with transformers' eager attention
+# (``attn_implementation="eager"``: MatMul, scale, additive float mask, Softmax, MatMul) instead of
+# the default ``sdpa``, whose exported decomposition differs (split scale, -inf mask, IsNaN guard).
+
+EAGER_NAMES = tuple(f"{n}_eager" for n in NAMES)
+
+
+def family(name: str) -> str:
+    """The model family of a zoo name (``llama_eager`` -> ``llama``)."""
+    return name[:-len("_eager")] if name in EAGER_NAMES else name
+
+
+def zoo_attention_params() -> list:
+    """``pytest.param(name, exporter)`` for every zoo pair, sdpa and eager; dynamo ones marked slow."""
+    return [pytest.param(n, e, marks=[pytest.mark.slow] if e == "dynamo" else [], id=f"{n}-{e}")
+            for n in NAMES + EAGER_NAMES for e in EXPORTERS]
+# ----------------------------------------------------------------------------- end of eager attention

@@ -1,0 +1,350 @@
+"""fuse-attention on hand-made graphs: each form the exporters emit becomes one Attention (opset 23) with the
+original's outputs in onnxruntime, and each unsafe variant is left decomposed with its reason noted."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper
+
+from k3opt import shapes
+from k3opt.ir import NameScope
+from k3opt.passes._attention_common import AttentionMatch, apply_attention, attention_rules
+from k3opt.passes.base import PassContext, get_pass
+from tests.helpers import assert_equivalent, make_model, op_counts, random_feeds, run_passes
+
+B, NQ, S, D = 2, 4, 5, 8
+LOWEST = float(np.finfo(np.float32).min)
+
+
+class Attn:
+    """Writes one attention graph: ``Attn(...).model()``; options pick the exporter's spelling."""
+
+    def __init__(self, *, scale="split", k_form="bnsd", kv_heads=NQ, repeat=False, mask="where_inf", guard=True,
+                 dv=D, dqk=D, past=0, axis=-1, elem=TP.FLOAT, opset=23, mask_shape=(B, 1, S, S),
+                 causal_value=None, dropout=False, extra_outputs=(), q_len=S):
+        self.nodes, self.inits, self.inputs, self.outputs = [], {}, [], []
+        self.elem, self.opset, self.np = elem, opset, helper.tensor_dtype_to_np_dtype(elem)
+        sk = past + q_len
+        q = self.input("q", [B, NQ, q_len, dqk])
+        if k_form == "bsnd":
+            k = self.input("k", [B, q_len, kv_heads, dqk])
+        else:
+            k = self.input("k", [B, kv_heads, q_len, dqk])
+        v = self.input("v", [B, kv_heads, q_len, dv])
+        if past:
+            pk, pv = self.input("past_k", [B, kv_heads, past, dqk]), self.input("past_v", [B, kv_heads, past, dv])
+            k = self.op("Concat", pk, k, axis=2, out="present_k")
+            v = self.op("Concat", pv, v, axis=2, out="present_v")
+            self.outputs += [("present_k", elem, [B, kv_heads, sk, dqk]), ("present_v", elem, [B, kv_heads, sk, dv])]
+        if repeat:
+            k, v = self.repeat(k, NQ // kv_heads), self.repeat(v, NQ // kv_heads)
+        d4 = self.const(float(dqk) ** -0.25)
+        if scale == "split":
+            q = self.op("Mul", q, d4)
+        if k_form == "bnsd":
+            kt = self.op("Transpose", k, perm=[0, 1, 3, 2])
+        elif k_form == "bsnd":
+            kt = self.op("Transpose", k, perm=[0, 2, 3, 1])
+        else:  # dynamo: Reshape(Transpose(Reshape(k, [-1, S, D]), [0, 2, 1]), Shape(k)[:2] + [D, S])
+            shape = self.op("Shape", k)
+            flat = self.op("Reshape", k, self.op("Concat", self.ints([-1]), self.op("Slice", shape, self.ints([-2]),
+                                                                                    self.ints([-1])),
+                                                  self.ints([dqk]), axis=0))
+            back = self.op("Concat", self.op("Slice", shape, self.ints([0]), self.ints([-2])), self.ints([dqk]),
+                           self.op("Slice", shape, self.ints([-2]), self.ints([-1])), axis=0)
+            kt = self.op("Reshape", self.op("Transpose", flat, perm=[0, 2, 1]), back)
+        if scale == "split":
+            kt = self.op("Mul", kt, d4)
+        scores = self.op("MatMul", q, kt, out="scores")
+        if scale == "div":
+            scores = self.op("Div", scores, self.const(float(dqk) ** 0.5))
+        elif scale == "mul":
+            scores = self.op("Mul", scores, self.const(float(dqk) ** -0.5))
+        elif scale == "input":
+            scores = self.op("Div", scores, self.input("divisor", []))
+        elif scale == "vector":
+            scores = self.op("Mul", scores, self.const(np.full(sk, dqk ** -0.5)))
+        x = scores
+        if mask is not None:
+            x = self.op("Add", x, self.mask(mask, mask_shape, q_len, sk, causal_value))
+        probs = self.op("Softmax", x, axis=axis, out="probs")
+        if guard:
+            probs = self.op("Where", self.op("IsNaN", probs), self.const(0.0), probs)
+        if dropout:
+            probs = self.op("Dropout", probs, self.const(0.1), self.ints_scalar(True), out="dropped")
+        y = self.op("MatMul", probs, v, out="y")
+        self.outputs.insert(0, ("y", elem, [B, NQ, q_len, dv]))
+        for name in extra_outputs:
+            if name == "scores_reader":
+                self.outputs.append((self.op("ReduceMax", scores, self.ints([-1])), elem, [B, NQ, q_len, 1]))
+            else:
+                self.outputs.append((name, elem, [B, NQ, q_len, sk]))
+
+    def input(self, name, shape, elem=None):
+        self.inputs.append((name, self.elem if elem is None else elem, shape))
+        return name
+
+    def const(self, value, dtype=None):
+        name = f"c{len(self.inits)}"
+        self.inits[name] = np.asarray(value, dtype=dtype or self.np)
+        return name
+
+    def ints(self, value):
+        return self.const(value, np.int64)
+
+    def ints_scalar(self, value):
+        return self.const(value, np.bool_)
+
+    def op(self, op, *inputs, out=None, **attrs):
+        out = out or f"t{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op, list(inputs), [out], name=f"n{len(self.nodes)}_{op}", **attrs))
+        return out
+
+    def repeat(self, x, rep):
+        """repeat_kv: Reshape(Expand(Unsqueeze(x, 2), [B, H, rep, S, D]), [B, H*rep, S, D]), shapes from Shape(x)."""
+        shape = self.op("Shape", x)
+        dims = [self.op("Gather", shape, self.ints([i]), axis=0) for i in range(4)]
+        target = self.op("Concat", dims[0], dims[1], self.ints([rep]), dims[2], dims[3], axis=0)
+        expanded = self.op("Expand", self.op("Unsqueeze", x, self.ints([2])), target)
+        merged = self.op("Concat", dims[0], self.ints([NQ]), dims[2], dims[3], axis=0)
+        return self.op("Reshape", expanded, merged)
+
+    def mask(self, kind, shape, q_len, sk, causal_value):
+        if kind == "float_input":
+            return self.input("mask", list(shape))
+        if kind == "causal":
+            keep = np.tril(np.ones((q_len, sk), bool), sk - q_len) if causal_value is None else causal_value
+            return self.const(np.where(keep, 0.0, -np.inf))
+        fill = {"where_inf": -np.inf, "where_min": LOWEST, "where_small": -1e4}[kind]
+        keep = self.input("keep", list(shape), TP.BOOL)
+        return self.op("Where", keep, self.const(0.0), self.const(fill))
+
+    def model(self):
+        """The checked model with inferred intermediate shapes (as the pass manager's refresh gives them)."""
+        model = make_model(self.nodes, self.inputs, self.outputs, self.inits, opset=self.opset)
+        return onnx.shape_inference.infer_shapes(model)
+
+
+def fuse(model, target="onnx"):
+    return run_passes(model, [get_pass("fuse-attention")()], target=target)
+
+
+def feeds_for(model, full_rows=True, seed=0):
+    """Random inputs; with ``full_rows`` the keep mask has a fully masked query row (and one fully open)."""
+    feeds = random_feeds(model, seed)
+    if "keep" in feeds and full_rows:
+        feeds["keep"][...] = True
+        feeds["keep"][1, ..., -1, :] = False
+        feeds["keep"][0, ..., -1, -2:] = False
+    return feeds
+
+
+def attention_nodes(model):
+    return [n for n in model.graph.node if n.op_type == "Attention"]
+
+
+def assert_fused(model, feeds=None, tol=1e-5, **want):
+    """One Attention, no Softmax left, the original's outputs; the pass is idempotent."""
+    out, pm, ctx = fuse(model)
+    (node,) = attention_nodes(out)
+    assert "Softmax" not in op_counts(out)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    for key, value in want.items():
+        assert attrs.get(key) == pytest.approx(value) if isinstance(value, float) else attrs.get(key) == value, key
+    assert_equivalent(model, out, feeds=feeds if feeds is not None else feeds_for(model), rtol=tol, atol=tol / 10)
+    again, pm2, _ = fuse(out)
+    assert pm.stats["fuse-attention"].rewrites == 1 and pm2.stats["fuse-attention"].rewrites == 0
+    return out, node, ctx
+
+
+def assert_declined(model, reason: str, target="onnx"):
+    """Nothing rewritten, and the report note names the reason."""
+    out, pm, ctx = fuse(model, target)
+    assert pm.stats["fuse-attention"].rewrites == 0 and not attention_nodes(out)
+    assert any(reason in n for n in ctx.notes), ctx.notes
+    return ctx
+
+
+# -- forms ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scale", ["split", "div", "mul"])
+@pytest.mark.parametrize("k_form", ["bnsd", "bsnd", "batched"])
+def test_scale_and_key_transpose_forms(scale, k_form):
+    """sdpa's split d^-1/4 on q and k, eager's Div/Mul after the MatMul; k^T of BNSD and BSND keys, dynamo's 3-D."""
+    _, node, _ = assert_fused(Attn(scale=scale, k_form=k_form).model(), scale=D ** -0.5)
+    assert len(node.input) == 4  # q, k, v, attn_mask
+
+
+def test_gqa_repeat_kv_is_absorbed():
+    out, node, _ = assert_fused(Attn(kv_heads=2, repeat=True).model(), q_num_heads=NQ, kv_num_heads=2)
+    assert not {"Expand", "Unsqueeze", "Reshape"} & set(op_counts(out))
+    assert node.input[1] == "k" and node.input[2] == "v"
+
+
+def test_mqa_by_broadcast():
+    assert_fused(Attn(kv_heads=1).model(), q_num_heads=NQ, kv_num_heads=1)
+
+
+def test_mla_head_dims_differ():
+    """DeepSeek-V3's MLA: qk head dim 12 (nope 8 + rope 4), v head dim 8."""
+    assert_fused(Attn(dqk=12, dv=8, scale="mul").model(), scale=12 ** -0.5)
+
+
+def test_no_mask():
+    _, node, _ = assert_fused(Attn(mask=None, guard=False).model())
+    assert len(node.input) == 3
+
+
+def test_eager_lowest_fill_without_guard_keeps_uniform_rows():
+    """finfo.min fill: a fully masked row is uniform in the graph; onnxruntime's Attention would zero a row of
+    lowest values, so the mask is rebuilt with the next larger value (the feeds hold such a row)."""
+    model = Attn(scale="mul", mask="where_min", guard=False).model()
+    out, node, _ = assert_fused(model)
+    (where,) = [n for n in out.graph.node if n.op_type == "Where"]
+    fill = next(i for i in out.graph.initializer if i.name == where.input[2])
+    assert onnx.numpy_helper.to_array(fill) == np.nextafter(np.float32(LOWEST), np.float32(0))
+
+
+def test_sdpa_inf_fill_with_guard_zeroes_rows_like_attention():
+    assert_fused(Attn(mask="where_inf", guard=True).model())
+
+
+def test_moderate_fill_is_kept():
+    """A finite fill above the dtype's lowest (BERT's old -10000) is added as it is."""
+    assert_fused(Attn(mask="where_small", guard=False).model())
+
+
+def test_padding_mask_over_keys_only_is_expanded_to_the_query_length():
+    """A (B, 1, 1, Skv) mask broadcasts over the queries; onnxruntime's Attention wants (.., Sq, Skv)."""
+    out, node, _ = assert_fused(Attn(mask_shape=(B, 1, 1, S)).model())
+    assert "Expand" in op_counts(out)
+
+
+def test_exact_causal_mask_becomes_is_causal():
+    out, node, _ = assert_fused(Attn(mask="causal", guard=False).model(), is_causal=1)
+    assert len(node.input) == 3
+
+
+def test_non_triangular_causal_mask_stays_a_mask():
+    """An upper triangle is not causal: no is_causal; no row is fully masked, so the mask is fused as it is."""
+    keep = np.triu(np.ones((S, S), bool))
+    out, node, _ = assert_fused(Attn(mask="causal", guard=True, causal_value=keep).model())
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs.get("is_causal", 0) == 0 and len(node.input) == 4
+
+
+def test_causal_with_past_keeps_its_mask():
+    """Decode: keys Concat(past, new), the causal mask over past + new bottom-right aligned. Attention's
+    is_causal aligns by its past_key input; the op reads the concatenated keys, so the mask stays."""
+    model = Attn(mask="causal", guard=False, past=3, q_len=2).model()
+    seen = []
+    out, node, _ = assert_fused(model)
+    assert len(node.input) == 4 and op_counts(out)["Concat"] == 2  # the present outputs stay
+    recognise(model, seen.append)
+    assert seen[0].causal_only
+
+
+def test_decode_with_padding_mask_reads_the_concatenated_cache():
+    model = Attn(past=4, q_len=1, mask_shape=(B, 1, 1, 5)).model()
+    out, node, _ = assert_fused(model)
+    assert node.input[1] == "present_k" and node.input[2] == "present_v"
+
+
+def recognise(model, record):
+    """Run the recogniser with ``record(op, am)`` as its rewrite (which declines)."""
+    graph = gs.import_onnx(model)
+    shapes.ShapeRefresher()(graph)
+    ctx = PassContext(opset=23, names=NameScope(graph))
+    assert apply_attention(graph, ctx, attention_rules(lambda op, am: record(am))) == 0
+
+
+def test_recogniser_describes_the_decode_cache():
+    model = Attn(past=4, q_len=1, mask_shape=(B, 1, 1, 5), kv_heads=2, repeat=True).model()
+    seen: list[AttentionMatch] = []
+
+    def record(am):
+        seen.append(am)
+
+    recognise(model, record)
+    (am,) = seen
+    assert (am.past_key.name, am.new_key.name, am.present_key.name) == ("past_k", "k", "present_k")
+    assert (am.past_value.name, am.new_value.name, am.present_value.name) == ("past_v", "v", "present_v")
+    assert (am.q_num_heads, am.kv_num_heads, am.head_dim_qk, am.head_dim_v) == (NQ, 2, D, D)
+    assert am.scale == pytest.approx(D ** -0.5) and am.zero_fully_masked and am.mask_fill == float("-inf")
+    assert am.keep.name == "keep" and not am.causal_only and am.dtype == TP.FLOAT
+
+
+def test_float16():
+    assert_fused(Attn(elem=TP.FLOAT16, mask="where_inf").model(), tol=1e-2)
+
+
+# -- refusals ------------------------------------------------------------------------------------------------
+
+def test_softmax_over_another_axis():
+    assert_declined(Attn(axis=2).model(), "not the last (keys) axis")
+
+
+def test_non_constant_scale():
+    assert_declined(Attn(scale="input").model(), "scaled by a non-constant")
+
+
+def test_scale_that_is_not_a_scalar():
+    assert_declined(Attn(scale="vector").model(), "not a float scalar")
+
+
+def test_mask_that_broadcasts_the_scores():
+    """A mask with 3 query rows for scores of 1 would make the result larger."""
+    assert_declined(Attn(q_len=1, mask_shape=(B, 1, 3, 1)).model(), "broadcasts the scores")
+
+
+def test_mask_of_higher_rank():
+    assert_declined(Attn(mask_shape=(1, B, 1, S, S)).model(), "rank 5")
+
+
+def test_probabilities_as_graph_output():
+    assert_declined(Attn(guard=False, extra_outputs=("probs",)).model(), "is a graph output")
+
+
+def test_second_reader_of_the_scores():
+    assert_declined(Attn(extra_outputs=("scores_reader",)).model(), "is also read by")
+
+
+def test_dropout_in_training_mode():
+    assert_declined(Attn(dropout=True).model(), "Dropout")
+
+
+def test_unsupported_dtype():
+    assert_declined(Attn(elem=TP.DOUBLE).model(), "DOUBLE")
+
+
+def test_inf_fill_without_guard_is_declined():
+    """The graph gives NaN for a fully masked row, Attention zeros: not the same for every input."""
+    assert_declined(Attn(mask="where_inf", guard=False).model(), "without the IsNaN guard")
+
+
+def test_non_triangular_inf_mask_without_guard_is_declined():
+    """Claimed causal but shifted by one: row 0 is fully masked (NaN in the graph)."""
+    keep = np.tril(np.ones((S, S), bool), -1)
+    assert_declined(Attn(mask="causal", guard=False, causal_value=keep).model(), "without the IsNaN guard")
+
+
+def test_mask_of_unknown_form_is_declined():
+    assert_declined(Attn(mask="float_input").model(), "unknown form")
+
+
+# -- below opset 23 / other targets ---------------------------------------------------------------------------
+
+def test_below_opset_23_counted_and_left_decomposed():
+    model = Attn(opset=21).model()
+    out, pm, ctx = fuse(model)
+    assert pm.stats["fuse-attention"].rewrites == 0 and not attention_nodes(out)
+    assert ctx.counters["attention_found"] == 1
+    assert "1 attention(s) found, left decomposed: opset < 23" in ctx.notes
+
+
+def test_cann_target_counted_and_left_decomposed():
+    out, pm, ctx = fuse(Attn().model(), target="cann")
+    assert not attention_nodes(out) and "1 attention(s) found, left decomposed: target cann" in ctx.notes

@@ -1,0 +1,75 @@
+"""fuse-attention on the zoo's real exports: every family, both exporters, sdpa and eager attention, and
+the decode steps with the KV cache; at ``--opset 23`` one Attention per layer, no Softmax left, the
+optimize call's own verification passes and the original's outputs are reproduced in onnxruntime,
+also on left-padded inputs whose causal rows are fully masked."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import k3opt
+from k3opt.report import Report
+from tests.helpers import op_counts, run_ort
+from tests.zoo import (family, max_rel_err, needs_torch, zoo_attention_params, zoo_config, zoo_decode_inputs,
+                       zoo_decode_model, zoo_decode_params, zoo_inputs, zoo_model)
+
+
+def layers(name: str) -> int:
+    config = zoo_config(family(name))
+    return getattr(config, "num_hidden_layers", None) or config.n_layer
+
+
+def optimized(path, feeds) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(original, optimized at opset 23), the optimize call verifying on ``feeds``."""
+    report = Report()
+    out = k3opt.optimize(str(path), opset=23, verify=True, input_data=feeds, report=report)
+    assert report.verification["status"] == "passed", report.verification
+    return onnx.load(str(path)), out
+
+
+def left_padded(feeds: dict) -> dict:
+    """Row 1 padded at the start: its first query rows see no key under a causal mask."""
+    feeds = {k: v.copy() for k, v in feeds.items()}
+    if "attention_mask" in feeds:
+        feeds["attention_mask"][:] = 1
+        feeds["attention_mask"][1, :3] = 0
+    return feeds
+
+
+def assert_same_outputs(original, out, feeds) -> None:
+    want, got = run_ort(original, feeds), run_ort(out, feeds)
+    assert all(np.isnan(w).any() == np.isnan(g).any() for w, g in zip(want, got))
+    assert max_rel_err(got, want) < 1e-4
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", zoo_attention_params())
+def test_one_attention_per_layer(name, exporter):
+    feeds = zoo_inputs(name)
+    original, out = optimized(zoo_model(name, exporter), feeds)
+    counts = op_counts(out)
+    assert counts.get("Attention") == layers(name) and "Softmax" not in counts
+    assert_same_outputs(original, out, feeds)
+    assert_same_outputs(original, out, left_padded(feeds))
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", zoo_decode_params())
+def test_decode_step_with_the_kv_cache(name, exporter):
+    """One new token after a cache of 6, and 3 new after 4; the present outputs are kept."""
+    feeds = zoo_decode_inputs(name)
+    original, out = optimized(zoo_decode_model(name, exporter), feeds)
+    counts = op_counts(out)
+    assert counts.get("Attention") == layers(name) and "Softmax" not in counts
+    assert [o.name for o in out.graph.output] == [o.name for o in original.graph.output]
+    for past, new in ((6, 1), (4, 3), (1, 1)):
+        assert_same_outputs(original, out, zoo_decode_inputs(name, past=past, new=new))
+
+
+@needs_torch
+def test_below_opset_23_the_attentions_are_counted():
+    report = Report()
+    out = k3opt.optimize(str(zoo_model("llama")), report=report)
+    assert "Attention" not in op_counts(out)
+    assert "2 attention(s) found, left decomposed: opset < 23" in report.notes
