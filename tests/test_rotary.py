@@ -12,7 +12,7 @@ from k3opt.passes.base import get_pass
 from k3opt.report import Report
 from tests.helpers import assert_equivalent, op_counts, random_feeds, run_passes
 from tests.test_layer_norm import RNG, Net, attrs, needs_torch, zoo_cases
-from tests.zoo import zoo_config, zoo_inputs, zoo_model
+from tests.zoo import family, zoo_config, zoo_decode_inputs, zoo_decode_model, zoo_inputs, zoo_model
 
 D, H = 8, 4  # head dim, heads
 X = ("x", TP.FLOAT, ["b", H, "s", D])
@@ -298,21 +298,37 @@ def test_graph_output_name_is_kept():
 
 # -- real exports (tests/zoo.py) ----------------------------------------------------------------------------------
 
-@needs_torch
-@pytest.mark.parametrize("name, exporter", zoo_cases(("llama", "qwen2", "deepseek_v3")))
-def test_every_rotary_of_real_exports(name, exporter):
+def assert_every_rotary_fused(path, feeds, name) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """One RotaryEmbedding per q and per k in every layer at opset 23 (the default pipeline, verified in
-    onnxruntime, and compared again here); counted and left decomposed at the default opset."""
-    model = onnx.load(str(zoo_model(name, exporter)))
-    layers = zoo_config(name).num_hidden_layers
+    onnxruntime on ``feeds``, and compared again here)."""
+    model = onnx.load(str(path))
     report = Report()
-    out = k3opt.api.optimize(model, opset=23, verify=True, report=report)
+    out = k3opt.api.optimize(model, opset=23, verify=True, input_data=feeds, report=report)
     counts = op_counts(out)
-    assert counts.get("RotaryEmbedding") == 2 * layers and "Neg" not in counts
-    assert_equivalent(model, out, feeds=zoo_inputs(name), rtol=1e-4, atol=1e-5)
-    assert report.verification["status"] == "passed"
+    assert counts.get("RotaryEmbedding") == 2 * zoo_config(family(name)).num_hidden_layers and "Neg" not in counts
+    assert report.verification["status"] == "passed", report.verification
+    assert_equivalent(model, out, feeds=feeds, rtol=1e-4, atol=1e-5)
+    return model, out
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", zoo_cases(("llama", "qwen2", "deepseek_v3", "llama_eager",
+                                                      "qwen2_eager", "deepseek_v3_eager")))
+def test_every_rotary_of_real_exports(name, exporter):
+    """sdpa and eager attention alike; counted and left decomposed at the default opset."""
+    model, _ = assert_every_rotary_fused(zoo_model(name, exporter), zoo_inputs(family(name)), name)
+    layers = zoo_config(family(name)).num_hidden_layers
     kept_report = Report()
     kept = k3opt.api.optimize(model, report=kept_report, verify=False)
     assert "RotaryEmbedding" not in op_counts(kept)
     assert f"{2 * layers} rotary embeddings found, left decomposed: opset < 23" in kept_report.notes
+
+
+@needs_torch
+@pytest.mark.parametrize("name, exporter", zoo_cases(("llama", "qwen2")))
+def test_every_rotary_of_decode_steps(name, exporter):
+    """Decode steps with the KV cache: positions after the past; one new token, and three after four."""
+    _, out = assert_every_rotary_fused(zoo_decode_model(name, exporter), zoo_decode_inputs(name), name)
+    model = onnx.load(str(zoo_decode_model(name, exporter)))
+    assert_equivalent(model, out, feeds=zoo_decode_inputs(name, past=4, new=3), rtol=1e-4, atol=1e-5)
 
