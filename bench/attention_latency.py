@@ -153,26 +153,33 @@ def equal(row: dict, rtol: float = 1e-4, atol: float = 1e-4) -> Optional[bool]:
 
 
 def ratios(rows: list[dict]) -> dict:
-    """Per level: k3opt's median over the best peer's (the peers with equal outputs), and which peer that is."""
+    """Per level: k3opt's median over the best peer's (the peer with equal outputs and the lowest median), and
+    the same ratio round by round (both files were measured in each round's process: a paired figure, which the
+    machine's drift between rounds moves less), as median and range."""
     subject = next((r for r in rows if r["optimizer"] == SUBJECT), None)
     out = {}
     for level in LEVELS:
-        peers = [(m, r["optimizer"]) for r in rows if r["optimizer"] in PEERS and equal(r)
+        peers = [(m, r["optimizer"], r) for r in rows if r["optimizer"] in PEERS and equal(r)
                  for m in [_median(r, level)] if m is not None]
         mine = None if subject is None or not equal(subject) else _median(subject, level)
-        best = min(peers) if peers else None
-        out[level] = {"k3opt_ms": mine, "best_peer": best and best[1], "best_peer_ms": best and best[0],
-                      "ratio": None if mine is None or best is None else mine / best[0]}
+        best = min(peers, key=lambda p: p[0]) if peers else None
+        entry = {"k3opt_ms": mine, "best_peer": best and best[1], "best_peer_ms": best and best[0],
+                 "ratio": None if mine is None or best is None else mine / best[0], "round_ratios": None}
+        if entry["ratio"] is not None:
+            a, b = subject["latency"][level]["rounds_ms"], best[2]["latency"][level]["rounds_ms"]
+            entry["round_ratios"] = [x / y for x, y in zip(a, b)] if len(a) == len(b) else None
+        out[level] = entry
     return out
 
 
 def render(run: dict) -> str:
     """The markdown of a run: per export, every optimizer's median at both levels, then the ratios."""
     lines = [f"# Attention latency ({run['date']})", "", f"config: {run['config']}; prefill {run['prefill']} "
-             f"tokens, decode 1 token after {run['past']}; onnxruntime CPU, one thread; median of "
-             f"{run['rounds']} rounds (ms of thread CPU time)", ""]
+             f"tokens, decode 1 token after {run['past']}; onnxruntime CPU, one thread; ms of thread CPU time, "
+             f"median of {run['rounds']} round medians (interquartile range)", ""]
     for phase in run["phases"]:
-        lines += [f"## {phase['phase']}", "", "| optimizer | status | nodes | equal | all ms | disabled ms | ops |",
+        lines += [f"## {phase['phase']}", "", "| optimizer | status | nodes | equal | ORT_ENABLE_ALL ms | "
+                  "optimizations off ms | ops |",
                   "|---|---|---|---|---|---|---|"]
         for row in phase["rows"]:
             ev = row.get("eval") or {}
@@ -180,15 +187,26 @@ def render(run: dict) -> str:
                             if k in ("Attention", "RotaryEmbedding", "RMSNormalization", "Softmax", "Neg"))
             status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row['error'][:60]}"
             cells = [row["optimizer"], status, str(ev.get("nodes", "")), "" if row["optimizer"] == "original" else str(equal(row)),
-                     *(_fmt(_median(row, level)) for level in LEVELS), ops]
+                     *(_lat_cell(row, level) for level in LEVELS), ops]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         for level in LEVELS:
             r = phase["ratios"][level]
+            paired = r.get("round_ratios")
+            rounds_text = "" if not paired else (f"; round by round {_fmt(float(np.median(paired)), '{:.3f}')} "
+                                                 f"({_fmt(min(paired), '{:.3f}')}-{_fmt(max(paired), '{:.3f}')})")
             lines.append(f"- {level}: k3opt --opset 23 {_fmt(r['k3opt_ms'])} ms, best peer {r['best_peer']} "
-                         f"{_fmt(r['best_peer_ms'])} ms, ratio **{_fmt(r['ratio'], '{:.3f}')}**")
+                         f"{_fmt(r['best_peer_ms'])} ms, ratio **{_fmt(r['ratio'], '{:.3f}')}**{rounds_text}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _lat_cell(row: dict, level: str) -> str:
+    """Median of the round medians, with their interquartile range."""
+    lat = (row.get("latency") or {}).get(level)
+    if not lat or "median_ms" not in lat:
+        return "-"
+    return f"{lat['median_ms']:.2f} ({lat['p25_ms']:.2f}-{lat['p75_ms']:.2f})"
 
 
 def _fmt(value: Optional[float], fmt: str = "{:.2f}") -> str:
