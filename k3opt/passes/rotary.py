@@ -9,7 +9,8 @@ Forms (see docs/passes/fuse-rotary.md), for a 4-D ``x`` (batch, heads, positions
   where ``x1, x2`` are the halves, or DeepSeek-V3's even/odd elements ``x[..., 0::2], x[..., 1::2]``
   (transformers' ``apply_rotary_pos_emb_interleave``: its result is in the half-split layout, so it is
   ``RotaryEmbedding(Concat(x1, x2))`` with ``interleaved=0``);
-- partial rotary: MLA rotates a Split-off part of q/k, which is simply the ``x`` above.
+- partial rotary: MLA rotates a Split-off part of q/k, which is simply the ``x`` above; TorchScript merges
+  ``cat((q_pass, q_rot))`` into the rotation's Concat (``Concat(q_pass, real, imag)``), kept as a prefix.
 
 The fused op takes ``cos_cache``/``sin_cache`` of shape (batch, positions, D/2) without ``position_ids``,
 which the schema allows: the angles computed in the graph (at run time from the positions, or folded) are
@@ -122,8 +123,9 @@ _FORMS = (("rotate-half", _rotate_half, True), ("halves", _explicit_halves, Fals
 
 def rotary_rules(rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]], name: str = "rotary"
                  ) -> list[Rule]:
-    """The rotary rules (rotate-half and explicit halves, each with Slice or Split halves), checked by
-    :func:`analyze` and rebuilt by ``rewrite`` (None leaves the match as it is)."""
+    """The rotary rules (rotate-half, explicit halves, explicit halves after an MLA prefix; each with Slice or
+    Split halves), checked by :func:`analyze` and rebuilt by ``rewrite`` (None leaves the match as it is; a
+    prefix is concatenated in front of the result by the rule)."""
     rules = []
     for form, pattern, full_width in _FORMS:
         for kind in ("slice", "split"):
