@@ -90,7 +90,7 @@ def model_of(net: Net, out: str, inputs=(X,), etype=TP.FLOAT, outputs=()) -> onn
     return net.model(out, list(inputs), etype, outputs=outputs)
 
 
-def assert_fused(model, n=1, rtol=1e-5, atol=1e-6, feeds=None, **want):
+def assert_fused(model, n=1, rtol=1e-5, atol=1e-6, feeds=None, rewrites=None, **want):
     out, pm, _ = fuse(model)
     nodes = rope_nodes(out)
     assert len(nodes) == n, op_counts(out)
@@ -100,7 +100,7 @@ def assert_fused(model, n=1, rtol=1e-5, atol=1e-6, feeds=None, **want):
     assert not {"Neg", "Sin", "Cos"} & set(op_counts(out)) - set(op_counts(model))
     assert_equivalent(model, out, rtol=rtol, atol=atol, feeds=feeds)
     again, pm2, _ = fuse(out)
-    assert pm.stats["fuse-rotary"].rewrites == n and pm2.stats["fuse-rotary"].rewrites == 0
+    assert pm.stats["fuse-rotary"].rewrites == (rewrites or n) and pm2.stats["fuse-rotary"].rewrites == 0
     return out
 
 
@@ -193,6 +193,31 @@ def test_mla_prefix_concatenated_in_the_same_concat():
     y = explicit(net, q_rot, *angles(net, q_rot, half=True), prefix=q_pass)
     out = assert_fused(model_of(net, y, inputs=[x]))
     assert op_counts(out)["Concat"] >= 2
+
+
+def test_partial_rotary_becomes_rotary_embedding_dim():
+    """GPT-NeoX/Phi: cat(rope(q[..., :8]), q[..., 8:]) of a head dim 12 is one RotaryEmbedding(rotary_embedding_dim=8)."""
+    net = Net(23)
+    big = np.iinfo(np.int64).max
+    head = net("Slice", "x", i64(net, [0]), i64(net, [D]), i64(net, [-1]), i64(net, [1]))
+    tail = net("Slice", "x", i64(net, [D]), i64(net, [big]), i64(net, [-1]), i64(net, [1]))
+    y = net("Concat", rotate_half(net, head, *angles(net)), tail, axis=-1)
+    out = assert_fused(model_of(net, y, inputs=[("x", TP.FLOAT, ["b", H, "s", 12])]), rewrites=2,
+                       rotary_embedding_dim=D)
+    (node,) = rope_nodes(out)
+    assert node.input[0] == "x" and node.output[0] == out.graph.output[0].name  # no Slice of x, no Concat after
+
+
+def test_partial_rotary_with_other_slices_stays_a_concat():
+    """cat(rope(q[..., :8]), q[..., 10:]) drops dims: the rotation fuses, the Concat stays."""
+    net = Net(23)
+    head = net("Slice", "x", i64(net, [0]), i64(net, [D]), i64(net, [-1]), i64(net, [1]))
+    tail = net("Slice", "x", i64(net, [10]), i64(net, [12]), i64(net, [-1]), i64(net, [1]))
+    y = net("Concat", rotate_half(net, head, *angles(net)), tail, axis=-1)
+    out = assert_fused(model_of(net, y, inputs=[("x", TP.FLOAT, ["b", H, "s", 12])]))
+    (node,) = rope_nodes(out)
+    assert "rotary_embedding_dim" not in attrs(node)
+    assert any(n.op_type == "Concat" and node.output[0] in n.input for n in out.graph.node)
 
 
 # -- counted, not fused -------------------------------------------------------------------------------------------

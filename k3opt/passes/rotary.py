@@ -10,7 +10,8 @@ Forms (see docs/passes/fuse-rotary.md), for a 4-D ``x`` (batch, heads, positions
   (transformers' ``apply_rotary_pos_emb_interleave``: its result is in the half-split layout, so it is
   ``RotaryEmbedding(Concat(x1, x2))`` with ``interleaved=0``);
 - partial rotary: MLA rotates a Split-off part of q/k, which is simply the ``x`` above; TorchScript merges
-  ``cat((q_pass, q_rot))`` into the rotation's Concat (``Concat(q_pass, real, imag)``), kept as a prefix.
+  ``cat((q_pass, q_rot))`` into the rotation's Concat (``Concat(q_pass, real, imag)``), kept as a prefix;
+  GPT-NeoX's ``cat(rope(q[..., :r]), q[..., r:])`` becomes ``rotary_embedding_dim=r`` (rule ``rotary-partial``).
 
 The fused op takes ``cos_cache``/``sin_cache`` of shape (batch, positions, D/2) without ``position_ids``,
 which the schema allows: the angles computed in the graph (at run time from the positions, or folded) are
@@ -478,10 +479,22 @@ def to_rotary_embedding(op: RewriteBuilder, rm: RotaryMatch) -> Tensor:
     x = op.Concat(rm.lo, rm.hi, axis=-1) if rm.pairs else rm.x
     size = None
     if not (rm.same_batch and rm.same_positions):
-        shape = op.Shape(rm.x)
+        shape = op.Shape(_same_leading_dims(rm.x))
         size = op.Concat(op.Gather(shape, op.const([0], np.int64)), op.Gather(shape, op.const([2], np.int64)),
                          op.const([1], np.int64), axis=0)
     return op.RotaryEmbedding(x, angle_cache(op, rm, rm.cos, size), angle_cache(op, rm, rm.sin, size), interleaved=0)
+
+
+def _same_leading_dims(x: Tensor) -> Tensor:
+    """The tensor ``x`` is a last-axis Slice of, if it is one (the same batch, heads and positions), else ``x``:
+    its Shape is read for the Expand, so a partial rotation's ``q[..., :r]`` is not kept alive by it."""
+    node = producer(x)
+    if node is not None and node.op == "Slice" and x.shape is not None and checks.last_dim(x) is not None \
+            and node.inputs[0].shape is not None and len(node.inputs[0].shape) == 4 \
+            and checks.last_dim(node.inputs[0]) is not None \
+            and _slice_last(node, checks.last_dim(node.inputs[0])) is not None:
+        return node.inputs[0]
+    return x
 
 
 def angle_cache(op: RewriteBuilder, rm: RotaryMatch, t: Tensor, size: Optional[Tensor]) -> Tensor:
@@ -503,7 +516,42 @@ def angle_cache(op: RewriteBuilder, rm: RotaryMatch, t: Tensor, size: Optional[T
     return t3 if size is None else op.Expand(t3, size)
 
 
-RULES = rotary_rules(to_rotary_embedding)
+def _partial(op: PatternBuilder, q: Any, cos: Any, sin: Any) -> Any:
+    """``Concat(RotaryEmbedding(q[..., :r]), q[..., r:])``: partial rotary (GPT-NeoX, Phi, StableLM), the first
+    ``r`` dims rotated, once the rotation of ``q[..., :r]`` is fused."""
+    head = op.Slice(q, _allow_other_inputs=True, _name="head")
+    tail = op.Slice(q, _allow_other_inputs=True, _name="tail")
+    return op.Concat(op.RotaryEmbedding(head, cos, sin, _allow_other_inputs=True, _name="rope"), tail, _name="root")
+
+
+def _partial_check(m: Match) -> bool:
+    """Exactly ``RotaryEmbedding(q, rotary_embedding_dim=r)``: the op rotates ``q[..., :r]`` and passes the rest."""
+    q = m["q"]
+    d = checks.last_dim(q)
+    if q.shape is None or len(q.shape) != 4 or d is None:
+        return m.fail("q is not 4-D with a static head dim")
+    rope = m.node("rope")
+    if rope.attrs.get("num_heads", 0) or rope.attrs.get("rotary_embedding_dim", 0):
+        return m.fail("the rotation already has num_heads or rotary_embedding_dim")
+    head, tail = _slice_last(m.node("head"), d), _slice_last(m.node("tail"), d)
+    if head is None or tail is None or head[0] != 0 or head[2] != 1 or tail != (head[1], d, 1) \
+            or not 0 < head[1] < d or head[1] % 2:
+        return m.fail(f"the slices {head} and {tail} are not q[..., :r] and q[..., r:] for an even r")
+    if _axis(m.node("root"), 4) != 3:
+        return m.fail("the parts are not concatenated on the last axis")
+    return True
+
+
+def _partial_rewrite(op: RewriteBuilder, m: Match) -> Tensor:
+    rope = m.node("rope")
+    return op.RotaryEmbedding(m["q"], *rope.inputs[1:], interleaved=rope.attrs.get("interleaved", 0),
+                              rotary_embedding_dim=_slice_last(m.node("head"), checks.last_dim(m["q"]))[1])
+
+
+PARTIAL = Rule("rotary-partial", _partial, _partial_rewrite, _partial_check,
+               description="partial rotary: Concat(RotaryEmbedding(q[..., :r]), q[..., r:]) -> rotary_embedding_dim=r")
+#: The pass's rules: the rotations, then the partial ones among the RotaryEmbeddings they made.
+RULES = [*rotary_rules(to_rotary_embedding), PARTIAL]
 
 
 def find_rotaries(graph: Graph, ctx: PassContext) -> list[Node]:
