@@ -43,7 +43,7 @@ from ..patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ..patterns.matcher import is_empty
 from ..patterns.rule_pass import sweep
 from .base import Pass, PassContext, register_pass
-from .fold_shapes import Dim, dim_at, shape_elements
+from .fold_shapes import Dim, dim_at, remembered_dims, shape_elements
 
 #: First opset with RotaryEmbedding in the default domain.
 ROTARY_EMBEDDING_OPSET = 23
@@ -554,19 +554,38 @@ PARTIAL = Rule("rotary-partial", _partial, _partial_rewrite, _partial_check,
 RULES = [*rotary_rules(to_rotary_embedding), PARTIAL]
 
 
+#: Roots of the rotations the counting rules saw (filled by :func:`find_rotaries` only).
+_FOUND: dict[int, Node] = {}
+
+
+def _record(op: RewriteBuilder, rm: RotaryMatch) -> None:
+    _FOUND.setdefault(id(rm.root), rm.root)
+
+
+#: The rules counting, not rewriting (built once: a pattern costs ~1 ms to build).
+_COUNTING = rotary_rules(_record)
+
+
 def find_rotaries(graph: Graph, ctx: PassContext) -> list[Node]:
     """The root node of every rotary embedding recognised (and exact to fuse); changes nothing."""
-    found: dict[int, Node] = {}
-
-    def record(op: RewriteBuilder, rm: RotaryMatch) -> None:
-        found.setdefault(id(rm.root), rm.root)
-
-    _apply(graph, ctx, rotary_rules(record))
-    return list(found.values())
+    _FOUND.clear()
+    try:
+        _apply(graph, ctx, _COUNTING)
+        return list(_FOUND.values())
+    finally:
+        _FOUND.clear()
 
 
 def _apply(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
-    return sum(sweep(graph, ctx, [rule]) for rule in rules)
+    """One sweep per rule, in order. Dims are traced with a memo (declared symbols such as ``batch`` are not
+    traced at all), cleared after each sweep: a sweep's rewrites change no dim the checks read (x and the
+    angles are upstream of every rotation)."""
+    done = 0
+    with remembered_dims(graph) as memo:
+        for rule in rules:
+            done += sweep(graph, ctx, [rule])
+            memo.clear()
+    return done
 
 
 @register_pass
