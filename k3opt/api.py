@@ -18,8 +18,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
-from . import gs_roundtrip, io, ir, opset as opsets, shapes, verify as verifier
-from .errors import OutputError, UsageError, VerificationError
+from . import gs_roundtrip, io, ir, opset as opsets, shapes, verify as verifier, verify_dims
+from .errors import InputError, OutputError, UsageError, VerificationError
 from .passes.base import PassContext, build_pipeline, check_pass_options
 from .passes.manager import PassManager
 from .report import ModelSummary, Report
@@ -133,6 +133,8 @@ class _Run:
         self.progress = progress
         self.rtol, self.atol, self.input_data, self.seed = rtol, atol, input_data, seed
         self.pass_options = pass_options
+        #: The graph inputs' dims before --input-shape fixed some (verification sizes the rest to agree).
+        self.declared_dims: Optional[dict[str, list]] = None
         #: Absolute paths of the input's external-data files (the output must not clobber them).
         self.source_files: set[str] = set()
         #: Size the optimized proto for the report (optimize_file takes the saved files' sizes).
@@ -171,6 +173,7 @@ class _Run:
             opset_before = opsets.model_opset(model)
             size = io.proto_size(model, None if on_disk is None else os.path.getsize(on_disk), external)
             report.before = ModelSummary.of(model, size, opset_before)
+        self.declared_dims = verify_dims.declared_dims(model) if verify else None
         shapes.fix_inputs(model, input_shapes)
         original = self._runnable_original(model) if verify else None
         # Up before the passes (fusions may need the newer opset), down after them (see opset.converts_down).
@@ -252,14 +255,23 @@ class _Run:
         conversion); ``before_down`` the passes' output when the opset was then converted down.
         """
         proto = onnx.load_from_string(original)
-        feeds = verifier.make_feeds(proto, seed=self.seed, input_data=self.input_data)
         names = [o.name for o in proto.graph.output]
         try:
-            expected = verifier.run(verifier.session(original), feeds)
+            reference = verifier.session(original)
+            feeds = verifier.make_feeds(proto, seed=self.seed, input_data=self.input_data,
+                                        declared=self.declared_dims, run=lambda f: verifier.run(reference, f))
         except verifier.Unrunnable as exc:
             return self._skip_verification(f"original model: {exc}")
-        except Exception as exc:  # ORT cannot run the original on our inputs: nothing to compare
+        except verify_dims.NoConsistentSizes as exc:  # ORT runs the original at no size tried: nothing to compare
+            return self._skip_verification(exc.describe())
+        except (InputError, UsageError):
+            raise
+        except Exception as exc:  # noqa: BLE001 -- ORT cannot load the original
             return self._skip_verification(f"onnxruntime failed on the original model: {_first_line(exc)}")
+        expected = feeds.outputs
+        sized = verify_dims.shapes_note(feeds)
+        if sized:
+            self.report.notes.append(sized)
 
         def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
             try:
@@ -278,6 +290,8 @@ class _Run:
         except verifier.Unrunnable as exc:
             return self._skip_verification(f"optimized model: {exc}")
         self.report.verification = result
+        if feeds.sizes:
+            result["sizes"] = dict(feeds.sizes)
         if result["status"] == "passed":
             return None
         if before_down is not None and result_of(before_down)["status"] == "passed":

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx.external_data_helper import uses_external_data
 
+from . import verify_dims
 from .errors import InputError, UsageError
 from .io import PROTO_LIMIT, all_tensors, inline_copy, proto_size
 
@@ -85,28 +86,33 @@ def session(model: Union[bytes, onnx.ModelProto]):
 
 def make_feeds(
     model: onnx.ModelProto, *, seed: int = 0, input_data: Optional[Union[str, os.PathLike, Mapping]] = None,
-    symbolic_dim: int = 2,
-) -> dict[str, np.ndarray]:
-    """One array per graph input: the user's (``input_data``: .npz path or dict) or seeded random ones."""
+    symbolic_dim: int = 2, declared: Optional[Mapping[str, Sequence[Any]]] = None,
+    run: Optional[Callable[[dict[str, np.ndarray]], list]] = None,
+) -> verify_dims.Feeds:
+    """One array per graph input: the user's (``input_data``: .npz path or dict) or seeded random ones.
+
+    Symbolic dims get consistent sizes, ``symbolic_dim`` where the graph
+    leaves them free (see :mod:`k3opt.verify_dims`; ``declared`` are the
+    input dims before ``--input-shape``). With ``run`` the sizes are searched
+    until the original runs: raises verify_dims.NoConsistentSizes when none does.
+    """
     user = _load_input_data(input_data)
-    rng = np.random.default_rng(seed)
     inits = {t.name for t in model.graph.initializer}
     limits = _index_limits(model.graph)
-    feeds: dict[str, np.ndarray] = {}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
-        if vi.name in user:
-            feeds[vi.name] = np.asarray(user[vi.name]).astype(dtype, copy=False)
-            continue
-        shape = [d.dim_value if d.HasField("dim_value") else symbolic_dim for d in tt.shape.dim]
-        feeds[vi.name] = _random_input(vi.name, dtype, shape, limits.get(vi.name), rng)
-    unknown = set(user) - set(feeds)
+    types = {vi.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
+             for vi in model.graph.input if vi.name not in inits}
+    unknown = set(user) - set(types)
     if unknown:
         raise UsageError(f"--input-data names {', '.join(sorted(unknown))}, which are not graph inputs")
-    return feeds
+    user = {k: np.asarray(v).astype(types[k], copy=False) for k, v in user.items()}
+
+    def build(shapes: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        return {name: user[name] if name in user else _random_input(name, dtype, shapes[name], limits.get(name), rng)
+                for name, dtype in types.items()}
+
+    return verify_dims.choose(model, build, declared=declared, given={k: v.shape for k, v in user.items()},
+                              base=symbolic_dim, run=run)
 
 
 def _load_input_data(input_data: Optional[Union[str, os.PathLike, Mapping]]) -> dict[str, np.ndarray]:
@@ -214,8 +220,12 @@ def failed(reason: str, rtol: Optional[float], atol: Optional[float]) -> dict[st
 
 
 def run(sess, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    """Outputs of an onnxruntime session, as a list in graph order."""
-    return sess.run(None, dict(feeds))
+    """Outputs of an onnxruntime session, as a list in graph order (a failing run raises, without ORT's log line)."""
+    import onnxruntime as ort
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4  # the exception carries the message; sizes being searched fail by design
+    return sess.run(None, dict(feeds), quiet)
 
 
 def first_diverging_step(candidates: Sequence[int], diverges: Callable[[int], bool]) -> Optional[int]:

@@ -20,12 +20,18 @@ def layers(name: str) -> int:
     return getattr(config, "num_hidden_layers", None) or config.n_layer
 
 
-def optimized(path, feeds) -> tuple[onnx.ModelProto, onnx.ModelProto]:
-    """(original, optimized at opset 23), the optimize call verifying on ``feeds``."""
+def fused_per_layer(path, name: str, feeds) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(original, optimized at opset 23): the optimize call verified on ``feeds``, one Attention per layer,
+    no Softmax left, the graph outputs kept."""
     report = Report()
     out = k3opt.optimize(str(path), opset=23, verify=True, input_data=feeds, report=report)
     assert report.verification["status"] == "passed", report.verification
-    return onnx.load(str(path)), out
+    assert not [n for n in report.notes if "attention(s)" in n], report.notes
+    counts = op_counts(out)
+    assert counts.get("Attention") == layers(name) and "Softmax" not in counts
+    original = onnx.load(str(path))
+    assert [o.name for o in out.graph.output] == [o.name for o in original.graph.output]
+    return original, out
 
 
 def left_padded(feeds: dict) -> dict:
@@ -47,9 +53,7 @@ def assert_same_outputs(original, out, feeds) -> None:
 @pytest.mark.parametrize("name, exporter", zoo_attention_params())
 def test_one_attention_per_layer(name, exporter):
     feeds = zoo_inputs(name)
-    original, out = optimized(zoo_model(name, exporter), feeds)
-    counts = op_counts(out)
-    assert counts.get("Attention") == layers(name) and "Softmax" not in counts
+    original, out = fused_per_layer(zoo_model(name, exporter), name, feeds)
     assert_same_outputs(original, out, feeds)
     assert_same_outputs(original, out, left_padded(feeds))
 
@@ -58,11 +62,7 @@ def test_one_attention_per_layer(name, exporter):
 @pytest.mark.parametrize("name, exporter", zoo_decode_params())
 def test_decode_step_with_the_kv_cache(name, exporter):
     """One new token after a cache of 6, and 3 new after 4; the present outputs are kept."""
-    feeds = zoo_decode_inputs(name)
-    original, out = optimized(zoo_decode_model(name, exporter), feeds)
-    counts = op_counts(out)
-    assert counts.get("Attention") == layers(name) and "Softmax" not in counts
-    assert [o.name for o in out.graph.output] == [o.name for o in original.graph.output]
+    original, out = fused_per_layer(zoo_decode_model(name, exporter), name, zoo_decode_inputs(name))
     for past, new in ((6, 1), (4, 3), (1, 1)):
         assert_same_outputs(original, out, zoo_decode_inputs(name, past=past, new=new))
 
@@ -72,4 +72,34 @@ def test_below_opset_23_the_attentions_are_counted():
     report = Report()
     out = k3opt.optimize(str(zoo_model("llama")), report=report)
     assert "Attention" not in op_counts(out)
-    assert "2 attention(s) found, left decomposed: opset < 23" in report.notes
+    assert [n for n in report.notes if "attention(s)" in n] == ["2 attention(s) found, left decomposed: opset < 23"]
+
+
+@needs_torch
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "llama_eager"])
+def test_causal_lm_without_a_mask_becomes_is_causal(name, tmp_path):
+    """Exported with input_ids only (static shapes, dynamo): the causal mask folds to a constant triangle
+    (repeated over the batch) and GQA's repeat is flattened into the batched transpose; both are fused."""
+    import torch
+
+    from tests.zoo import zoo_torch_model
+
+    class Ids(torch.nn.Module):
+        def __init__(self, hf):
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, ids):
+            return self.hf(input_ids=ids).logits
+
+    path = tmp_path / "model.onnx"
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.onnx.export(Ids(zoo_torch_model(name).model).eval(), (ids,), str(path), input_names=["input_ids"],
+                      dynamo=True, optimize=False, opset_version=18)
+    onnx.save(onnx.load(str(path)), str(path))  # weights inline (the exporter writes them aside)
+    feeds = {"input_ids": ids.numpy()}
+    original, out = fused_per_layer(path, name, feeds)
+    causal = [a for n in out.graph.node if n.op_type == "Attention" for a in n.attribute if a.name == "is_causal"]
+    assert [a.i for a in causal] == [1] * layers(name)
+    assert_same_outputs(original, out, feeds)

@@ -113,7 +113,7 @@ def test_transposes_cancelling_between_input_and_output_are_kept():
 
 # -- Reshapes -------------------------------------------------------------------
 
-@pytest.mark.parametrize("s2,allowzero,merges", [([6, 4], 0, True), ([-1, 4], 0, True), ([0, 12], 0, False),
+@pytest.mark.parametrize("s2,allowzero,merges", [([6, 4], 0, True), ([-1, 4], 0, True), ([0, 12], 0, True),
                                                   ([24, 1], 1, True), ([4, -1], 0, True)])
 def test_reshape_chain(s2, allowzero, merges):
     model = _chain(helper.make_node("Reshape", ["x", "s1"], ["m"]),
@@ -126,11 +126,27 @@ def test_reshape_chain(s2, allowzero, merges):
 
 
 def test_reshape_with_zero_copying_first_result_is_refused():
-    model = _no_shape(_chain(helper.make_node("Reshape", ["x", "s1"], ["m"]),
-                             helper.make_node("Reshape", ["m", "s2"], ["o"]),
-                             ("x", F, [2, 3, 4]), ("y", F, [1]), {"s1": np.array([6, 4]), "s2": np.array([0, 2, 2])}))
+    """s1 computed at run time: the 0 in s2 copies a dim of the first result nobody knows."""
+    nodes = [helper.make_node("Reshape", ["x", "s1"], ["m"]), helper.make_node("Reshape", ["m", "s2"], ["o"]),
+             helper.make_node("Neg", ["o"], ["y"])]
+    model = make_model(nodes, [("x", F, [2, 3, 4]), ("s1", T.INT64, [2])], [("y", F, [None, 2, None])],
+                       {"s2": np.array([0, 2, -1])})
     out, n = apply(model, MergeReshapes())
     assert n == 0 and out.graph.node == model.graph.node
+
+
+@pytest.mark.parametrize("s1,x_shape,merged", [([0, 3, 2, 2], ["b", 3, 4], [0, 12]), ([-1, 3, 4], [2, 3, 4], [2, 12])],
+                         ids=["s1-copies", "known-size"])
+def test_reshape_zero_resolved_through_the_first(s1, x_shape, merged):
+    """A 0 in s2 copies the middle's dim: kept when that is x's own dim at the index, else its known size."""
+    model = _chain(helper.make_node("Reshape", ["x", "s1"], ["m"]), helper.make_node("Reshape", ["m", "s2"], ["o"]),
+                   ("x", F, x_shape), ("y", F, ["b", 12]), {"s1": np.array(s1), "s2": np.array([0, 12])})
+    out, n = apply(model, MergeReshapes())
+    assert n == 1 and op_counts(out)["Reshape"] == 1
+    target = next(list(onnx.numpy_helper.to_array(t)) for t in out.graph.initializer if t.name != "s1")
+    assert target == merged
+    for b in ((1, 5) if x_shape[0] == "b" else (2,)):
+        assert_equivalent(model, out, feeds={"x": np.random.default_rng(b).standard_normal((b, 3, 4), np.float32)})
 
 
 # -- SplitToSequence + SequenceAt -------------------------------------------------

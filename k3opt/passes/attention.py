@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+import ml_dtypes
 import numpy as np
 from onnx import helper
 
@@ -78,11 +79,11 @@ def _square(am: AttentionMatch) -> bool:
 
 def _mask_value(op: RewriteBuilder, am: AttentionMatch) -> Tensor:
     """The mask, its fill moved off the dtype's lowest value (which onnxruntime takes for -inf)."""
-    np_type = helper.tensor_dtype_to_np_dtype(am.dtype)
-    lowest = float(np.finfo(np_type).min) if np.dtype(np_type).kind == "f" else None
-    if lowest is None or am.mask_fill != lowest:
+    np_type = helper.tensor_dtype_to_np_dtype(am.dtype)  # float32, float16 or ml_dtypes' bfloat16
+    lowest = np.array(ml_dtypes.finfo(np_type).min, dtype=np_type)
+    if am.mask_fill != float(lowest):
         return am.mask
-    fill = np.nextafter(np.array(lowest, dtype=np_type), np.array(0, dtype=np_type))
+    fill = np.nextafter(lowest, np.array(0, dtype=np_type))
     return op.Where(am.keep, op.const(np.zeros((), np_type)), op.const(fill))
 
 

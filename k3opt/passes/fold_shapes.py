@@ -8,7 +8,9 @@ then folds as ordinary constants.
 
 Dims inference left unknown are traced through their producer (Reshape
 target elements, the Reshape's -1 as a quotient, Transpose, elementwise
-ops); equal ``dim_param`` names are taken as equal sizes, as ONNX defines.
+ops, Concat's sum along its axis, spelled as a canonical symbol such as
+``past_sequence + 1``); equal ``dim_param`` names are taken as equal sizes,
+as ONNX defines.
 
 ``Equal`` of a shape computation (``Shape``, ``Gather``/``Slice`` of it,
 ``Unsqueeze`` of a scalar, ``Concat`` of 1-D pieces, small integer
@@ -31,7 +33,7 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from ..ir import Graph, Node, Tensor, bad_data, const_tensor, declared_symbols, peek, producer
+from ..ir import Graph, Node, Tensor, bad_data, const_tensor, peek, producer
 from .cleanup_rewire import unsqueeze_axes
 
 #: Longest integer constant read as part of a shape computation.
@@ -92,7 +94,7 @@ class DimMemo:
     """
 
     def __init__(self, declared: frozenset[str] = frozenset()) -> None:
-        #: Symbols the graph declares (see :func:`_dim_at`): never traced.
+        #: Symbols the graph's inputs declare (see :func:`_dim_at`): never traced.
         self.declared = declared
         #: ``id(t) -> (t, results)``; results: ``slot -> (value, depth)`` when complete (valid at ``depth`` and
         #: deeper), ``(slot, depth) -> value`` when cut short by the depth limit.
@@ -283,23 +285,56 @@ def remember_value(c: gs.Constant, value: np.ndarray) -> None:
 
 @contextmanager
 def remembered_dims(graph: Optional[Graph] = None) -> Iterator[DimMemo]:
-    """Within the block, each traced dim is computed once, and the symbols ``graph`` declares are not traced.
+    """Within the block, each traced dim is computed once, and the symbols ``graph``'s inputs declare are not traced.
     The caller must tell the yielded memo what it changes (:meth:`DimMemo.forget`, or :meth:`DimMemo.clear`)."""
     global _memo
-    outer, _memo = _memo, DimMemo(frozenset() if graph is None else declared_symbols(graph))
+    outer, _memo = _memo, DimMemo(frozenset() if graph is None else input_symbols(graph))
     try:
         yield _memo
     finally:
         _memo = outer
 
 
+def input_symbols(graph: Graph) -> frozenset[str]:
+    """The symbols the graph's inputs declare: sizes chosen at run time, which no producer pins.
+
+    An output's dim_param (the TorchScript exporter names a KV cache's
+    ``Concatpresent.0.key_dim_2``) is computed by the graph: it is traced.
+    """
+    return frozenset(d for t in graph.inputs for d in (t.shape or ()) if isinstance(d, str))
+
+
+def dim_sum(parts: Sequence[Dim]) -> Dim:
+    """The sum of dims: a number, or a symbol spelling the sum (``past_sequence + 1``); None if one is unknown.
+
+    The spelling is canonical (symbol terms sorted, the number last, a term
+    that is itself such a sum split into its terms), so two sums of the same
+    sizes are the same symbol: the present keys and values of every layer of
+    a decode step have the one length ``past_sequence + 1``.
+    """
+    const, terms = 0, []
+    for d in parts:
+        if d is None:
+            return None
+        if isinstance(d, int):
+            const += d
+            continue
+        for term in d.split(" + "):
+            if term.isdigit():
+                const += int(term)
+            else:
+                terms.append(term)
+    if not terms:
+        return const
+    return " + ".join(sorted(terms) + ([str(const)] if const else []))
+
+
 def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
     """Dim ``i`` of ``t``: a number when inference says so, or a symbol the graph declares while a memo is
     active (:func:`remembered_dims`), else what the producer says, else inference's symbol or None.
 
-    A declared symbol (a ``dim_param`` of a graph input or output, which
-    shape refreshes keep while they drop made-up ones) is a size chosen at
-    run time: no producer pins it to a number (inference would have
+    A symbol a graph input declares (:func:`input_symbols`) is a size chosen
+    at run time: no producer pins it to a number (inference would have
     propagated that number), so it is not traced. Tracing every ``batch``
     dim of a deep model through its residual stream was most of
     fold-constants' time.
@@ -341,6 +376,8 @@ def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
         return _dim_at(x, perm[i], depth) if len(perm) == rank else None
     if node.op in UNARY_SAME_SHAPE:
         return _dim_at(x, i, depth)
+    if node.op == "Concat":
+        return _concat_dim(node, i, rank, depth)
     if node.op in BROADCASTING and len(node.inputs) >= 2:
         return _broadcast_dim(node.inputs, i, rank, depth)
     if node.op == "MatMul" and len(node.inputs) == 2 and rank >= 2 and i >= rank - 2:
@@ -351,6 +388,19 @@ def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
             return None
         return _dim_at(src, len(src.shape) - (rank - i), depth)
     return None
+
+
+def _concat_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of a Concat: the sum of the parts' along the axis (a KV cache's past + new), else any part's."""
+    axis = int(node.attrs.get("axis", 0))
+    if any(x.shape is None or len(x.shape) != rank for x in node.inputs) or not -rank <= axis < rank:
+        for x in node.inputs:
+            _read(x)
+        return None
+    if i != axis % rank:
+        dims = [_dim_at(x, i, depth) for x in node.inputs]
+        return next((d for d in dims if isinstance(d, int)), next((d for d in dims if d is not None), None))
+    return dim_sum([_dim_at(x, i, depth) for x in node.inputs])
 
 
 def _broadcast_dim(operands: Sequence[Tensor], i: int, rank: int, depth: int) -> Dim:
@@ -521,6 +571,8 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         return inner[0], (1,)
     if node.op == "Reshape" and len(node.inputs) == 2:
         return _reshaped_elements(node, depth)
+    if node.op == "Add" and len(node.inputs) == 2:
+        return _added_elements(node, depth)
     if node.op == "Concat" and int(node.attrs.get("axis", 0)) in (0, -1):
         parts = [shape_elements(x, depth - 1) for x in node.inputs]
         if any(p is None or len(p[1]) != 1 for p in parts):
@@ -547,6 +599,29 @@ def _reshaped_elements(node: Node, depth: int) -> Optional[Elements]:
     if to == [] and n == 1:
         return inner[0], ()
     return None
+
+
+def _added_elements(node: Node, depth: int) -> Optional[Elements]:
+    """``Add`` of two shape computations (a scalar or one element broadcast): numbers add, and a dim plus a
+    number of at least 0 is their sum (:func:`dim_sum`): never negative, as elements must be."""
+    a, b = (shape_elements(x, depth - 1) for x in node.inputs)
+    if a is None or b is None:
+        return None
+    if len(a[0]) == 1 and len(b[1]) >= len(a[1]):
+        a = (a[0] * len(b[0]), b[1])
+    if len(b[0]) == 1 and len(a[1]) >= len(b[1]):
+        b = (b[0] * len(a[0]), a[1])
+    if a[1] != b[1]:
+        return None
+    out: list[Dim] = []
+    for x, y in zip(a[0], b[0]):
+        if isinstance(x, int) and isinstance(y, int):
+            out.append(x + y)
+        elif any(isinstance(d, int) and d < 0 for d in (x, y)):
+            return None  # a dim minus something may be negative: not an element
+        else:
+            out.append(dim_sum([x, y]))
+    return out, a[1]
 
 
 def _fold_equal(node: Node) -> Optional[np.ndarray]:
