@@ -21,6 +21,9 @@ from .procs import write_result
 
 LEVELS = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
           "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}
+#: Every level a session may use: LEVELS, which the main run measures, and ``all`` (ORT_ENABLE_ALL), which
+#: the attention benchmark (bench/attention_latency.py) measures too.
+SESSION_LEVELS = {**LEVELS, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
 
 
 def structure(path: Path) -> dict:
@@ -42,7 +45,7 @@ def check(path: Path) -> str:
 def session(path: Path, level: str, profile_prefix: Optional[str] = None) -> ort.InferenceSession:
     """A single-threaded CPU session at optimization ``level`` (profiling into ``profile_prefix*.json`` if given)."""
     so = ort.SessionOptions()
-    so.graph_optimization_level = LEVELS[level]
+    so.graph_optimization_level = SESSION_LEVELS[level]
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

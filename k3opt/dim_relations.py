@@ -176,7 +176,7 @@ def _declared(graph: onnx.GraphProto, symbols: set[str], aux_prefix: str) -> dic
         tt = vi.type.tensor_type
         if not tt.HasField("shape"):
             continue
-        out[vi.name] = [Lin((), d.dim_value) if d.HasField("dim_value")
+        out[vi.name] = [Lin((), d.dim_value) if d.HasField("dim_value") and d.dim_value >= 0
                         else parse_dim(d.dim_param, symbols, aux_prefix) if d.dim_param else None
                         for d in tt.shape.dim]
     return out

@@ -85,7 +85,8 @@ def declared_dims(model: onnx.ModelProto) -> dict[str, list[Dim]]:
     for vi in model.graph.input:
         if vi.name in inits:
             continue
-        out[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or f"{vi.name}[{axis}]")
+        # a negative dim_value (Paddle exports write -1) is as unknown as an unnamed dim
+        out[vi.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else (d.dim_param or f"{vi.name}[{axis}]")
                         for axis, d in enumerate(vi.type.tensor_type.shape.dim)]
     return out
 

@@ -174,3 +174,13 @@ def test_unnamed_dims_and_disagreeing_pins_get_their_own_symbols() -> None:
 ])
 def test_parse_declared_dims(text: str, want) -> None:
     assert parse_dim(text, {"past_sequence", "sequence", "s"}) == want
+
+
+def test_a_negative_input_dim_is_an_unknown_size() -> None:
+    """Paddle exports write dim_value -1 for a run-time size: verification sizes it, never a numpy error."""
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", F, [2, 3])], [("y", F, [2, 3])])
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = -1
+    assert declared_dims(model) == {"x": ["x[0]", 3]}
+    report = Report()
+    k3opt.optimize(model, verify=True, report=report)
+    assert report.verification["status"] == "passed"

@@ -136,7 +136,7 @@ class FuseAttention(Pass):
         if not _fusable(ctx):
             ctx.count("attention_found", len(found) - ctx.counters.get("attention_found", 0))
             if found:
-                why = f"opset < {ATTENTION_OPSET}" if ctx.target == "onnx" else f"target {ctx.target}"
+                why = f"opset < {ATTENTION_OPSET}" if ctx.target == "onnx" else f"target {ctx.target} (its lowering passes decide, see the lowering lines)"
                 ctx.note(f"{len(found)} attention(s) found, left decomposed: {why}")
         for why, where in declined.items():
             names = ", ".join(f"'{w}'" for w in sorted(set(where))[:3])

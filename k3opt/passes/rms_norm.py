@@ -102,7 +102,7 @@ class FuseRMSNorm(Pass):
         ctx.count("rmsnorm_found", found - ctx.counters.get("rmsnorm_found", 0))
         ctx.notes[:] = [n for n in ctx.notes if not _NOTE.match(n)]  # the latest round's count only
         if found:
-            why = f"opset < {RMS_NORMALIZATION_OPSET}" if ctx.target == "onnx" else f"target {ctx.target}"
+            why = f"opset < {RMS_NORMALIZATION_OPSET}" if ctx.target == "onnx" else f"target {ctx.target} (its lowering passes decide, see the lowering lines)"
             ctx.note(f"{found} RMSNorm found, left decomposed: {why}")
 
 
