@@ -23,7 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from k3opt.graph.ir import NameScope
-from k3opt.passes.base import PassContext
+from k3opt.pipeline.pass_base import PassContext
 from k3opt.patterns import Rule
 from k3opt.patterns.rule import RuleApplier
 

@@ -10,7 +10,7 @@ from .errors import (
     UsageError,
     VerificationError,
 )
-from .passes.base import Pass, PassContext, register_pass
+from .pipeline.pass_base import Pass, PassContext, register_pass
 from .api import optimize, optimize_file
 
 __version__ = "0.1.0"

@@ -18,11 +18,12 @@ import onnx
 from . import graph as gs
 from .graph import G_LOGGER
 
-from . import io, opset as opsets, shapes, verify as verifier, verify_dims
+from . import io, opset as opsets, shapes
+from .pipeline import verify as verifier, verify_dims
 from .graph import gs_roundtrip, ir
 from .errors import InputError, OutputError, UsageError, VerificationError
-from .passes.base import PassContext, build_pipeline, check_pass_options
-from .passes.manager import PassManager
+from .pipeline.pass_base import PassContext, build_pipeline, check_pass_options
+from .pipeline.manager import PassManager
 from .report import ModelSummary, Report
 
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]

@@ -129,7 +129,7 @@ def _output_of(model: str, positional: Optional[str], option: Optional[str]) -> 
 @run_options
 def passes_cmd(plugins: tuple[str, ...], quiet: bool, debug: bool) -> None:
     """List every pass (built-in and plugin) in pipeline order with its description."""
-    from .passes.base import registered_passes
+    from .pipeline.pass_base import registered_passes
 
     if plugins:
         from .plugins import load_plugins

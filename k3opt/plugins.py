@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .errors import K3optError, PluginError
-from .passes import base
+from .pipeline import pass_base as base
 
 ENTRY_POINT_GROUP = "k3opt.plugins"
 #: Set to 1 to skip entry-point discovery (a broken installed plugin must not lock users out).

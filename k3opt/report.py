@@ -9,7 +9,7 @@ from typing import Any, Optional
 import onnx
 
 from .errors import OutputError
-from .verify import error_figures, summary_line
+from .pipeline.verify import error_figures, summary_line
 
 
 def op_counts(model: onnx.ModelProto) -> dict[str, int]:

@@ -14,7 +14,7 @@ from itertools import groupby
 from typing import Any, Iterable, Sequence
 
 from .report import Report, size_text
-from .verify import summary_line
+from .pipeline.verify import summary_line
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;background:#f4f5f7;color:#1d2330}

@@ -6,7 +6,7 @@ from typing import Callable, Iterator, Type
 
 import pytest
 
-from k3opt.passes.base import Pass, register_pass, registered_passes, unregister_pass
+from k3opt.pipeline.pass_base import Pass, register_pass, registered_passes, unregister_pass
 
 ROOT = Path(__file__).resolve().parent.parent
 

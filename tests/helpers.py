@@ -9,8 +9,8 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from k3opt.passes.base import Pass, PassContext
-from k3opt.passes.manager import PassManager
+from k3opt.pipeline.pass_base import Pass, PassContext
+from k3opt.pipeline.manager import PassManager
 
 _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
        TensorProto.INT64: np.int64, TensorProto.INT32: np.int32, TensorProto.BOOL: np.bool_}

@@ -11,9 +11,9 @@ from onnx import TensorProto, helper
 import k3opt
 from k3opt import opset as opsets
 from k3opt.errors import UsageError, VerificationError
-from k3opt.passes.base import Pass
+from k3opt.pipeline.pass_base import Pass
 from k3opt.report import Report
-from k3opt.verify import runnable_bytes
+from k3opt.pipeline.verify import runnable_bytes
 from tests.helpers import assert_equivalent, assert_value_info_holds, make_model, op_counts
 
 
@@ -99,7 +99,7 @@ def test_passes_needing_a_newer_opset_are_skipped_with_a_note(register):
 
 
 def test_target_cann_is_exactly_17_and_lowered():
-    from k3opt.passes.base import register_pass, unregister_pass
+    from k3opt.pipeline.pass_base import register_pass, unregister_pass
 
     seen = []
 

@@ -13,7 +13,7 @@ from onnx.reference import ReferenceEvaluator
 from k3opt import shapes
 from k3opt.graph.ir import NameScope
 from k3opt.passes._attention_common import AttentionMatch, apply_attention, attention_rules
-from k3opt.passes.base import PassContext, get_pass
+from k3opt.pipeline.pass_base import PassContext, get_pass
 from tests.helpers import assert_equivalent, make_model, op_counts, random_feeds, run_passes
 
 B, NQ, S, D = 2, 4, 5, 8

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 import k3opt
 from k3opt import io
 from k3opt.cann_bridge import finish_model, invariant_violations
-from k3opt.passes.base import PassContext
+from k3opt.pipeline.pass_base import PassContext
 from k3opt.passes.cleanup_castlike import CastLikeToCast
 from k3opt.report import Report
 from tests.cann_models import decompose_npu_rmsnorm, rms_model, rmsnorm_nodes

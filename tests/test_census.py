@@ -10,11 +10,11 @@ from onnx import TensorProto as T, helper
 
 import k3opt
 from k3opt.graph import ir
-from k3opt.passes import manager
-from k3opt.passes.base import OpCensus, Pass, PassContext
+from k3opt.pipeline import manager
+from k3opt.pipeline.pass_base import OpCensus, Pass, PassContext
 from k3opt.passes.cleanup_identity import RemoveIdentity
 from k3opt.passes.layer_norm import RULES as LAYERNORM_RULES
-from k3opt.passes.manager import PassManager
+from k3opt.pipeline.manager import PassManager
 from k3opt.patterns import Rule
 from k3opt.patterns.rule import RuleApplier
 from k3opt.patterns.rule_pass import possible, required_ops
@@ -191,7 +191,7 @@ def test_required_ops_follow_alternatives_and_ignore_constants():
 
 @pytest.mark.parametrize("name,exporter", [("bert", "torchscript"), ("llama", "dynamo"), ("gpt2", "dynamo")])
 def test_a_rule_judged_impossible_matches_nowhere(name, exporter):
-    from k3opt.passes.base import registered_passes
+    from k3opt.pipeline.pass_base import registered_passes
 
     graph = gs.import_onnx(onnx.load(str(zoo_model(name, exporter))))
     present = {n.op for n in graph.nodes}

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto as T, helper
 
 import k3opt
-from k3opt.passes.base import PassContext
+from k3opt.pipeline.pass_base import PassContext
 from k3opt.passes.cleanup_castlike import CastLikeToCast
 from k3opt.passes.fold_constants import FoldConstants
 from tests.helpers import assert_equivalent, make_model, op_counts, run_ort

@@ -8,11 +8,11 @@ import pytest
 from onnx import TensorProto as T, helper
 
 from k3opt.graph import ir
-from k3opt.passes.base import Pass, PassContext
+from k3opt.pipeline.pass_base import Pass, PassContext
 from k3opt.passes.cleanup_dropout import RemoveDropout
 from k3opt.passes.cleanup_identity import RemoveIdentity
 from k3opt.passes.cleanup_noop import RemoveNoopOps
-from k3opt.passes.manager import PassManager
+from k3opt.pipeline.manager import PassManager
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
 F = T.FLOAT

@@ -10,10 +10,10 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from k3opt.graph.ir import peek
 
-from k3opt.passes.base import PassContext
+from k3opt.pipeline.pass_base import PassContext
 from k3opt.passes.cse import EliminateCommonSubexpressions
 from k3opt.passes.dead_nodes import RemoveDeadNodes
-from k3opt.passes.manager import PassManager
+from k3opt.pipeline.manager import PassManager
 from tests.helpers import assert_equivalent, make_model, op_counts
 from tests.test_cleanup_ops import apply
 

@@ -163,9 +163,9 @@ def test_declared_symbols_are_not_traced():
 
 def test_folded_results_are_not_decoded_again(monkeypatch):
     """A small numeric constant fold-constants builds is answered from the array it was built from."""
-    from k3opt.passes.base import PassContext
+    from k3opt.pipeline.pass_base import PassContext
     from k3opt.passes.fold_constants import FoldConstants
-    from k3opt.passes.manager import PassManager
+    from k3opt.pipeline.manager import PassManager
 
     nodes = [helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])]
     inits = {"a": np.array([2, 1], np.int64), "b": np.array([1, 2], np.int64)}

@@ -13,8 +13,8 @@ from onnx import TensorProto as T, helper
 import k3opt
 from k3opt.report import Report
 from k3opt.graph.ir import Graph, Node, Tensor, const_value, producer
-from k3opt.passes.base import PassContext
-from k3opt.passes.manager import PassManager
+from k3opt.pipeline.pass_base import PassContext
+from k3opt.pipeline.manager import PassManager
 from k3opt.passes.fold_constants import FoldConstants, _holders
 from k3opt.passes.fold_eval import outer_refs
 from k3opt.passes.fold_guard import too_big

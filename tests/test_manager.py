@@ -7,8 +7,8 @@ from onnx import TensorProto, helper
 
 import k3opt
 from k3opt.errors import PluginError, UsageError
-from k3opt.passes.base import Pass, PassContext, build_pipeline
-from k3opt.passes.manager import PassManager
+from k3opt.pipeline.pass_base import Pass, PassContext, build_pipeline
+from k3opt.pipeline.manager import PassManager
 from tests.conftest import Crash, DropOneIdentity
 from tests.helpers import assert_equivalent, make_model, op_counts
 

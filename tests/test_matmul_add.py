@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from k3opt.errors import UsageError
-from k3opt.passes.base import PassContext
+from k3opt.pipeline.pass_base import PassContext
 from k3opt.passes.cse import EliminateCommonSubexpressions
 from k3opt.passes.matmul_add import FuseMatMulAdd, nd_mode
 from k3opt.passes.sibling_merge import MergeSiblingMatMuls

@@ -13,8 +13,8 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 from k3opt.errors import PluginError, UsageError
-from k3opt.passes.base import PassContext, build_pipeline, registered_passes, unregister_pass
-from k3opt.passes.manager import PassManager
+from k3opt.pipeline.pass_base import PassContext, build_pipeline, registered_passes, unregister_pass
+from k3opt.pipeline.manager import PassManager
 from k3opt.patterns import Rule, RuleError, RuleSetPass, register_rules, rule, rules_pass
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 

@@ -22,7 +22,8 @@ import k3opt
 from k3opt import plugins
 from k3opt.cli import main as cli
 from k3opt.errors import PluginError
-from k3opt.passes import base, load_builtin_passes
+from k3opt.passes import load_builtin_passes
+from k3opt.pipeline import pass_base as base
 from k3opt.patterns import Rule, rule
 from tests.helpers import assert_equivalent, make_model, op_counts
 

@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import k3opt
-from k3opt import verify
+from k3opt.pipeline import verify
 from k3opt.errors import InputError, UsageError, VerificationError
 from k3opt.report import Report
 from tests.conftest import DropOneIdentity, ReluToSigmoid

@@ -8,11 +8,11 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 import k3opt
-from k3opt import verify
+from k3opt.pipeline import verify
 from k3opt.cli import main
 from k3opt.report import Report
-from k3opt.dim_relations import Lin, parse_dim, relations
-from k3opt.verify_dims import NoConsistentSizes, declared_dims
+from k3opt.pipeline.dim_relations import Lin, parse_dim, relations
+from k3opt.pipeline.verify_dims import NoConsistentSizes, declared_dims
 from tests.helpers import make_model, run_ort
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64

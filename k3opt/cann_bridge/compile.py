@@ -16,7 +16,7 @@ import onnx
 from .. import io, optimize, optimize_file
 from ..errors import CompileError, UsageError
 from ..report import Report
-from ..verify import summary_line
+from ..pipeline.verify import summary_line
 from .atc_command import AtcOptions, build_command, check_output_prefix, render, validate
 from .atc_locate import find_atc
 from .atc_run import raise_for_result, run_atc, summarize_fusion_result

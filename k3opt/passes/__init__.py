@@ -1,5 +1,5 @@
 """Built-in rewrite passes. Each module registers its passes with
-:func:`k3opt.passes.base.register_pass`; every module in this package whose
+:func:`k3opt.pipeline.pass_base.register_pass`; every module in this package whose
 name does not start with ``_`` is imported by :func:`load_builtin_passes`, so
 adding a pass is adding a module.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import Pass, PassContext, build_pipeline, get_pass, register_pass, registered_passes
+from ..pipeline.pass_base import Pass, PassContext, build_pipeline, get_pass, register_pass, registered_passes
 
 __all__ = ["Pass", "PassContext", "build_pipeline", "get_pass", "register_pass", "registered_passes"]
 
@@ -21,7 +21,7 @@ def load_builtin_passes() -> None:
     if not _LOADED:
         _LOADED = True
         for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-            if not info.name.startswith("_") and info.name not in ("base", "manager"):
+            if not info.name.startswith("_"):
                 importlib.import_module(f"{__name__}.{info.name}")
     from ..plugins import load_entry_point_plugins
 

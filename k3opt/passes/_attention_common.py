@@ -43,7 +43,7 @@ from ..patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ..patterns.rule_pass import sweep
 from ..patterns.schema import attr_value
 from . import fold_shapes
-from .base import PassContext
+from ..pipeline.pass_base import PassContext
 
 #: Element types the attention's q/k/v/output may have (the fused ops' float types).
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)

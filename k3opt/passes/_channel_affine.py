@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..graph.ir import Graph, Node, Tensor, as_constant, const_tensor, const_value, is_graph_output, producer, rank, set_input
-from .base import PassContext
+from ..pipeline.pass_base import PassContext
 from .cleanup_rewire import bypass, can_replace, holds, is_used
 
 #: Weight dtypes the fold computes for (bfloat16 keeps 8 significant bits: a folded weight could lose

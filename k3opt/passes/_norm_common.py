@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 from ..graph.ir import Graph, Node, Tensor
 from ..patterns import Match, PatternBuilder, RewriteBuilder, Rule, RuleSetPass, checks
 from ..patterns.rule_pass import sweep
-from .base import PassContext
+from ..pipeline.pass_base import PassContext
 
 #: Bits of precision order of the float types a normalization may run in (16-bit types do not widen into each other).
 _WIDTH = {TensorProto.FLOAT16: 16, TensorProto.BFLOAT16: 16, TensorProto.FLOAT: 32, TensorProto.DOUBLE: 64}

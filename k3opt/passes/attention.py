@@ -37,7 +37,7 @@ from ..graph.ir import Graph, Node, Tensor
 from ..patterns import RewriteBuilder
 from . import fold_shapes
 from ._attention_common import AttentionMatch, apply_attention, attention_rules
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 
 #: First opset with Attention in the default domain.
 ATTENTION_OPSET = 23

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..graph.ir import Graph, Node, rank
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass, chain_producer, detach, unsqueeze_axes
 
 PAIRS = {"Squeeze": "Unsqueeze", "Unsqueeze": "Squeeze"}

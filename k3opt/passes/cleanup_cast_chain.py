@@ -11,7 +11,7 @@ from __future__ import annotations
 from onnx import TensorProto as T
 
 from ..graph.ir import Graph, Node, set_input
-from .base import register_pass
+from ..pipeline.pass_base import register_pass
 from .cleanup_rewire import ChainPass, cast_target, detach, onnx_type
 
 _INTS = {T.INT8: (True, 8), T.UINT8: (False, 8), T.INT16: (True, 16), T.UINT16: (False, 16),

@@ -11,7 +11,7 @@ parser, so ``k3opt check`` will list it too).
 from __future__ import annotations
 
 from ..graph.ir import Graph, Node
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, onnx_type
 
 

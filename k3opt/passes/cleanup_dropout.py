@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph.ir import Graph, Node, const_value
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass, is_used
 
 

@@ -12,7 +12,7 @@ are not a symbol, non-constant or multi-element indices, and graph outputs.
 from __future__ import annotations
 
 from ..graph.ir import Graph, Node, Tensor, producer, toposort
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 from .cleanup_rewire import bypass, remove
 from .fold_shapes import remembered_dims, shape_elements
 

@@ -7,7 +7,7 @@ initializer (the output cannot take that tensor's name).
 from __future__ import annotations
 
 from ..graph.ir import Graph, Node
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, bypass
 
 

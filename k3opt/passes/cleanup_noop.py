@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..graph.ir import Graph, Node, Tensor, const_tensor, producer, rank
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .fold_shapes import dim_at, remembered_dims, shape_elements, small_const_value, small_int_list
 from .cleanup_rewire import NodeRewritePass, bypass, cast_target, onnx_type
 

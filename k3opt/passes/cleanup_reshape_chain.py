@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from ..graph.ir import Graph, Node, as_constant, set_input
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, chain_producer, detach, int_list
 from .fold_shapes import dim_at, remembered_dims
 

@@ -14,7 +14,7 @@ import numpy as np
 from onnx import helper
 
 from ..graph.ir import Graph, Node, Tensor, all_graphs, const_value, disconnect, is_graph_output, node_subgraphs, producer, replace_uses
-from .base import Pass, PassContext
+from ..pipeline.pass_base import Pass, PassContext
 
 
 def is_used(graph: Graph, t: Tensor) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 from .. import graph as gs
 
 from ..graph.ir import Graph, Node, Tensor, const_value, is_graph_output, replace_uses
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, detach, int_list
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..graph.ir import Graph, Node, rank, set_input
-from .base import register_pass
+from ..pipeline.pass_base import register_pass
 from .cleanup_rewire import ChainPass, bypass, detach
 
 

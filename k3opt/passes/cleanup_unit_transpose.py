@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..graph.ir import Graph, Node, as_constant
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass
 from .cleanup_transpose_chain import perm_of
 from .fold_shapes import Dim, remembered_dims, tensor_dims

@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from ..graph.ir import Graph, Node, Tensor, as_constant, rank, set_input
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, chain_producer, detach, unsqueeze_axes
 
 

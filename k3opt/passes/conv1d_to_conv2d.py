@@ -16,7 +16,7 @@ import numpy as np
 from .. import graph as gs
 
 from ..graph.ir import Graph, Node, as_constant, const_tensor, const_value, new_variable, set_input
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass
 
 

@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ..graph.ir import Graph, Node, Tensor, as_constant, is_const, producer, set_input
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass
 from .fold_shapes import Dim, dim_at, remembered_dims, shape_elements
 

@@ -28,7 +28,7 @@ from onnx import TensorProto, helper
 from ..graph import LazyValues
 
 from ..graph.ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 from .cleanup_rewire import can_replace, detach_all, remove
 from .fold_constants import RANDOM_OPS
 

@@ -10,7 +10,7 @@ read. Graph inputs are never removed (they are the model's interface).
 from __future__ import annotations
 
 from ..graph.ir import Graph, Node, producer
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach_all, remove
 from .fold_eval import outer_refs
 

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from ..graph.ir import Graph, Node, const_value, is_graph_output
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from ._channel_affine import (CONVOLUTIONS, MAX_CHANNEL_ELEMENTS, RefusalNotes, channel_operand, channel_producer,
                               fold_into, out_channels, out_rank)
 from .cleanup_rewire import NodeRewritePass

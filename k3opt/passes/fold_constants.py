@@ -29,7 +29,7 @@ from ..graph.ir import (
     Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, node_subgraphs, producer,
     replace_uses,
 )
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach, is_used, remove
 from .fold_eval import EvalError, as_array, outer_refs, run_ort, run_reference
 from .fold_guard import too_big

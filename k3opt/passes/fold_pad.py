@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ..graph.ir import Graph, Node, const_tensor, const_value, producer, set_input
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from ._channel_affine import RefusalNotes
 from .cleanup_rewire import NodeRewritePass, detach, holds, int_list, is_used, single_use
 

@@ -17,7 +17,7 @@ import numpy as np
 from .. import graph as gs
 
 from ..graph.ir import Graph, Node, Tensor, all_graphs, const_tensor, const_value
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 from .cleanup_rewire import detach, remove
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..graph.ir import Tensor
 from ..patterns import PatternBuilder, RewriteBuilder
-from .base import register_pass
+from ..pipeline.pass_base import register_pass
 from ._norm_common import TAILS, NormMatch, OrderedRulesPass, affine_input, maybe_cast, norm_input, rms_core, tail_rules
 
 

@@ -44,7 +44,7 @@ from ..graph.ir import Graph, Node, Tensor, producer
 from ..patterns import RewriteBuilder, checks
 from . import fold_shapes
 from ._attention_common import AttentionMatch, _shape_refs, apply_attention, attention_rules
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 
 FORMS = ("auto", "opset16", "npu")
 #: Float types in which a mask fill the recogniser accepts (<= half the lowest value) swamps any realistic score.

@@ -19,7 +19,7 @@ from ..cann_bridge.target_form import STAGING_DOMAIN
 from ..graph.ir import Graph, Tensor
 from ..patterns import RewriteBuilder
 from ._norm_common import NormMatch, affine_input, apply_in_order, norm_input
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 from .rms_norm import rmsnorm_rules
 
 #: ATC's NPURmsNorm plugin ignores the node's attributes and sets this epsilon.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..graph.ir import Graph, Node, producer, rank
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, detach, holds, single_use
 
 

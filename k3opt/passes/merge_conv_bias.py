@@ -10,7 +10,7 @@ non-constant existing bias, values that do not fit the dtype. MatMul + Add is fu
 from __future__ import annotations
 
 from ..graph.ir import Graph, Node
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from ._channel_affine import CONVOLUTIONS, RefusalNotes, channel_operand, fold_into
 from .cleanup_rewire import NodeRewritePass
 

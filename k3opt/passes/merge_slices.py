@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ..graph.ir import Graph, Node, as_constant, rank, set_input
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass, chain_producer, detach, int_list
 
 INT64_MAX = np.iinfo(np.int64).max

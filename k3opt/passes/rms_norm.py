@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 from ..graph.ir import Graph, Node, Tensor
 from ..patterns import PatternBuilder, RewriteBuilder, Rule
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 from ._norm_common import NormMatch, affine_input, apply_in_order, maybe_cast, norm_input, rms_core, tail_rules
 
 #: RMSNorm has a weight (scale) but no bias.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph.ir import Graph, Node, Tensor, const_tensor, const_value, new_variable, producer, set_input
-from .base import PassContext, register_pass
+from ..pipeline.pass_base import PassContext, register_pass
 from .cleanup_rewire import NodeRewritePass
 
 #: Ops whose output elements are all elements of their first input (or of every data input, Concat).

@@ -42,7 +42,7 @@ from ..graph.ir import Graph, Node, Tensor, const_value, is_const, producer
 from ..patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ..patterns.matcher import is_empty
 from ..patterns.rule_pass import sweep
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 from .fold_shapes import Dim, dim_at, remembered_dims, shape_elements
 
 #: First opset with RotaryEmbedding in the default domain.

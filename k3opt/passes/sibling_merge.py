@@ -22,7 +22,7 @@ from .. import graph as gs
 
 from ..graph.ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank
 from ..graph.lazy_values import PACKED_TYPES, concat_last_axis, onnx_type
-from .base import Pass, PassContext, register_pass
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 
 
 def _projection_weight(node: Node) -> Optional[gs.Constant]:

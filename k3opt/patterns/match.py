@@ -7,7 +7,7 @@ import numpy as np
 
 from ..graph import ir
 from ..graph.ir import Graph, Node, Tensor
-from ..passes.base import PassContext
+from ..pipeline.pass_base import PassContext
 from .matcher import State
 
 

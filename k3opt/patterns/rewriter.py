@@ -22,7 +22,7 @@ from .. import graph as gs
 
 from ..graph import ir
 from ..graph.ir import Graph, Node, Tensor
-from ..passes.base import PassContext
+from ..pipeline.pass_base import PassContext
 from .schema import validate_node
 
 

@@ -6,7 +6,7 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 from ..graph.ir import Graph, Node, Tensor, is_graph_output
-from ..passes.base import PassContext
+from ..pipeline.pass_base import PassContext
 from .builder import Pattern, build_pattern
 from .match import Match
 from .matcher import Matcher, describe

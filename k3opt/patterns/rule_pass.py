@@ -11,7 +11,7 @@ import onnx
 
 from ..errors import PluginError
 from ..graph.ir import Graph, NameScope
-from ..passes.base import Pass, PassContext, register_pass, registered_passes
+from ..pipeline.pass_base import Pass, PassContext, register_pass, registered_passes
 from .builder import NodeOutput, OrPattern, ValuePattern
 from .rule import Rule, RuleApplier, RuleError
 
@@ -114,7 +114,7 @@ def rules_pass(
 ) -> Type[RuleSetPass]:
     """A :class:`RuleSetPass` subclass named ``name`` (registered unless ``register=False``).
 
-    ``attrs`` set other :class:`~k3opt.passes.base.Pass` class attributes
+    ``attrs`` set other :class:`~k3opt.pipeline.pass_base.Pass` class attributes
     (``needs_shapes``, ``preserves_shapes``, ``min_opset``, ``targets``, ``default``, ``options``).
     """
     unknown = set(attrs) - {"needs_shapes", "preserves_shapes", "min_opset", "targets", "default", "options"}

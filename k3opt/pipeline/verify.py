@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 from onnx.external_data_helper import uses_external_data
 
+from ..errors import InputError, UsageError
+from ..io import PROTO_LIMIT, all_tensors, inline_copy, proto_size
 from . import verify_dims
-from .errors import InputError, UsageError
-from .io import PROTO_LIMIT, all_tensors, inline_copy, proto_size
 
 #: Default (rtol, atol) by output element type; other floats use fp32's.
 TOLERANCES = {
@@ -92,7 +92,7 @@ def make_feeds(
     """One array per graph input: the user's (``input_data``: .npz path or dict) or seeded random ones.
 
     Symbolic dims get consistent sizes, ``symbolic_dim`` where the graph
-    leaves them free (see :mod:`k3opt.verify_dims`; ``declared`` are the
+    leaves them free (see :mod:`k3opt.pipeline.verify_dims`; ``declared`` are the
     input dims before ``--input-shape``). With ``run`` the sizes are searched
     until the original runs: raises verify_dims.NoConsistentSizes when none does.
     """

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from ..errors import K3optError, PluginError
 from ..graph.ir import Graph, NameScope
-from .base import OpCensus, Pass, PassContext
+from .pass_base import OpCensus, Pass, PassContext
 
 
 @dataclasses.dataclass

@@ -257,7 +257,7 @@ def unregister_pass(name: str) -> None:
 
 def registered_passes() -> dict[str, Type[Pass]]:
     """Every registered pass by name, in pipeline order (built-ins loaded first)."""
-    from . import load_builtin_passes
+    from ..passes import load_builtin_passes
 
     load_builtin_passes()
     return dict(sorted(_REGISTRY.items(), key=lambda kv: (kv[1].order, kv[0])))

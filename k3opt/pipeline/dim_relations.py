@@ -13,7 +13,7 @@ one symbol.
 
 The walk is deliberately partial: an op it does not know gives unknown
 shapes, hence no equation. The equations are hints that
-:mod:`k3opt.verify_dims` solves and then checks by running the model.
+:mod:`k3opt.pipeline.verify_dims` solves and then checks by running the model.
 """
 from __future__ import annotations
 
