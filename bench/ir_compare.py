@@ -4,8 +4,8 @@
 (time per phase, peak RSS) and prints a markdown table:
 
 - ``gs-eager``: ``onnx.load`` with all weights, ``gs.import_onnx``, ``gs.export_onnx``, ``onnx.save``;
-- ``gs-lazy``: k3opt's own route: ``k3opt.io.load`` (external data left on disk), ``import_graph``
-  (weights as lazy values), ``gs.export_onnx``, ``k3opt.io.save`` (copies the weights to the output);
+- ``gs-lazy``: k3opt's own route: ``k3opt.modelio.load`` (external data left on disk), ``import_graph``
+  (weights as lazy values), ``gs.export_onnx``, ``k3opt.modelio.save`` (copies the weights to the output);
 - ``onnx-ir``: ``onnx_ir.load`` (weights memory-mapped), ``onnx_ir.save``.
 """
 from __future__ import annotations
@@ -40,15 +40,15 @@ def _gs_eager(src: Path, dst: Path, big: bool, lap) -> None:
 
 def _gs_lazy(src: Path, dst: Path, big: bool, lap) -> None:
     import onnx_graphsurgeon as gs
-    from k3opt import io
+    from k3opt import modelio
 
-    model = io.load(src)
+    model = modelio.load(src)
     lap("load")
-    graph = io.import_graph(model)
+    graph = modelio.import_graph(model)
     lap("import")
     out = gs.export_onnx(graph)
     lap("export")
-    io.save(out, dst, external_data=big)
+    modelio.save(out, dst, external_data=big)
 
 
 def _onnx_ir(src: Path, dst: Path, big: bool, lap) -> None:

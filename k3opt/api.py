@@ -18,7 +18,7 @@ import onnx
 from . import graph as gs
 from .graph import G_LOGGER
 
-from . import io, opset as opsets, shapes
+from . import modelio, opset as opsets, shapes
 from .pipeline import verify as verifier, verify_dims
 from .graph import gs_roundtrip, ir
 from .errors import InputError, OutputError, UsageError, VerificationError
@@ -56,7 +56,7 @@ def optimize(
             model, passes=passes, skip=skip, target=target, opset=opset, input_shapes=input_shapes,
             plugins=plugins, verify=verify,
         )
-    io.materialize_all()  # the returned proto may point into the spill file: its bytes must be there
+    modelio.materialize_all()  # the returned proto may point into the spill file: its bytes must be there
     return out
 
 
@@ -72,27 +72,27 @@ def optimize_file(
     """Optimize the model file ``src`` into ``dst`` (default ``SRC.k3opt.onnx``); returns the Report.
 
     Weights stay on disk and are streamed into ``DST.data`` when external
-    data is used (see :func:`k3opt.io.save`, also for ``fsync``). Takes the
+    data is used (see :func:`k3opt.modelio.save`, also for ``fsync``). Takes the
     keyword arguments of :func:`optimize`. Nothing is written when
     verification fails.
     """
     out = Path(dst) if dst is not None else default_output(src)
-    io.check_output_path(out, src, overwrite)
+    modelio.check_output_path(out, src, overwrite)
     report = kwargs.pop("report", None) or Report()
     pipeline_args = _pipeline_args(kwargs)
     run = _Run(report, **kwargs)
     run.measure_output = False
-    deferred = io.deferred_regions()
+    deferred = modelio.deferred_regions()
     with _gs_quiet():
         model = run.optimize(src, **pipeline_args)
     if not overwrite:
-        for path in (out, io.data_path(out)):
+        for path in (out, modelio.data_path(out)):
             if os.path.abspath(path) in run.source_files:
                 raise OutputError(f"{path}: is an external-data file of the input; pass --overwrite to replace it")
     with run.step("saving", "save"):
         # merged weights are written straight into the output's data file, never spilled first
-        written = io.save(model, out, external_data=external_data, fsync=fsync)
-    io.forget_deferred(io.deferred_regions() - deferred)  # this run's graph and protos are gone
+        written = modelio.save(model, out, external_data=external_data, fsync=fsync)
+    modelio.forget_deferred(modelio.deferred_regions() - deferred)  # this run's graph and protos are gone
     report.output = str(out)
     report.files = [str(p) for p in written]
     report.after.size_bytes = sum(p.stat().st_size for p in written)
@@ -176,9 +176,9 @@ class _Run:
         with self.step("loading", "load"):
             on_disk = None if isinstance(model, onnx.ModelProto) else model
             model, external = _load(model, report)
-            self.source_files = {io.external_info(t)["location"] for t in external}
+            self.source_files = {modelio.external_info(t)["location"] for t in external}
             opset_before = opsets.model_opset(model)
-            size = io.proto_size(model, None if on_disk is None else os.path.getsize(on_disk), external)
+            size = modelio.proto_size(model, None if on_disk is None else os.path.getsize(on_disk), external)
             report.before = ModelSummary.of(model, size, opset_before)
         self.declared_dims = verify_dims.declared_dims(model) if verify else None
         shapes.fix_inputs(model, input_shapes)
@@ -206,7 +206,7 @@ class _Run:
         refresher = shapes.ShapeRefresher()
         manager = PassManager(pipeline, shape_inference=refresher, progress=self._pass_progress())
         with self.step("running passes", "passes"), _fewer_collections():
-            graph = io.import_graph(model, known_external)
+            graph = modelio.import_graph(model, known_external)
             if any(p.needs_shapes for p in pipeline):  # the manager then skips a first refresh
                 ctx.shapes_available = refresher.seed(graph, model)
             manager.run(graph, ctx)
@@ -232,7 +232,7 @@ class _Run:
                 with self.step("verifying the lowering", "verify_lowering"):
                     self._verify_lowering(out, *lowered_by)
         # optimize_file measures the files it writes instead (sizing the proto costs a pass over it)
-        size = io.proto_size(out) if self.measure_output else 0
+        size = modelio.proto_size(out) if self.measure_output else 0
         report.after = ModelSummary.of(out, size, opsets.model_opset(out))
         return out
 
@@ -246,7 +246,7 @@ class _Run:
         refresher = shapes.ShapeRefresher()
         manager = PassManager(lowering, shape_inference=refresher, progress=self._pass_progress())
         with _fewer_collections():
-            graph = io.import_graph(model)
+            graph = modelio.import_graph(model)
             manager.run(graph, ctx)
             out = finish_target(export(graph, model), target)
         self.report.passes += [manager.stats[p.name].as_dict() for p in lowering]
@@ -266,7 +266,7 @@ class _Run:
         why = "onnxruntime did not run the original" if self._expected is None else None
         if why is None and evaluate is None:
             why = f"no reference evaluator for target {ctx.target}"
-        if why is None and (len(out.graph.node) > REFERENCE_MAX_NODES or io.proto_size(out) > REFERENCE_MAX_BYTES):
+        if why is None and (len(out.graph.node) > REFERENCE_MAX_NODES or modelio.proto_size(out) > REFERENCE_MAX_BYTES):
             why = (f"the lowered model is over the reference evaluator's bound ({REFERENCE_MAX_NODES} nodes, "
                    f"{REFERENCE_MAX_BYTES >> 20} MB): onnx's reference evaluator is slow and keeps every value")
         if why is not None:
@@ -389,7 +389,7 @@ class _Run:
 
         def diverges(k: int) -> bool:
             model = onnx.load_from_string(start)
-            graph = io.import_graph(model)
+            graph = modelio.import_graph(model)
             fresh = PassContext(opset=ctx.opset, target=ctx.target, options=dict(ctx.options),
                                 output_opset=ctx.output_opset)
             PassManager([type(p)() for p in pipeline], shape_inference=shapes.ShapeRefresher()).run(
@@ -472,15 +472,15 @@ def finish_target(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
     return model
 
 
-def _load(model: ModelLike, report: Report) -> io.Loaded:
+def _load(model: ModelLike, report: Report) -> modelio.Loaded:
     """A checked copy of a model proto, or the model file read (external data left on disk)."""
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
-        return io.Loaded(copy, io.validate(copy, os.getcwd()))
+        return modelio.Loaded(copy, modelio.validate(copy, os.getcwd()))
     if isinstance(model, (str, os.PathLike)):
         report.input = str(model)
-        return io.read_model(model)
+        return modelio.read_model(model)
     raise UsageError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
 
 

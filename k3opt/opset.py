@@ -14,7 +14,7 @@ from onnx import version_converter
 from onnx.external_data_helper import uses_external_data
 
 from .errors import UsageError
-from .io import inline_copy, weights_as_inputs
+from .modelio import inline_copy, weights_as_inputs
 
 #: Models below this are raised to it by default; the CANN target needs exactly it.
 DEFAULT_OPSET = 17

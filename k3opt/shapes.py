@@ -21,7 +21,7 @@ from .graph import SparseValues
 from .errors import UsageError
 from .graph.gs_export import import_domains, node_bytes, tensor_map
 from .graph.wire import field, varint
-from .io import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
+from .modelio import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
 from .graph.ir import declared_symbols
 from .graph.proto_cache import ProtoCache
 

@@ -334,15 +334,15 @@ def _sibling_projections_on_disk(folder) -> tuple[onnx.ModelProto, str]:
 
 
 def test_optimize_returns_merged_weights_written_and_optimize_file_leaves_nothing_deferred(tmp_path):
-    from k3opt import io
+    from k3opt import modelio
 
     model, path = _sibling_projections_on_disk(tmp_path)
-    before = io.deferred_regions()
+    before = modelio.deferred_regions()
     out = k3opt.optimize(path)
-    assert op_counts(out)["MatMul"] == 1 and io.deferred_regions() == before  # spilled before returning
+    assert op_counts(out)["MatMul"] == 1 and modelio.deferred_regions() == before  # spilled before returning
     assert_equivalent(model, onnx.load_from_string(runnable_bytes(out)))
     k3opt.optimize_file(path, tmp_path / "o.onnx")
-    assert io.deferred_regions() == before
+    assert modelio.deferred_regions() == before
     assert_equivalent(model, onnx.load(tmp_path / "o.onnx"))
 
 
@@ -352,13 +352,13 @@ def test_optimize_restores_the_callers_gc_thresholds(monkeypatch):
     try:
         gc.set_threshold(123, 7, 9)
         seen = []
-        real = k3opt.api.io.import_graph
+        real = k3opt.api.modelio.import_graph
 
         def spy(model, *args):
             seen.append(gc.get_threshold())
             return real(model, *args)
 
-        monkeypatch.setattr(k3opt.api.io, "import_graph", spy)
+        monkeypatch.setattr(k3opt.api.modelio, "import_graph", spy)
         k3opt.optimize(small_model())
         assert seen == [(k3opt.api.GC_YOUNG_THRESHOLD, 7, 9)]
         assert gc.get_threshold() == (123, 7, 9)

@@ -8,7 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import k3opt
 from k3opt import shapes
-from k3opt.io import import_graph
+from k3opt.modelio import import_graph
 from tests.helpers import assert_equivalent, make_model
 
 F = TensorProto.FLOAT

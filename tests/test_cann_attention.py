@@ -248,10 +248,10 @@ def _head_split(shape_of_other: bool):
 @pytest.mark.parametrize("other, heads", [(False, 4), (True, None)])
 def test_head_count_of_a_dynamic_head_split(other, heads):
     """-1 = 32 / 8 only when B and S are provably x's own dims (the same Shape), not another tensor's."""
-    from k3opt import io, shapes
+    from k3opt import modelio, shapes
     from k3opt.passes.lower_attention_npu import static_dim
 
-    graph = io.import_graph(_head_split(other))
+    graph = modelio.import_graph(_head_split(other))
     shapes.ShapeRefresher()(graph)
     q = next(t for t in graph.outputs if t.name == "q")
     assert static_dim(q, 1) == heads and static_dim(q, 3) == 8

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import k3opt
-from k3opt import io
+from k3opt import modelio
 from k3opt.cann_bridge import finish_model, invariant_violations
 from k3opt.pipeline.pass_base import PassContext
 from k3opt.passes.cleanup_castlike import CastLikeToCast
@@ -148,7 +148,7 @@ def test_cast_like_with_unknown_dtype_is_kept_and_reported():
     model = make_model([helper.make_node("CastLike", ["x", "like"], ["y"], name="cl")],
                        [("x", TensorProto.FLOAT, [2]), ("like", TensorProto.FLOAT16, [1])],
                        [("y", TensorProto.FLOAT16, [2])])
-    graph = io.import_graph(model)
+    graph = modelio.import_graph(model)
     graph.inputs[1].dtype = None
     ctx = PassContext(opset=17, target="cann")
     assert CastLikeToCast().run(graph, ctx) == 0

@@ -12,7 +12,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-import k3opt.io
+import k3opt.modelio
 
 from k3opt.cli import main
 from k3opt.progress import Progress
@@ -40,8 +40,8 @@ def test_optimize_tiny_transformer_prints_table_and_writes_default_output(tiny_t
 @pytest.mark.parametrize("flag", [[], ["--fsync"]])
 def test_fsync_option_reaches_save(tiny_transformer, tmp_path, monkeypatch, flag):
     seen = []
-    real = k3opt.io.save
-    monkeypatch.setattr(k3opt.io, "save", lambda *a, **kw: (seen.append(kw["fsync"]), real(*a, **kw))[1])
+    real = k3opt.modelio.save
+    monkeypatch.setattr(k3opt.modelio, "save", lambda *a, **kw: (seen.append(kw["fsync"]), real(*a, **kw))[1])
     code, _, err = invoke(["optimize", tiny_transformer, "-o", tmp_path / "o.onnx", "-q", "--no-verify", *flag])
     assert code == 0, err
     assert seen == [bool(flag)]

@@ -1,4 +1,4 @@
-"""DirectWriter (k3opt/direct_io.py): the same bytes as an ordinary file, by every route, with its fallbacks."""
+"""DirectWriter (k3opt/modelio/direct_io.py): the same bytes as an ordinary file, by every route, with its fallbacks."""
 from __future__ import annotations
 
 import errno
@@ -10,7 +10,8 @@ import pytest
 from onnx import TensorProto, helper
 
 import k3opt
-from k3opt import direct_io, io
+from k3opt import modelio
+from k3opt.modelio import direct_io
 from k3opt.errors import InputError
 from tests.helpers import assert_equivalent, make_model
 
@@ -93,7 +94,7 @@ def test_an_error_inside_the_block_abandons_the_file_unflushed(tmp_path):
         with direct_io.DirectWriter(tmp_path / "d.bin") as w:
             w.write(b"abc")
             raise RuntimeError("stop")
-    assert w.fileno() == -1 and (tmp_path / "d.bin").read_bytes() == b""  # io.save deletes it
+    assert w.fileno() == -1 and (tmp_path / "d.bin").read_bytes() == b""  # modelio.save deletes it
 
 
 def sibling_model(n: int = 600) -> onnx.ModelProto:
@@ -109,9 +110,9 @@ def sibling_model(n: int = 600) -> onnx.ModelProto:
 def test_direct_save_writes_what_the_buffered_save_writes(tmp_path, monkeypatch, small_buffer, fsync):
     src = tmp_path / "m.onnx"
     onnx.save(sibling_model(), src, save_as_external_data=True, location="m.data", size_threshold=0)
-    monkeypatch.setattr(io, "DIRECT_THRESHOLD", 2**62)
+    monkeypatch.setattr(modelio.saving, "DIRECT_THRESHOLD", 2**62)
     k3opt.optimize_file(src, tmp_path / "buffered.onnx", fsync=fsync)
-    monkeypatch.setattr(io, "DIRECT_THRESHOLD", 0)
+    monkeypatch.setattr(modelio.saving, "DIRECT_THRESHOLD", 0)
     report = k3opt.optimize_file(src, tmp_path / "direct.onnx", fsync=fsync)
     assert report.after.ops["MatMul"] == 1  # the merged weight was streamed through the writer
     assert (tmp_path / "direct.onnx.data").read_bytes() == (tmp_path / "buffered.onnx.data").read_bytes()
@@ -121,10 +122,10 @@ def test_direct_save_writes_what_the_buffered_save_writes(tmp_path, monkeypatch,
 def test_direct_save_of_a_short_source_is_an_input_error(tmp_path, monkeypatch):
     src = tmp_path / "m.onnx"
     onnx.save(sibling_model(), src, save_as_external_data=True, location="m.data", size_threshold=0)
-    model = io.load(src)
+    model = modelio.load(src)
     with open(tmp_path / "m.data", "r+b") as f:  # cut after loading: the copy finds it short
         f.truncate(1000)
-    monkeypatch.setattr(io, "DIRECT_THRESHOLD", 0)
+    monkeypatch.setattr(modelio.saving, "DIRECT_THRESHOLD", 0)
     with pytest.raises(InputError, match="ended early"):
-        io.save(model, tmp_path / "out.onnx", external_data=True)
+        modelio.save(model, tmp_path / "out.onnx", external_data=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.data", "m.onnx"]

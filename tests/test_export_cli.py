@@ -32,7 +32,7 @@ def test_export_config_json(tmp_path) -> None:
 
 
 def count_fsyncs(monkeypatch) -> list[int]:
-    """Count os.fsync calls for the rest of the test (k3opt.io syncs only with --fsync)."""
+    """Count os.fsync calls for the rest of the test (k3opt.modelio syncs only with --fsync)."""
     calls: list[int] = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto as T, helper
 from onnx_graphsurgeon.util.exception import OnnxGraphSurgeonException
 
-from k3opt import io
+from k3opt import modelio
 from k3opt.graph import gs_roundtrip, ir
 
 F = T.FLOAT
@@ -177,8 +177,8 @@ def test_graphs_with_functions_go_to_gs():
 def test_toposort_and_cleanup_match_gs_on_a_zoo_model():
     from tests.zoo import zoo_model
 
-    model = io.load(zoo_model("llama", "torchscript"))
-    ours, theirs = io.import_graph(model), io.import_graph(io.load(zoo_model("llama", "torchscript")))
+    model = modelio.load(zoo_model("llama", "torchscript"))
+    ours, theirs = modelio.import_graph(model), modelio.import_graph(modelio.load(zoo_model("llama", "torchscript")))
     perm = list(range(len(ours.nodes)))
     random.Random(0).shuffle(perm)
     ours.nodes, theirs.nodes = [ours.nodes[i] for i in perm], [theirs.nodes[i] for i in perm]
@@ -336,7 +336,7 @@ def test_fast_import_matches_gs_on_zoo_models():
     from tests.zoo import EXPORTERS, zoo_model
 
     for exporter in EXPORTERS:
-        model = io.load(zoo_model("deepseek_v3", exporter))
+        model = modelio.load(zoo_model("deepseek_v3", exporter))
         assert _canonical(gs_import.import_onnx(model)) == _canonical(gs.import_onnx(model))
 
 

@@ -324,7 +324,7 @@ def test_only_weights_feeding_foldable_nodes_are_read(tmp_path, monkeypatch):
 
 
 def test_external_weights_feeding_foldable_nodes_fold_through_optimize(tmp_path):
-    """A transposed weight in external data folds (read through k3opt.io's lazy loader) and stays exact."""
+    """A transposed weight in external data folds (read through k3opt.modelio's lazy loader) and stays exact."""
     w = np.random.default_rng(1).standard_normal((16, 32)).astype(np.float32)
     nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])]
     model = make_model(nodes, [("x", F, [2, 32])], [("y", F, [2, 16])], {"w": w})

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 from onnx.external_data_helper import uses_external_data
 
 import k3opt
-from k3opt import io
+from k3opt import modelio
 from k3opt.errors import InputError, OutputError
 from k3opt.shapes import ShapeRefresher
 from tests.helpers import assert_equivalent, make_model, random_feeds, run_ort
@@ -44,15 +44,15 @@ def digest(path: Path) -> str:
 
 def test_load_keeps_external_data_on_disk_with_absolute_locations(tmp_path):
     save_external(weighted_model(), tmp_path / "m.onnx")
-    model = io.load(tmp_path / "m.onnx")
+    model = modelio.load(tmp_path / "m.onnx")
     externals = [t for t in model.graph.initializer if uses_external_data(t)]
     assert len(externals) == 2
     for t in externals:
         assert not t.HasField("raw_data")
-        assert io.external_info(t)["location"] == str(tmp_path / "weights.bin")
-    graph = io.import_graph(model)
+        assert modelio.external_info(t)["location"] == str(tmp_path / "weights.bin")
+    graph = modelio.import_graph(model)
     w = graph.tensors()["w"]
-    assert isinstance(w._values, io.ExternalValues)
+    assert isinstance(w._values, modelio.ExternalValues)
     np.testing.assert_array_equal(w.values, onnx.numpy_helper.to_array(weighted_model().graph.initializer[0]))
 
 
@@ -67,7 +67,7 @@ def test_external_round_trip_streams_into_data_file_named_after_output(tmp_path)
     assert report.files == [str(out_dir / "opt.onnx"), str(out_dir / "opt.onnx.data")]
     assert {p.name: digest(p) for p in src.iterdir()} == before  # input and its data untouched
     saved = onnx.load(out_dir / "opt.onnx", load_external_data=False)
-    locations = {io.external_info(t)["location"] for t in saved.graph.initializer if uses_external_data(t)}
+    locations = {modelio.external_info(t)["location"] for t in saved.graph.initializer if uses_external_data(t)}
     assert locations == {"opt.onnx.data"}
     assert_equivalent(original, onnx.load(out_dir / "opt.onnx"))
 
@@ -108,37 +108,37 @@ class Boom(BaseException):
 def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch, error):
     save_external(weighted_model(), tmp_path / "m.onnx")
     before = sorted(p.name for p in tmp_path.iterdir())
-    model = io.load(tmp_path / "m.onnx")
+    model = modelio.load(tmp_path / "m.onnx")
 
     def fail(*args):
         raise error
 
-    monkeypatch.setattr(io.os, "replace", fail)
+    monkeypatch.setattr(modelio.saving.os, "replace", fail)
     with pytest.raises((OutputError, KeyboardInterrupt)):
-        io.save(model, tmp_path / "out.onnx")
+        modelio.save(model, tmp_path / "out.onnx")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def _fsynced(monkeypatch) -> list[str]:
     """Record what os.fsync is called on for the rest of the test: "folder", or the file a temporary file becomes."""
     calls: list[str] = []
-    real = io.os.fsync
+    real = modelio.saving.os.fsync
 
     def spy(fd):
         target = os.readlink(f"/proc/self/fd/{fd}")
         calls.append("folder" if os.path.isdir(target) else Path(target).name.rsplit(".", 2)[0].lstrip("."))
         real(fd)
 
-    monkeypatch.setattr(io.os, "fsync", spy)
+    monkeypatch.setattr(modelio.saving.os, "fsync", spy)
     return calls
 
 
 @pytest.mark.parametrize("external", [False, True])
 def test_save_syncs_only_when_asked(tmp_path, monkeypatch, external):
     calls = _fsynced(monkeypatch)
-    io.save(weighted_model(), tmp_path / "a.onnx", external_data=external)
+    modelio.save(weighted_model(), tmp_path / "a.onnx", external_data=external)
     assert calls == []
-    written = io.save(weighted_model(), tmp_path / "b.onnx", external_data=external, fsync=True)
+    written = modelio.save(weighted_model(), tmp_path / "b.onnx", external_data=external, fsync=True)
     # each temporary file before its rename, then the folder holding the renames
     assert calls == ["b.onnx.data"] * external + ["b.onnx", "folder"]
     assert [p.name for p in written] == ["b.onnx", "b.onnx.data"][: 1 + external]
@@ -148,12 +148,12 @@ def test_save_syncs_only_when_asked(tmp_path, monkeypatch, external):
 def test_output_location_refusals(tmp_path):
     onnx.save(weighted_model(), tmp_path / "m.onnx")
     with pytest.raises(OutputError, match="does not exist"):
-        io.check_output_path(tmp_path / "nope" / "o.onnx")
+        modelio.check_output_path(tmp_path / "nope" / "o.onnx")
     with pytest.raises(OutputError, match="is a directory"):
-        io.check_output_path(tmp_path)
+        modelio.check_output_path(tmp_path)
     os.symlink(tmp_path / "m.onnx", tmp_path / "link.onnx")
     with pytest.raises(OutputError, match="output is the input"):
-        io.check_output_path(tmp_path / "link.onnx", tmp_path / "m.onnx")
+        modelio.check_output_path(tmp_path / "link.onnx", tmp_path / "m.onnx")
 
 
 @pytest.mark.parametrize("location", ["../outside.bin", "/etc/hostname"])
@@ -166,7 +166,7 @@ def test_external_locations_must_stay_in_the_model_folder(tmp_path, location):
                 e.value = location
     onnx.save(model, tmp_path / "bad.onnx")
     with pytest.raises(InputError, match="outside the model folder|absolute external-data path"):
-        io.load(tmp_path / "bad.onnx")
+        modelio.load(tmp_path / "bad.onnx")
 
 
 def test_short_external_file_is_an_input_error(tmp_path):
@@ -174,33 +174,33 @@ def test_short_external_file_is_an_input_error(tmp_path):
     data = tmp_path / "weights.bin"
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(InputError, match="too short"):
-        io.load(tmp_path / "m.onnx")
+        modelio.load(tmp_path / "m.onnx")
 
 
 def test_spill_constant_is_lazy_and_saved_into_the_output(tmp_path):
     import onnx_graphsurgeon as gs
 
     values = np.arange(600, dtype=np.float32).reshape(20, 30)
-    const = io.spill_constant("spilled", values)
-    assert Path(io.external_info(const._values.tensor)["location"]).name.startswith(io.SPILL_PREFIX)
+    const = modelio.spill_constant("spilled", values)
+    assert Path(modelio.external_info(const._values.tensor)["location"]).name.startswith(modelio.SPILL_PREFIX)
     np.testing.assert_array_equal(const.values, values)
     x = gs.Variable("x", np.float32, [2, 20])
     y = gs.Variable("y", np.float32, [2, 30])
     graph = gs.Graph(nodes=[gs.Node("MatMul", inputs=[x, const], outputs=[y])], inputs=[x], outputs=[y], opset=17)
     model = gs.export_onnx(graph)
-    io.validate(model, tmp_path)  # an absolute spill location is accepted
-    io.save(model, tmp_path / "s.onnx")
+    modelio.validate(model, tmp_path)  # an absolute spill location is accepted
+    modelio.save(model, tmp_path / "s.onnx")
     saved = onnx.load(tmp_path / "s.onnx")
     feeds = random_feeds(saved)
     np.testing.assert_allclose(run_ort(saved, feeds)[0], feeds["x"] @ values, rtol=1e-5)
 
 
 def test_save_refuses_inline_over_the_proto_limit(tmp_path, monkeypatch):
-    monkeypatch.setattr(io, "PROTO_LIMIT", 1000)
+    monkeypatch.setattr(modelio.saving, "PROTO_LIMIT", 1000)
     model = weighted_model()
     with pytest.raises(OutputError, match="external data"):
-        io.save(model, tmp_path / "o.onnx", external_data=False)
-    io.save(model, tmp_path / "o.onnx")  # automatic: over the limit -> external
+        modelio.save(model, tmp_path / "o.onnx", external_data=False)
+    modelio.save(model, tmp_path / "o.onnx")  # automatic: over the limit -> external
     assert (tmp_path / "o.onnx.data").exists()
 
 
@@ -224,7 +224,7 @@ def test_over_2gb_model_is_optimized_without_loading_its_weights(tmp_path):
         f.truncate(3 * 4 * n)  # sparse zeros: cheap to create
     inits = []
     for i in range(3):
-        inits.append(io.external_tensor(f"w{i}", TensorProto.FLOAT, [n], data.name, i * 4 * n, 4 * n))
+        inits.append(modelio.external_tensor(f"w{i}", TensorProto.FLOAT, [n], data.name, i * 4 * n, 4 * n))
     # Embedding-style lookups: no pass needs the weights' values.
     nodes = [helper.make_node("Identity", ["ids"], ["ids1"])]
     nodes += [helper.make_node("Gather", [f"w{i}", "ids1"], [f"g{i}"]) for i in range(3)]
@@ -242,20 +242,20 @@ def test_over_2gb_model_is_optimized_without_loading_its_weights(tmp_path):
     assert int(peak_mb) < 1000, f"peak RSS {peak_mb} MB: weights were loaded"
     assert (out.parent / "big.k3opt.onnx.data").stat().st_size >= 3 * 4 * n
     saved = onnx.load(out, load_external_data=False)
-    assert [io.external_info(t)["location"] for t in saved.graph.initializer] == ["big.k3opt.onnx.data"] * 3
+    assert [modelio.external_info(t)["location"] for t in saved.graph.initializer] == ["big.k3opt.onnx.data"] * 3
 
 
 def test_shape_refresh_reads_no_weights(tmp_path, monkeypatch):
     save_external(weighted_model(), tmp_path / "m.onnx")
-    graph = io.import_graph(io.load(tmp_path / "m.onnx"))
+    graph = modelio.import_graph(modelio.load(tmp_path / "m.onnx"))
 
     def refuse(self):
         raise AssertionError("weights were read")
 
-    monkeypatch.setattr(io.ExternalValues, "load", refuse)
+    monkeypatch.setattr(modelio.ExternalValues, "load", refuse)
     assert ShapeRefresher()(graph) is True
     assert graph.tensors()["mm"].shape == [2, 64]
-    assert isinstance(graph.tensors()["w"]._values, io.ExternalValues)
+    assert isinstance(graph.tensors()["w"]._values, modelio.ExternalValues)
 
 
 def test_output_never_clobbers_the_inputs_data_file(tmp_path):
@@ -289,12 +289,12 @@ def test_outputs_get_ordinary_file_permissions(tmp_path):
 
 
 def test_spill_file_is_removed_when_the_process_exits():
-    script = ("import numpy as np; from k3opt import io; "
-              "c = io.spill_constant('w', np.ones(4096, np.float32)); "
-              "print(io.external_info(c._values.tensor)['location'])")
+    script = ("import numpy as np; from k3opt import modelio; "
+              "c = modelio.spill_constant('w', np.ones(4096, np.float32)); "
+              "print(modelio.external_info(c._values.tensor)['location'])")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     spill = Path(proc.stdout.strip())
-    assert spill.name.startswith(io.SPILL_PREFIX) and not spill.exists()
+    assert spill.name.startswith(modelio.SPILL_PREFIX) and not spill.exists()
 
 
 def test_nodes_out_of_order_load_and_a_cycle_behind_an_ordered_prefix_is_found():
@@ -303,14 +303,14 @@ def test_nodes_out_of_order_load_and_a_cycle_behind_an_ordered_prefix_is_found()
                                   helper.make_node("Neg", ["x"], ["a"], name="early")], "g",
                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
-    io.check_graph(unsorted)
+    modelio.check_graph(unsorted)
     cyclic = helper.make_graph([helper.make_node("Neg", ["x"], ["a"], name="ok"),
                                 helper.make_node("Add", ["a", "c"], ["b"], name="n1"),
                                 helper.make_node("Relu", ["b"], ["c"], name="n2")], "g",
                                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                                [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2])])
     with pytest.raises(InputError, match="has a cycle"):
-        io.check_graph(cyclic)
+        modelio.check_graph(cyclic)
 
 
 def test_report_size_before_is_the_file_size(tmp_path):
@@ -329,7 +329,7 @@ def _deferred_concat(tmp_path):
     with open(tmp_path / "src.data", "wb") as f:
         f.write(a.tobytes())
         f.write(b.tobytes())
-    sources = [io.ExternalValues(io.external_tensor(n, TensorProto.FLOAT, arr.shape, str(tmp_path / "src.data"),
+    sources = [modelio.ExternalValues(modelio.external_tensor(n, TensorProto.FLOAT, arr.shape, str(tmp_path / "src.data"),
                                                     off, arr.nbytes))
                for n, arr, off in (("a", a, 0), ("b", b, a.nbytes))]
     merged = ConcatValues(sources)
@@ -344,12 +344,12 @@ def test_merged_weight_is_written_straight_into_the_output_not_the_spill_file(tm
 
     monkeypatch.setattr(lazy_values, "_BLOCK", 24 * 4 * 7)  # several row blocks, the last one short
     proto, expected = _deferred_concat(tmp_path)
-    location, offset, _ = io._external_span(proto)
-    assert (location, offset) in io.deferred_regions()
+    location, offset, _ = modelio.external.external_span(proto)
+    assert (location, offset) in modelio.deferred_regions()
     model = helper.make_model(helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [helper.make_tensor_value_info("x", 1, [2, 40])],
         [helper.make_tensor_value_info("y", 1, [2, 32])], [proto]), opset_imports=[helper.make_opsetid("", 17)])
-    io.save(model, tmp_path / "o.onnx")
+    modelio.save(model, tmp_path / "o.onnx")
     with open(location, "rb") as f:  # the spill region is still a hole: nothing was written there
         f.seek(offset)
         assert not any(f.read(expected.nbytes))
@@ -359,24 +359,24 @@ def test_merged_weight_is_written_straight_into_the_output_not_the_spill_file(tm
 
 def test_reading_a_deferred_region_writes_it_into_the_spill_file_first(tmp_path):
     proto, expected = _deferred_concat(tmp_path)
-    location, offset, _ = io._external_span(proto)
-    got = np.frombuffer(io.read_external_bytes(proto), np.float32).reshape(expected.shape)
+    location, offset, _ = modelio.external.external_span(proto)
+    got = np.frombuffer(modelio.read_external_bytes(proto), np.float32).reshape(expected.shape)
     np.testing.assert_array_equal(got, expected)
-    assert (location, offset) not in io.deferred_regions()
-    np.testing.assert_array_equal(io.ExternalValues(proto).load(), expected)
+    assert (location, offset) not in modelio.deferred_regions()
+    np.testing.assert_array_equal(modelio.ExternalValues(proto).load(), expected)
 
 
 def test_read_external_bytes_reads_a_slice(tmp_path):
     proto, expected = _deferred_concat(tmp_path)
     flat = expected.tobytes()
-    assert io.read_external_bytes(proto, 100, 40) == flat[100:140]
+    assert modelio.read_external_bytes(proto, 100, 40) == flat[100:140]
 
 
 def test_save_copies_external_bytes_without_copy_file_range(tmp_path, monkeypatch):
     monkeypatch.delattr(os, "copy_file_range")  # the plain chunked copy is the fallback
     model = weighted_model()
     save_external(model, tmp_path / "m.onnx")
-    io.save(io.load(tmp_path / "m.onnx"), tmp_path / "o.onnx")
+    modelio.save(modelio.load(tmp_path / "m.onnx"), tmp_path / "o.onnx")
     assert_equivalent(model, onnx.load(tmp_path / "o.onnx"))
 
 
@@ -421,7 +421,7 @@ def _random_graph(rng: np.random.Generator, depth: int = 0) -> onnx.GraphProto:
 def _checked(graph: onnx.GraphProto):
     external: list[TensorProto] = []
     try:
-        io._check_graph(graph, "m", frozenset(), external)
+        modelio.validation._check_graph(graph, "m", frozenset(), external)
     except InputError as exc:
         return "error", str(exc)
     return "ok", [t.SerializeToString() for t in external]
@@ -435,13 +435,13 @@ def test_ordered_walk_checks_exactly_like_the_general_check(monkeypatch):
         graph = _random_graph(np.random.default_rng(seed))
         fast = _checked(graph)
         with monkeypatch.context() as m:
-            m.setattr(io, "_walk_in_order", lambda graph, known: None)
+            m.setattr(modelio.validation, "_walk_in_order", lambda graph, known: None)
             general = _checked(graph)
         assert fast == general, seed
         if fast[0] == "ok":
             model = helper.make_model(graph)
-            assert fast[1] == [t.SerializeToString() for t in io.all_tensors(model) if uses_external_data(t)]
-            in_order = io._walk_in_order(graph, {"x", "w"}) is not None
+            assert fast[1] == [t.SerializeToString() for t in modelio.all_tensors(model) if uses_external_data(t)]
+            in_order = modelio.validation._walk_in_order(graph, {"x", "w"}) is not None
             outcomes.add("ok, in order" if in_order else "ok, unsorted")
         else:
             outcomes.add(next(kind for kind in ("defined twice", "input '", "graph output", "cycle")
@@ -451,17 +451,17 @@ def test_ordered_walk_checks_exactly_like_the_general_check(monkeypatch):
 
 def test_read_model_returns_the_external_tensors_validate_resolved(tmp_path):
     save_external(weighted_model(), tmp_path / "m.onnx")
-    loaded = io.read_model(tmp_path / "m.onnx")
+    loaded = modelio.read_model(tmp_path / "m.onnx")
     assert [t.name for t in loaded.external] == ["w", "b"]
-    assert all(io.external_info(t)["location"] == str(tmp_path / "weights.bin") for t in loaded.external)
-    assert io.proto_size(loaded.model, 5, loaded.external) == io.proto_size(loaded.model, 5)
+    assert all(modelio.external_info(t)["location"] == str(tmp_path / "weights.bin") for t in loaded.external)
+    assert modelio.proto_size(loaded.model, 5, loaded.external) == modelio.proto_size(loaded.model, 5)
 
 
 @pytest.mark.parametrize("name, fmt", [("m.onnx", None), ("m.bin", None), ("m.textproto", "textproto")])
 def test_read_model_parses_the_file_as_onnx_load_does(tmp_path, name, fmt):
     """Binary models are parsed from the mapped file, text formats by onnx: the same proto either way."""
     onnx.save(weighted_model(), tmp_path / name, format=fmt)
-    assert io.read_model(tmp_path / name).model == onnx.load(tmp_path / name, load_external_data=False)
+    assert modelio.read_model(tmp_path / name).model == onnx.load(tmp_path / name, load_external_data=False)
 
 
 def test_read_model_of_an_unmappable_file_reads_it(tmp_path, monkeypatch):
@@ -470,22 +470,22 @@ def test_read_model_of_an_unmappable_file_reads_it(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError("no mmap here")
 
-    monkeypatch.setattr(io.mmap, "mmap", refuse)
-    assert io.read_model(tmp_path / "m.onnx").model == onnx.load(tmp_path / "m.onnx")
+    monkeypatch.setattr(modelio.loading.mmap, "mmap", refuse)
+    assert modelio.read_model(tmp_path / "m.onnx").model == onnx.load(tmp_path / "m.onnx")
 
 
 def test_trailing_bytes_after_a_model_are_not_a_model(tmp_path):
     data = weighted_model().SerializeToString()
     (tmp_path / "m.onnx").write_bytes(data + b"\x00" * 8)  # a zero tag: protobuf stops or refuses, as in onnx.load
     with pytest.raises(InputError, match="not a readable ONNX model"):
-        io.read_model(tmp_path / "m.onnx")
+        modelio.read_model(tmp_path / "m.onnx")
 
 
 def test_import_graph_told_of_no_external_tensors_skips_the_search_only(tmp_path):
     save_external(weighted_model(), tmp_path / "m.onnx")
-    loaded = io.read_model(tmp_path / "m.onnx")
+    loaded = modelio.read_model(tmp_path / "m.onnx")
     for external in (loaded.external, None):
-        assert type(io.import_graph(loaded.model, external).nodes[0].inputs[1]._values) is io.ExternalValues
+        assert type(modelio.import_graph(loaded.model, external).nodes[0].inputs[1]._values) is modelio.ExternalValues
     inline = weighted_model()
-    told, searched = io.import_graph(inline, []), io.import_graph(inline)
+    told, searched = modelio.import_graph(inline, []), modelio.import_graph(inline)
     assert k3opt.api.export(told, inline) == k3opt.api.export(searched, inline)

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from k3opt import io
+from k3opt import modelio
 from k3opt.graph.gs_export import node_bytes
 from k3opt.graph.proto_cache import ProtoCache
 from tests.zoo import needs_torch, zoo_model
@@ -28,7 +28,7 @@ def gs_bytes(node: gs.Node):
 
 
 def lazy_constant() -> gs.Constant:
-    return io.import_graph(helper.make_model(helper.make_graph(
+    return modelio.import_graph(helper.make_model(helper.make_graph(
         [helper.make_node("Constant", [], ["c"], value=onnx.numpy_helper.from_array(np.arange(3, dtype=np.int64)))],
         "g", [], [helper.make_tensor_value_info("c", TensorProto.INT64, [3])]))).nodes[0].attrs["value"]
 
@@ -77,7 +77,7 @@ def test_what_protobuf_refuses_in_names_is_left_to_gs():
 @needs_torch
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
 def test_every_zoo_node_is_written_as_gs_writes_it(name):
-    graph = io.import_graph(onnx.load(zoo_model(name)))
+    graph = modelio.import_graph(onnx.load(zoo_model(name)))
     written = [node_bytes(n) for n in graph.nodes]
     assert all(w is not None for w in written)
     assert written == [gs_bytes(n) for n in graph.nodes]

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
-from k3opt import io, shapes
+from k3opt import modelio, shapes
 from k3opt.graph.proto_cache import ProtoCache
 from k3opt.shapes import ShapeRefresher, export_for_inference, model_for_inference
 from tests.helpers import make_model
@@ -31,7 +31,7 @@ def shapes_of(graph: gs.Graph) -> dict:
 
 
 def test_a_refresh_exports_only_what_changed_and_sees_every_change():
-    graph = io.import_graph(transpose_reshape())
+    graph = modelio.import_graph(transpose_reshape())
     refresh = ShapeRefresher()
     assert refresh(graph) and refresh.protos.exported == 5  # 4 nodes + the Reshape target
     assert shapes_of(graph)["t"] == [2, 4, 3] and shapes_of(graph)["q"] == [8, 3]
@@ -53,7 +53,7 @@ def test_a_refresh_exports_only_what_changed_and_sees_every_change():
 
 def test_seeding_from_the_model_gives_the_shapes_a_refresh_gives():
     model = transpose_reshape()
-    seeded, refreshed = io.import_graph(model), io.import_graph(model)
+    seeded, refreshed = modelio.import_graph(model), modelio.import_graph(model)
     assert ShapeRefresher().seed(seeded, model) and ShapeRefresher()(refreshed)
     assert shapes_of(seeded) == shapes_of(refreshed) and shapes_of(seeded)["q"] == [8, 3]
 
@@ -64,11 +64,11 @@ def helper_built(graph: gs.Graph) -> onnx.ModelProto:
     initializers = []
     for t in graph.tensors().values():
         if isinstance(t, gs.Constant) and not isinstance(t._values, SparseValues):
-            if getattr(t._values, "nbytes", 0) >= io.EXTERNAL_THRESHOLD:
+            if getattr(t._values, "nbytes", 0) >= modelio.EXTERNAL_THRESHOLD:
                 inputs.append(helper.make_tensor_value_info(t.name, dtype_to_onnx(t._values.dtype),
                                                             [int(d) for d in t._values.shape]))
             else:
-                initializers.append(io.inline_copy(OnnxExporter.export_tensor_proto(t)))
+                initializers.append(modelio.inline_copy(OnnxExporter.export_tensor_proto(t)))
     g = helper.make_graph([OnnxExporter.export_node(n) for n in graph.nodes], graph.name or "k3opt", inputs,
                           [OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs], initializers)
     model = helper.make_model(g, opset_imports=update_import_domains(graph),
@@ -103,7 +103,7 @@ def test_the_joined_bytes_parse_to_the_helper_built_model(which):
         model = with_if_and_custom_domain()
     else:
         model = onnx.load(zoo_model(which))
-    graph = io.import_graph(model)
+    graph = modelio.import_graph(model)
     protos = ProtoCache()
     first = export_for_inference(graph, protos=protos)
     assert onnx.ModelProto.FromString(first.data) == helper_built(graph) and not first.long_io
@@ -118,7 +118,7 @@ def test_the_joined_bytes_parse_to_the_helper_built_model(which):
 def test_a_long_graph_input_is_reported_with_the_bytes():
     model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", TensorProto.FLOAT, [70000])],
                        [("y", TensorProto.FLOAT, [70000])])
-    assert export_for_inference(io.import_graph(model)).long_io
+    assert export_for_inference(modelio.import_graph(model)).long_io
 
 
 def test_a_long_weight_is_reported_with_the_bytes_even_when_its_input_is_reused():
@@ -126,7 +126,7 @@ def test_a_long_weight_is_reported_with_the_bytes_even_when_its_input_is_reused(
     model = make_model([helper.make_node("Add", ["x", "w"], ["y"])], [("x", TensorProto.FLOAT, [1])],
                        [("y", TensorProto.FLOAT, ["n"])], {"w": np.zeros(70000, np.float32)})
     assert model_for_inference(model).long_io
-    graph = io.import_graph(model)
+    graph = modelio.import_graph(model)
     protos = ProtoCache()
     assert export_for_inference(graph, protos=protos).long_io and protos.exported == 2
     assert export_for_inference(graph, protos=protos).long_io and protos.exported == 0
@@ -153,11 +153,11 @@ def test_the_seed_model_parses_to_the_weights_as_inputs_copy(which, tmp_path):
         model = onnx.load(zoo_model("bert"))
     elif which == "external":
         onnx.save(with_everything(), tmp_path / "m.onnx", save_as_external_data=True, size_threshold=0)
-        model = io.load(tmp_path / "m.onnx")
+        model = modelio.load(tmp_path / "m.onnx")
     else:
         model = {"transpose_reshape": transpose_reshape, "if_and_domain": with_if_and_custom_domain,
                  "everything": with_everything}[which]()
-    expected = io.weights_as_inputs(model)[0]
+    expected = modelio.weights_as_inputs(model)[0]
     del expected.graph.value_info[:]
     light = model_for_inference(model)
     assert onnx.ModelProto.FromString(light.data) == expected and not light.long_io
@@ -167,7 +167,7 @@ def test_type_conversions_are_reused_only_for_the_same_declared_symbols(monkeypa
     model = make_model([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])],
                        [("x", TensorProto.FLOAT, ["n", 3])], [("y", TensorProto.FLOAT, ["n", 3])])
     inferred = onnx.shape_inference.infer_shapes(model).graph
-    graph = io.import_graph(model)
+    graph = modelio.import_graph(model)
     memo: dict = {}
     shapes.apply_shapes(graph, inferred, memo=memo)
     assert shapes_of(graph)["r"] == ["n", 3]
@@ -197,7 +197,7 @@ def inference_calls(monkeypatch) -> list[bool]:
 def test_the_seed_propagates_data_in_one_run_when_nothing_is_long(monkeypatch):
     calls = inference_calls(monkeypatch)
     model = transpose_reshape()
-    assert ShapeRefresher().seed(io.import_graph(model), model) and calls == [True]
+    assert ShapeRefresher().seed(modelio.import_graph(model), model) and calls == [True]
 
 
 @pytest.mark.parametrize("attr", ["value", "value_ints"])
@@ -210,7 +210,7 @@ def test_a_long_constant_node_makes_the_seed_infer_without_propagation_first(mon
     model = make_model(nodes, [("x", TensorProto.INT64, [2])], [("y", TensorProto.INT64, [70002])])
     assert model_for_inference(model).long_io
     calls = inference_calls(monkeypatch)
-    graph = io.import_graph(model)
+    graph = modelio.import_graph(model)
     assert ShapeRefresher().seed(graph, model) and calls == [False]
     assert shapes_of(graph)["y"] == [70002]
 
@@ -232,7 +232,7 @@ def test_inferred_types_find_a_long_intermediate_as_the_full_check_does(length):
     view = shapes.inferred_types(inferred)
     assert view.long == shapes._has_long_vector(inferred) == (length > shapes.DATA_PROP_MAX_LEN)
     assert set(view.types) == {"c", "y"} and len(view.protos) == 2
-    by_graph, by_view = io.import_graph(model), io.import_graph(model)
+    by_graph, by_view = modelio.import_graph(model), modelio.import_graph(model)
     shapes.apply_shapes(by_graph, inferred)
     shapes.apply_shapes(by_view, view)
     assert shapes_of(by_graph) == shapes_of(by_view) and shapes_of(by_view)["c"] == [length]

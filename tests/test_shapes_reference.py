@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import k3opt
-from k3opt import io, shapes
+from k3opt import modelio, shapes
 from tests.helpers import make_model
 from tests.zoo import needs_torch, zoo_model, zoo_params
 
@@ -44,7 +44,7 @@ def reference(graph: gs.Graph) -> State:
     """The state a refresh of ``graph`` must leave, computed the plain way without touching ``graph``."""
     model = gs.export_onnx(graph.copy(), do_type_check=False)
     del model.graph.value_info[:]
-    light = io.weights_as_inputs(model)[0]
+    light = modelio.weights_as_inputs(model)[0]
     inferred = onnx.shape_inference.infer_shapes(light, strict_mode=True)
     if not _long(inferred.graph):
         inferred = onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
@@ -113,7 +113,7 @@ def test_edge_cases_match_the_reference(checked):
                        [("y", TensorProto.FLOAT, ["batch", 3]), ("nzf", TensorProto.FLOAT, [2, "n"]),
                         ("r", TensorProto.FLOAT, ["batch", "one"]), ("y2", TensorProto.FLOAT, ["b2", 3])],
                        {"zero": np.array(0, np.int64)})
-    graph = io.import_graph(model)
+    graph = modelio.import_graph(model)
     refresher = shapes.ShapeRefresher()
     assert refresher.seed(graph, model) and refresher(graph)
     graph.nodes[-2].op = "Sigmoid"  # a change, then a refresh reusing the other protos

@@ -298,19 +298,19 @@ def _external_model(folder, groups: int, k: int) -> tuple[onnx.ModelProto, str]:
 def test_external_data_model_merges_without_loading_every_weight(tmp_path):
     import tracemalloc
 
-    from k3opt import io
+    from k3opt import modelio
 
     groups, k = 12, 256
     model, path = _external_model(tmp_path, groups, k)
-    graph = io.import_graph(io.load(path))
+    graph = modelio.import_graph(modelio.load(path))
     sources = [t for t in graph.tensors().values() if isinstance(t, gs.Constant) and t.shape and len(t.shape) == 2]
     tracemalloc.start()
     PassManager([MergeSiblingMatMuls()]).run(graph, PassContext(opset=17))
-    assert all(isinstance(t._values, io.ExternalValues) for t in sources)  # the pass read no weight
+    assert all(isinstance(t._values, modelio.ExternalValues) for t in sources)  # the pass read no weight
     assert sum(isinstance(getattr(t, "_values", None), ConcatValues) for t in graph.tensors().values()) == groups
     graph.cleanup()
     out = gs.export_onnx(graph)
-    io.save(out, tmp_path / "o.onnx")
+    modelio.save(out, tmp_path / "o.onnx")
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     merged_weight = k * 2 * k * 4  # bytes of one layer's merged Q/K/V weight; the layers hold 12x that

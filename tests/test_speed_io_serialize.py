@@ -1,4 +1,4 @@
-"""Saving a model a piece at a time writes exactly ``SerializeToString()``'s bytes (io.save, io.inline_size)."""
+"""Saving a model a piece at a time writes exactly ``SerializeToString()``'s bytes (modelio.save, modelio.inline_size)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from k3opt import io
+from k3opt import modelio
 
 
 def busy_model() -> onnx.ModelProto:
@@ -38,7 +38,7 @@ def with_unknown_field(message) -> None:
 
 
 def saved_bytes(model: onnx.ModelProto, tmp_path) -> bytes:
-    io.save(model, tmp_path / "o.onnx", external_data=False)
+    modelio.save(model, tmp_path / "o.onnx", external_data=False)
     return (tmp_path / "o.onnx").read_bytes()
 
 
@@ -50,7 +50,7 @@ def test_pieces_join_into_the_whole_serialization(tmp_path, unknown):
         with_unknown_field(target)
     whole = model.SerializeToString()
     assert saved_bytes(model, tmp_path) == whole
-    assert io.inline_size(model) == len(whole) == io.proto_size(model)
+    assert modelio.inline_size(model) == len(whole) == modelio.proto_size(model)
 
 
 def test_big_graph_length_prefix(tmp_path):
@@ -65,4 +65,4 @@ def test_model_without_graph_or_initializers(tmp_path):
     del model.graph.initializer[:]
     assert saved_bytes(model, tmp_path) == model.SerializeToString()
     empty = onnx.ModelProto(ir_version=8)
-    assert io.inline_size(empty) == empty.ByteSize()
+    assert modelio.inline_size(empty) == empty.ByteSize()

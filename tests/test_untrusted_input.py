@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import k3opt
-from k3opt import io
+from k3opt import modelio
 from k3opt.errors import InputError
 from tests.helpers import run_ort
 from tests.test_bad_input import assert_one_line_error, invoke, snapshot
@@ -40,7 +40,7 @@ def model_with_weight(sub: bool = False) -> onnx.ModelProto:
 
 
 def external_weight(model: onnx.ModelProto) -> TensorProto:
-    return next(t for t in io.all_tensors(model) if t.name == "w")
+    return next(t for t in modelio.all_tensors(model) if t.name == "w")
 
 
 def save_with_external(folder: Path, sub: bool = False, location: str = "w.bin",
@@ -106,7 +106,7 @@ def test_a_device_itself_is_refused():
     t.data_location = TensorProto.EXTERNAL
     t.external_data.add(key="location", value="zero")
     with pytest.raises(InputError, match=r"external data of tensor 'w' is a character device \(zero\)"):
-        io.validate(model, "/dev")
+        modelio.validate(model, "/dev")
 
 
 def test_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
@@ -132,7 +132,7 @@ def test_directory_is_refused(tmp_path):
 
 def test_absolute_spill_name_in_a_file_is_refused(tmp_path):
     """k3opt's own spill files may be named absolutely in a proto built in this process, never in a file."""
-    spill = Path(tempfile.gettempdir()) / f"{io.SPILL_PREFIX}planted.data"
+    spill = Path(tempfile.gettempdir()) / f"{modelio.SPILL_PREFIX}planted.data"
     model = save_with_external(tmp_path / "model", location=str(spill))
     try:
         spill.write_bytes(SECRET)
@@ -195,14 +195,14 @@ def nested_ifs(depth: int) -> onnx.ModelProto:
 
 
 def test_subgraphs_nested_past_the_bound_are_refused(tmp_path):
-    deepest = nested_ifs(io.MAX_GRAPH_DEPTH)
+    deepest = nested_ifs(modelio.MAX_GRAPH_DEPTH)
     onnx.save(deepest, tmp_path / "ok.onnx")
     code, out, err = invoke(["optimize", str(tmp_path / "ok.onnx"), "-q"])
     assert code == 0, err
-    onnx.save(nested_ifs(io.MAX_GRAPH_DEPTH + 1), tmp_path / "deep.onnx")
-    assert_refused(tmp_path, tmp_path / "deep.onnx", f"subgraphs nested more than {io.MAX_GRAPH_DEPTH} deep")
+    onnx.save(nested_ifs(modelio.MAX_GRAPH_DEPTH + 1), tmp_path / "deep.onnx")
+    assert_refused(tmp_path, tmp_path / "deep.onnx", f"subgraphs nested more than {modelio.MAX_GRAPH_DEPTH} deep")
     with pytest.raises(InputError, match="nested more than"):
-        k3opt.optimize(nested_ifs(io.MAX_GRAPH_DEPTH + 1))
+        k3opt.optimize(nested_ifs(modelio.MAX_GRAPH_DEPTH + 1))
 
 
 def test_nesting_protobuf_cannot_parse_is_one_line(tmp_path):

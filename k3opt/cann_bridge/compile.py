@@ -13,7 +13,7 @@ from typing import Callable, Optional, Union
 
 import onnx
 
-from .. import io, optimize, optimize_file
+from .. import modelio, optimize, optimize_file
 from ..errors import CompileError, UsageError
 from ..report import Report
 from ..pipeline.verify import summary_line
@@ -54,7 +54,7 @@ def _optimize(model: Union[str, os.PathLike, onnx.ModelProto], dst: Path, static
     if isinstance(model, onnx.ModelProto):
         report = options.pop("report", None) or Report()
         out = optimize(model, target="cann", input_shapes=shapes, report=report, **options)
-        report.files = [str(p) for p in io.save(out, dst)]
+        report.files = [str(p) for p in modelio.save(out, dst)]
         report.output = str(dst)
         return report
     return optimize_file(model, dst, target="cann", input_shapes=shapes, **options)

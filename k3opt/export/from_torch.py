@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from .. import io
+from .. import modelio
 from ..api import optimize_file
 from ..report import Report
 from .exporters import export_onnx, wants_external_data
@@ -38,12 +38,12 @@ def from_torch(
     input_shapes, plugins, rtol, atol...). The raw export is made in a
     temporary folder next to ``path``; weights are saved as external data
     (``PATH.data``) above 1 GiB, or as ``external_data`` says; ``fsync``
-    makes them durable (see :func:`k3opt.io.save`). With
+    makes them durable (see :func:`k3opt.modelio.save`). With
     ``optimize=False`` the raw export is saved to ``path`` unchanged. Exporter failures raise
     :class:`k3opt.export.ExportError` (one line: exporter, op, reason).
     """
     path = Path(path)
-    io.check_output_path(path)
+    modelio.check_output_path(path)
     if "output_opset" in optimize_options:
         optimize_options["opset"] = optimize_options.pop("output_opset")
     external_data = wants_external_data(module, external_data)
@@ -59,7 +59,7 @@ def from_torch(
                                    target=target, **optimize_options)
         else:
             report = optimize_options.get("report") or Report()
-            written = io.save(io.load(raw), path, external_data=external_data, fsync=fsync)
+            written = modelio.save(modelio.load(raw), path, external_data=external_data, fsync=fsync)
             report.output, report.files = str(path), [str(p) for p in written]
     report.input = f"{type(module).__name__} ({exporter} exporter)"  # the temporary raw export is gone
     return report

@@ -9,9 +9,9 @@ shape, dtype and sources. gs's exporter asks a ``LazyValues`` for its
 ``.tensor`` one constant at a time; that reserves a region of a spill file
 and returns an external-data ``TensorProto`` pointing there by absolute
 path. The bytes are written later, a block of rows at a time: by
-``k3opt.io.save`` straight into the model's data file, or into the spill
-file when something reads the region first (``k3opt.io.defer_spill``). Spill
-files follow ``k3opt.io``'s convention (``k3opt-spill-*`` in the system temp
+``k3opt.modelio.save`` straight into the model's data file, or into the spill
+file when something reads the region first (``k3opt.modelio.defer_spill``). Spill
+files follow ``k3opt.modelio``'s convention (``k3opt-spill-*`` in the system temp
 folder). Weights already in memory are simply concatenated.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ import onnx
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from .. import io
-from ..io import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
+from .. import modelio
+from ..modelio import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
 
 Source = Union[np.ndarray, LazyValues]
 
@@ -131,14 +131,14 @@ class ConcatValues(LazyValues):
     def _spill(self) -> onnx.TensorProto:
         """Reserve the concatenation's region in the spill file; its bytes are written on demand.
 
-        ``k3opt.io.save`` has :meth:`write_to` produce them straight into the
+        ``k3opt.modelio.save`` has :meth:`write_to` produce them straight into the
         output's data file; a reader of the region writes them into the spill
-        file first (see ``k3opt.io.defer_spill``).
+        file first (see ``k3opt.modelio.defer_spill``).
         """
         spill = SpillFile.get()
         offset = spill.allocate(self.nbytes)
-        io.defer_spill(spill.path, offset, self.write_to)
-        return io.external_tensor("", onnx_type(self.dtype), self.shape, spill.path, offset, self.nbytes)
+        modelio.defer_spill(spill.path, offset, self.write_to)
+        return modelio.external_tensor("", onnx_type(self.dtype), self.shape, spill.path, offset, self.nbytes)
 
     def write_to(self, f: BinaryIO) -> None:
         """Write the concatenation's bytes at ``f``'s position, a block of rows at a time (flat memory)."""
@@ -157,7 +157,7 @@ class ConcatValues(LazyValues):
                 if i in in_memory:
                     block[:, col : col + width] = in_memory[i][r0:r1]
                 else:
-                    data = io.read_external_bytes(source.tensor, r0 * width * itemsize, (r1 - r0) * width * itemsize)
+                    data = modelio.read_external_bytes(source.tensor, r0 * width * itemsize, (r1 - r0) * width * itemsize)
                     block[:, col : col + width] = np.frombuffer(data, dtype=raw).reshape(r1 - r0, width)
                     del data
                 col += width

@@ -17,7 +17,7 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from ..errors import InputError, UsageError
-from ..io import PROTO_LIMIT, all_tensors, inline_copy, proto_size
+from ..modelio import PROTO_LIMIT, all_tensors, inline_copy, proto_size
 from . import verify_dims
 
 #: Default (rtol, atol) by output element type; other floats use fp32's.

@@ -24,7 +24,7 @@ from typing import Optional
 import onnx
 from onnx import TensorProto
 
-from .errors import InputError
+from ..errors import InputError
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
