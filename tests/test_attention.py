@@ -12,7 +12,7 @@ from onnx.reference import ReferenceEvaluator
 
 from k3opt import shapes
 from k3opt.graph.ir import NameScope
-from k3opt.passes._attention_common import AttentionMatch, apply_attention, attention_rules
+from k3opt.passes.fusion._attention_common import AttentionMatch, apply_attention, attention_rules
 from k3opt.pipeline.pass_base import PassContext, get_pass
 from tests.helpers import assert_equivalent, make_model, op_counts, random_feeds, run_passes
 
@@ -432,6 +432,6 @@ def test_walks_over_the_graph_do_not_grow_with_the_attentions(n):
     graph.nodes = _CountingList(graph.nodes)
     ctx = PassContext(opset=23, names=NameScope(graph))
     _CountingList.walks = 0
-    from k3opt.passes.attention import RULES
+    from k3opt.passes.fusion.fuse_attention import RULES
     assert apply_attention(graph, ctx, RULES) == n
     assert _CountingList.walks <= 4

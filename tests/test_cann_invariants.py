@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from k3opt.cann_bridge.target_form import invariant_violations
-from k3opt.passes.lower_rmsnorm_npu import refusal
+from k3opt.passes.lowering.lower_rmsnorm_npu import refusal
 from tests.helpers import make_model
 
 F = TensorProto.FLOAT

@@ -14,7 +14,7 @@ import k3opt
 from k3opt import modelio
 from k3opt.cann_bridge import finish_model, invariant_violations
 from k3opt.pipeline.pass_base import PassContext
-from k3opt.passes.cleanup_castlike import CastLikeToCast
+from k3opt.passes.cleanup.castlike_to_cast import CastLikeToCast
 from k3opt.report import Report
 from tests.cann_models import decompose_npu_rmsnorm, rms_model, rmsnorm_nodes
 from tests.helpers import assert_equivalent, make_model, op_counts
@@ -171,7 +171,7 @@ def test_the_lowered_graph_is_verified_by_the_reference_evaluator():
 
 def test_an_inexact_lowering_fails_the_verification_and_is_bisected(monkeypatch):
     """A lowering that pretends eps 1e-5 is the plugin's: the reference (fixed 1e-6) tells the difference."""
-    import k3opt.passes.lower_rmsnorm_npu as lowering
+    import k3opt.passes.lowering.lower_rmsnorm_npu as lowering
 
     monkeypatch.setattr(lowering, "PLUGIN_EPSILON", 1e-5)
     small = {"x": (1e-3 * np.random.default_rng(0).standard_normal((2, 3, 16))).astype(np.float32)}

@@ -12,8 +12,8 @@ import k3opt
 from k3opt.graph import ir
 from k3opt.pipeline import manager
 from k3opt.pipeline.pass_base import OpCensus, Pass, PassContext
-from k3opt.passes.cleanup_identity import RemoveIdentity
-from k3opt.passes.layer_norm import RULES as LAYERNORM_RULES
+from k3opt.passes.cleanup.remove_identity import RemoveIdentity
+from k3opt.passes.fusion.fuse_layernorm import RULES as LAYERNORM_RULES
 from k3opt.pipeline.manager import PassManager
 from k3opt.patterns import Rule
 from k3opt.patterns.rule import RuleApplier
@@ -212,7 +212,7 @@ def test_layernorm_sweeps_skip_a_graph_without_sub(monkeypatch):
     nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[-1]), helper.make_node("Add", ["m", "eps"], ["a"]),
              helper.make_node("Mul", ["a", "w"], ["y"])]
     model = make_model(nodes, [("x", F, [2, 4])], [("y", F, [2, 1])], {"eps": x[:1], "w": x[:1]})
-    from k3opt.passes.layer_norm import FuseLayerNorm
+    from k3opt.passes.fusion.fuse_layernorm import FuseLayerNorm
 
     ctx = PassContext(opset=17)
     assert FuseLayerNorm().run(gs.import_onnx(model), ctx) == 0

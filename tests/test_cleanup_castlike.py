@@ -9,8 +9,8 @@ from onnx import TensorProto as T, helper
 
 import k3opt
 from k3opt.pipeline.pass_base import PassContext
-from k3opt.passes.cleanup_castlike import CastLikeToCast
-from k3opt.passes.fold_constants import FoldConstants
+from k3opt.passes.cleanup.castlike_to_cast import CastLikeToCast
+from k3opt.passes.fold.fold_constants import FoldConstants
 from tests.helpers import assert_equivalent, make_model, op_counts, run_ort
 from tests.test_cleanup_ops import apply
 from tests.zoo import needs_torch, zoo_inputs, zoo_model

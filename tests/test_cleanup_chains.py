@@ -6,11 +6,11 @@ import onnx
 import pytest
 from onnx import TensorProto as T, helper
 
-from k3opt.passes.cleanup_cast_chain import MergeCastChains, lossless
-from k3opt.passes.cleanup_noop import RemoveNoopOps
-from k3opt.passes.cleanup_reshape_chain import MergeReshapes
-from k3opt.passes.cleanup_sequence_split import SequenceToSplit
-from k3opt.passes.cleanup_transpose_chain import MergeTransposes
+from k3opt.passes.cleanup.merge_cast_chains import MergeCastChains, lossless
+from k3opt.passes.cleanup.remove_noop_ops import RemoveNoopOps
+from k3opt.passes.cleanup.merge_reshapes import MergeReshapes
+from k3opt.passes.cleanup.sequence_to_split import SequenceToSplit
+from k3opt.passes.cleanup.merge_transposes import MergeTransposes
 from tests.helpers import assert_equivalent, make_model, op_counts
 from tests.test_cleanup_ops import apply
 

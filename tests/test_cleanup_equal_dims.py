@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto as T, helper
 
 import k3opt
-from k3opt.passes.cleanup_equal_dims import MergeEqualDims
+from k3opt.passes.cleanup.merge_equal_dims import MergeEqualDims
 from tests.helpers import assert_equivalent, make_model, op_counts, run_ort
 from tests.test_cleanup_ops import apply
 from tests.zoo import NAMES, needs_torch, zoo_inputs, zoo_model
@@ -75,8 +75,8 @@ def test_declared_symbols_untraced_give_the_traced_keys(name):
     real export keys as a full trace keys it."""
     import onnx_graphsurgeon as gs
 
-    from k3opt.passes.cleanup_equal_dims import _dim_key
-    from k3opt.passes.fold_shapes import remembered_dims
+    from k3opt.passes.cleanup.merge_equal_dims import _dim_key
+    from k3opt.passes.analysis.fold_shapes import remembered_dims
 
     graph = gs.import_onnx(onnx.shape_inference.infer_shapes(onnx.load(zoo_model(name, "torchscript"))))
     gathers = [n for n in graph.nodes if n.op == "Gather" and len(n.outputs) == 1]

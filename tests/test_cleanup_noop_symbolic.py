@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto as T, helper
 
 import k3opt
-from k3opt.passes.cleanup_noop import RemoveNoopOps
+from k3opt.passes.cleanup.remove_noop_ops import RemoveNoopOps
 from tests.helpers import assert_equivalent, assert_optimizes_within, make_model, op_counts, run_ort
 from tests.test_cleanup_ops import apply
 from tests.zoo import needs_torch, zoo_inputs, zoo_model
@@ -122,7 +122,7 @@ def test_llama_dynamo_squeezed_dims_reshape_back():
 
 def test_reshape_to_another_rank_is_refused_without_tracing_its_target(monkeypatch):
     """A Reshape whose output rank is not its input's is no no-op: decided before tracing the target."""
-    import k3opt.passes.cleanup_noop as noop
+    import k3opt.passes.cleanup.remove_noop_ops as noop
 
     def no_trace(*args, **kwargs):
         raise AssertionError("target traced")
@@ -143,8 +143,8 @@ def test_rank_check_decides_every_reshape_as_tracing_does(name):
     as tracing its target alone does."""
     import onnx_graphsurgeon as gs
 
-    from k3opt.passes.cleanup_noop import _same_reshape
-    from k3opt.passes.fold_shapes import remembered_dims
+    from k3opt.passes.cleanup.remove_noop_ops import _same_reshape
+    from k3opt.passes.analysis.fold_shapes import remembered_dims
 
     graph = gs.import_onnx(onnx.shape_inference.infer_shapes(onnx.load(zoo_model(name, "torchscript"))))
     reshapes = [n for n in graph.nodes if n.op == "Reshape"]

@@ -9,9 +9,9 @@ from onnx import TensorProto as T, helper
 
 from k3opt.graph import ir
 from k3opt.pipeline.pass_base import Pass, PassContext
-from k3opt.passes.cleanup_dropout import RemoveDropout
-from k3opt.passes.cleanup_identity import RemoveIdentity
-from k3opt.passes.cleanup_noop import RemoveNoopOps
+from k3opt.passes.cleanup.remove_dropout import RemoveDropout
+from k3opt.passes.cleanup.remove_identity import RemoveIdentity
+from k3opt.passes.cleanup.remove_noop_ops import RemoveNoopOps
 from k3opt.pipeline.manager import PassManager
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
@@ -199,7 +199,7 @@ def test_cast_between_float8_variants_is_not_a_noop():
 def test_big_neutral_candidates_are_never_read(monkeypatch):
     """Add/Mul constants are sized up before any read: an 800 MB weight once cost 1.3 GB of peak memory.
     Also for a Constant node's value (its output tensor may have no known shape)."""
-    import k3opt.passes.cleanup_noop as noop
+    import k3opt.passes.cleanup.remove_noop_ops as noop
 
     read = []
     value = noop.small_const_value
@@ -233,7 +233,7 @@ def test_candidates_cover_every_body_in_all_graphs_order():
 
 def test_detach_unlinks_exactly_that_node_by_identity(monkeypatch):
     """detach: a node reading a tensor twice leaves its reader list entirely, look-alikes stay, bodies go too."""
-    from k3opt.passes.cleanup_rewire import detach
+    from k3opt.passes._rewire import detach
 
     x = gs.Variable("x", dtype=np.float32, shape=[2])
     first = gs.Node("Relu", "twin", inputs=[x], outputs=[gs.Variable("a")])

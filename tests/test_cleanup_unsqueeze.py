@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import TensorProto as T, helper
 
-from k3opt.passes.cleanup_unsqueeze_chain import MergeUnsqueezes, merged_axes
+from k3opt.passes.cleanup.merge_unsqueezes import MergeUnsqueezes, merged_axes
 from tests.helpers import assert_equivalent, assert_optimizes_within, op_counts
 from tests.test_cleanup_chains import _chain
 from tests.test_cleanup_ops import apply

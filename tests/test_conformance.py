@@ -27,7 +27,7 @@ from onnx import numpy_helper
 
 import k3opt
 from k3opt.errors import K3optError
-from k3opt.passes.fold_eval import run_model
+from k3opt.passes.fold._eval import run_model
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from k3opt.graph.ir import peek
 
 from k3opt.pipeline.pass_base import PassContext
-from k3opt.passes.cse import EliminateCommonSubexpressions
-from k3opt.passes.dead_nodes import RemoveDeadNodes
+from k3opt.passes.cleanup.eliminate_common_subexpressions import EliminateCommonSubexpressions
+from k3opt.passes.cleanup.remove_dead_nodes import RemoveDeadNodes
 from k3opt.pipeline.manager import PassManager
 from tests.helpers import assert_equivalent, make_model, op_counts
 from tests.test_cleanup_ops import apply
@@ -110,7 +110,7 @@ def test_merging_never_compares_nodes_structurally(monkeypatch):
 
 def test_later_rounds_do_not_rehash_constants(monkeypatch):
     """A fixed-point round that changes nothing must be cheap: each constant is read once per run."""
-    import k3opt.passes.cse as cse
+    import k3opt.passes.cleanup.eliminate_common_subexpressions as cse
 
     reads = []
     for name in ("_head", "_const_digest"):
@@ -132,7 +132,7 @@ def test_later_rounds_do_not_rehash_constants(monkeypatch):
 def test_constants_whose_first_bytes_differ_are_not_hashed(monkeypatch):
     """Distinct weights (a 64-layer model's q/k/v/o projections, 40 MB) differ in their first bytes: comparing
     those decides, without hashing all their bytes; equal ones are still found and merged."""
-    import k3opt.passes.cse as cse
+    import k3opt.passes.cleanup.eliminate_common_subexpressions as cse
 
     hashed = []
     digest = cse._const_digest
@@ -158,7 +158,7 @@ def test_constant_digest_is_the_arrays_whatever_the_storage(dtype, raw, long):
     storage take the array path), and so do the first bytes compared before it, so constants merge exactly
     as when every one was loaded.
     """
-    import k3opt.passes.cse as cse
+    import k3opt.passes.cleanup.eliminate_common_subexpressions as cse
 
     value = np.array([[0, 1, 2], [3, 1, 0]] * (20 if long else 1)).astype(dtype)
     proto = numpy_helper.from_array(value, "c")
@@ -175,7 +175,7 @@ def test_constant_digest_is_the_arrays_whatever_the_storage(dtype, raw, long):
 def test_string_constants_compare_by_value_not_by_address():
     """An object array's ``tobytes()`` is its items' addresses, which the next load may reuse: two different
     strings, each loaded and dropped in turn, once compared equal (and merged). Equal ones merge."""
-    import k3opt.passes.cse as cse
+    import k3opt.passes.cleanup.eliminate_common_subexpressions as cse
 
     def const(name: str, text: str) -> gs.Constant:
         return gs.Constant(name, LazyValues(numpy_helper.from_array(np.array([text], dtype=object), name)))
@@ -203,7 +203,7 @@ def test_detach_all_links_like_detaching_one_by_one():
     """Batch unlinking (each reader list filtered once) leaves exactly the links node-by-node detach leaves:
     shared constants, a node reading one tensor twice, chains of detached nodes, and a body's outer reads.
     """
-    from k3opt.passes.cleanup_rewire import detach, detach_all
+    from k3opt.passes._rewire import detach, detach_all
 
     body = helper.make_graph([helper.make_node("Mul", ["x", "k"], ["by"])], "body", [],
                              [helper.make_tensor_value_info("by", F, [3])])
@@ -247,8 +247,8 @@ def _random_graph(seed: int) -> gs.Graph:
 @pytest.mark.parametrize("seed", range(10))
 def test_node_merges_match_keying_every_node(seed):
     """Keying attributes only for nodes whose head another shares merges exactly what keying all did."""
-    from k3opt.passes import cse
-    from k3opt.passes.cleanup_rewire import detach_all, remove
+    from k3opt.passes.cleanup import eliminate_common_subexpressions as cse
+    from k3opt.passes._rewire import detach_all, remove
 
     def keyed_all(graph: gs.Graph) -> int:
         seen, merged = {}, []

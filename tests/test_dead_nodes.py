@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto as T, helper
 
-from k3opt.passes.dead_nodes import RemoveDeadNodes
+from k3opt.passes.cleanup.remove_dead_nodes import RemoveDeadNodes
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
 F = T.FLOAT

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from k3opt.passes.fold_batchnorm import FoldBatchNorm
-from k3opt.passes.merge_conv_bias import MergeConvBias
+from k3opt.passes.fold.fold_batchnorm import FoldBatchNorm
+from k3opt.passes.fold.merge_conv_bias import MergeConvBias
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
 F, H = TensorProto.FLOAT, TensorProto.FLOAT16

@@ -11,10 +11,10 @@ import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
 import k3opt
-from k3opt.passes import fold_constants as fc
+from k3opt.passes.fold import fold_constants as fc
 from k3opt.pipeline.pass_base import PassContext
-from k3opt.passes.fold_constants import FoldConstants
-from k3opt.passes.fold_eval import EvalError
+from k3opt.passes.fold.fold_constants import FoldConstants
+from k3opt.passes.fold._eval import EvalError
 from k3opt.pipeline.manager import PassManager
 from tests.helpers import assert_equivalent, make_model, op_counts, run_ort
 

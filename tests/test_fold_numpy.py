@@ -1,4 +1,4 @@
-"""fold-constants' numpy kernels (``k3opt.passes.fold_numpy``) give onnxruntime's values bit for bit, or decline.
+"""fold-constants' numpy kernels (``k3opt.passes.fold._numpy``) give onnxruntime's values bit for bit, or decline.
 
 Every case runs the node both ways: when the kernel answers, onnxruntime
 must give the same dtype, shape and bytes; when it declines, the node goes
@@ -16,9 +16,9 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
-from k3opt.passes import fold_eval
-from k3opt.passes.fold_eval import EvalError, run_model
-from k3opt.passes.fold_numpy import numpy_values
+from k3opt.passes.fold import _eval as fold_eval
+from k3opt.passes.fold._eval import EvalError, run_model
+from k3opt.passes.fold._numpy import numpy_values
 
 
 def _model(op: str, inputs: list[np.ndarray], opset: int, **attrs) -> onnx.ModelProto:

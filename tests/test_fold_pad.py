@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from k3opt.passes.fold_pad import FoldPad
+from k3opt.passes.fold.fold_pad import FoldPad
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
 F = TensorProto.FLOAT

@@ -15,8 +15,8 @@ from onnx import TensorProto as T, helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 import k3opt
-from k3opt.passes import fold_shapes
-from k3opt.passes.fold_shapes import dim_at, remembered_dims, rewiring, shape_elements
+from k3opt.passes.analysis import fold_shapes
+from k3opt.passes.analysis.fold_shapes import dim_at, remembered_dims, rewiring, shape_elements
 from k3opt.graph.ir import as_constant, replace_uses
 from tests.helpers import make_model
 from tests.zoo import needs_torch, zoo_model
@@ -164,7 +164,7 @@ def test_declared_symbols_are_not_traced():
 def test_folded_results_are_not_decoded_again(monkeypatch):
     """A small numeric constant fold-constants builds is answered from the array it was built from."""
     from k3opt.pipeline.pass_base import PassContext
-    from k3opt.passes.fold_constants import FoldConstants
+    from k3opt.passes.fold.fold_constants import FoldConstants
     from k3opt.pipeline.manager import PassManager
 
     nodes = [helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])]

@@ -15,9 +15,9 @@ from k3opt.report import Report
 from k3opt.graph.ir import Graph, Node, Tensor, const_value, producer
 from k3opt.pipeline.pass_base import PassContext
 from k3opt.pipeline.manager import PassManager
-from k3opt.passes.fold_constants import FoldConstants, _holders
-from k3opt.passes.fold_eval import outer_refs
-from k3opt.passes.fold_guard import too_big
+from k3opt.passes.fold.fold_constants import FoldConstants, _holders
+from k3opt.passes.fold._eval import outer_refs
+from k3opt.passes.fold._guard import too_big
 from tests.helpers import make_model
 from tests.zoo import needs_torch, zoo_model
 
@@ -140,7 +140,7 @@ def test_skipped_value_walk_changes_nothing(monkeypatch, name, exporter, skips):
 def test_shape_sweeps_see_every_shape_op_in_order(monkeypatch, name, exporter):
     """Each shape sweep gets the shape ops still in the graph (carried over from the run's first census
     answer): exactly the graph's shape ops, in graph order, as a fresh scan finds them."""
-    from k3opt.passes.fold_constants import SHAPE_OPS
+    from k3opt.passes.fold.fold_constants import SHAPE_OPS
 
     sweeps: list = []
     real = FoldConstants._fold_shapes
@@ -159,7 +159,7 @@ def test_shape_sweeps_see_every_shape_op_in_order(monkeypatch, name, exporter):
 def carried_starts(monkeypatch) -> list:
     """Checks every later sweep's start nodes (carried over from the last sweep's and the readers of what
     was installed since) against a scan of every node: the same nodes in graph order. Collects their ops."""
-    from k3opt.passes import fold_constants
+    from k3opt.passes.fold import fold_constants
 
     carried: list = []
     real = fold_constants.start_nodes

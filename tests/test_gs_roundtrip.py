@@ -133,7 +133,7 @@ def test_type_attributes_gs_skips_survive_the_pipeline():
 
 def test_cse_compares_type_attributes_by_value():
     from k3opt.pipeline.pass_base import PassContext
-    from k3opt.passes.cse import EliminateCommonSubexpressions
+    from k3opt.passes.cleanup.eliminate_common_subexpressions import EliminateCommonSubexpressions
 
     def merged(first: int, second: int) -> int:
         graph = rt.import_onnx(_optionals(first, second))

@@ -7,8 +7,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import k3opt
-from k3opt.passes.inline_if import InlineConstantIf
-from k3opt.passes.cleanup_identity import RemoveIdentity
+from k3opt.passes.fold.inline_constant_if import InlineConstantIf
+from k3opt.passes.cleanup.remove_identity import RemoveIdentity
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
 F = TensorProto.FLOAT

@@ -8,9 +8,9 @@ from onnx import TensorProto, helper
 
 from k3opt.errors import UsageError
 from k3opt.pipeline.pass_base import PassContext
-from k3opt.passes.cse import EliminateCommonSubexpressions
-from k3opt.passes.matmul_add import FuseMatMulAdd, nd_mode
-from k3opt.passes.sibling_merge import MergeSiblingMatMuls
+from k3opt.passes.cleanup.eliminate_common_subexpressions import EliminateCommonSubexpressions
+from k3opt.passes.fusion.matmul_add import FuseMatMulAdd, nd_mode
+from k3opt.passes.fusion.merge_sibling_matmuls import MergeSiblingMatMuls
 from tests.helpers import assert_equivalent, make_model, op_counts, random_feeds, run_passes
 
 F = TensorProto.FLOAT
@@ -228,7 +228,7 @@ def test_real_exports_merge_every_sibling_group_and_fuse_every_bias(name, export
     import onnx_graphsurgeon as gs
 
     import k3opt
-    from k3opt.passes.sibling_merge import _sibling_groups
+    from k3opt.passes.fusion.merge_sibling_matmuls import _sibling_groups
     from k3opt.report import Report
     from tests.zoo import zoo_inputs, zoo_model
 

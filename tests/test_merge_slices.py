@@ -6,9 +6,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from k3opt.passes.cancel_squeeze_pairs import CancelSqueezePairs
-from k3opt.passes.merge_concats import MergeConcats
-from k3opt.passes.merge_slices import MergeSlices, compose
+from k3opt.passes.cleanup.cancel_squeeze_pairs import CancelSqueezePairs
+from k3opt.passes.cleanup.merge_concats import MergeConcats
+from k3opt.passes.cleanup.merge_slices import MergeSlices, compose
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
 F = TensorProto.FLOAT

@@ -399,7 +399,9 @@ def test_root_prefilter_never_hides_a_match_on_zoo_exports(name):
     each initializer once per constant pattern; on real exports (decomposed LayerNorms, RMSNorms, MatMul+Add)
     it must yield exactly the matches of the full, tracing walk.
     """
-    from k3opt.passes import layer_norm, matmul_add, rms_norm
+    from k3opt.passes.fusion import fuse_layernorm as layer_norm
+    from k3opt.passes.fusion import matmul_add
+    from k3opt.passes.fusion import fuse_rmsnorm as rms_norm
     from tests.zoo import zoo_model
 
     graph = gs.import_onnx(onnx.load(str(zoo_model(name)), load_external_data=False))

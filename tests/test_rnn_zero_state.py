@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from k3opt.passes.dead_nodes import RemoveDeadNodes
-from k3opt.passes.rnn_zero_state import RemoveZeroRnnStates
+from k3opt.passes.cleanup.remove_dead_nodes import RemoveDeadNodes
+from k3opt.passes.cleanup.remove_zero_rnn_states import RemoveZeroRnnStates
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 from k3opt.graph.lazy_values import ConcatValues
 from k3opt.pipeline.pass_base import PassContext
 from k3opt.pipeline.manager import PassManager
-from k3opt.passes.sibling_merge import MergeSiblingMatMuls
+from k3opt.passes.fusion.merge_sibling_matmuls import MergeSiblingMatMuls
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
 F = TensorProto.FLOAT

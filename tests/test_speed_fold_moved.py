@@ -14,9 +14,9 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
-from k3opt.passes import fold_eval
-from k3opt.passes.fold_eval import EvalError, run_ort
-from k3opt.passes.fold_numpy import numpy_values
+from k3opt.passes.fold import _eval as fold_eval
+from k3opt.passes.fold._eval import EvalError, run_ort
+from k3opt.passes.fold._numpy import numpy_values
 
 
 def _graph(nodes: list, inits: dict[str, np.ndarray], opset: int) -> gs.Graph:

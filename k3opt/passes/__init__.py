@@ -1,7 +1,7 @@
-"""Built-in rewrite passes. Each module registers its passes with
-:func:`k3opt.pipeline.pass_base.register_pass`; every module in this package whose
-name does not start with ``_`` is imported by :func:`load_builtin_passes`, so
-adding a pass is adding a module.
+"""Built-in rewrite passes, one folder per capability (``analysis``, ``cleanup``, ``fold``, ``fusion``,
+``lowering``), one module per pass named after it. Each module registers its passes with
+:func:`k3opt.pipeline.pass_base.register_pass`; every module in these packages whose name does not start
+with ``_`` is imported by :func:`load_builtin_passes`, so adding a pass is adding a module.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def load_builtin_passes() -> None:
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-            if not info.name.startswith("_"):
-                importlib.import_module(f"{__name__}.{info.name}")
+        for info in sorted(pkgutil.walk_packages(__path__, f"{__name__}."), key=lambda i: i.name):
+            if not info.ispkg and not info.name.rpartition(".")[2].startswith("_"):
+                importlib.import_module(info.name)
     from ..plugins import load_entry_point_plugins
 
     load_entry_point_plugins()

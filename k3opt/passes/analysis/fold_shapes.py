@@ -1,0 +1,719 @@
+"""Shape computations that fold from inferred shapes, without the data.
+
+``Shape(x)`` (with ``start``/``end``) and ``Size(x)`` become constants when
+the dims they read are statically known; ``Gather(Shape(x), i)`` and
+``Slice(Shape(x), ...)`` fold when only the selected dims are known (the
+common "batch is dynamic, hidden size is not" case). Everything downstream
+then folds as ordinary constants.
+
+Dims inference left unknown are traced through their producer (Reshape
+target elements, the Reshape's -1 as a quotient, Transpose, elementwise
+ops, Concat's sum along its axis, spelled as a canonical symbol such as
+``past_sequence + 1``); equal ``dim_param`` names are taken as equal sizes,
+as ONNX defines.
+
+``Equal`` of a shape computation (``Shape``, ``Gather``/``Slice`` of it,
+``Unsqueeze`` of a scalar, ``Concat`` of 1-D pieces, small integer
+constants) with another folds when every element pair is decided: two known
+numbers compare, a symbol equals itself, and an unknown dim (never
+negative) differs from any negative number. This is TorchScript's ``expand`` spelling
+``Where(Equal(shape, -1), 1, shape)``, whose ``Equal`` is all known even
+when the batch and sequence are not.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+from ... import graph as gs
+from onnx import TensorProto
+from ...graph import LazyValues
+
+from ...graph.ir import Graph, Node, Tensor, bad_data, const_tensor, peek, producer
+from .._rewire import unsqueeze_axes
+
+#: Longest integer constant read as part of a shape computation.
+MAX_SHAPE_ELEMENTS = 64
+#: How many producers deep :func:`shape_elements` and :func:`tensor_dims` look.
+MAX_SHAPE_DEPTH = 8
+
+
+#: A dim as far as it is known: a number, a symbol (a ``dim_param``: equal names are equal sizes), or None.
+Dim = Union[int, str, None]
+#: Elements of a shape computation (symbols and None: dims, never negative) and its tensor shape.
+Elements = tuple[list[Dim], tuple[int, ...]]
+
+
+def _dim(d: object) -> Dim:
+    if isinstance(d, (int, np.integer)):
+        return int(d) if d >= 0 else None
+    return d if isinstance(d, str) and d else None
+
+
+def known(dims: Sequence[Dim]) -> bool:
+    """True when every dim is a number."""
+    return all(isinstance(d, int) for d in dims)
+
+
+def tensor_dims(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[list[Dim]]:
+    """``t``'s dims (numbers, symbols, None for unknown ones); None when the rank is unknown.
+
+    A dim inference left symbolic or unknown is traced back through the
+    producer (:func:`_traced_dim`), since shape inference often loses what a
+    Reshape target spelled out (``Reshape(x, [b, s, -1, 8])`` of a
+    ``[b, s, 16]`` tensor has 2 at dim 2).
+    """
+    shape = t.shape
+    if shape is None:
+        _read(t)
+        return None
+    return [_dim_at(t, i, depth) for i in range(len(shape))]
+
+
+def dim_at(t: Tensor, i: int, depth: int = MAX_SHAPE_DEPTH) -> Dim:
+    """Dim ``i`` of ``t`` as :func:`tensor_dims` gives it (None when ``i`` is out of range), tracing only that one."""
+    return _dim_at(t, i, depth)
+
+
+class DimMemo:
+    """What tracing found, kept while :func:`remembered_dims` is active, and which results read which tensors.
+
+    Tracing re-walks the same producers for every Shape of a deep model. A
+    result is remembered per tensor and slot (slot: the dim, -1 for shape
+    elements, -2 for a constant's value) for every depth at or above the one
+    it was computed at, when no branch was cut short by the depth limit (more
+    depth then walks the same path); a result that was cut short is valid at
+    its own depth only. Results read other tensors' results, producers,
+    constant values or unknown shapes (a known shape never changes while the
+    memo lives); :meth:`forget` drops the results of changed tensors and,
+    transitively, of the tensors whose results read them.
+    """
+
+    def __init__(self, declared: frozenset[str] = frozenset()) -> None:
+        #: Symbols the graph's inputs declare (see :func:`_dim_at`): never traced.
+        self.declared = declared
+        #: ``id(t) -> (t, results)``; results: ``slot -> (value, depth)`` when complete (valid at ``depth`` and
+        #: deeper), ``(slot, depth) -> value`` when cut short by the depth limit.
+        self._results: dict[int, tuple[Tensor, dict]] = {}
+        #: ``id(tensor) -> ids of the tensors whose results read it`` (a defaultdict: ``setdefault(k, set())``
+        #: would build a set on every read, the memo's hottest path).
+        self._readers: defaultdict[int, set[int]] = defaultdict(set)
+        #: Ids of the tensors whose results are being computed (innermost last).
+        self._computing: list[int] = []
+        #: True once the result being computed depends on a cut-short branch.
+        self.cut = False
+
+    def get(self, t: Tensor, slot: int, depth: int, compute: Callable[[], object]) -> object:
+        """``compute()`` for ``(t, slot)`` at ``depth``, remembered."""
+        tid = id(t)
+        computing = self._computing
+        if computing and computing[-1] != tid:  # self.read(t), inlined: the memo's hottest path
+            self._readers[tid].add(computing[-1])
+        own = self._results.get(tid)
+        if own is None or own[0] is not t:
+            own = self._results[tid] = (t, {})
+        results = own[1]
+        hit = results.get(slot)
+        if hit is not None and hit[1] <= depth:
+            return hit[0]
+        key = (slot, depth)
+        if key in results:
+            self.cut = True
+            return results[key]
+        outer, self.cut = self.cut, False
+        self._computing.append(tid)
+        try:
+            value = compute()
+        finally:
+            self._computing.pop()
+        if self.cut:
+            results[key] = value
+        else:
+            results[slot] = (value, depth)
+        self.cut = self.cut or outer
+        return value
+
+    def read(self, t: Tensor) -> None:
+        """Note that the result being computed read ``t``'s result, producer, value or unknown shape."""
+        computing = self._computing
+        if computing and computing[-1] != id(t):
+            self._readers[id(t)].add(computing[-1])
+
+    def forget(self, tensors: Iterable[Tensor]) -> None:
+        """Drop the results of ``tensors`` (call when their producer, its inputs, their name or shape change)
+        and of every tensor whose results read a dropped one."""
+        if not self._results:  # nothing to drop (every run starts so): reader links lead nowhere
+            self._readers.clear()
+            return
+        todo = [id(t) for t in tensors]
+        while todo:
+            tid = todo.pop()
+            self._results.pop(tid, None)
+            todo.extend(self._readers.pop(tid, ()))
+
+    def rewiring(self, old: Sequence[Tensor], new: Tensor) -> None:
+        """Call before the readers of ``old`` read ``new`` instead and ``old``'s producer goes: drops what read
+        ``old``, ``new`` (its name or shape may change) or the outputs of ``old``'s readers."""
+        if self._results:
+            self.forget([*old, new, *(o for t in old for reader in t.outputs for o in reader.outputs)])
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self._results.clear()
+        self._readers.clear()
+
+
+#: The active memo (see :func:`remembered_dims`), else None.
+_memo: Optional[DimMemo] = None
+
+
+def _remembered(t: Tensor, slot: int, depth: int, compute: Callable[[], object]) -> object:
+    """``compute()``, once per ``(t, slot, depth)`` while :func:`remembered_dims` is active."""
+    memo = _memo
+    return compute() if memo is None else memo.get(t, slot, depth, compute)
+
+
+def _read(t: Tensor) -> None:
+    """Note a read of ``t`` by the result being remembered."""
+    if _memo is not None:
+        _memo.read(t)
+
+
+def _cut() -> None:
+    """Note that the depth limit cut the current walk short."""
+    if _memo is not None:
+        _memo.cut = True
+
+
+def rewiring(old: Sequence[Tensor], new: Tensor) -> None:
+    """:meth:`DimMemo.rewiring` on the active memo, if any."""
+    if _memo is not None:
+        _memo.rewiring(old, new)
+
+
+def forget(tensors: Iterable[Tensor]) -> None:
+    """:meth:`DimMemo.forget` on the active memo, if any (e.g. before detaching the producer of ``tensors``)."""
+    if _memo is not None:
+        _memo.forget(tensors)
+
+
+def _const(t: Tensor) -> object:
+    """:func:`small_const_value` of ``t``, a read of ``t`` for the result being remembered. Only big values go
+    through the memo (decoded once per memo): a small one is remembered per process already, and most
+    constants are read once per memo, where the memo's bookkeeping cost more than the read."""
+    _read(t)
+    c = const_tensor(t)
+    if c is None or _small(c._values):
+        return _small_value(c)
+    return _remembered(t, -2, 0, lambda: peek(c))
+
+
+#: Small constants as decoded (at most this many bytes: shape computations' integers), by their lazy value
+#: holder: decoded once per process rather than once per pass run (a TensorProto decodes in ~10 us, the
+#: 64-layer Llama's passes read some 5k). Weak keys: an entry goes with its graph.
+_decoded: "weakref.WeakKeyDictionary[LazyValues, np.ndarray]" = weakref.WeakKeyDictionary()
+MAX_DECODED_BYTES = 8 * MAX_SHAPE_ELEMENTS
+
+
+def _ints(value: object) -> Optional[list[int]]:
+    """A constant's value as a flat list of ints (as ``cleanup_rewire.int_list`` gives it), None for None."""
+    return None if value is None else [int(x) for x in np.asarray(value).ravel()]
+
+
+def small_int_list(t: Tensor) -> Optional[list[int]]:
+    """``cleanup_rewire.int_list(t)``, a small constant decoded once per process (:func:`small_const_value`)."""
+    return _ints(small_const_value(t))
+
+
+def small_const_value(t: Tensor) -> Optional[np.ndarray]:
+    """:func:`~k3opt.graph.ir.const_value`, remembering small decoded values (:data:`_decoded`); never modify it."""
+    return _small_value(const_tensor(t))
+
+
+def _small_value(c: Optional[gs.Constant]) -> Optional[np.ndarray]:
+    """:func:`small_const_value` of the constant ``c`` (None for None)."""
+    if c is None:
+        return None
+    lazy = c._values
+    if not _small(lazy):
+        return peek(c)
+    value = _decoded.get(lazy)
+    if value is None:
+        value = _decoded[lazy] = _decode_small(c)
+    return value
+
+
+#: Element types whose raw bytes onnx's ``to_array`` reads as they are (one native numpy dtype, no unpacking).
+_RAW_DTYPES = {
+    TensorProto.INT64: np.dtype(np.int64), TensorProto.INT32: np.dtype(np.int32),
+    TensorProto.FLOAT: np.dtype(np.float32), TensorProto.DOUBLE: np.dtype(np.float64),
+    TensorProto.BOOL: np.dtype(np.bool_), TensorProto.INT8: np.dtype(np.int8), TensorProto.UINT8: np.dtype(np.uint8),
+} if sys.byteorder == "little" else {}
+
+
+def _decode_small(c: gs.Constant) -> np.ndarray:
+    """``peek(c)`` for a small constant: raw little-endian numbers are read directly, as ``to_array`` reads
+    them (its generic path and gs's copy cost ~5 us a tensor, this ~2; the 64-layer Llama's passes decode some 3.6k)."""
+    lazy = c._values
+    t = lazy.tensor
+    dtype = _RAW_DTYPES.get(t.data_type) if type(lazy) is LazyValues else None
+    if dtype is None or not t.HasField("raw_data") or t.data_location == TensorProto.EXTERNAL \
+            or t.HasField("segment"):
+        return peek(c)
+    try:
+        return np.frombuffer(t.raw_data, dtype).reshape(tuple(t.dims)).copy()  # a copy, as gs's load gives
+    except ValueError as exc:  # raw_data of the wrong length
+        raise bad_data(c, exc) from None
+
+
+def _small(lazy: object) -> bool:
+    nbytes = getattr(lazy, "nbytes", None)
+    return isinstance(lazy, LazyValues) and isinstance(nbytes, int) and nbytes <= MAX_DECODED_BYTES
+
+
+def remember_value(c: gs.Constant, value: np.ndarray) -> None:
+    """Note that constant ``c`` was just built from ``value`` (``ir.as_constant``): when small and numeric
+    (what decoding gives back exactly), :func:`small_const_value` answers it without decoding. Folded
+    results are then not decoded again by every later pass that reads them."""
+    if _small(c._values) and value.dtype.kind in "biuf" and value.dtype.isnative:
+        _decoded[c._values] = value
+
+
+@contextmanager
+def remembered_dims(graph: Optional[Graph] = None) -> Iterator[DimMemo]:
+    """Within the block, each traced dim is computed once, and the symbols ``graph``'s inputs declare are not traced.
+    The caller must tell the yielded memo what it changes (:meth:`DimMemo.forget`, or :meth:`DimMemo.clear`)."""
+    global _memo
+    outer, _memo = _memo, DimMemo(frozenset() if graph is None else input_symbols(graph))
+    try:
+        yield _memo
+    finally:
+        _memo = outer
+
+
+def input_symbols(graph: Graph) -> frozenset[str]:
+    """The symbols the graph's inputs declare: sizes chosen at run time, which no producer pins.
+
+    An output's dim_param (the TorchScript exporter names a KV cache's
+    ``Concatpresent.0.key_dim_2``) is computed by the graph: it is traced.
+    """
+    return frozenset(d for t in graph.inputs for d in (t.shape or ()) if isinstance(d, str))
+
+
+def dim_sum(parts: Sequence[Dim]) -> Dim:
+    """The sum of dims: a number, or a symbol spelling the sum (``past_sequence + 1``); None if one is unknown.
+
+    The spelling is canonical (symbol terms sorted, the number last, a term
+    that is itself such a sum split into its terms), so two sums of the same
+    sizes are the same symbol: the present keys and values of every layer of
+    a decode step have the one length ``past_sequence + 1``.
+    """
+    const, terms = 0, []
+    for d in parts:
+        if d is None:
+            return None
+        if isinstance(d, int):
+            const += d
+            continue
+        for term in d.split(" + "):
+            if term.isdigit():
+                const += int(term)
+            else:
+                terms.append(term)
+    if not terms:
+        return const
+    return " + ".join(sorted(terms) + ([str(const)] if const else []))
+
+
+def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
+    """Dim ``i`` of ``t``: a number when inference says so, or a symbol the graph declares while a memo is
+    active (:func:`remembered_dims`), else what the producer says, else inference's symbol or None.
+
+    A symbol a graph input declares (:func:`input_symbols`) is a size chosen
+    at run time: no producer pins it to a number (inference would have
+    propagated that number), so it is not traced. Tracing every ``batch``
+    dim of a deep model through its residual stream was most of
+    fold-constants' time.
+    """
+    shape = t.shape
+    if shape is None:
+        _read(t)
+        return None
+    if not 0 <= i < len(shape):
+        return None
+    d = _dim(shape[i])
+    if isinstance(d, int) or (d is not None and _memo is not None and d in _memo.declared):
+        return d
+    if depth <= 0:
+        _cut()
+        return d
+    return _remembered(t, i, depth, lambda: _traced_or(d, t, i, len(shape), depth))
+
+
+def _traced_or(d: Dim, t: Tensor, i: int, rank: int, depth: int) -> Dim:
+    """The traced dim ``i`` of ``t``, else ``d`` (inference's)."""
+    traced = _traced_dim(t, i, rank, depth - 1)
+    # A traced symbol names the same size as an inferred one, and names it as the producers do
+    # (inference invents a fresh ``unk__N`` wherever it loses track).
+    return d if traced is None else traced
+
+
+def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of ``t`` (rank ``rank``) from its producer: an exact consequence of the op's definition."""
+    node = producer(t)
+    if node is None or (node.domain or "") not in ("", "ai.onnx") or not node.inputs or t is not node.outputs[0]:
+        return None
+    x = node.inputs[0]
+    if node.op == "Reshape" and len(node.inputs) > 1:
+        return _reshaped_dim(node, i, rank, depth)
+    if node.op == "Transpose":
+        perm = node.attrs.get("perm")
+        perm = list(range(rank))[::-1] if perm is None else [int(p) for p in perm]
+        return _dim_at(x, perm[i], depth) if len(perm) == rank else None
+    if node.op in UNARY_SAME_SHAPE:
+        return _dim_at(x, i, depth)
+    if node.op == "Concat":
+        return _concat_dim(node, i, rank, depth)
+    if (node.op in BATCH_KEEPING and i == 0) or \
+            (node.op in ("Slice", "Resize", "Upsample") and _keeps_axis(node, i, rank)):
+        return _dim_at(x, i, depth)
+    if node.op in BROADCASTING and len(node.inputs) >= 2:
+        return _broadcast_dim(node.inputs, i, rank, depth)
+    if node.op == "MatMul" and len(node.inputs) == 2 and rank >= 2 and i >= rank - 2:
+        # [..., M, K] @ [..., K, N]: the rows come from the first operand, the columns from the second.
+        src = node.inputs[0] if i == rank - 2 else node.inputs[1]
+        if src.shape is None or len(src.shape) < 2:
+            _read(src)
+            return None
+        return _dim_at(src, len(src.shape) - (rank - i), depth)
+    return None
+
+
+def _concat_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of a Concat: the sum of the parts' along the axis (a KV cache's past + new), else any part's."""
+    axis = int(node.attrs.get("axis", 0))
+    if any(x.shape is None or len(x.shape) != rank for x in node.inputs) or not -rank <= axis < rank:
+        for x in node.inputs:
+            _read(x)
+        return None
+    if i != axis % rank:
+        dims = [_dim_at(x, i, depth) for x in node.inputs]
+        return next((d for d in dims if isinstance(d, int)), next((d for d in dims if d is not None), None))
+    return dim_sum([_dim_at(x, i, depth) for x in node.inputs])
+
+
+def _keeps_axis(node: Node, i: int, rank: int) -> bool:
+    """A Slice that does not slice axis ``i``, or a Resize/Upsample whose constant scale for it is 1."""
+    if node.op == "Slice":
+        if "starts" in node.attrs:  # opset < 10
+            axes = node.attrs.get("axes", list(range(len(node.attrs["starts"]))))
+        else:
+            starts = small_int_list(node.inputs[1]) if len(node.inputs) > 1 else None
+            has_axes = len(node.inputs) > 3 and node.inputs[3].name
+            axes = (small_int_list(node.inputs[3]) if has_axes else
+                    None if starts is None else list(range(len(starts))))
+        return axes is not None and i not in [int(a) % rank for a in axes]
+    if len(node.inputs) > 3 and node.inputs[3].name:  # Resize by sizes: inference knows them when constant
+        return False
+    scales = node.inputs[1] if len(node.inputs) == 2 else node.inputs[2] if len(node.inputs) > 2 else None
+    values = None if scales is None or not scales.name else small_const_value(scales)
+    return values is not None and values.size == rank and float(values.ravel()[i]) == 1.0
+
+
+def _broadcast_dim(operands: Sequence[Tensor], i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of a broadcast: a number other than 1 wins (the other is 1 or equal); a symbol wins over 1 or itself."""
+    dims = []
+    for x in operands:
+        if x.shape is None:
+            _read(x)
+            return None
+        j = i - (rank - len(x.shape))
+        dims.append(1 if j < 0 else _dim_at(x, j, depth))
+    numbers = [d for d in dims if isinstance(d, int) and d != 1]
+    if numbers:
+        return numbers[0]
+    rest = {d for d in dims if d != 1}
+    return rest.pop() if len(rest) == 1 else (1 if not rest else None)
+
+
+def _reshaped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of a Reshape: the target's element, the input's dim for a 0, and for the -1 the quotient
+    of the input's dims by the target's others, when their symbols cancel and numbers remain."""
+    x = node.inputs[0]
+    target = shape_elements(node.inputs[1], depth)
+    if target is None or len(target[0]) != rank:
+        return None
+    copy = not node.attrs.get("allowzero", 0)
+
+    def element(j: int) -> Dim:
+        k = target[0][j]
+        return _dim_at(x, j, depth) if k == 0 and copy else k
+
+    k = element(i)
+    if k != -1:
+        return k if k is None or isinstance(k, str) or k >= 0 else None
+    numerator = tensor_dims(x, depth)
+    others = [element(j) for j in range(rank) if j != i]
+    if numerator is None or None in numerator or None in others or -1 in others:
+        return None
+    for d in others:
+        if isinstance(d, str):
+            if d not in numerator:
+                return None
+            numerator.remove(d)
+    if not known(numerator):
+        return None
+    den = int(np.prod([d for d in others if isinstance(d, int)], dtype=np.int64))
+    num = int(np.prod(numerator, dtype=np.int64))
+    return num // den if den > 0 and num % den == 0 else None
+
+
+#: Ops whose output has their first input's shape.
+UNARY_SAME_SHAPE = frozenset({
+    "Cast", "CastLike", "Neg", "Sigmoid", "Tanh", "Relu", "Gelu", "Erf", "Sqrt", "Reciprocal", "Exp", "Softmax",
+    "Identity", "Cos", "Sin", "Abs", "Not", "IsNaN", "LeakyRelu", "HardSigmoid", "HardSwish", "LogSoftmax",
+    "Elu", "Selu", "Softplus", "Mish", "Floor", "Ceil", "Round", "Sign", "Log", "BatchNormalization",
+})
+#: Ops whose output keeps the input's batch (dim 0) whatever their other dims do.
+BATCH_KEEPING = frozenset({"Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",
+                           "LpPool", "InstanceNormalization"})
+#: Elementwise ops with multidirectional broadcasting over all their inputs.
+BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Equal", "Less", "Greater", "And", "Or", "Where"})
+
+
+def shape_dims(node: Node, depth: int = MAX_SHAPE_DEPTH) -> Optional[list[Dim]]:
+    """The dims a ``Shape`` node returns, None for unknown ones; None when the rank is unknown."""
+    axes = _shape_axes(node)
+    return None if axes is None else [_dim_at(node.inputs[0], i, depth) for i in axes]
+
+
+def _shape_axes(node: Node) -> Optional[range]:
+    """The axes of its input a ``Shape`` node returns (``start``/``end`` clamped); None when the rank is unknown.
+
+    Lets a reader trace only the dims it needs (a Gather of a Shape reads one)."""
+    x = node.inputs[0]
+    if x.shape is None:
+        _read(x)
+        return None
+    n = len(x.shape)
+    if not node.attrs:  # the usual Shape: every axis
+        return range(n)
+    start = int(node.attrs.get("start", 0))
+    end = node.attrs.get("end")
+    start = min(max(start + n if start < 0 else start, 0), n)
+    end = n if end is None else min(max(int(end) + n if end < 0 else int(end), 0), n)
+    return range(start, max(start, end))
+
+
+def fold_shape_value(node: Node) -> Optional[np.ndarray]:
+    """The constant value of a Shape/Size/Gather-of-Shape/Slice-of-Shape node (of the standard domain), if its
+    dims are known."""
+    if node.op in ("Shape", "Size"):
+        x = node.inputs[0]
+        axes = _shape_axes(node) if node.op == "Shape" else (None if x.shape is None else range(len(x.shape)))
+        dims = _known_dims(x, axes)
+        if dims is None:
+            return None
+        return np.array(dims if node.op == "Shape" else int(np.prod(dims, dtype=np.int64)), dtype=np.int64)
+    if node.op in ("Gather", "Slice") and node.inputs:
+        # _picked_dims(node) at full depth, as the output's elements one level up: remembered across sweeps
+        picked = shape_elements(node.outputs[0], MAX_SHAPE_DEPTH + 1)
+        if picked is None or not known(picked[0]):
+            return None
+        return np.array(picked[0], dtype=np.int64).reshape(picked[1])
+    if node.op == "Equal" and len(node.inputs) == 2:
+        return _fold_equal(node)
+    return None
+
+
+def _known_dims(x: Tensor, axes: Optional[Sequence[int]]) -> Optional[list[int]]:
+    """``x``'s dims at ``axes`` when every one is a number (traced only up to the first that is not), else None."""
+    if axes is None:
+        return None
+    dims = []
+    for i in axes:
+        d = _dim_at(x, i, MAX_SHAPE_DEPTH)
+        if not isinstance(d, int):
+            return None
+        dims.append(d)
+    return dims
+
+
+def _picked_dims(node: Node, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements]:
+    """The dims a Gather/Slice of a ``Shape`` picks and the result's shape (only those dims are traced)."""
+    _read(node.inputs[0])
+    src = producer(node.inputs[0])
+    if src is None or src.op != "Shape":
+        return None
+    axes = _shape_axes(src)
+    if axes is None:
+        return None
+    picked = _gather(node, len(axes)) if node.op == "Gather" else _slice(node, len(axes))
+    if picked is None:
+        return None
+    return [_dim_at(src.inputs[0], axes[i], depth) for i in picked[0]], picked[1]
+
+
+def shape_elements(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements]:
+    """What is known of a small integer tensor computed from shapes, element by element.
+
+    Known elements are ints; a symbol or None marks a dim of some tensor,
+    unknown but never negative. None as a whole when ``t`` is not such a
+    computation. Callers must not modify the result (it may be remembered).
+    """
+    return _remembered(t, -1, depth, lambda: _shape_elements(t, depth))
+
+
+def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
+    v = _const(t)
+    if v is not None:
+        v = np.asarray(v)
+        if v.dtype.kind not in "iu" or v.ndim > 1 or v.size > MAX_SHAPE_ELEMENTS:
+            return None
+        return [int(x) for x in v.ravel()], v.shape
+    node = producer(t)
+    if node is not None and depth <= 0:
+        _cut()
+    if node is None or depth <= 0 or (node.domain or "") not in ("", "ai.onnx") or not node.inputs:
+        return None
+    if node.op == "Shape":
+        dims = shape_dims(node, depth - 1)
+        return None if dims is None else (dims, (len(dims),))
+    if node.op in ("Gather", "Slice"):
+        return _picked_dims(node, depth - 1)
+    if node.op == "Unsqueeze":
+        inner = shape_elements(node.inputs[0], depth - 1)
+        for x in node.inputs[1:]:
+            _read(x)  # the axes
+        # unsqueeze_axes(node), with an axes input read through the remembered small values
+        axes = unsqueeze_axes(node) if "axes" in node.attrs or len(node.inputs) < 2 else _ints(_const(node.inputs[1]))
+        if inner is None or inner[1] != () or axes not in ([0], [-1]):
+            return None
+        return inner[0], (1,)
+    if node.op == "Reshape" and len(node.inputs) == 2:
+        return _reshaped_elements(node, depth)
+    if node.op == "Add" and len(node.inputs) == 2:
+        return _added_elements(node, depth)
+    if node.op == "Concat" and int(node.attrs.get("axis", 0)) in (0, -1):
+        parts = [shape_elements(x, depth - 1) for x in node.inputs]
+        if any(p is None or len(p[1]) != 1 for p in parts):
+            return None
+        elements = [e for p in parts for e in p[0]]
+        return elements, (len(elements),)
+    return None
+
+
+def _reshaped_elements(node: Node, depth: int) -> Optional[Elements]:
+    """A Reshape of a shape computation to one dim (``[-1]`` or its length) or to a scalar: same elements.
+
+    TorchScript reshapes the pieces of an ``expand`` target so (``Reshape(Concat(...), [-1])``) before
+    the ``Equal(shape, -1)``; without this the Equal folds only once remove-noop-ops has dropped the
+    Reshape, a fixed-point round later.
+    """
+    inner = shape_elements(node.inputs[0], depth - 1)
+    to = _ints(_const(node.inputs[1]))
+    if inner is None or to is None:
+        return None
+    n = len(inner[0])
+    if to in ([-1], [n]):
+        return inner[0], (n,)
+    if to == [] and n == 1:
+        return inner[0], ()
+    return None
+
+
+def _added_elements(node: Node, depth: int) -> Optional[Elements]:
+    """``Add`` of two shape computations (a scalar or one element broadcast): numbers add, and a dim plus a
+    number of at least 0 is their sum (:func:`dim_sum`): never negative, as elements must be."""
+    a, b = (shape_elements(x, depth - 1) for x in node.inputs)
+    if a is None or b is None:
+        return None
+    if len(a[0]) == 1 and len(b[1]) >= len(a[1]):
+        a = (a[0] * len(b[0]), b[1])
+    if len(b[0]) == 1 and len(a[1]) >= len(b[1]):
+        b = (b[0] * len(a[0]), a[1])
+    if a[1] != b[1]:
+        return None
+    out: list[Dim] = []
+    for x, y in zip(a[0], b[0]):
+        if isinstance(x, int) and isinstance(y, int):
+            out.append(x + y)
+        elif any(isinstance(d, int) and d < 0 for d in (x, y)):
+            return None  # a dim minus something may be negative: not an element
+        else:
+            out.append(dim_sum([x, y]))
+    return out, a[1]
+
+
+def _fold_equal(node: Node) -> Optional[np.ndarray]:
+    """``Equal`` of two same-shaped shape computations, when every element pair is decided."""
+    a, b = (shape_elements(x) for x in node.inputs)
+    if a is None or b is None or a[1] != b[1]:
+        return None
+    out = []
+    for x, y in zip(a[0], b[0]):
+        numbers = [d for d in (x, y) if isinstance(d, int)]
+        if len(numbers) == 2 or (isinstance(x, str) and x == y):
+            out.append(x == y)
+        elif numbers and numbers[0] < 0:
+            out.append(False)
+        else:
+            return None
+    return np.array(out, dtype=bool).reshape(a[1])
+
+
+def _gather(node: Node, n: int) -> Optional[tuple[list[int], tuple[int, ...]]]:
+    """Positions (of ``n``) a Gather on axis 0 picks, flat, and the result's shape; None if not constant or out of range."""
+    idx = _const(node.inputs[1]) if len(node.inputs) > 1 else None
+    if idx is None or int(node.attrs.get("axis", 0)) not in (0, -1):
+        return None
+    idx = np.asarray(idx).astype(np.int64)
+    flat = idx.ravel().tolist()  # plain ints: numpy is slow on these few elements
+    if any(i < -n or i >= n for i in flat):
+        return None
+    return [i + n if i < 0 else i for i in flat], idx.shape
+
+
+def _slice(node: Node, n: int) -> Optional[tuple[list[int], tuple[int, ...]]]:
+    """Positions (of ``n``) a one-axis Slice on axis 0 takes and the result's shape; None if not constant."""
+    if len(node.inputs) < 3:
+        return None
+    vals = [_const(t) for t in node.inputs[1:]]
+    if any(v is None for v in vals[:2]) or any(
+        v is None and t.name for v, t in zip(vals[2:], node.inputs[3:])
+    ):
+        return None
+    starts, ends = (np.asarray(v).ravel() for v in vals[:2])
+    axes = np.asarray(vals[2]).ravel() if len(vals) > 2 and vals[2] is not None else np.array([0])
+    steps = np.asarray(vals[3]).ravel() if len(vals) > 3 and vals[3] is not None else np.ones(1, np.int64)
+    if starts.size != 1 or ends.size != 1 or axes.size != 1 or steps.size != 1 or int(axes[0]) not in (0, -1):
+        return None
+    step = int(steps[0])
+    if step == 0:
+        return None
+    start, end = _clamp(int(starts[0]), n, step), _clamp(int(ends[0]), n, step)
+    taken = list(range(n))[slice(start, end if end >= 0 else None, step)]
+    return taken, (len(taken),)
+
+
+def _clamp(v: int, n: int, step: int) -> int:
+    """ONNX Slice index clamping (INT64 min/max sentinels included)."""
+    if v < 0:
+        v += n
+    if step > 0:
+        return min(max(v, 0), n)
+    return min(max(v, -1), n - 1)
+
+
+def is_shape_consumer(node: Node) -> bool:
+    """Ops that read only the shape of their input (their results ignore the data)."""
+    return node.op in ("Shape", "Size")
+
+
+def shape_only_uses(t: Tensor) -> bool:
+    """True when every consumer of ``t`` reads only its shape."""
+    return bool(t.outputs) and all(is_shape_consumer(n) for n in t.outputs)

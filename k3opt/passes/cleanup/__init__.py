@@ -1,0 +1,1 @@
+"""Cleanup passes: remove no-op, dead and duplicate nodes, merge chains of like ops."""

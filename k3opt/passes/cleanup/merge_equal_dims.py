@@ -1,0 +1,60 @@
+"""merge-equal-dims: ``Gather(Shape(a), i)`` and ``Gather(Shape(b), j)`` reading the same symbolic dim are one value.
+
+Two dims named by the same ``dim_param`` (inferred, or traced as
+fold-constants traces them) are the same size, so every scalar or 1-element
+Gather of a Shape that reads such a dim computes the same int64 value; all
+are replaced by the first in topological order (it precedes every reader
+of the later ones, so the graph stays acyclic). TorchScript exports read
+the batch and sequence length again from nearly every activation; after
+this, CSE and dead-node removal drop the duplicates. Refused for dims that
+are not a symbol, non-constant or multi-element indices, and graph outputs.
+"""
+from __future__ import annotations
+
+from ...graph.ir import Graph, Node, Tensor, producer, toposort
+from ...pipeline.pass_base import Pass, PassContext, register_pass
+from .._rewire import bypass, remove
+from ..analysis.fold_shapes import remembered_dims, shape_elements
+
+
+def _dim_key(node: Node) -> object:
+    """(symbol, result shape) of a Gather of a Shape that reads one symbolic dim, else None."""
+    src = producer(node.inputs[0]) if node.inputs else None
+    if src is None or src.op != "Shape" or (src.domain or "") not in ("", "ai.onnx"):
+        return None
+    picked = shape_elements(node.outputs[0])
+    if picked is None or len(picked[0]) != 1 or not isinstance(picked[0][0], str):
+        return None
+    return picked[0][0], picked[1]
+
+
+class MergeEqualDims(Pass):
+    name = "merge-equal-dims"
+    description = "Gathers of Shapes that read the same symbolic dim become one value."
+    order = 290
+    needs_shapes = True
+    #: Readers of one symbolic dim read one tensor instead of equal ones: every value, so every shape, stays.
+    preserves_shapes = True
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        toposort(graph)  # gs's order in linear time (gs's own toposort took ~0.12 s per run here)
+        first: dict[object, Tensor] = {}
+        dead: list[Node] = []
+        merged = 0
+        with remembered_dims(graph) as memo:
+            for node in list(graph.nodes):
+                if node.op != "Gather" or (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1:
+                    continue
+                key = _dim_key(node)
+                if key is None:
+                    continue
+                kept = first.setdefault(key, node.outputs[0])
+                if kept is node.outputs[0]:
+                    continue
+                memo.rewiring(node.outputs, kept)  # what was traced through the readers may change
+                merged += bypass(graph, node, kept, dead)
+        remove(graph, dead)
+        return merged
+
+
+register_pass(MergeEqualDims)

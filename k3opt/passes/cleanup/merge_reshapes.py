@@ -1,0 +1,72 @@
+"""merge-reshapes: ``Reshape(Reshape(x, s1), s2)`` becomes ``Reshape(x, s2')``.
+
+Exact when s2 does not read the first result's shape: s2 is a constant and,
+unless the second Reshape has ``allowzero=1``, each 0 in it (a copy of the
+first result's dim at that index) is resolved: to that dim's known size, or
+kept as a 0 when that dim provably equals x's dim at the same index (s1 has
+a 0 there too, or both are the same symbol). A -1 is fine: it depends only
+on the element count, which the first Reshape keeps. Refused when a 0
+cannot be resolved, or when the middle tensor has another reader or is a
+graph output.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ...graph.ir import Graph, Node, as_constant, set_input
+from ...pipeline.pass_base import PassContext, register_pass
+from .._rewire import NodeRewritePass, chain_producer, detach, int_list
+from ..analysis.fold_shapes import dim_at, remembered_dims
+
+
+def resolved_target(first: Node, target: list[int]) -> Optional[list[int]]:
+    """``target`` (the second Reshape's, allowzero off) with its 0s made independent of ``first``'s result."""
+    middle, x = first.outputs[0], first.inputs[0]
+    s1 = int_list(first.inputs[1]) if not first.attrs.get("allowzero", 0) else None
+    out = []
+    for i, t in enumerate(target):
+        if t != 0:
+            out.append(t)
+            continue
+        d = dim_at(middle, i)
+        if isinstance(d, int) and d > 0:
+            out.append(d)
+        elif (s1 is not None and i < len(s1) and s1[i] == 0) or (isinstance(d, str) and dim_at(x, i) == d):
+            out.append(0)
+        else:
+            return None
+    return out
+
+
+class MergeReshapes(NodeRewritePass):
+    name = "merge-reshapes"
+    description = "Merge consecutive Reshapes whose second shape does not depend on the first."
+    order = 250
+    ops = frozenset({"Reshape"})
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        with remembered_dims(graph):  # a merged Reshape computes the same value: nothing to forget
+            return super().run(graph, ctx)
+
+    def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
+        first = chain_producer(graph, node, "Reshape")
+        if first is None or len(node.inputs) < 2 or len(first.inputs) < 2:  # opset < 5: shape attribute
+            return False
+        target = int_list(node.inputs[1])
+        if target is None:
+            return False
+        if 0 in target and not node.attrs.get("allowzero", 0):
+            resolved = resolved_target(first, target)
+            if resolved is None:
+                return False
+            if resolved != target:
+                set_input(node, 1, as_constant(ctx.fresh_name(f"{node.name or 'Reshape'}_shape"),
+                                               np.array(resolved, dtype=np.int64)))
+        set_input(node, 0, first.inputs[0])
+        detach(first, dead)
+        return True
+
+
+register_pass(MergeReshapes)

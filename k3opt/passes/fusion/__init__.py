@@ -1,0 +1,1 @@
+"""Fusion passes: recognise a subgraph (norms, attention, rotary, MatMul+Add) and replace it by one op."""

@@ -1,0 +1,110 @@
+"""fuse-rmsnorm: recognises RMSNorm ``x / sqrt(mean(x^2) + eps) * w`` and, for ``--target onnx`` at
+opset >= 23, makes it one ``RMSNormalization`` (default domain; onnxruntime 1.32 runs it).
+
+Forms (see docs/passes/fuse-rmsnorm.md): Llama/Qwen2/DeepSeek-V3's ``hidden.to(float32)``,
+``pow(2).mean(-1, keepdim=True)``, ``hidden * rsqrt(var + eps)``, ``weight * hidden.to(input_dtype)``,
+as TorchScript (Div(1, Sqrt)) and dynamo (Reciprocal(Sqrt)) export them; Pow(x, 2) or Mul(x, x);
+Div by the Sqrt or Mul by its inverse; weight on either side or absent. The checks are LayerNorm's
+(:func:`._norm_common.analyze`): trailing constant axes, static normalized dims, constant scalar eps,
+no narrowing Cast, a weight that broadcasts over exactly the normalized dims.
+
+Below opset 23, or for another target, RMSNorms stay decomposed: the pass rewrites nothing
+and counts them once on the final graph (its ``finish``: ``ctx.counters["rmsnorm_found"]``,
+a report note "N RMSNorm found, left decomposed: ...").
+
+Entry point for lowerings (the CANN bridge lowers to ``NPURmsNorm``)::
+
+    rules = rmsnorm_rules(rewrite)            # list[Rule], largest pattern first
+    OrderedRulesPass(rules, name="...").run(graph, ctx)   # or apply_in_order(graph, ctx, rules)
+
+``rewrite(op, nm)`` gets the rewrite builder and a :class:`~._norm_common.NormMatch`:
+``nm.x`` (input before the match's Casts), ``nm.weight`` (the constant weight as matched, or
+None), ``nm.epsilon`` (float), ``nm.axis``/``nm.axes``/``nm.normalized_shape``,
+``nm.input_dtype``/``nm.compute_dtype``/``nm.output_dtype`` (ONNX element types),
+``nm.casts`` (the Cast nodes of the match), ``nm.reduce`` (the ReduceMean of the squares, which
+names the norm). It returns the replacement tensor (of ``nm.output_dtype``, ``x``'s shape) or None
+to leave the norm decomposed. ``norm_input(op, nm)`` is the input in the output type and
+``affine_input(op, nm, nm.weight, 1.0)`` the weight in exactly ``normalized_shape`` (ones if none).
+Apply the rules in their order, one sweep each, so the weighted rule sees a norm before the
+weightless one can claim its statistics; a norm the callback declines is offered again by the
+next smaller rule (so a callback may see one norm, named by ``nm.reduce``, more than once).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Optional
+
+from ...graph.ir import Graph, Node, Tensor
+from ...patterns import PatternBuilder, RewriteBuilder, Rule
+from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ..fusion._norm_common import NormMatch, affine_input, apply_in_order, maybe_cast, norm_input, rms_core, tail_rules
+
+#: RMSNorm has a weight (scale) but no bias.
+RMS_TAILS = (("scale",), ("cast",), ())
+#: First opset with RMSNormalization in the default domain.
+RMS_NORMALIZATION_OPSET = 23
+_NOTE = re.compile(r"^\d+ RMSNorm found, left decomposed: ")
+
+
+def rms_norm_core(op: PatternBuilder, x: Any) -> Any:
+    """``x / sqrt(mean(x^2) + eps)`` with an optional Cast of x (``hidden.to(float32)``)."""
+    return rms_core(op, maybe_cast(op, x, "cast_in"))
+
+
+def rmsnorm_rules(rewrite: Callable[[RewriteBuilder, NormMatch], Optional[Tensor]], name: str = "rmsnorm"
+                  ) -> list[Rule]:
+    """The RMSNorm rules (weighted, Cast back only, bare), each rebuilt by ``rewrite`` (see module docstring)."""
+    return tail_rules(name, rms_norm_core, RMS_TAILS, False, rewrite, "RMSNorm")
+
+
+def to_rms_normalization(op: RewriteBuilder, nm: NormMatch) -> Tensor:
+    """``RMSNormalization(x, weight or ones, axis, epsilon, stash_type=1)`` (opset 23)."""
+    return op.RMSNormalization(norm_input(op, nm), affine_input(op, nm, nm.weight, 1.0), axis=nm.axis,
+                               epsilon=nm.epsilon, stash_type=1)
+
+
+RULES = rmsnorm_rules(to_rms_normalization)
+
+
+def find_rmsnorms(graph: Graph, ctx: PassContext) -> list[Node]:
+    """The ReduceMean (of the squares) of every RMSNorm recognised; changes nothing.
+
+    The weightless rules suffice: a norm the weighted rule takes, one of them takes too (same checks
+    less the weight's; the one with the Cast back when the weighted match has it).
+    """
+    found: dict[int, Node] = {}
+
+    def record(op: RewriteBuilder, nm: NormMatch) -> None:
+        found.setdefault(id(nm.reduce), nm.reduce)
+
+    apply_in_order(graph, ctx, tail_rules("rmsnorm", rms_norm_core, (("cast",), ()), False, record, "RMSNorm"))
+    return list(found.values())
+
+
+@register_pass
+class FuseRMSNorm(Pass):
+    """RMSNorm -> RMSNormalization for --target onnx at opset >= 23; otherwise counted and left decomposed."""
+
+    name = "fuse-rmsnorm"
+    description = "RMSNorm -> RMSNormalization (target onnx, opset >= 23); counted and kept decomposed otherwise"
+    order = 510
+    preserves_shapes = True
+    needs_shapes = True
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        return apply_in_order(graph, ctx, RULES) if _fusable(ctx) else 0
+
+    def finish(self, graph: Graph, ctx: PassContext) -> None:
+        """Where RMSNorms stay decomposed, count them once, on the final graph (``rmsnorm_found``, a note)."""
+        if _fusable(ctx):
+            return
+        found = len(find_rmsnorms(graph, ctx))
+        ctx.count("rmsnorm_found", found - ctx.counters.get("rmsnorm_found", 0))
+        ctx.notes[:] = [n for n in ctx.notes if not _NOTE.match(n)]  # the latest round's count only
+        if found:
+            why = f"opset < {RMS_NORMALIZATION_OPSET}" if ctx.target == "onnx" else f"target {ctx.target} (its lowering passes decide, see the lowering lines)"
+            ctx.note(f"{found} RMSNorm found, left decomposed: {why}")
+
+
+def _fusable(ctx: PassContext) -> bool:
+    return ctx.target == "onnx" and ctx.emit_opset >= RMS_NORMALIZATION_OPSET
