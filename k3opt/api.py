@@ -18,7 +18,9 @@ import onnx
 from . import graph as gs
 from .graph import G_LOGGER
 
-from . import modelio, opset as opsets, shapes
+from . import modelio
+from .modelio import opset as opsets
+from .pipeline import shapes
 from .pipeline import verify as verifier, verify_dims
 from .graph import gs_roundtrip, ir
 from .errors import InputError, OutputError, UsageError, VerificationError

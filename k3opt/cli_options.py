@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, TypeVar
 import click
 
 from .api import TARGETS
-from .progress import Progress
+from .pipeline.progress import Progress
 
 F = TypeVar("F", bound=Callable[..., Any])
 

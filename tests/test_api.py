@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import k3opt
-from k3opt import opset as opsets
+from k3opt.modelio import opset as opsets
 from k3opt.errors import UsageError, VerificationError
 from k3opt.pipeline.pass_base import Pass
 from k3opt.report import Report

@@ -10,7 +10,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from k3opt import shapes
+from k3opt.pipeline import shapes
 from k3opt.graph.ir import NameScope
 from k3opt.passes.fusion._attention_common import AttentionMatch, apply_attention, attention_rules
 from k3opt.pipeline.pass_base import PassContext, get_pass

@@ -7,7 +7,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import k3opt
-from k3opt import shapes
+from k3opt.pipeline import shapes
 from k3opt.modelio import import_graph
 from tests.helpers import assert_equivalent, make_model
 

@@ -248,7 +248,8 @@ def _head_split(shape_of_other: bool):
 @pytest.mark.parametrize("other, heads", [(False, 4), (True, None)])
 def test_head_count_of_a_dynamic_head_split(other, heads):
     """-1 = 32 / 8 only when B and S are provably x's own dims (the same Shape), not another tensor's."""
-    from k3opt import modelio, shapes
+    from k3opt import modelio
+    from k3opt.pipeline import shapes
     from k3opt.passes.lowering.lower_attention_npu import static_dim
 
     graph = modelio.import_graph(_head_split(other))

@@ -9,7 +9,7 @@ from onnx import TensorProto as T, helper
 import k3opt
 from k3opt.passes.cleanup.merge_reshapes import MergeReshapes
 from k3opt.passes.cleanup.transpose_to_reshape import TransposeToReshape, reshape_target
-from k3opt.shapes import fix_inputs
+from k3opt.pipeline.shapes import fix_inputs
 from k3opt.report import Report
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 from tests.test_cleanup_ops import apply

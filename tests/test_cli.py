@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import k3opt.modelio
 
 from k3opt.cli import main
-from k3opt.progress import Progress
+from k3opt.pipeline.progress import Progress
 from tests.conftest import Crash, ReluToSigmoid
 from tests.helpers import assert_equivalent, make_model
 

@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 
 import k3opt
-from k3opt import opset as opsets
+from k3opt.modelio import opset as opsets
 from k3opt.report import Report
 from tests.helpers import assert_equivalent, assert_value_info_holds, run_ort
 from tests.zoo import zoo_inputs, zoo_model

@@ -18,7 +18,7 @@ from onnx import TensorProto as T, helper
 import k3opt
 from k3opt.passes.analysis.fold_shapes import dim_sum
 from k3opt.report import Report
-from k3opt.shapes import fix_inputs
+from k3opt.pipeline.shapes import fix_inputs
 from tests.helpers import assert_equivalent, make_model, op_counts
 from tests.zoo import needs_torch, zoo_decode_inputs, zoo_decode_model
 

@@ -16,7 +16,7 @@ from onnx.external_data_helper import uses_external_data
 import k3opt
 from k3opt import modelio
 from k3opt.errors import InputError, OutputError
-from k3opt.shapes import ShapeRefresher
+from k3opt.pipeline.shapes import ShapeRefresher
 from tests.helpers import assert_equivalent, make_model, random_feeds, run_ort
 
 

@@ -242,7 +242,7 @@ def test_real_exports_merge_every_sibling_group_and_fuse_every_bias(name, export
     assert _unfused_pairs(out) == []
     if name in ("bert", "qwen2", "vit"):  # biased projections: q/k/v at least became Gemms
         assert op_counts(out).get("Gemm", 0) >= op_counts(model).get("Gemm", 0) + 2
-    # k3opt.shapes' value_info for SequenceAt outputs can be wrong (deepseek_v3/dynamo, reported); the
+    # k3opt.pipeline.shapes' value_info for SequenceAt outputs can be wrong (deepseek_v3/dynamo, reported); the
     # comparison is about the rewrites, which the hand-made tests check together with their own shapes.
     del out.graph.value_info[:]
     assert_equivalent(model, out, feeds=zoo_inputs(name))

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import k3opt
-from k3opt import opset as opsets
+from k3opt.modelio import opset as opsets
 from tests.test_bad_input import assert_one_line_error, invoke, snapshot
 
 

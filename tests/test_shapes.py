@@ -9,9 +9,10 @@ from onnx import TensorProto, helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
-from k3opt import modelio, shapes
+from k3opt import modelio
+from k3opt.pipeline import shapes
 from k3opt.graph.proto_cache import ProtoCache
-from k3opt.shapes import ShapeRefresher, export_for_inference, model_for_inference
+from k3opt.pipeline.shapes import ShapeRefresher, export_for_inference, model_for_inference
 from tests.helpers import make_model
 from tests.zoo import zoo_model
 

@@ -19,7 +19,8 @@ import pytest
 from onnx import TensorProto, helper
 
 import k3opt
-from k3opt import modelio, shapes
+from k3opt import modelio
+from k3opt.pipeline import shapes
 from tests.helpers import make_model
 from tests.zoo import needs_torch, zoo_model, zoo_params
 

@@ -13,8 +13,8 @@ import onnx
 from onnx import version_converter
 from onnx.external_data_helper import uses_external_data
 
-from .errors import UsageError
-from .modelio import inline_copy, weights_as_inputs
+from ..errors import UsageError
+from .external import inline_copy, weights_as_inputs
 
 #: Models below this are raised to it by default; the CANN target needs exactly it.
 DEFAULT_OPSET = 17
@@ -167,7 +167,7 @@ def _convert_weightless(model: onnx.ModelProto, wanted: int) -> onnx.ModelProto:
 
 
 #: Domain that hides nodes from the converter (see _convert_hiding_unadapted).
-_HIDDEN = "k3opt.opset.unchanged"
+_HIDDEN = "k3opt.modelio.opset.unchanged"
 
 
 def _convert_hiding_unadapted(model: onnx.ModelProto, wanted: int) -> onnx.ModelProto:

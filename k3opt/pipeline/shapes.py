@@ -11,19 +11,19 @@ from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import onnx
-from . import graph as gs
+from .. import graph as gs
 from google.protobuf.message import Message
 from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
-from .graph import OnnxExporter, dtype_to_onnx
-from .graph import SparseValues
+from ..graph import OnnxExporter, dtype_to_onnx
+from ..graph import SparseValues
 
-from .errors import UsageError
-from .graph.gs_export import import_domains, node_bytes, tensor_map
-from .graph.wire import field, varint
-from .modelio import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
-from .graph.ir import declared_symbols
-from .graph.proto_cache import ProtoCache
+from ..errors import UsageError
+from ..graph.gs_export import import_domains, node_bytes, tensor_map
+from ..graph.wire import field, varint
+from ..modelio import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
+from ..graph.ir import declared_symbols
+from ..graph.proto_cache import ProtoCache
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
 
