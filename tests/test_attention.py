@@ -438,3 +438,10 @@ def test_walks_over_the_graph_do_not_grow_with_the_attentions(n):
     from k3opt.passes.attention import RULES
     assert apply_attention(graph, ctx, RULES) == n
     assert _CountingList.walks <= 4
+
+
+def test_attention_24_reads_the_head_counts_from_the_shapes():
+    """From opset 24 Attention refuses q_num_heads/kv_num_heads with 4-D inputs (onnx's conformance case
+    flexattention_expanded_ver26 is such a graph): the fused node omits them there, and still does GQA."""
+    out, node, _ = assert_fused(Attn(kv_heads=2, repeat=True, opset=24).model(), q_num_heads=None, kv_num_heads=None)
+    onnx.checker.check_model(out, full_check=True)

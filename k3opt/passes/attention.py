@@ -63,7 +63,8 @@ def to_attention(op: RewriteBuilder, am: AttentionMatch) -> Optional[Tensor]:
         am.match.fail(why)
         return None
     attrs: dict = dict(scale=float(am.scale))
-    if am.q_num_heads is not None and am.kv_num_heads is not None:  # else Attention reads them from the shapes
+    # Attention-24 refuses head counts with 4-D inputs (it reads them from the shapes, as 23 does without them)
+    if am.q_num_heads is not None and am.kv_num_heads is not None and am.match.ctx.opset < 24:
         attrs.update(q_num_heads=am.q_num_heads, kv_num_heads=am.kv_num_heads)
     if am.mask is None:
         return op.Attention(am.q, am.k, am.v, **attrs)
