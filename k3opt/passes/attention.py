@@ -38,6 +38,7 @@ from ..patterns import RewriteBuilder
 from . import fold_shapes
 from ._attention_common import AttentionMatch, apply_attention, attention_rules
 from .base import Pass, PassContext, register_pass
+from ._left_decomposed import note_left_decomposed
 
 #: First opset with Attention in the default domain.
 ATTENTION_OPSET = 23
@@ -135,10 +136,8 @@ class FuseAttention(Pass):
         apply_attention(graph, ctx, attention_rules(record, on_decline=decline))
         ctx.notes[:] = [n for n in ctx.notes if not _NOTE.match(n)]  # the final graph's count only
         if not _fusable(ctx):
-            ctx.count("attention_found", len(found) - ctx.counters.get("attention_found", 0))
-            if found:
-                why = f"opset < {ATTENTION_OPSET}" if ctx.target == "onnx" else f"target {ctx.target} (its lowering passes decide, see the lowering lines)"
-                ctx.note(f"{len(found)} attention(s) found, left decomposed: {why}")
+            note_left_decomposed(ctx, "attention_found", len(found), _NOTE, "attention(s)", ATTENTION_OPSET,
+                                 lowered_by_target=True)
         for why, where in declined.items():
             names = ", ".join(f"'{w}'" for w in sorted(set(where))[:3])
             ctx.note(f"{len(set(where))} attention(s) declined: {why} (at {names})")
