@@ -55,6 +55,9 @@ class Attn:
         elif k_form == "batched5":  # the same, flattening GQA's rank-5 repeat directly (static shapes)
             flat = self.op("Reshape", k, self.ints([-1, sk, dqk]))
             kt = self.op("Reshape", self.op("Transpose", flat, perm=[0, 2, 1]), self.ints([B, NQ, dqk, sk]))
+        elif k_form == "batched_const":  # the same once copy-reshape-dims made both targets constant: batch -1
+            flat = self.op("Reshape", k, self.ints([-1, sk, dqk]))
+            kt = self.op("Reshape", self.op("Transpose", flat, perm=[0, 2, 1]), self.ints([-1, kv_heads, dqk, sk]))
         else:  # dynamo: Reshape(Transpose(Reshape(k, [-1, S, D]), [0, 2, 1]), Shape(k)[:2] + [D, S])
             shape = self.op("Shape", k)
             flat = self.op("Reshape", k, self.op("Concat", self.ints([-1]), self.op("Slice", shape, self.ints([-2]),
@@ -183,7 +186,7 @@ def assert_declined(model, reason: str, target="onnx"):
 # -- forms ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("scale", ["split", "div", "mul"])
-@pytest.mark.parametrize("k_form", ["bnsd", "bsnd", "batched"])
+@pytest.mark.parametrize("k_form", ["bnsd", "bsnd", "batched", "batched_const"])
 def test_scale_and_key_transpose_forms(scale, k_form):
     """sdpa's split d^-1/4 on q and k, eager's Div/Mul after the MatMul; k^T of BNSD and BSND keys, dynamo's 3-D."""
     _, node, _ = assert_fused(Attn(scale=scale, k_form=k_form).model(), scale=D ** -0.5)
@@ -435,3 +438,10 @@ def test_walks_over_the_graph_do_not_grow_with_the_attentions(n):
     from k3opt.passes.fusion.fuse_attention import RULES
     assert apply_attention(graph, ctx, RULES) == n
     assert _CountingList.walks <= 4
+
+
+def test_attention_24_reads_the_head_counts_from_the_shapes():
+    """From opset 24 Attention refuses q_num_heads/kv_num_heads with 4-D inputs (onnx's conformance case
+    flexattention_expanded_ver26 is such a graph): the fused node omits them there, and still does GQA."""
+    out, node, _ = assert_fused(Attn(kv_heads=2, repeat=True, opset=24).model(), q_num_heads=None, kv_num_heads=None)
+    onnx.checker.check_model(out, full_check=True)

@@ -83,7 +83,10 @@ def test_one_prompt_flash_attention_per_layer_in_prefill(name, exporter):
                                                                       else [("", 16)])
     if static is not None:  # and without static shapes: kept, with the reason
         _, dynamic = lowered(zoo_model(name, exporter), feeds)
-        assert sum("heads is not static" in line for line in dynamic.lowering) == layers
+        # the head count is unknown: "heads is not static", or for dynamo ViT (whose batched k^T infers its
+        # batch once copy-reshape-dims made the target constant) the keys cannot be proven k's
+        reasons = ("heads is not static", "not a transposed key")
+        assert sum(any(r in line for r in reasons) for line in dynamic.lowering) == layers
 
 
 def test_deepseek_mla_attention_stays_decomposed_with_the_reason():

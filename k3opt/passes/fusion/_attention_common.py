@@ -361,11 +361,23 @@ def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
         is_dim, dims, merged = ex.is_dim, (0, 3, 4), flat[0] == -1
     b, s, d = dims
     # Row-major: (B, N, S, D) -> (B*N, S, D) -> (B*N, D, S) -> (B, N, D, S) is k^T when S, D and B are k's.
-    if not (merged and is_dim(flat[1], s) and is_dim(flat[2], d) and is_dim(back[0], b) and is_dim(back[2], d)
+    # The batch may be inferred (-1, e.g. once copy-reshape-dims made the target constant) when the heads are
+    # k's: the other three dims then leave exactly B for it.
+    batch = is_dim(back[0], b) or (back[0] == -1 and _key_heads(back[1], k))
+    if not (merged and is_dim(flat[1], s) and is_dim(flat[2], d) and batch and is_dim(back[2], d)
             and is_dim(back[3], s)):
         return None
     walked.extend([outer, t, inner])
     return k
+
+
+def _key_heads(ref: object, k: Tensor) -> bool:
+    """``ref`` is the head count of ``k``: its dim 1 (BNSD), or the static product of dims 1 and 2 of GQA's
+    rank-5 repeat ``(B, Nkv, rep, S, D)``."""
+    if checks.rank(k) == 4:
+        return _is_dim(ref, k, 1)
+    kv, rep = fold_shapes.dim_at(k, 1), fold_shapes.dim_at(k, 2)
+    return isinstance(ref, int) and isinstance(kv, int) and isinstance(rep, int) and ref == kv * rep
 
 
 def _merged(ref: object, k: Tensor) -> bool:

@@ -38,6 +38,7 @@ from ...patterns import RewriteBuilder
 from ..analysis import fold_shapes
 from ..fusion._attention_common import AttentionMatch, apply_attention, attention_rules
 from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ._left_decomposed import note_left_decomposed
 
 #: First opset with Attention in the default domain.
 ATTENTION_OPSET = 23
@@ -63,7 +64,8 @@ def to_attention(op: RewriteBuilder, am: AttentionMatch) -> Optional[Tensor]:
         am.match.fail(why)
         return None
     attrs: dict = dict(scale=float(am.scale))
-    if am.q_num_heads is not None and am.kv_num_heads is not None:  # else Attention reads them from the shapes
+    # Attention-24 refuses head counts with 4-D inputs (it reads them from the shapes, as 23 does without them)
+    if am.q_num_heads is not None and am.kv_num_heads is not None and am.match.ctx.opset < 24:
         attrs.update(q_num_heads=am.q_num_heads, kv_num_heads=am.kv_num_heads)
     if am.mask is None:
         return op.Attention(am.q, am.k, am.v, **attrs)
@@ -134,10 +136,8 @@ class FuseAttention(Pass):
         apply_attention(graph, ctx, attention_rules(record, on_decline=decline))
         ctx.notes[:] = [n for n in ctx.notes if not _NOTE.match(n)]  # the final graph's count only
         if not _fusable(ctx):
-            ctx.count("attention_found", len(found) - ctx.counters.get("attention_found", 0))
-            if found:
-                why = f"opset < {ATTENTION_OPSET}" if ctx.target == "onnx" else f"target {ctx.target} (its lowering passes decide, see the lowering lines)"
-                ctx.note(f"{len(found)} attention(s) found, left decomposed: {why}")
+            note_left_decomposed(ctx, "attention_found", len(found), _NOTE, "attention(s)", ATTENTION_OPSET,
+                                 lowered_by_target=True)
         for why, where in declined.items():
             names = ", ".join(f"'{w}'" for w in sorted(set(where))[:3])
             ctx.note(f"{len(set(where))} attention(s) declined: {why} (at {names})")

@@ -38,6 +38,7 @@ from ...graph.ir import Graph, Node, Tensor
 from ...patterns import PatternBuilder, RewriteBuilder, Rule
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from ..fusion._norm_common import NormMatch, affine_input, apply_in_order, maybe_cast, norm_input, rms_core, tail_rules
+from ._left_decomposed import note_left_decomposed
 
 #: RMSNorm has a weight (scale) but no bias.
 RMS_TAILS = (("scale",), ("cast",), ())
@@ -98,12 +99,8 @@ class FuseRMSNorm(Pass):
         """Where RMSNorms stay decomposed, count them once, on the final graph (``rmsnorm_found``, a note)."""
         if _fusable(ctx):
             return
-        found = len(find_rmsnorms(graph, ctx))
-        ctx.count("rmsnorm_found", found - ctx.counters.get("rmsnorm_found", 0))
-        ctx.notes[:] = [n for n in ctx.notes if not _NOTE.match(n)]  # the latest round's count only
-        if found:
-            why = f"opset < {RMS_NORMALIZATION_OPSET}" if ctx.target == "onnx" else f"target {ctx.target} (its lowering passes decide, see the lowering lines)"
-            ctx.note(f"{found} RMSNorm found, left decomposed: {why}")
+        note_left_decomposed(ctx, "rmsnorm_found", len(find_rmsnorms(graph, ctx)), _NOTE, "RMSNorm",
+                             RMS_NORMALIZATION_OPSET, lowered_by_target=True)
 
 
 def _fusable(ctx: PassContext) -> bool:

@@ -44,6 +44,7 @@ from ...patterns.matcher import is_empty
 from ...patterns.rule_pass import sweep
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from ..analysis.fold_shapes import Dim, dim_at, remembered_dims, shape_elements
+from ._left_decomposed import note_left_decomposed
 
 #: First opset with RotaryEmbedding in the default domain.
 ROTARY_EMBEDDING_OPSET = 23
@@ -607,11 +608,8 @@ class FuseRotary(Pass):
         if _fusable(ctx):
             return
         found = len(find_rotaries(graph, ctx))
-        ctx.count("rotary_found", found - ctx.counters.get("rotary_found", 0))
-        ctx.notes[:] = [n for n in ctx.notes if not _NOTE.match(n)]
-        if found:
-            why = f"opset < {ROTARY_EMBEDDING_OPSET}" if ctx.target == "onnx" else f"target {ctx.target}"
-            ctx.note(f"{found} rotary embedding{'s' if found > 1 else ''} found, left decomposed: {why}")
+        note_left_decomposed(ctx, "rotary_found", found, _NOTE, "rotary embedding" + ("s" if found > 1 else ""),
+                             ROTARY_EMBEDDING_OPSET)
 
 
 def _fusable(ctx: PassContext) -> bool:
