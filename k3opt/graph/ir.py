@@ -49,7 +49,8 @@ def gs_links(owner: object, field: str) -> SynchronizedList:
 
 def new_constant(name: str, values: object, data_location: Optional[int] = None) -> gs.Constant:
     """``gs.Constant(name, values, data_location)``, built without gs's constructor on a verified gs
-    (~1.5 us instead of 8: fold-constants makes one per Constant node, thousands on a deep model)."""
+    (its hooks cost several times the object: fold-constants makes one per Constant node, thousands on a
+    deep model)."""
     if not gs_fast_paths():
         return gs.Constant(name, values, data_location)
     return _bare(gs.Constant, name, _values=values, data_location=data_location, _export_dtype=None)
@@ -335,7 +336,7 @@ def replace_uses(graph: Graph, old: Tensor, new: Tensor) -> None:
 # --------------------------------------------------------------------------- order and clean-up
 #
 # gs's ``Graph.toposort`` and ``Graph.cleanup`` recompute tensor maps and walk
-# generators per node (toposort ~0.2 s, cleanup ~0.15 s on 5k nodes). These give
+# generators per node (tenths of a second on a deep model). These give
 # the same result in linear time: same node order (byte-identical export), same
 # nodes kept. Graphs with local functions go to gs (it also sorts and cleans those).
 

@@ -221,8 +221,8 @@ def _const(t: Tensor) -> object:
 
 
 #: Small constants as decoded (at most this many bytes: shape computations' integers), by their lazy value
-#: holder: decoded once per process rather than once per pass run (a TensorProto decodes in ~10 us, the
-#: 64-layer Llama's passes read some 5k). Weak keys: an entry goes with its graph.
+#: holder: decoded once per process rather than once per pass run (a deep model's passes read thousands).
+#: Weak keys: an entry goes with its graph.
 _decoded: "weakref.WeakKeyDictionary[LazyValues, np.ndarray]" = weakref.WeakKeyDictionary()
 MAX_DECODED_BYTES = 8 * MAX_SHAPE_ELEMENTS
 
@@ -265,7 +265,7 @@ _RAW_DTYPES = {
 
 def _decode_small(c: gs.Constant) -> np.ndarray:
     """``peek(c)`` for a small constant: raw little-endian numbers are read directly, as ``to_array`` reads
-    them (its generic path and gs's copy cost ~5 us a tensor, this ~2; the 64-layer Llama's passes decode some 3.6k)."""
+    them (its generic path and gs's copy cost more than the decode; a deep model's passes decode thousands)."""
     lazy = c._values
     t = lazy.tensor
     dtype = _RAW_DTYPES.get(t.data_type) if type(lazy) is LazyValues else None
