@@ -5,9 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
-from onnx import TensorProto as T, helper
 
 from k3opt.graph.ir import as_constant, replace_uses, set_output, watching_edits
 from k3opt.passes.analysis import fold_shapes
@@ -15,21 +13,7 @@ from k3opt.passes.analysis.fold_shapes import DimAnalysis, dim_at, shape_element
 from k3opt.pipeline.analyses import Analysis, AnalysisManager, Shapes
 from k3opt.pipeline.manager import PassManager
 from k3opt.pipeline.pass_base import Pass, PassContext
-from tests.helpers import make_model
-
-
-def _reshaped_graph() -> gs.Graph:
-    """y = Reshape(x, Concat(Unsqueeze(Gather(Shape(x), 0)), [-1])) with x: [N, 6]."""
-    nodes = [
-        helper.make_node("Shape", ["x"], ["s"]),
-        helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
-        helper.make_node("Unsqueeze", ["n", "zero1"], ["n1"]),
-        helper.make_node("Concat", ["n1", "minus1"], ["target"], axis=0),
-        helper.make_node("Reshape", ["x", "target"], ["y"]),
-    ]
-    inits = {"zero": np.array(0, np.int64), "zero1": np.array([0], np.int64), "minus1": np.array([-1], np.int64)}
-    model = make_model(nodes, [("x", T.FLOAT, ["N", 6])], [("y", T.FLOAT, ["N", 6])], initializers=inits)
-    return gs.import_onnx(onnx.shape_inference.infer_shapes(model))
+from tests.test_fold_shape_memo import reshaped_graph
 
 
 def _seven() -> gs.Constant:
@@ -71,7 +55,7 @@ def test_a_rewiring_pass_that_declares_nothing_sees_fresh_dims():
             seen.append((before, _elements(graph, ctx)))
             return 1
 
-    PassManager([RewireThenAsk()]).run(_reshaped_graph(), PassContext(opset=17))
+    PassManager([RewireThenAsk()]).run(reshaped_graph(), PassContext(opset=17))
     assert seen == [(["N", -1], [7, -1])]
 
 
@@ -91,7 +75,7 @@ def test_an_edit_the_helpers_do_not_see_is_dropped_after_the_pass():
             unsqueeze.inputs[0] = _seven()  # gs's own link update: no editing helper
             return 1
 
-    PassManager([RewireDirectly(), _Recorder(seen)]).run(_reshaped_graph(), PassContext(opset=17))
+    PassManager([RewireDirectly(), _Recorder(seen)]).run(reshaped_graph(), PassContext(opset=17))
     assert seen[0][0] == [7, -1]
 
 
@@ -114,7 +98,7 @@ def test_preserved_analyses_are_kept_and_the_others_dropped():
 
     for rewrite, kept in ((Rewrite, False), (KeepsDims, True)):
         seen.clear()
-        PassManager([_Recorder(seen), rewrite()]).run(_reshaped_graph(), PassContext(opset=17))
+        PassManager([_Recorder(seen), rewrite()]).run(reshaped_graph(), PassContext(opset=17))
         assert len(seen) == 2  # round 1, then round 2 after the rewrite
         assert (seen[0][1] is seen[1][1]) is kept
 
@@ -122,14 +106,14 @@ def test_preserved_analyses_are_kept_and_the_others_dropped():
 def test_an_idle_pass_leaves_the_analyses_to_the_next():
     """A pass that made no rewrite changed nothing: the next pass reuses what it computed."""
     seen: list = []
-    PassManager([_Recorder(seen), _Recorder(seen)]).run(_reshaped_graph(), PassContext(opset=17))
+    PassManager([_Recorder(seen), _Recorder(seen)]).run(reshaped_graph(), PassContext(opset=17))
     assert len(seen) == 2 and seen[0][1] is seen[1][1]
 
 
 def test_two_runs_are_independent():
     """Each run keeps its own analyses (on its context) and drops them when it ends; no memo is left active."""
     seen: list = []
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     first, second = PassContext(opset=17), PassContext(opset=17)
     PassManager([_Recorder(seen)]).run(graph, first)
     PassManager([_Recorder(seen)]).run(graph, second)
@@ -140,7 +124,7 @@ def test_two_runs_are_independent():
 
 def test_an_active_analysis_is_not_seen_by_another_thread():
     """Two runs at once (threads) each trace with their own memo."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     y = graph.tensors()["y"]
     y.shape = ["unk__1", 6]  # traced: remembered by the active analysis only
     mine = DimAnalysis(graph)
@@ -154,7 +138,7 @@ def test_an_active_analysis_is_not_seen_by_another_thread():
 
 
 def test_the_editing_helpers_tell_the_watcher():
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     tensors = graph.tensors()
     heard: list = []
     with watching_edits(lambda ts: heard.append(sorted(t.name for t in ts))):
@@ -165,7 +149,7 @@ def test_the_editing_helpers_tell_the_watcher():
 
 
 def test_manager_keeps_gets_and_drops():
-    graph, manager = _reshaped_graph(), AnalysisManager()
+    graph, manager = reshaped_graph(), AnalysisManager()
     dims = manager.get(DimAnalysis, graph)
     assert manager.get(DimAnalysis, graph) is dims and manager.holds(DimAnalysis, graph)
     manager.put(Shapes(graph))

@@ -66,7 +66,7 @@ def remembered(graph: gs.Graph, declared: bool = True) -> Iterator[DimMemo]:
         yield dims.memo
 
 
-def _reshaped_graph() -> gs.Graph:
+def reshaped_graph() -> gs.Graph:
     """y = Reshape(x, Concat(Unsqueeze(Gather(Shape(x), 0)), [-1])) with x: [N, 6]."""
     nodes = [
         helper.make_node("Shape", ["x"], ["s"]),
@@ -82,7 +82,7 @@ def _reshaped_graph() -> gs.Graph:
 
 def test_rewired_reader_is_traced_again():
     """A Reshape target whose piece is replaced by a constant is read again; untouched results stay."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     tensors = graph.tensors()
     with remembered(graph, declared=False) as memo:
         assert shape_elements(tensors["target"])[0] == ["N", -1]
@@ -100,7 +100,7 @@ def test_rewired_reader_is_traced_again():
 def test_forgetting_everything_then_tracing_again():
     """Once every result is dropped, a forget has nothing to do (it only drops the reader links, which lead
     nowhere) and later traces are remembered and forgotten as before."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     tensors = graph.tensors()
     with remembered(graph, declared=False) as memo:
         assert dim_at(tensors["y"], 0) == "N"
@@ -118,7 +118,7 @@ def test_forgetting_everything_then_tracing_again():
 
 def test_depth_limited_results_are_kept_per_depth():
     """A trace cut short by the depth limit is not reused at a greater depth (which would trace further)."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     y = graph.tensors()["y"]
     y.shape = ["unk__1", 6]  # as when inference loses track
     with remembered(graph, declared=False):
@@ -130,7 +130,7 @@ def test_depth_limited_results_are_kept_per_depth():
 def test_small_constants_are_decoded_once(monkeypatch):
     """Shape tracing decodes a small constant once per process, not once per memo (pass run); a big one is
     decoded at every read, so weights are never held."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     tensors = graph.tensors()
     big = as_constant("big", np.arange(fold_shapes.MAX_DECODED_BYTES, dtype=np.int64))
     decoded = []
@@ -218,7 +218,7 @@ def test_small_decode_reads_raw_numbers_itself(monkeypatch):
 def test_small_constants_are_read_outside_the_memo_but_tracked():
     """A small constant read while tracing keeps no memo entry of its own (it is remembered per process), yet
     the result that read it is dropped when it is rewired, as through the memo; a big one is memoized."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     y, minus1 = graph.tensors()["y"], graph.tensors()["minus1"]
     big = as_constant("big", np.arange(fold_shapes.MAX_DECODED_BYTES, dtype=np.int64))
     with remembered(graph, declared=False) as memo:
