@@ -16,6 +16,7 @@ from typing import ClassVar, Collection, Sequence, TypeVar
 
 from ..graph.ir import Graph, Tensor
 
+#: An analysis class's instances (what ``get`` returns for it).
 A = TypeVar("A", bound="Analysis")
 
 

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, ClassVar, Collection, Optional, Type, TypeVar
+from typing import Any, ClassVar, Collection, Optional, Type
 
 from ..errors import UsageError
 from ..graph.ir import Graph, Node, NameScope, all_graphs
-from .analyses import Analysis, AnalysisManager
-
-A = TypeVar("A", bound=Analysis)
+from .analyses import A, AnalysisManager
 
 
 class OpCensus:
