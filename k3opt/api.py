@@ -422,8 +422,8 @@ def _fewer_collections() -> Iterator[None]:
 
     An imported graph is some 100k long-lived objects in reference cycles (gs
     nodes and tensors point at each other); at CPython's default threshold the
-    collector runs so often, and walks them so many times, that it took ~1 s of
-    the ~5 s spent on the 64-layer Llama. Garbage is still collected, later.
+    collector runs so often, and walks them so many times, that it took a fifth
+    of a deep model's run. Garbage is still collected, later.
     """
     old = gc.get_threshold()
     gc.set_threshold(max(old[0], GC_YOUNG_THRESHOLD), *old[1:])

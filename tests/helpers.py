@@ -9,6 +9,7 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from k3opt import api, modelio
 from k3opt.pipeline.pass_base import Pass, PassContext
 from k3opt.pipeline.manager import PassManager
 
@@ -40,19 +41,29 @@ def make_model(
     return model
 
 
+def import_graph(model: onnx.ModelProto) -> gs.Graph:
+    """``model``'s graph as ``k3opt.optimize`` imports it (k3opt's fast import, not gs's), from a copy: the
+    graph shares TensorProtos with the model it was imported from."""
+    own = onnx.ModelProto()
+    own.CopyFrom(model)
+    return modelio.import_graph(own)
+
+
+def export_graph(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
+    """``graph`` cleaned up, sorted and exported as ``k3opt.optimize`` does it (k3opt's fast export), with
+    ``model``'s metadata and opset imports."""
+    return api.export(graph, model)
+
+
 def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], target: str = "onnx") -> tuple[onnx.ModelProto, PassManager, PassContext]:
-    """Run ``passes`` to a fixed point on a copy of ``model``; returns (model, manager, ctx)."""
-    graph = gs.import_onnx(model)
+    """Run ``passes`` to a fixed point on a copy of ``model``, imported and exported as ``k3opt.optimize``
+    does it; returns (model, manager, ctx)."""
+    graph = import_graph(model)
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     ctx = PassContext(opset=opset, target=target)
     pm = PassManager(list(passes))
     pm.run(graph, ctx)
-    graph.cleanup().toposort()
-    out = gs.export_onnx(graph)
-    out.ir_version = model.ir_version
-    del out.opset_import[:]
-    out.opset_import.extend(model.opset_import)
-    return out, pm, ctx
+    return export_graph(graph, model), pm, ctx
 
 
 def random_feeds(model: onnx.ModelProto, seed: int = 0, dims: int = 2) -> dict[str, np.ndarray]:

@@ -76,12 +76,14 @@ def test_declared_symbols_untraced_give_the_traced_keys(name):
     import onnx_graphsurgeon as gs
 
     from k3opt.passes.cleanup.merge_equal_dims import _dim_key
-    from k3opt.passes.analysis.fold_shapes import remembered_dims
+    from k3opt.passes.analysis.fold_shapes import DimAnalysis
 
     graph = gs.import_onnx(onnx.shape_inference.infer_shapes(onnx.load(zoo_model(name, "torchscript"))))
     gathers = [n for n in graph.nodes if n.op == "Gather" and len(n.outputs) == 1]
-    with remembered_dims(graph):
+    with DimAnalysis(graph):
         fast = [_dim_key(n) for n in gathers]
-    with remembered_dims():
+    full = DimAnalysis(graph)
+    full.memo.declared = frozenset()  # every symbol traced
+    with full:
         assert [_dim_key(n) for n in gathers] == fast
     assert sum(k is not None for k in fast) > 2

@@ -144,13 +144,13 @@ def test_rank_check_decides_every_reshape_as_tracing_does(name):
     import onnx_graphsurgeon as gs
 
     from k3opt.passes.cleanup.remove_noop_ops import _same_reshape
-    from k3opt.passes.analysis.fold_shapes import remembered_dims
+    from k3opt.passes.analysis.fold_shapes import DimAnalysis
 
     graph = gs.import_onnx(onnx.shape_inference.infer_shapes(onnx.load(zoo_model(name, "torchscript"))))
     reshapes = [n for n in graph.nodes if n.op == "Reshape"]
     assert any(len(n.outputs[0].shape) != len(n.inputs[0].shape) for n in reshapes)
     for node in reshapes:
-        with remembered_dims(graph):  # as the pass runs: declared symbols are not traced
+        with DimAnalysis(graph):  # as the pass runs: declared symbols are not traced
             fast = _same_reshape(node)
         out, node.outputs[0].shape = node.outputs[0].shape, None  # unknown: decided by tracing alone
         assert _same_reshape(node) is fast

@@ -7,6 +7,9 @@ trace of the current graph.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -16,8 +19,8 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 import k3opt
 from k3opt.passes.analysis import fold_shapes
-from k3opt.passes.analysis.fold_shapes import dim_at, remembered_dims, rewiring, shape_elements
-from k3opt.graph.ir import as_constant, replace_uses
+from k3opt.passes.analysis.fold_shapes import DimAnalysis, DimMemo, dim_at, shape_elements
+from k3opt.graph.ir import as_constant, replace_uses, watching_edits
 from tests.helpers import make_model
 from tests.zoo import needs_torch, zoo_model
 
@@ -39,11 +42,11 @@ def checked_memo(monkeypatch) -> list:
     def get(self, t, slot, depth, compute):
         got = real_get(self, t, slot, depth, compute)
         if not self._computing:
-            saved, fold_shapes._memo = fold_shapes._memo, None
+            token = fold_shapes._active.set(None)
             try:
                 fresh = compute()
             finally:
-                fold_shapes._memo = saved
+                fold_shapes._active.reset(token)
             assert _same(got, fresh), (t.name, slot, depth, got, fresh)
             checked.append((t.name, slot))
         return got
@@ -52,7 +55,18 @@ def checked_memo(monkeypatch) -> list:
     return checked
 
 
-def _reshaped_graph() -> gs.Graph:
+@contextmanager
+def remembered(graph: gs.Graph, declared: bool = True) -> Iterator[DimMemo]:
+    """``graph``'s dims analysis, active and told of the edits made through the graph-editing helpers, as a
+    pass under the pass manager has it; ``declared=False``: the symbols of the inputs are traced too."""
+    dims = DimAnalysis(graph)
+    if not declared:
+        dims.memo.declared = frozenset()
+    with dims, watching_edits(dims.edited):
+        yield dims.memo
+
+
+def reshaped_graph() -> gs.Graph:
     """y = Reshape(x, Concat(Unsqueeze(Gather(Shape(x), 0)), [-1])) with x: [N, 6]."""
     nodes = [
         helper.make_node("Shape", ["x"], ["s"]),
@@ -68,48 +82,46 @@ def _reshaped_graph() -> gs.Graph:
 
 def test_rewired_reader_is_traced_again():
     """A Reshape target whose piece is replaced by a constant is read again; untouched results stay."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     tensors = graph.tensors()
-    with remembered_dims() as memo:
+    with remembered(graph, declared=False) as memo:
         assert shape_elements(tensors["target"])[0] == ["N", -1]
         assert dim_at(tensors["y"], 0) == "N"
         n = tensors["n"]
         seven = as_constant("seven", np.array(7, dtype=np.int64))
-        rewiring([n], seven)
-        replace_uses(graph, n, seven)
+        replace_uses(graph, n, seven)  # told to the memo by the editing helper
         assert shape_elements(tensors["target"])[0] == [7, -1]
         assert dim_at(tensors["y"], 0) == 7
         assert dim_at(tensors["x"], 1) == 6
-        memo.clear()
+        memo.forget(list(graph.tensors().values()))
         assert dim_at(tensors["y"], 0) == 7
 
 
 def test_forgetting_everything_then_tracing_again():
     """Once every result is dropped, a forget has nothing to do (it only drops the reader links, which lead
     nowhere) and later traces are remembered and forgotten as before."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     tensors = graph.tensors()
-    with remembered_dims() as memo:
+    with remembered(graph, declared=False) as memo:
         assert dim_at(tensors["y"], 0) == "N"
         memo.forget(list(tensors.values()))
         assert memo._results == {}
         memo._readers[id(tensors["n"])] = {id(tensors["target"])}  # a link whose result is gone
         memo.forget([tensors["x"]])
         assert memo._readers == {}
-        rewiring([tensors["n"]], tensors["n"])  # an empty memo: nothing to walk
+        memo.forget([tensors["n"]])  # an empty memo: nothing to walk
         assert shape_elements(tensors["target"])[0] == ["N", -1]
         seven = as_constant("seven", np.array(7, dtype=np.int64))
-        rewiring([tensors["n"]], seven)
         replace_uses(graph, tensors["n"], seven)
         assert shape_elements(tensors["target"])[0] == [7, -1]
 
 
 def test_depth_limited_results_are_kept_per_depth():
     """A trace cut short by the depth limit is not reused at a greater depth (which would trace further)."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     y = graph.tensors()["y"]
     y.shape = ["unk__1", 6]  # as when inference loses track
-    with remembered_dims():
+    with remembered(graph, declared=False):
         assert dim_at(y, 0, depth=0) == "unk__1"
         assert dim_at(y, 0) == "N"
         assert dim_at(y, 0, depth=0) == "unk__1"
@@ -118,7 +130,7 @@ def test_depth_limited_results_are_kept_per_depth():
 def test_small_constants_are_decoded_once(monkeypatch):
     """Shape tracing decodes a small constant once per process, not once per memo (pass run); a big one is
     decoded at every read, so weights are never held."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     tensors = graph.tensors()
     big = as_constant("big", np.arange(fold_shapes.MAX_DECODED_BYTES, dtype=np.int64))
     decoded = []
@@ -126,7 +138,7 @@ def test_small_constants_are_decoded_once(monkeypatch):
         real = getattr(fold_shapes, name)
         monkeypatch.setattr(fold_shapes, name, lambda c, real=real: decoded.append(c.name) or real(c))
     for _ in range(2):
-        with remembered_dims():
+        with remembered(graph, declared=False):
             assert shape_elements(tensors["target"])[0] == ["N", -1]
             assert fold_shapes._const(big) is not None
     assert sorted(decoded) == ["big", "big", "minus1", "zero", "zero1"]
@@ -150,14 +162,14 @@ def test_declared_symbols_are_not_traced():
     model = make_model(nodes, [("r0", F, ["N", 16])], [("r20", F, ["N", 16])], {}, opset=17)
     graph = gs.import_onnx(onnx.shape_inference.infer_shapes(model))
     last = graph.outputs[0]
-    with remembered_dims(graph) as memo:
+    with remembered(graph) as memo:
         assert dim_at(last, 0) == "N" and dim_at(last, 1) == 16
         assert not memo._results
-    with remembered_dims() as memo:  # no graph: nothing is known to be declared
+    with remembered(graph, declared=False) as memo:  # nothing is known to be declared
         assert dim_at(last, 0) == "N" and memo._results
     inner = graph.tensors()["r10"]
     inner.shape = ["unk__3", 16]  # a made-up symbol: traced to what the producers say
-    with remembered_dims(graph):
+    with remembered(graph):
         assert dim_at(inner, 0) == "N"
 
 
@@ -206,10 +218,10 @@ def test_small_decode_reads_raw_numbers_itself(monkeypatch):
 def test_small_constants_are_read_outside_the_memo_but_tracked():
     """A small constant read while tracing keeps no memo entry of its own (it is remembered per process), yet
     the result that read it is dropped when it is rewired, as through the memo; a big one is memoized."""
-    graph = _reshaped_graph()
+    graph = reshaped_graph()
     y, minus1 = graph.tensors()["y"], graph.tensors()["minus1"]
     big = as_constant("big", np.arange(fold_shapes.MAX_DECODED_BYTES, dtype=np.int64))
-    with remembered_dims() as memo:
+    with remembered(graph, declared=False) as memo:
         got = memo.get(y, 7, 1, lambda: (fold_shapes._const(minus1).tolist(), fold_shapes._const(big).size))
         assert got == ([-1], fold_shapes.MAX_DECODED_BYTES)
         assert id(minus1) not in memo._results and -2 in memo._results[id(big)][1]

@@ -7,6 +7,7 @@ from onnx import TensorProto, helper
 
 import k3opt
 from k3opt.errors import PluginError, UsageError
+from k3opt.pipeline.analyses import Shapes
 from k3opt.pipeline.pass_base import Pass, PassContext, build_pipeline
 from k3opt.pipeline.manager import PassManager
 from tests.conftest import Crash, DropOneIdentity
@@ -82,7 +83,7 @@ class NeedsShapes(Pass):
 
 class DropKeepingShapes(DropOneIdentity):
     name = "test-drop-keeping-shapes"
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
 
 
 def refreshes(passes, model) -> int:

@@ -1,9 +1,9 @@
-"""``gs.import_onnx`` without gs's per-object overhead: the same graph, built 4x faster.
+"""``gs.import_onnx`` without gs's per-object overhead: the same graph, built several times faster.
 
 gs builds every node and tensor through ``__setattr__`` hooks and
 ``SynchronizedList.extend`` and converts every Constant node's tensor
-through ``onnx.helper.get_all_tensor_dtypes()``; on the 64-layer Llama
-(16k nodes, 5.7k Constant nodes) that was ~0.65 s. :func:`import_onnx` fills
+through ``onnx.helper.get_all_tensor_dtypes()``: most of the import's time on
+a deep model with thousands of Constant nodes. :func:`import_onnx` fills
 in the same objects directly: same classes, same attribute values in the
 same order, same use-def links, same tensor map. Whatever it does not
 handle goes to gs: models with local functions or sparse initializers, and
@@ -64,10 +64,10 @@ def _to_old_generation() -> None:
     """Move the new graph's objects to the collector's oldest generation.
 
     Left in the youngest, they would be traversed by the first young collection,
-    then again by every middle-generation collection until promoted: on the
-    64-layer Llama (270k objects) that was ~0.5 s of collector time per run.
+    then again by every middle-generation collection until promoted: a deep
+    model's hundreds of thousands of objects, walked again and again.
     ``gc.freeze()`` then ``gc.unfreeze()`` moves every tracked object to the oldest
-    generation without traversing any (a ``collect(1)`` took 0.1-0.15 s); young
+    generation without traversing any (a ``collect(1)`` would traverse them); young
     garbage goes along, to be found by the next full collection. When the process
     has frozen objects of its own, unfreezing would release them too: then it is
     one ``collect(1)``. The graph lives until the run ends anyway.

@@ -3,9 +3,9 @@
 Why: a buffered write of a multi-GB weights file first allocates and dirties
 as much page cache as it writes. Where fresh memory is expensive (a VM whose
 guest pages are backed on first touch, a container whose page cache counts
-against its memory limit) that costs as much as a slow disk: on the
-benchmark machine buffered writes ran at 90-160 MB/s and direct ones at
-2.8 GB/s. :class:`DirectWriter` writes through one page-aligned buffer
+against its memory limit) that costs as much as a slow disk (on the
+benchmark machine, direct writes were an order of magnitude faster).
+:class:`DirectWriter` writes through one page-aligned buffer
 straight to the device instead, and falls back to ordinary writes on a file
 system that refuses ``O_DIRECT`` (tmpfs, some FUSE mounts); platforms
 without ``O_DIRECT`` get the ordinary buffered file.

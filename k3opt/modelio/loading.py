@@ -26,7 +26,7 @@ def import_graph(model: onnx.ModelProto, external: Optional[list[TensorProto]] =
     The graph shares TensorProtos with ``model``: import a proto you own.
     ``external``: the model's external-data tensors when known (see
     :class:`Loaded`); when there are none, the walk over every graph that
-    looks for them is spared (14 ms on the 64-layer Llama).
+    looks for them is spared.
     """
     try:
         graph = gs_roundtrip.import_onnx(model)
@@ -91,9 +91,8 @@ def read_model(path: PathLike) -> Loaded:
 def _parse(p: Path) -> onnx.ModelProto:
     """``onnx.load(p, load_external_data=False)``, a binary model parsed from the mapped file.
 
-    Read into a bytes object first, the file took 40 MB of fresh memory on the
-    64-layer Llama, which the parse then copies again (22k page faults, ~95 ms
-    in a fresh process; mapped: 12.6k, ~63 ms). Text formats (known by the
+    Read into a bytes object first, the file would take its size in fresh
+    memory, which the parse then copies again. Text formats (known by the
     file's extension, as onnx.load knows them) and files that cannot be
     mapped are read by onnx.load. (A file truncated by another process while
     it is parsed would raise SIGBUS instead of a decode error.)

@@ -126,7 +126,7 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
 
 
 # Serializing a whole model at once (upb) encodes it into a buffer that doubles as it grows, then copies
-# it out: on a 40 MB model that touched ~140 MB of fresh memory. The model is written, and sized, a piece
+# it out: several times the model's size in fresh memory. The model is written, and sized, a piece
 # at a time instead: its fields before and after the graph, the graph's before and after its initializers,
 # and each initializer on its own. Protobuf writes known fields in field-number order, so the pieces join
 # into the very same bytes; a model or graph with unknown fields (written after the known ones) is

@@ -13,7 +13,9 @@ from typing import ClassVar, Optional, Sequence
 import numpy as np
 from onnx import helper
 
-from ..graph.ir import Graph, Node, Tensor, all_graphs, const_value, disconnect, is_graph_output, node_subgraphs, producer, replace_uses
+from ..graph.ir import (
+    Graph, Node, Tensor, all_graphs, const_value, disconnect, edited, is_graph_output, node_subgraphs, producer, replace_uses,
+)
 from ..pipeline.pass_base import Pass, PassContext
 
 
@@ -75,6 +77,7 @@ def detach_all(nodes: Sequence[Node], dead: list[Node]) -> None:
     for items in links.values():
         list.__setitem__(items, slice(None), [n for n in items if id(n) not in gone])  # by identity, no gs sync
     for node in nodes:
+        edited(node.outputs)
         list.clear(node.inputs)
         list.clear(node.outputs)
     dead.extend(nodes)

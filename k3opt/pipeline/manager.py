@@ -14,7 +14,8 @@ import time
 from typing import Callable, Optional
 
 from ..errors import K3optError, PluginError
-from ..graph.ir import Graph, NameScope
+from ..graph.ir import Graph, NameScope, watching_edits
+from .analyses import Shapes
 from .pass_base import OpCensus, Pass, PassContext
 
 
@@ -52,7 +53,9 @@ class PassManager:
     ``shape_inference`` is a callable ``(graph) -> bool`` that refreshes the
     tensors' shapes in place and returns False when inference failed; the
     manager calls it before a pass that ``needs_shapes`` whenever a pass that
-    does not ``preserves_shapes`` changed the graph since the last call.
+    does not preserve :class:`Shapes` changed the graph since the last call.
+    After a pass that rewrote, the analyses it does not preserve are dropped
+    (``Pass.preserves``); while it runs, they hear of its edits.
     """
 
     def __init__(
@@ -79,6 +82,9 @@ class PassManager:
             ctx.names = NameScope(graph)
         runnable = [p for p in self.passes if self._applicable(p, ctx)]
         outer, ctx.census = ctx.census, OpCensus()  # shared by the passes of one graph version
+        ctx.analyses.invalidate()  # what an earlier run kept is of another graph, or another version
+        if ctx.shapes_available:  # the caller inferred them (api: ShapeRefresher.seed)
+            ctx.analyses.put(Shapes(graph))
         try:
             total = self._rounds(runnable, graph, ctx, max_steps)
             if max_steps is None:  # a run cut short (bisection) has no final graph to report on
@@ -88,9 +94,10 @@ class PassManager:
         finally:
             ctx.census = outer
             ctx.changed()  # an enclosing run's census (a pass running passes) may no longer hold
+            ctx.analyses.invalidate()  # nor its analyses; and the kept ones need not outlive the run
 
     def _rounds(self, runnable: list[Pass], graph: Graph, ctx: PassContext, max_steps: Optional[int]) -> int:
-        shapes_fresh = ctx.shapes_available
+        analyses = ctx.analyses
         total = 0
         # The graph's version bumps with every rewrite; a pass that found nothing
         # to do at the current version would find nothing again, so it is not rerun.
@@ -104,15 +111,16 @@ class PassManager:
                     continue
                 if max_steps is not None and len(self.steps) >= max_steps:
                     return total
-                if p.needs_shapes and not shapes_fresh and self.shape_inference is not None:
+                if p.needs_shapes and self.shape_inference is not None and not analyses.holds(Shapes, graph):
                     ctx.shapes_available = self.shape_inference(graph)
-                    shapes_fresh = True
+                    analyses.invalidate()  # every other analysis read the old shapes
+                    analyses.put(Shapes(graph))
                 if self.progress is not None:
                     self.progress(f"round {rnd}: {p.name}")
                 n = self._run_one(p, graph, ctx)
                 self.steps.append(Step(rnd, p.name, n))
                 if n:
-                    shapes_fresh = shapes_fresh and p.preserves_shapes
+                    analyses.invalidate(p.preserves)
                     version += 1
                     ctx.changed()
                 else:
@@ -155,7 +163,8 @@ class PassManager:
         outer, ctx.current_pass = ctx.current_pass, p.name
         t0 = time.perf_counter()
         try:
-            result = call()
+            with watching_edits(ctx.analyses.edited):
+                result = call()
         except K3optError:
             raise
         except Exception as exc:  # a pass bug must name the pass (and plugin)

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Collection, Optional, Type
 
 from ..errors import UsageError
 from ..graph.ir import Graph, Node, NameScope, all_graphs
+from .analyses import A, AnalysisManager
 
 
 class OpCensus:
@@ -105,6 +106,8 @@ class PassContext:
     sites: dict[tuple[str, str, str], dict[str, str]] = dataclasses.field(default_factory=dict)
     #: The pass that recorded each note (notes recorded outside a pass are absent).
     note_passes: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: The analyses of this run (see :meth:`analysis`).
+    analyses: AnalysisManager = dataclasses.field(default_factory=AnalysisManager, repr=False, compare=False)
 
     @property
     def emit_opset(self) -> int:
@@ -162,6 +165,11 @@ class PassContext:
         """``graph`` and every body nested in it, outermost first (``list(ir.all_graphs(graph))``)."""
         return list(all_graphs(graph)) if self.census is None else self.census.graphs(graph)
 
+    def analysis(self, cls: Type[A], graph: Graph) -> A:
+        """The ``cls`` analysis of ``graph`` (e.g. ``DimAnalysis``): kept by the run until a pass changes
+        the graph without declaring it preserved (:attr:`Pass.preserves`)."""
+        return self.analyses.get(cls, graph)
+
     def changed(self) -> None:
         """The graph was rewritten: later :meth:`nodes_of`/:meth:`graphs` answers look at it afresh."""
         if self.census is not None:
@@ -182,11 +190,10 @@ class Pass:
     order: ClassVar[float] = 1000.0
     #: Run shape inference before this pass if the graph changed since the last one.
     needs_shapes: ClassVar[bool] = False
-    #: The pass's rewrites leave shape inference nothing new to learn (like LLVM's preserved
-    #: analyses): every tensor they keep has its value, and so its shape, unchanged, and tensors
-    #: they create carry their dtype/shape or none. The manager then does not re-infer shapes
-    #: for the next pass that needs them. False (re-infer) is always safe.
-    preserves_shapes: ClassVar[bool] = False
+    #: The analyses (:mod:`k3opt.pipeline.analyses` classes) the pass's rewrites leave true, as MLIR's
+    #: preserved set: the manager drops every other one after a run that rewrote. With ``Shapes``, the
+    #: next pass that needs shapes does not get them re-inferred. Empty (drop all) is always safe.
+    preserves: ClassVar[frozenset[type]] = frozenset()
     #: The pass is skipped (with a note) when the graph's or the output's default-domain opset is below this.
     min_opset: ClassVar[int] = 1
     #: Targets the pass applies to; None means every target.

@@ -242,7 +242,7 @@ def model_for_inference(model: onnx.ModelProto) -> Light:
 
     Joined from the model's parts like :func:`export_for_inference`:
     weights_as_inputs copies the whole model, weights included, only to drop
-    them (half of the seed's 50 ms on the 64-layer Llama, 40 MB of weights).
+    them.
     """
     g = model.graph
     head, rest = onnx.ModelProto(), onnx.GraphProto()
@@ -264,14 +264,14 @@ def model_for_inference(model: onnx.ModelProto) -> Light:
 
 def _model_bytes(head: onnx.ModelProto, fields: list[bytes]) -> bytes:
     """``head`` serialized, then ``fields`` joined as its graph: one join, where adding up the
-    pieces copied the 3 MB seed model three more times (~2k page faults on the 64-layer Llama)."""
+    pieces copied the seed model three more times (fresh memory, page faults)."""
     parts = [head.SerializeToString(), varint(_MODEL_GRAPH << 3 | 2), varint(sum(map(len, fields)))]
     parts += fields
     return b"".join(parts)
 
 
-#: Bytes every serialized Constant node holds (its op_type field): reading op_type from the
-#: other 10k nodes of the 64-layer Llama cost more than finding these in their bytes.
+#: Bytes every serialized Constant node holds (its op_type field): reading op_type from every
+#: other node costs more than finding these in their bytes.
 _CONSTANT_OP = field(4, b"Constant")
 
 

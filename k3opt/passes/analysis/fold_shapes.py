@@ -25,8 +25,8 @@ from __future__ import annotations
 import sys
 import weakref
 from collections import defaultdict
-from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
+from contextvars import ContextVar, Token
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 from ... import graph as gs
@@ -34,6 +34,7 @@ from onnx import TensorProto
 from ...graph import LazyValues
 
 from ...graph.ir import Graph, Node, Tensor, bad_data, const_tensor, peek, producer
+from ...pipeline.analyses import Analysis
 from .._rewire import unsqueeze_axes
 
 #: Longest integer constant read as part of a shape computation.
@@ -80,7 +81,7 @@ def dim_at(t: Tensor, i: int, depth: int = MAX_SHAPE_DEPTH) -> Dim:
 
 
 class DimMemo:
-    """What tracing found, kept while :func:`remembered_dims` is active, and which results read which tensors.
+    """What tracing found, kept while its :class:`DimAnalysis` is active, and which results read which tensors.
 
     Tracing re-walks the same producers for every Shape of a deep model. A
     result is remembered per tensor and slot (slot: the dim, -1 for shape
@@ -88,9 +89,10 @@ class DimMemo:
     it was computed at, when no branch was cut short by the depth limit (more
     depth then walks the same path); a result that was cut short is valid at
     its own depth only. Results read other tensors' results, producers,
-    constant values or unknown shapes (a known shape never changes while the
-    memo lives); :meth:`forget` drops the results of changed tensors and,
-    transitively, of the tensors whose results read them.
+    constant values or unknown shapes (a known shape changes only when shapes
+    are inferred again, which drops the analysis); :meth:`forget` drops the
+    results of changed tensors and, transitively, of the tensors whose results
+    read them.
     """
 
     def __init__(self, declared: frozenset[str] = frozenset()) -> None:
@@ -144,8 +146,8 @@ class DimMemo:
             self._readers[id(t)].add(computing[-1])
 
     def forget(self, tensors: Iterable[Tensor]) -> None:
-        """Drop the results of ``tensors`` (call when their producer, its inputs, their name or shape change)
-        and of every tensor whose results read a dropped one."""
+        """Drop the results of ``tensors`` (their producer, its inputs, their name or shape changed) and of
+        every tensor whose results read a dropped one."""
         if not self._results:  # nothing to drop (every run starts so): reader links lead nowhere
             self._readers.clear()
             return
@@ -155,50 +157,56 @@ class DimMemo:
             self._results.pop(tid, None)
             todo.extend(self._readers.pop(tid, ()))
 
-    def rewiring(self, old: Sequence[Tensor], new: Tensor) -> None:
-        """Call before the readers of ``old`` read ``new`` instead and ``old``'s producer goes: drops what read
-        ``old``, ``new`` (its name or shape may change) or the outputs of ``old``'s readers."""
-        if self._results:
-            self.forget([*old, new, *(o for t in old for reader in t.outputs for o in reader.outputs)])
 
-    def clear(self) -> None:
-        """Forget everything."""
-        self._results.clear()
-        self._readers.clear()
+class DimAnalysis(Analysis):
+    """Traced dims of a graph's tensors, computed on demand and remembered by the run (a :class:`DimMemo`).
+
+    A pass asks ``ctx.analysis(DimAnalysis, graph)`` and calls :func:`tensor_dims`, :func:`dim_at`,
+    :func:`shape_elements`, :func:`fold_shape_value`... within ``with`` it: each traced dim is then
+    computed once, and the symbols the graph's inputs declare (:func:`input_symbols`) are not traced.
+    What a pass changes through the graph-editing helpers is forgotten as it happens (:meth:`edited`);
+    the pass manager drops the analysis after a pass that rewrote (see ``Pass.preserves``).
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__(graph)
+        self.memo = DimMemo(input_symbols(graph))
+        self._tokens: list[Token] = []
+
+    def edited(self, tensors: Sequence[Tensor]) -> bool:
+        self.memo.forget(tensors)
+        return True
+
+    def __enter__(self) -> "DimAnalysis":
+        self._tokens.append(_active.set(self.memo))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _active.reset(self._tokens.pop())
 
 
-#: The active memo (see :func:`remembered_dims`), else None.
-_memo: Optional[DimMemo] = None
+#: The memo of the :class:`DimAnalysis` active in this context (thread, task), else None.
+_active: ContextVar[Optional[DimMemo]] = ContextVar("k3opt_dim_memo", default=None)
 
 
 def _remembered(t: Tensor, slot: int, depth: int, compute: Callable[[], object]) -> object:
-    """``compute()``, once per ``(t, slot, depth)`` while :func:`remembered_dims` is active."""
-    memo = _memo
+    """``compute()``, once per ``(t, slot, depth)`` while a :class:`DimAnalysis` is active."""
+    memo = _active.get()
     return compute() if memo is None else memo.get(t, slot, depth, compute)
 
 
 def _read(t: Tensor) -> None:
     """Note a read of ``t`` by the result being remembered."""
-    if _memo is not None:
-        _memo.read(t)
+    memo = _active.get()
+    if memo is not None:
+        memo.read(t)
 
 
 def _cut() -> None:
     """Note that the depth limit cut the current walk short."""
-    if _memo is not None:
-        _memo.cut = True
-
-
-def rewiring(old: Sequence[Tensor], new: Tensor) -> None:
-    """:meth:`DimMemo.rewiring` on the active memo, if any."""
-    if _memo is not None:
-        _memo.rewiring(old, new)
-
-
-def forget(tensors: Iterable[Tensor]) -> None:
-    """:meth:`DimMemo.forget` on the active memo, if any (e.g. before detaching the producer of ``tensors``)."""
-    if _memo is not None:
-        _memo.forget(tensors)
+    memo = _active.get()
+    if memo is not None:
+        memo.cut = True
 
 
 def _const(t: Tensor) -> object:
@@ -213,8 +221,8 @@ def _const(t: Tensor) -> object:
 
 
 #: Small constants as decoded (at most this many bytes: shape computations' integers), by their lazy value
-#: holder: decoded once per process rather than once per pass run (a TensorProto decodes in ~10 us, the
-#: 64-layer Llama's passes read some 5k). Weak keys: an entry goes with its graph.
+#: holder: decoded once per process rather than once per pass run (a deep model's passes read thousands).
+#: Weak keys: an entry goes with its graph.
 _decoded: "weakref.WeakKeyDictionary[LazyValues, np.ndarray]" = weakref.WeakKeyDictionary()
 MAX_DECODED_BYTES = 8 * MAX_SHAPE_ELEMENTS
 
@@ -257,7 +265,7 @@ _RAW_DTYPES = {
 
 def _decode_small(c: gs.Constant) -> np.ndarray:
     """``peek(c)`` for a small constant: raw little-endian numbers are read directly, as ``to_array`` reads
-    them (its generic path and gs's copy cost ~5 us a tensor, this ~2; the 64-layer Llama's passes decode some 3.6k)."""
+    them (its generic path and gs's copy cost more than the decode; a deep model's passes decode thousands)."""
     lazy = c._values
     t = lazy.tensor
     dtype = _RAW_DTYPES.get(t.data_type) if type(lazy) is LazyValues else None
@@ -281,18 +289,6 @@ def remember_value(c: gs.Constant, value: np.ndarray) -> None:
     results are then not decoded again by every later pass that reads them."""
     if _small(c._values) and value.dtype.kind in "biuf" and value.dtype.isnative:
         _decoded[c._values] = value
-
-
-@contextmanager
-def remembered_dims(graph: Optional[Graph] = None) -> Iterator[DimMemo]:
-    """Within the block, each traced dim is computed once, and the symbols ``graph``'s inputs declare are not traced.
-    The caller must tell the yielded memo what it changes (:meth:`DimMemo.forget`, or :meth:`DimMemo.clear`)."""
-    global _memo
-    outer, _memo = _memo, DimMemo(frozenset() if graph is None else input_symbols(graph))
-    try:
-        yield _memo
-    finally:
-        _memo = outer
 
 
 def input_symbols(graph: Graph) -> frozenset[str]:
@@ -330,8 +326,8 @@ def dim_sum(parts: Sequence[Dim]) -> Dim:
 
 
 def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
-    """Dim ``i`` of ``t``: a number when inference says so, or a symbol the graph declares while a memo is
-    active (:func:`remembered_dims`), else what the producer says, else inference's symbol or None.
+    """Dim ``i`` of ``t``: a number when inference says so, or a symbol the graph declares while a
+    :class:`DimAnalysis` is active, else what the producer says, else inference's symbol or None.
 
     A symbol a graph input declares (:func:`input_symbols`) is a size chosen
     at run time: no producer pins it to a number (inference would have
@@ -346,7 +342,10 @@ def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
     if not 0 <= i < len(shape):
         return None
     d = _dim(shape[i])
-    if isinstance(d, int) or (d is not None and _memo is not None and d in _memo.declared):
+    if isinstance(d, int):
+        return d
+    memo = _active.get()
+    if d is not None and memo is not None and d in memo.declared:
         return d
     if depth <= 0:
         _cut()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...graph.ir import Graph, Node, rank
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, bypass, chain_producer, detach, unsqueeze_axes
 
@@ -30,7 +31,7 @@ class CancelSqueezePairs(NodeRewritePass):
     name = "cancel-squeeze-pairs"
     description = "Squeeze(Unsqueeze(x, a), a) and Unsqueeze(Squeeze(x, a), a) become x."
     order = 256
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     ops = frozenset(PAIRS)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

@@ -22,9 +22,10 @@ from typing import Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, as_constant, is_const, producer, set_input
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass
-from ..analysis.fold_shapes import Dim, dim_at, remembered_dims, shape_elements
+from ..analysis.fold_shapes import Dim, DimAnalysis, dim_at, shape_elements
 
 #: How far back the target's and the input's dims are traced: a CNN's batch size is often lost by shape
 #: inference at a Resize and found again a dozen ops upstream (cached per tensor within a run).
@@ -61,11 +62,11 @@ class CopyReshapeDims(NodeRewritePass):
     order = 285
     needs_shapes = True
     #: Only the target's spelling changes: every value, so every shape, stays.
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     ops = frozenset({"Reshape"})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        with remembered_dims(graph):
+        with ctx.analysis(DimAnalysis, graph):
             return super().run(graph, ctx)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

@@ -28,6 +28,7 @@ from onnx import TensorProto, helper
 from ...graph import LazyValues
 
 from ...graph.ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import can_replace, detach_all, remove
 from ..fold.fold_constants import RANDOM_OPS
@@ -154,7 +155,7 @@ class EliminateCommonSubexpressions(Pass):
     name = "eliminate-common-subexpressions"
     description = "Merge nodes with the same op, attributes and inputs, and equal constants."
     order = 300
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     options = {"cse_max_const_bytes": "largest constant compared by value, in bytes (default 1 MiB)"}
 
     def __init__(self) -> None:

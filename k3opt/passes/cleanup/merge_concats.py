@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...graph.ir import Graph, Node, producer, rank
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, detach, holds, single_use
 
@@ -26,7 +27,7 @@ class MergeConcats(NodeRewritePass):
     name = "merge-concats"
     description = "Splice a Concat on the same axis (read only there) into the Concat reading it."
     order = 258
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     ops = frozenset({"Concat"})
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

@@ -12,9 +12,10 @@ are not a symbol, non-constant or multi-element indices, and graph outputs.
 from __future__ import annotations
 
 from ...graph.ir import Graph, Node, Tensor, producer, toposort
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import bypass, remove
-from ..analysis.fold_shapes import remembered_dims, shape_elements
+from ..analysis.fold_shapes import DimAnalysis, shape_elements
 
 
 def _dim_key(node: Node) -> object:
@@ -34,14 +35,14 @@ class MergeEqualDims(Pass):
     order = 290
     needs_shapes = True
     #: Readers of one symbolic dim read one tensor instead of equal ones: every value, so every shape, stays.
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        toposort(graph)  # gs's order in linear time (gs's own toposort took ~0.12 s per run here)
+        toposort(graph)  # gs's order in linear time (gs's own rebuilds its tensor maps at every call)
         first: dict[object, Tensor] = {}
         dead: list[Node] = []
         merged = 0
-        with remembered_dims(graph) as memo:
+        with ctx.analysis(DimAnalysis, graph):
             for node in list(graph.nodes):
                 if node.op != "Gather" or (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1:
                     continue
@@ -51,7 +52,6 @@ class MergeEqualDims(Pass):
                 kept = first.setdefault(key, node.outputs[0])
                 if kept is node.outputs[0]:
                     continue
-                memo.rewiring(node.outputs, kept)  # what was traced through the readers may change
                 merged += bypass(graph, node, kept, dead)
         remove(graph, dead)
         return merged

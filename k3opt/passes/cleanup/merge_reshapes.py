@@ -18,7 +18,7 @@ import numpy as np
 from ...graph.ir import Graph, Node, as_constant, set_input
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, chain_producer, detach, int_list
-from ..analysis.fold_shapes import dim_at, remembered_dims
+from ..analysis.fold_shapes import DimAnalysis, dim_at
 
 
 def resolved_target(first: Node, target: list[int]) -> Optional[list[int]]:
@@ -47,7 +47,7 @@ class MergeReshapes(NodeRewritePass):
     ops = frozenset({"Reshape"})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        with remembered_dims(graph):  # a merged Reshape computes the same value: nothing to forget
+        with ctx.analysis(DimAnalysis, graph):
             return super().run(graph, ctx)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

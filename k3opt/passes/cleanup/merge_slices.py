@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, as_constant, rank, set_input
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, chain_producer, detach, int_list
 
@@ -71,7 +72,7 @@ class MergeSlices(NodeRewritePass):
     name = "merge-slices"
     description = "Merge consecutive Slices with constant parameters into one."
     order = 257
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     ops = frozenset({"Slice"})
 
     def rewrite(self, graph: Graph, second: Node, ctx: PassContext, dead: list[Node]) -> bool:

@@ -10,6 +10,7 @@ read. Graph inputs are never removed (they are the model's interface).
 from __future__ import annotations
 
 from ...graph.ir import Graph, Node, producer
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import detach_all, remove
 from ..fold._eval import outer_refs
@@ -35,7 +36,7 @@ class RemoveDeadNodes(Pass):
     name = "remove-dead-nodes"
     description = "Remove nodes (and with them initializers and value_info) that reach no graph output."
     order = 390
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         removed = 0

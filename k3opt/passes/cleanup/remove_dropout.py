@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...graph.ir import Graph, Node, const_value
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, bypass, is_used
 
@@ -34,7 +35,7 @@ class RemoveDropout(NodeRewritePass):
     name = "remove-dropout"
     description = "Remove inference-time Dropout whose mask is unused."
     order = 210
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     ops = frozenset({"Dropout"})
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

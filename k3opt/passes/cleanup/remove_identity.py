@@ -7,6 +7,7 @@ initializer (the output cannot take that tensor's name).
 from __future__ import annotations
 
 from ...graph.ir import Graph, Node
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, bypass
 
@@ -15,7 +16,7 @@ class RemoveIdentity(NodeRewritePass):
     name = "remove-identity"
     description = "Remove Identity nodes (graph outputs keep their names)."
     order = 200
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     ops = frozenset({"Identity"})
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

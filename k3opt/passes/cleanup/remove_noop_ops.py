@@ -31,7 +31,7 @@ import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, const_tensor, producer, rank
 from ...pipeline.pass_base import PassContext, register_pass
-from ..analysis.fold_shapes import dim_at, remembered_dims, shape_elements, small_const_value, small_int_list
+from ..analysis.fold_shapes import DimAnalysis, dim_at, shape_elements, small_const_value, small_int_list
 from .._rewire import NodeRewritePass, bypass, cast_target, onnx_type
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -192,14 +192,13 @@ class RemoveNoopOps(NodeRewritePass):
     ops = frozenset(CHECKS)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        with remembered_dims(graph) as self._memo:
+        with ctx.analysis(DimAnalysis, graph):
             return super().run(graph, ctx)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         src = CHECKS[node.op](node)
         if src is None:
             return False
-        self._memo.rewiring(node.outputs, src)  # what was traced through the readers may change
         return bypass(graph, node, src, dead)
 
 

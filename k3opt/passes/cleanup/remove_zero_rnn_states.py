@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, const_tensor, const_value, new_variable, producer, set_input
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass
 
@@ -48,7 +49,7 @@ class RemoveZeroRnnStates(NodeRewritePass):
     name = "remove-zero-rnn-states"
     description = "An all-zero initial_h/initial_c of RNN/GRU/LSTM becomes the omitted input (its default)."
     order = 165
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     ops = frozenset(STATE_INPUTS)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

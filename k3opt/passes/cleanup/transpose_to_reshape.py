@@ -21,10 +21,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ...graph.ir import Graph, Node, as_constant
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass
 from ..cleanup.merge_transposes import perm_of
-from ..analysis.fold_shapes import Dim, remembered_dims, tensor_dims
+from ..analysis.fold_shapes import Dim, DimAnalysis, tensor_dims
 
 
 def reshape_target(dims: Sequence[Dim], perm: Sequence[int]) -> Optional[list[int]]:
@@ -54,10 +55,10 @@ class TransposeToReshape(NodeRewritePass):
     order = 245
     ops = frozenset({"Transpose"})
     min_opset = 5
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        with remembered_dims(graph):  # values never change here: nothing to forget
+        with ctx.analysis(DimAnalysis, graph):  # values never change here: what was traced holds
             return super().run(graph, ctx)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

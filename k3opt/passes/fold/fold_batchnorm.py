@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, const_value, is_graph_output
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from ..fold._channel_affine import (CONVOLUTIONS, MAX_CHANNEL_ELEMENTS, RefusalNotes, channel_operand, channel_producer,
                               fold_into, out_channels, out_rank)
@@ -52,7 +53,7 @@ class FoldBatchNorm(RefusalNotes, NodeRewritePass):
     name = "fold-batchnorm"
     description = "Fold inference BatchNormalization (and per-channel constant Mul) into the Conv/ConvTranspose/Gemm/MatMul before it."
     order = 150
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     ops = frozenset({"BatchNormalization", "Mul"})
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

@@ -27,13 +27,13 @@ from ... import graph as gs
 
 from ...graph.ir import (
     Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, node_subgraphs, producer,
-    replace_uses,
+    replace_uses, set_output,
 )
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import detach, is_used, remove
 from ..fold._eval import EvalError, as_array, outer_refs, run_ort, run_reference
 from ..fold._guard import too_big
-from ..analysis.fold_shapes import fold_shape_value, forget, remember_value, remembered_dims, rewiring
+from ..analysis.fold_shapes import DimAnalysis, fold_shape_value, remember_value
 from ..fold._starts import is_constant, start_nodes, still_in
 
 #: Ops whose result is not a function of their inputs.
@@ -61,9 +61,9 @@ class FoldConstants(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         """Fold ``graph``, then each body of the nodes it still holds (If/Loop/Scan), outermost first."""
-        # One memo for every sweep and graph: each change tells it what it rewired (traces are re-walked only
-        # there); the symbols the main graph declares are not traced.
-        with remembered_dims(graph):
+        # One dims analysis for every sweep and graph: the editing helpers tell it what each change rewired
+        # (traces are re-walked only there); the symbols the main graph declares are not traced.
+        with ctx.analysis(DimAnalysis, graph):
             if len(ctx.graphs(graph)) == 1:
                 return self._fold_graph(graph, ctx)
             total, pending = 0, [graph]
@@ -114,7 +114,6 @@ class FoldConstants(Pass):
             if value is None:
                 continue
             name = out.name
-            rewiring([out], value)
             replace_uses(graph, out, value)
             value.name = name
             done.append(node)
@@ -285,13 +284,11 @@ def _install(graph: Graph, ctx: PassContext, t: Tensor, value: np.ndarray, insta
     remember_value(const, value)
     if is_graph_output(graph, t):
         p = producer(t)
-        rewiring([t] if p is None else p.outputs, const)  # t gets a new producer
         if p is not None:
-            p.outputs[[i for i, o in enumerate(p.outputs) if o is t][0]] = gs.Variable(ctx.fresh_name(t.name))
+            set_output(p, [i for i, o in enumerate(p.outputs) if o is t][0], gs.Variable(ctx.fresh_name(t.name)))
         graph.nodes.insert(0, gs.Node("Constant", ctx.fresh_name(t.name + "_const"), {"value": const}, [], [t]))
         installed.append((t, const))  # t keeps its name (and its new producer)
         return const
-    rewiring([t], const)  # readers now read a constant: what was traced through them may change
     replace_uses(graph, t, const)
     installed.append((t, const))
     return const
@@ -310,7 +307,6 @@ def _drop_dead(graph: Graph, nodes: list[Node]) -> int:
     dead: list[Node] = []
     for node in nodes:
         if not any(is_used(graph, t) for t in node.outputs):
-            forget(node.outputs)
             detach(node, dead)
     remove(graph, dead)
     return len(dead)

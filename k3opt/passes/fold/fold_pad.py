@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, const_tensor, const_value, producer, set_input
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from ..fold._channel_affine import RefusalNotes
 from .._rewire import NodeRewritePass, detach, holds, int_list, is_used, single_use
@@ -73,7 +74,7 @@ class FoldPad(RefusalNotes, NodeRewritePass):
     name = "fold-pad"
     description = "Fold a constant-mode Pad of the spatial axes into the Conv/AveragePool/MaxPool reading it."
     order = 160
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     ops = READERS
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

@@ -10,6 +10,7 @@ non-constant existing bias, values that do not fit the dtype. MatMul + Add is fu
 from __future__ import annotations
 
 from ...graph.ir import Graph, Node
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from ..fold._channel_affine import CONVOLUTIONS, RefusalNotes, channel_operand, fold_into
 from .._rewire import NodeRewritePass
@@ -21,7 +22,7 @@ class MergeConvBias(RefusalNotes, NodeRewritePass):
     name = "merge-conv-bias"
     description = "Merge an Add of a per-channel constant after a Conv/ConvTranspose/Gemm into its bias."
     order = 155
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     ops = frozenset({"Add"})
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:

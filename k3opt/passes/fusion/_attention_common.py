@@ -140,8 +140,10 @@ class _Decline(Exception):
 def analyze(m: Match) -> Optional[AttentionMatch]:
     """The :class:`AttentionMatch` of a structural match, or None with ``m.fail(reason)``."""
     try:
-        # Dims traced once per match; the symbols the graph declares (batch, sequence) are not traced.
-        with fold_shapes.remembered_dims(m.graph):
+        # Dims traced once per run (per match outside one); the symbols the graph declares (batch, sequence)
+        # are not traced.
+        dims = fold_shapes.DimAnalysis(m.graph) if m.ctx is None else m.ctx.analysis(fold_shapes.DimAnalysis, m.graph)
+        with dims:
             return _analyze(m)
     except _Decline as why:
         m.fail(str(why))

@@ -13,6 +13,7 @@ from typing import Any
 
 from ...graph.ir import Tensor
 from ...patterns import PatternBuilder, RewriteBuilder
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import register_pass
 from ..fusion._norm_common import TAILS, NormMatch, OrderedRulesPass, affine_input, maybe_cast, norm_input, rms_core, tail_rules
 
@@ -42,7 +43,7 @@ class FuseLayerNorm(OrderedRulesPass):
     name = "fuse-layernorm"
     description = "decomposed LayerNorm (every exporter spelling, fp16/bf16 Casts) -> LayerNormalization"
     order = 500
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     min_opset = 17
     needs_shapes = True
     rules = RULES

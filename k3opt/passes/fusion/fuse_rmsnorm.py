@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 from ...graph.ir import Graph, Node, Tensor
 from ...patterns import PatternBuilder, RewriteBuilder, Rule
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from ..fusion._norm_common import NormMatch, affine_input, apply_in_order, maybe_cast, norm_input, rms_core, tail_rules
 from ._left_decomposed import note_left_decomposed
@@ -89,7 +90,7 @@ class FuseRMSNorm(Pass):
     name = "fuse-rmsnorm"
     description = "RMSNorm -> RMSNormalization (target onnx, opset >= 23); counted and kept decomposed otherwise"
     order = 510
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     needs_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:

@@ -42,8 +42,9 @@ from ...graph.ir import Graph, Node, Tensor, const_value, is_const, producer
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.matcher import is_empty
 from ...patterns.rule_pass import sweep
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
-from ..analysis.fold_shapes import Dim, dim_at, remembered_dims, shape_elements
+from ..analysis.fold_shapes import Dim, DimAnalysis, dim_at, shape_elements
 from ._left_decomposed import note_left_decomposed
 
 #: First opset with RotaryEmbedding in the default domain.
@@ -578,14 +579,12 @@ def find_rotaries(graph: Graph, ctx: PassContext) -> list[Node]:
 
 
 def _apply(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
-    """One sweep per rule, in order. Dims are traced with a memo (declared symbols such as ``batch`` are not
-    traced at all), cleared after each sweep: a sweep's rewrites change no dim the checks read (x and the
-    angles are upstream of every rotation)."""
+    """One sweep per rule, in order. Dims are traced with the run's dims analysis (declared symbols such as
+    ``batch`` are not traced at all)."""
     done = 0
-    with remembered_dims(graph) as memo:
+    with ctx.analysis(DimAnalysis, graph):
         for rule in rules:
             done += sweep(graph, ctx, [rule])
-            memo.clear()
     return done
 
 
@@ -598,7 +597,7 @@ class FuseRotary(Pass):
                    "RotaryEmbedding (target onnx, opset >= 23); counted and kept decomposed otherwise")
     order = 515
     needs_shapes = True
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         return _apply(graph, ctx, RULES) if _fusable(ctx) else 0

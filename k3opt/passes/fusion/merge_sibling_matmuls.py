@@ -22,6 +22,7 @@ from ... import graph as gs
 
 from ...graph.ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank
 from ...graph.lazy_values import PACKED_TYPES, concat_last_axis, onnx_type
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 
 
@@ -128,7 +129,7 @@ class MergeSiblingMatMuls(Pass):
     name = "merge-sibling-matmuls"
     description = "MatMuls with constant weights reading one activation -> one MatMul (+ bias Add) and a Split"
     order = 600
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     min_opset = 11  # Split with a negative axis
 
     def run(self, graph: Graph, ctx: PassContext) -> int:

@@ -44,6 +44,7 @@ from ...graph.ir import Graph, Node, Tensor, producer
 from ...patterns import RewriteBuilder, checks
 from ..analysis import fold_shapes
 from ..fusion._attention_common import AttentionMatch, _shape_refs, apply_attention, attention_rules
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 
 FORMS = ("auto", "opset16", "npu")
@@ -164,7 +165,7 @@ class LowerAttentionNPU(Pass):
     lowering = True
     needs_shapes = True
     #: The replaced value keeps its dtype and shape; onnx's inference would lose them at the NPU nodes.
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
     options = {"npu_attention_form": "auto (opset 16 + default domain when no op differs from 17, else the "
                                      "npu domain), opset16 or npu"}
 

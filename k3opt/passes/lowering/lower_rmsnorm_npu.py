@@ -19,6 +19,7 @@ from ...cann_bridge.target_form import STAGING_DOMAIN
 from ...graph.ir import Graph, Tensor
 from ...patterns import RewriteBuilder
 from ..fusion._norm_common import NormMatch, affine_input, apply_in_order, norm_input
+from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from ..fusion.fuse_rmsnorm import rmsnorm_rules
 
@@ -58,7 +59,7 @@ class LowerRMSNormNPU(Pass):
     needs_shapes = True
     #: The replaced value keeps its dtype and shape; ``rstd`` gets float32 and no shape. Re-inferring would
     #: lose shapes: onnx's inference does not know NPU ops.
-    preserves_shapes = True
+    preserves = frozenset({Shapes})
 
     def __init__(self) -> None:
         self.lowered: list[str] = []

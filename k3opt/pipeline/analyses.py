@@ -1,0 +1,85 @@
+"""Analyses: facts about a graph that passes ask the run for, computed on demand and kept while they hold.
+
+MLIR's analysis manager, in small. A pass asks ``ctx.analysis(DimAnalysis, graph)``: the first ask
+computes (or starts) the analysis, later asks get the same object, in this pass and in the next ones,
+until the graph changes. After a pass that rewrote, the pass manager drops every analysis the pass does
+not list in ``Pass.preserves`` (MLIR's preserved set; empty, the safe default, drops them all). While a
+pass runs, the graph-editing helpers of :mod:`k3opt.graph.ir` report what they change (:meth:`edited`):
+an analysis that can follow such edits forgets only what read the changed tensors, the others go.
+
+:class:`Shapes` stands for the tensors' inferred shapes, kept on the tensors themselves: the pass manager
+re-infers them before a pass that ``needs_shapes`` when they were dropped.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Collection, Sequence, TypeVar
+
+from ..graph.ir import Graph, Tensor
+
+#: An analysis class's instances (what ``get`` returns for it).
+A = TypeVar("A", bound="Analysis")
+
+
+class Analysis:
+    """Something known about ``graph`` that holds until the graph changes. Subclasses compute in
+    ``__init__`` or on demand."""
+
+    #: Holds whatever single edits a pass makes (only the pass's ``preserves`` decides): not told of them.
+    edit_proof: ClassVar[bool] = False
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+
+    def edited(self, tensors: Sequence[Tensor]) -> bool:
+        """``tensors`` changed (another producer, or one reading other values, another name or shape):
+        return True when the analysis still holds after forgetting what read them, False to be dropped."""
+        return False
+
+
+class Shapes(Analysis):
+    """The tensors' shapes and dtypes are what shape inference gives for the graph as it is.
+
+    Not dropped by single edits while a pass runs: whether a pass's rewrites keep every shape is what it
+    declares (``preserves = frozenset({Shapes})``: every tensor it keeps has its value, so its shape,
+    unchanged, and tensors it creates carry their dtype/shape or none).
+    """
+
+    edit_proof = True
+
+
+class AnalysisManager:
+    """The analyses one run computed, per analysis class and graph (a model's bodies have their own)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[type, int], Analysis] = {}
+        #: Whether an analysis kept is not :attr:`Analysis.edit_proof` (edits must be told to it).
+        self._told = False
+
+    def get(self, cls: type[A], graph: Graph) -> A:
+        """The ``cls`` analysis of ``graph``: the one kept, else a new one (kept)."""
+        found = self._cache.get((cls, id(graph)))
+        if found is None or found.graph is not graph:
+            found = cls(graph)
+            self.put(found)
+        return found  # type: ignore[return-value]
+
+    def holds(self, cls: type[Analysis], graph: Graph) -> bool:
+        """Is a ``cls`` analysis of ``graph`` kept (computed, and not dropped since)?"""
+        found = self._cache.get((cls, id(graph)))
+        return found is not None and found.graph is graph
+
+    def put(self, analysis: Analysis) -> None:
+        """Keep ``analysis`` (one computed outside the manager: shape inference)."""
+        self._cache[type(analysis), id(analysis.graph)] = analysis
+        self._told = self._told or not analysis.edit_proof
+
+    def invalidate(self, preserved: Collection[type] = ()) -> None:
+        """Drop every analysis whose class is not in ``preserved``."""
+        self._cache = {key: a for key, a in self._cache.items() if key[0] in preserved}
+        self._told = not all(a.edit_proof for a in self._cache.values())
+
+    def edited(self, tensors: Sequence[Tensor]) -> None:
+        """A graph-editing helper changed ``tensors`` (see :func:`k3opt.graph.ir.watching_edits`)."""
+        if self._told:  # the common case, no analysis to tell, costs this test only
+            for key in [key for key, a in self._cache.items() if not a.edit_proof and not a.edited(tensors)]:
+                del self._cache[key]
