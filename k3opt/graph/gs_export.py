@@ -7,7 +7,9 @@ tensor map through ``SynchronizedList.__add__``. :func:`export_onnx` sets the
 same fields in place: the same proto, byte for byte. Node attributes,
 constants, and tensors of other kinds than plain tensors are still
 converted by gs's own ``OnnxExporter`` methods; graphs with local functions
-go to gs entirely.
+go to gs entirely. One deliberate difference: element types come from
+``k3opt.graph.dtypes``, not gs's ``dtype_to_onnx`` (which types a float8e4m3fnuz
+tensor as float8e4m3fn).
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
+from . import dtypes
 from .ir import Graph, Tensor, all_graphs, gs_fast_paths, node_subgraphs
 from .wire import field, varint
 
@@ -158,17 +161,11 @@ def _write_node(node: gs.Node, out: onnx.NodeProto) -> None:
         out.attribute.extend(OnnxExporter.export_attributes(node.attrs))
 
 
-#: dtype -> ONNX element type, as gs's ``dtype_to_onnx`` gives it.
-_ELEM_TYPES: dict = {}
-
-
 def _elem_type(dtype) -> int:
-    """The ONNX element type of a tensor's dtype (an int is one already)."""
-    if isinstance(dtype, int):
-        return dtype
-    elem = _ELEM_TYPES.get(dtype)
+    """The ONNX element type of a tensor's dtype (an int is one already); ValueError when it has none."""
+    elem = dtypes.onnx_type(dtype)
     if elem is None:
-        elem = _ELEM_TYPES[dtype] = dtype_to_onnx(dtype)
+        raise ValueError(f"no ONNX element type for dtype {dtype!r}")
     return elem
 
 

@@ -23,28 +23,17 @@ from typing import BinaryIO, Optional, Sequence, Union
 
 import numpy as np
 import onnx
-from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .. import modelio
+from . import dtypes
 from ..modelio import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
 
 Source = Union[np.ndarray, LazyValues]
 
-#: Sub-byte ONNX types are stored packed: concatenating their rows is not a byte copy.
-PACKED_TYPES = frozenset(
-    getattr(onnx.TensorProto, n)
-    for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
-    if hasattr(onnx.TensorProto, n)
-)
 _ALIGN = 4096
 #: Bytes of merged rows written at a time.
 _BLOCK = 16 * 2**20
-
-
-def onnx_type(dtype) -> int:
-    """The ONNX element type of a gs dtype (a numpy dtype, or already an ONNX enum)."""
-    return dtype_to_onnx(dtype)
 
 
 def is_external(source: Source) -> bool:
@@ -115,7 +104,7 @@ class ConcatValues(LazyValues):
         self.dtype = sources[0].dtype
         self.shape = (shapes[0][0], sum(s[1] for s in shapes))
         self._spilled: Optional[onnx.TensorProto] = None
-        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(onnx_type(self.dtype))).itemsize
+        itemsize = dtypes.numpy_dtype(dtypes.onnx_type(self.dtype)).itemsize
         self.nbytes = self.shape[0] * self.shape[1] * itemsize
 
     def load(self) -> np.ndarray:
@@ -138,7 +127,7 @@ class ConcatValues(LazyValues):
         spill = SpillFile.get()
         offset = spill.allocate(self.nbytes)
         modelio.defer_spill(spill.path, offset, self.write_to)
-        return modelio.external_tensor("", onnx_type(self.dtype), self.shape, spill.path, offset, self.nbytes)
+        return modelio.external_tensor("", dtypes.onnx_type(self.dtype), self.shape, spill.path, offset, self.nbytes)
 
     def write_to(self, f: BinaryIO) -> None:
         """Write the concatenation's bytes at ``f``'s position, a block of rows at a time (flat memory)."""

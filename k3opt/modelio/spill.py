@@ -7,9 +7,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from .. import graph as gs
+from ..graph import dtypes
 from .external import ExternalValues, external_tensor
 
 #: Prefix of the spill files k3opt writes to keep merged weights out of memory.
@@ -37,7 +37,7 @@ def spill_constant(name: str, values: np.ndarray) -> gs.Constant:
     offset = f.tell()
     f.write(arr.tobytes())
     f.flush()
-    dtype = onnx.helper.np_dtype_to_tensor_dtype(arr.dtype)
+    dtype = dtypes.onnx_type(arr.dtype)
     tensor = external_tensor(name, dtype, arr.shape, str(_SPILL["path"]), offset, arr.nbytes)
     return gs.Constant(name, ExternalValues(tensor))
 

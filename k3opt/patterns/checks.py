@@ -10,9 +10,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 from onnx import TensorProto
-from ..graph import dtype_to_onnx
 
-from ..graph import ir
+from ..graph import dtypes, ir
 from ..graph.ir import Node, Tensor
 from .matcher import is_empty
 
@@ -51,9 +50,10 @@ def last_dim(t: Tensor) -> Optional[int]:
 def is_float(t: Tensor) -> bool:
     """True when ``t``'s element type is known and floating point (bfloat16 and float8, which gs gives as
     ONNX enums, included)."""
-    if t.dtype is None:
+    elem = dtypes.onnx_type(t.dtype)
+    if elem is None:
         return False
-    name = TensorProto.DataType.Name(dtype_to_onnx(t.dtype))
+    name = TensorProto.DataType.Name(elem)
     return name.startswith("FLOAT") or name in ("DOUBLE", "BFLOAT16")
 
 

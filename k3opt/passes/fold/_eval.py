@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from ... import graph as gs
 from onnx import TensorProto, helper, numpy_helper
-from ...graph import OnnxExporter
+from ...graph import OnnxExporter, dtypes
 
 from ...graph.ir import Graph, Node, Tensor, peek, producer
 from ..fold._numpy import KERNELS, numpy_values
@@ -169,7 +169,7 @@ def run_model(model: onnx.ModelProto, feeds: Optional[dict[str, np.ndarray]] = N
         sess = _session(widened.SerializeToString())
     values = sess.run(None, feeds or {})
     for i, onnx_type in narrow.items():
-        values[i] = np.asarray(values[i]).astype(helper.tensor_dtype_to_np_dtype(onnx_type))
+        values[i] = np.asarray(values[i]).astype(dtypes.numpy_dtype(onnx_type))
     return values
 
 

@@ -35,9 +35,9 @@ from typing import Callable, Optional, Sequence
 import ml_dtypes
 import numpy as np
 from ... import graph as gs
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
-from ...graph import ir
+from ...graph import dtypes, ir
 from ...graph.ir import Graph, NameScope, Node, Tensor, is_graph_output, producer
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.rule_pass import sweep
@@ -580,19 +580,8 @@ def _no_escape(graph: Graph, chain: list[Node], pv: Node) -> None:
                                f"'{other.name}' ({other.op})")
 
 
-def _elem(t: Tensor) -> Optional[int]:
-    if t.dtype is None:
-        return None
-    if isinstance(t.dtype, int):
-        return t.dtype
-    try:
-        return helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
-    except TypeError:
-        return None
-
-
 def _dtype_of(*tensors: Tensor) -> int:
-    types = {_elem(t) for t in tensors}
+    types = {dtypes.onnx_type(t.dtype) for t in tensors}
     if None in types:
         raise _Decline("a dtype of q, k, v or the scores is unknown")
     if len(types) != 1:
@@ -607,7 +596,7 @@ def _dtype_of(*tensors: Tensor) -> int:
 def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
     """The mask has the scores' dtype, and no known dim of it broadcasts the scores to a larger shape
     (dims inference leaves unknown are checked by the fused op at run time against (B, Nq, Sq, Skv))."""
-    if _elem(mask) != dtype:
+    if dtypes.onnx_type(mask.dtype) != dtype:
         raise _Decline("the mask's dtype is not the scores'")
     r = checks.rank(mask)
     if r is None or r > 4:
@@ -621,7 +610,7 @@ def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
 
 def masks_out(fill: float, dtype: int) -> bool:
     """A mask value that excludes a key: -inf, or at most half the dtype's lowest value."""
-    return fill <= MASKED_FRACTION * float(ml_dtypes.finfo(helper.tensor_dtype_to_np_dtype(dtype)).min)
+    return fill <= MASKED_FRACTION * float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).min)
 
 
 def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
@@ -638,7 +627,7 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
         return (keep if masks_out(fill, dtype) else None), fill, _causal(keep_value, q, k_dims)
     n = producer(mask)
-    if n is None or n.op != "Where" or len(n.inputs) != 3 or _elem(n.inputs[0]) != TensorProto.BOOL:
+    if n is None or n.op != "Where" or len(n.inputs) != 3 or dtypes.onnx_type(n.inputs[0].dtype) != TensorProto.BOOL:
         return None, None, False
     zero, fill = _small_const(n.inputs[1]), _small_const(n.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or zero.ndim > 4 or fill.ndim > 4 \

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from onnx import TensorProto
 
-from ...graph import dtype_to_onnx
+from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, const_value, is_const, producer
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.matcher import is_empty
@@ -162,8 +162,8 @@ def analyze(m: Match, full_width: bool) -> Optional[RotaryMatch]:
     d = checks.last_dim(x)
     if d is None or d < 2 or d % 2:
         return _fail(m, f"the head dim {shape[-1]} is not a static even number")
-    dtype = _onnx_type(x)
-    if dtype not in _FUSABLE_TYPES or any(_onnx_type(m[k]) != dtype for k in ("cos", "sin")):
+    dtype = dtypes.onnx_type(x.dtype)
+    if dtype not in _FUSABLE_TYPES or any(dtypes.onnx_type(m[k].dtype) != dtype for k in ("cos", "sin")):
         return _fail(m, "x, cos and sin are not all float32, float16 or bfloat16 of one type")
     pairs = _halves_kind(m, d)
     if isinstance(pairs, str):
@@ -194,8 +194,6 @@ def analyze(m: Match, full_width: bool) -> Optional[RotaryMatch]:
                        m.node("root"), m)
 
 
-def _onnx_type(t: Tensor) -> Optional[int]:
-    return None if t.dtype is None else int(dtype_to_onnx(t.dtype))
 
 
 def _fail(m: Match, reason: str) -> None:

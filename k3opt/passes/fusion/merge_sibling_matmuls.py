@@ -21,7 +21,8 @@ import numpy as np
 from ... import graph as gs
 
 from ...graph.ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank
-from ...graph.lazy_values import PACKED_TYPES, concat_last_axis, onnx_type
+from ...graph.dtypes import PACKED_BITS, onnx_type
+from ...graph.lazy_values import concat_last_axis
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 
 
@@ -35,7 +36,7 @@ def _projection_weight(node: Node) -> Optional[gs.Constant]:
     weight = const_tensor(w)
     if weight is None or isinstance(x, gs.Constant) or const_tensor(x) is not None:
         return None
-    if len(weight.shape) != 2 or onnx_type(weight.dtype) in PACKED_TYPES:
+    if len(weight.shape) != 2 or onnx_type(weight.dtype) in PACKED_BITS:
         return None
     return weight
 
