@@ -7,7 +7,7 @@ rescan the graph to find uses.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -316,6 +316,37 @@ def _local_names(graph: Graph) -> set[str]:
         last[t.name] = t
     own.update(name for name, t in last.items() if name and isinstance(t, gs.Constant))
     return own
+
+
+def outer_refs(node: Node) -> list[Tensor]:
+    """Non-constant tensors that ``node``'s subgraphs (If/Loop/Scan bodies) read from enclosing scopes.
+
+    What a pass asks (folding, liveness). :func:`_outer_reads` is gs's own list, constants included, in
+    gs's order: the one :func:`toposort` and :func:`cleanup` must follow to match gs.
+    """
+    return _unique(t for attr in node.attrs.values() if isinstance(attr, gs.Graph) for t in _reads_from_outside(attr))
+
+
+def _reads_from_outside(sub: Graph) -> list[Tensor]:
+    """Tensors ``sub`` (nested bodies included) reads but does not define; constants excluded
+    (gs exports those inside the body)."""
+    local = {id(t) for t in sub.inputs}
+    local.update(id(t) for n in sub.nodes for t in n.outputs)
+    reads = [t for n in sub.nodes for t in n.inputs]
+    reads += [t for n in sub.nodes for a in n.attrs.values() if isinstance(a, gs.Graph) for t in _reads_from_outside(a)]
+    reads += list(sub.outputs)
+    return _unique(t for t in reads if t.name and not isinstance(t, gs.Constant) and id(t) not in local)
+
+
+def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """``tensors`` without repeats (by identity), in first-seen order."""
+    seen: set[int] = set()
+    out: list[Tensor] = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
 
 
 def _outer_reads(node: Node) -> list[Tensor]:

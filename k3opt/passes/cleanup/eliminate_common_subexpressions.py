@@ -30,7 +30,7 @@ from ...graph import LazyValues, dtypes
 from ...graph.ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import can_replace, detach_all, remove
-from ..fold.fold_constants import RANDOM_OPS
+from .._shared.op_kinds import RANDOM_OPS
 
 DEFAULT_MAX_CONST_BYTES = 1 << 20
 _DOMAINS = ("", "ai.onnx", "ai.onnx.ml")

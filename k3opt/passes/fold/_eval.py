@@ -24,7 +24,7 @@ from ... import graph as gs
 from onnx import TensorProto, helper, numpy_helper
 from ...graph import OnnxExporter, dtypes
 
-from ...graph.ir import Graph, Node, Tensor, peek, producer
+from ...graph.ir import Graph, Node, Tensor, outer_refs, peek, producer
 from ..fold._numpy import KERNELS, numpy_values
 
 # ORT type string -> (type to widen to inside the model, ONNX type to narrow back to).
@@ -106,33 +106,6 @@ def _external_inputs(nodes: Iterable[Node]) -> Iterable[Tensor]:
     for n in nodes:
         yield from n.inputs
         yield from outer_refs(n)
-
-
-def outer_refs(node: Node) -> list[Tensor]:
-    """Non-constant tensors that ``node``'s subgraphs (If/Loop/Scan bodies) read from enclosing scopes."""
-    return _unique(t for attr in node.attrs.values() if isinstance(attr, gs.Graph) for t in _reads_from_outside(attr))
-
-
-def _reads_from_outside(sub: Graph) -> list[Tensor]:
-    """Tensors ``sub`` (nested bodies included) reads but does not define; constants excluded
-    (gs exports those inside the body)."""
-    local = {id(t) for t in sub.inputs}
-    local.update(id(t) for n in sub.nodes for t in n.outputs)
-    reads = [t for n in sub.nodes for t in n.inputs]
-    reads += [t for n in sub.nodes for a in n.attrs.values() if isinstance(a, gs.Graph) for t in _reads_from_outside(a)]
-    reads += list(sub.outputs)
-    return _unique(t for t in reads if t.name and not isinstance(t, gs.Constant) and id(t) not in local)
-
-
-def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
-    """``tensors`` without repeats (by identity), in first-seen order."""
-    seen: set[int] = set()
-    out: list[Tensor] = []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
 
 
 def _session(data: bytes) -> "onnxruntime.InferenceSession":

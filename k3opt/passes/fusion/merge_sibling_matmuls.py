@@ -11,7 +11,7 @@ the siblings' own output tensors, so names and graph outputs are unchanged.
 
 Not a single-rooted pattern (a group is found from the shared input), so
 the pass works on gs directly. Merged weights of external-data models are
-lazy: nothing is read or copied until the model is saved (k3opt/lazy_values.py).
+lazy: nothing is read or copied until the model is saved (k3opt/modelio/concat_values.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ... import graph as gs
 
 from ...graph.ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank
 from ...graph.dtypes import PACKED_BITS, onnx_type
-from ...graph.lazy_values import concat_last_axis
+from ...modelio.concat_values import concat_last_axis
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 
 

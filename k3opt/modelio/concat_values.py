@@ -23,11 +23,10 @@ from typing import BinaryIO, Optional, Sequence, Union
 
 import numpy as np
 import onnx
-from onnx_graphsurgeon.ir.tensor import LazyValues
-
-from .. import modelio
-from . import dtypes
-from ..modelio import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
+from ..graph import LazyValues, dtypes
+from .external import external_tensor, read_external_bytes
+from .spill import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
+from .spill_regions import defer_spill
 
 Source = Union[np.ndarray, LazyValues]
 
@@ -126,8 +125,8 @@ class ConcatValues(LazyValues):
         """
         spill = SpillFile.get()
         offset = spill.allocate(self.nbytes)
-        modelio.defer_spill(spill.path, offset, self.write_to)
-        return modelio.external_tensor("", dtypes.onnx_type(self.dtype), self.shape, spill.path, offset, self.nbytes)
+        defer_spill(spill.path, offset, self.write_to)
+        return external_tensor("", dtypes.onnx_type(self.dtype), self.shape, spill.path, offset, self.nbytes)
 
     def write_to(self, f: BinaryIO) -> None:
         """Write the concatenation's bytes at ``f``'s position, a block of rows at a time (flat memory)."""
@@ -146,7 +145,7 @@ class ConcatValues(LazyValues):
                 if i in in_memory:
                     block[:, col : col + width] = in_memory[i][r0:r1]
                 else:
-                    data = modelio.read_external_bytes(source.tensor, r0 * width * itemsize, (r1 - r0) * width * itemsize)
+                    data = read_external_bytes(source.tensor, r0 * width * itemsize, (r1 - r0) * width * itemsize)
                     block[:, col : col + width] = np.frombuffer(data, dtype=raw).reshape(r1 - r0, width)
                     del data
                 col += width
