@@ -1,5 +1,10 @@
 """Small helpers over onnx-graphsurgeon's graph, shared by every pass.
 
+Reading a constant goes through one set of functions here: :func:`const_tensor` (the constant behind a
+tensor: its ``shape`` and ``dtype`` without loading any data), :func:`is_const`, :func:`const_shape`,
+:func:`const_value` / :func:`peek` (the value, never cached), :func:`const_scalar` and :func:`int_list`;
+an element type is ``k3opt.graph.dtypes.onnx_type(t.dtype)``.
+
 onnx-graphsurgeon (``gs``) is k3opt's in-memory graph (see docs/design.md).
 It keeps producer/consumer links on every tensor (``tensor.inputs`` are the
 producing nodes, ``tensor.outputs`` the consuming ones), so passes never
@@ -159,6 +164,18 @@ def const_value(t: Optional[Tensor]) -> Optional[np.ndarray]:
     """
     c = const_tensor(t)
     return None if c is None else peek(c)
+
+
+def const_scalar(t: Optional[Tensor]) -> Optional[float]:
+    """The single value of a size-1 constant as a float, else None."""
+    v = const_value(t)
+    return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
+
+
+def int_list(t: Optional[Tensor]) -> Optional[list[int]]:
+    """A constant's value as a flat list of ints (axes, pads, a shape target...), else None."""
+    v = const_value(t)
+    return None if v is None else [int(x) for x in np.asarray(v).ravel()]
 
 
 def is_const(t: Optional[Tensor]) -> bool:

@@ -12,7 +12,7 @@ from typing import ClassVar, Optional, Sequence
 
 import numpy as np
 
-from ..graph.ir import Graph, Node, Tensor, all_graphs, const_value, disconnect, is_graph_output, node_subgraphs, producer, replace_uses
+from ..graph.ir import Graph, Node, Tensor, all_graphs, disconnect, int_list, is_graph_output, node_subgraphs, producer, replace_uses
 from ..pipeline.pass_base import Pass, PassContext
 
 
@@ -115,12 +115,6 @@ def chain_producer(graph: Graph, node: Node, op: str) -> Optional[Node]:
     if first is None or first.op != op or (first.domain or "") not in ("", "ai.onnx"):
         return None
     return first if single_use(graph, node.inputs[0]) and holds(graph, first) else None
-
-
-def int_list(t: Tensor) -> Optional[list[int]]:
-    """A constant int tensor as a list, else None."""
-    v = const_value(t)
-    return None if v is None else [int(x) for x in np.asarray(v).ravel()]
 
 
 def unsqueeze_axes(node: Node) -> Optional[list[int]]:

@@ -11,32 +11,15 @@ from typing import Optional, Sequence, Union
 import numpy as np
 from onnx import TensorProto
 
-from ..graph import dtypes, ir
+from ..graph import dtypes
 from ..graph.ir import Node, Tensor
+# The graph's constant readers, under the names rules use (docs/writing-rules.md): the same functions.
+from ..graph.ir import const_scalar, const_value, rank
+from ..graph.ir import const_shape as static_shape
 from .matcher import is_empty
 
 #: ``reduce_axes`` result for a reduction over every axis (axes omitted, noop_with_empty_axes=0).
 ALL = "all"
-
-
-def const_value(t: Optional[Tensor]) -> Optional[np.ndarray]:
-    """Value of ``t`` if it is a constant (initializer or Constant node), else None."""
-    return ir.const_value(t) if ir.is_const(t) else None
-
-
-def const_scalar(t: Optional[Tensor]) -> Optional[float]:
-    """The single value of a size-1 constant, else None."""
-    v = const_value(t)
-    return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
-
-
-def static_shape(t: Tensor) -> Optional[tuple[int, ...]]:
-    """Shape when every dim is a known int, else None."""
-    return ir.const_shape(t)
-
-
-def rank(t: Tensor) -> Optional[int]:
-    return ir.rank(t)
 
 
 def last_dim(t: Tensor) -> Optional[int]:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from onnx import TensorProto
 
-from ...graph import dtypes
+from ...graph import dtypes, ir
 from ...graph.ir import Graph, Node, Tensor
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, RuleSetPass, checks
 from ...patterns.rule_pass import sweep
@@ -196,10 +196,11 @@ def fits(shape: tuple[int, ...], normalized_shape: tuple[int, ...], rank: int) -
 
 
 def _const_shape(t: Tensor) -> Optional[tuple[int, ...]]:
+    """``t``'s static shape, or its constant's (read from the proto: a weight is never loaded for it)."""
     shape = checks.static_shape(t)
     if shape is None:
-        value = checks.const_value(t)
-        shape = None if value is None else tuple(value.shape)
+        c = ir.const_tensor(t)
+        shape = None if c is None else tuple(int(d) for d in c.shape)
     return shape
 
 

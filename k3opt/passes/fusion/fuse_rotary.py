@@ -327,8 +327,8 @@ def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
         if axis < g + k:
             return inputs[1], axis - g
         return inputs[0], axis - k + 1
-    if op == "Range" and axis == 0 and _scalar(inputs[2]) == 1:
-        if _scalar(inputs[0]) == 0:
+    if op == "Range" and axis == 0 and checks.const_scalar(inputs[2]) == 1:
+        if checks.const_scalar(inputs[0]) == 0:
             return None, _scalar_dim(inputs[1])
         limit = producer(inputs[1])
         if limit is not None and limit.op == "Add" and len(limit.inputs) == 2 \
@@ -349,10 +349,6 @@ def _raw_axes(node: Node) -> Optional[list[int]]:
 def _unsqueeze_axes(node: Node, out_rank: int) -> Optional[list[int]]:
     axes = _raw_axes(node)
     return None if axes is None else sorted(a + out_rank if a < 0 else a for a in axes)
-
-
-def _scalar(t: Tensor) -> Optional[float]:
-    return checks.const_scalar(t) if is_const(t) else None
 
 
 def _scalar_dim(t: Tensor) -> Dim:
@@ -381,9 +377,9 @@ def _chain(t: Tensor) -> tuple[list[tuple[Node, int]], Tensor]:
             break
         if node.op in _ANGLE_UNARY:
             i = 0
-        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and _scalar(node.inputs[1]) is not None:
+        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and checks.const_scalar(node.inputs[1]) is not None:
             i = 0
-        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and _scalar(node.inputs[0]) is not None:
+        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and checks.const_scalar(node.inputs[0]) is not None:
             i = 1
         else:
             break
