@@ -16,21 +16,17 @@ folder). Weights already in memory are simply concatenated.
 """
 from __future__ import annotations
 
-import atexit
-import os
-import tempfile
 from typing import BinaryIO, Optional, Sequence, Union
 
 import numpy as np
 import onnx
 from ..graph import LazyValues, dtypes
 from .external import external_tensor, read_external_bytes
-from .spill import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
+from .spill import SpillFile
 from .spill_regions import defer_spill
 
 Source = Union[np.ndarray, LazyValues]
 
-_ALIGN = 4096
 #: Bytes of merged rows written at a time.
 _BLOCK = 16 * 2**20
 
@@ -43,40 +39,6 @@ def is_external(source: Source) -> bool:
 def read(source: Source) -> np.ndarray:
     """The array of ``source`` without caching it anywhere (the caller drops it when done)."""
     return source.load() if isinstance(source, LazyValues) else np.asarray(source)
-
-
-class SpillFile:
-    """This process's append-only scratch file for materialised weights, removed at exit.
-
-    Regions are page-aligned so readers can memory-map them.
-    """
-
-    _current: Optional["SpillFile"] = None
-
-    def __init__(self) -> None:
-        fd, self.path = tempfile.mkstemp(prefix=SPILL_PREFIX, suffix=".data")
-        os.close(fd)
-        self.size = 0
-        atexit.register(self.remove)
-
-    @classmethod
-    def get(cls) -> "SpillFile":
-        """The process's spill file, created on first use."""
-        if cls._current is None or not os.path.exists(cls._current.path):
-            cls._current = cls()
-        return cls._current
-
-    def allocate(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` at the end of the file; returns the region's offset."""
-        offset = -(-self.size // _ALIGN) * _ALIGN
-        self.size = offset + nbytes
-        with open(self.path, "r+b") as f:
-            f.truncate(self.size)
-        return offset
-
-    def remove(self) -> None:
-        if os.path.exists(self.path):
-            os.remove(self.path)
 
 
 def concat_last_axis(sources: Sequence[Source]) -> Union[np.ndarray, "ConcatValues"]:

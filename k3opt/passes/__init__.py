@@ -13,6 +13,8 @@ from ..pipeline.pass_base import Pass, PassContext, build_pipeline, get_pass, re
 
 __all__ = ["Pass", "PassContext", "build_pipeline", "get_pass", "register_pass", "registered_passes"]
 
+# Process-wide, not run state: the built-in modules are imported once, and every run starts from the registry
+# they fill (a run's plugins are added and removed around it, k3opt.plugins.run_plugins).
 _LOADED = False
 
 

@@ -149,6 +149,8 @@ class Pass:
         the graph. Default: nothing."""
 
 
+#: The registry every run starts from: built-ins, installed plugins, passes registered in code. A run's own
+#: plugins are registered for that run only (k3opt.plugins.run_plugins puts the entries back after it).
 _REGISTRY: dict[str, Type[Pass]] = {}
 
 
@@ -186,6 +188,21 @@ def register_pass(
         cls.plugin = plugin
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def registry_snapshot() -> dict[str, Type[Pass]]:
+    """The registry as it is now, for :func:`restore_registry`.
+
+    Registering only ever changes the registry's entries (a class is complete when registered; rules added to
+    a rule set make a new class), so the entries are the whole state.
+    """
+    return dict(_REGISTRY)
+
+
+def restore_registry(snapshot: dict[str, Type[Pass]]) -> None:
+    """Put the registry back as :func:`registry_snapshot` saw it (a failed plugin's half, a run's plugins)."""
+    _REGISTRY.clear()
+    _REGISTRY.update(snapshot)
 
 
 def unregister_pass(name: str) -> None:
