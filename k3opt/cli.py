@@ -132,12 +132,11 @@ def _output_of(model: str, positional: Optional[str], option: Optional[str]) -> 
 def passes_cmd(plugins: tuple[str, ...], quiet: bool, debug: bool) -> None:
     """List every pass (built-in and plugin) in pipeline order with its description."""
     from .pipeline.pass_base import registered_passes
+    from .plugins import run_plugins
 
-    if plugins:
-        from .plugins import load_plugins
-
-        load_plugins(list(plugins))
-    for name, cls in registered_passes().items():
+    with run_plugins(list(plugins)):  # this command's plugins only
+        passes = registered_passes()
+    for name, cls in passes.items():
         tags = [t for t in ("" if cls.default else "not default", f"plugin {cls.plugin}" if cls.plugin else "") if t]
         suffix = f" [{', '.join(tags)}]" if tags else ""
         click.echo(f"{name:34} {cls.description}{suffix}")

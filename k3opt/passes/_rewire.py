@@ -12,7 +12,8 @@ from typing import ClassVar, Optional, Sequence
 
 import numpy as np
 
-from ..graph.ir import Graph, Node, Tensor, all_graphs, disconnect, int_list, is_graph_output, node_subgraphs, producer, replace_uses
+from ..graph.ir import (Graph, Node, Tensor, all_graphs, disconnect, int_list, is_graph_output, node_subgraphs, producer,
+                        replace_uses)
 from ..pipeline.pass_base import Pass, PassContext
 
 
