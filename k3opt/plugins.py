@@ -42,6 +42,7 @@ ENTRY_POINT_GROUP = "k3opt.plugins"
 #: Set to 1 to skip entry-point discovery (a broken installed plugin must not lock users out).
 DISABLE_ENV = "K3OPT_NO_ENTRY_POINTS"
 
+
 @dataclasses.dataclass(frozen=True)
 class _Record:
     """What loading one plugin registered: registered again, not loaded again, when a later run asks for it."""
@@ -53,7 +54,7 @@ class _Record:
 # Module-level, and written once per plugin: what loading a plugin registers is a fact about the plugin (a
 # module that registers at import cannot be imported twice). Which plugins a run uses is kept by the run.
 _records: dict[str, _Record] = {}  # spec key -> what it registered
-_objects: list[tuple[object, str]] = []  # what each plugin provided, and the key that registered it
+_objects: list[tuple[object, str]] = []  # what each plugin provided (kept alive: obj: keys are ids), its key
 # Installed entry points are loaded once per process into the registry every run starts from.
 _entry_point_error: Optional[PluginError] = None
 _entry_points_done = False
