@@ -61,3 +61,22 @@ def test_a_cast_to_float8e4m3fnuz_keeps_its_type_through_optimize(src):
     got, want = run_model(out, {"x": x})[0], run_model(model, {"x": x})[0]  # onnxruntime, float8 read back exactly
     assert got.dtype == want.dtype == np.dtype(ml_dtypes.float8_e4m3fnuz)
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_float8e4m3fnuz_keeps_its_type_through_gs_own_export():
+    """A model with a local function is exported by gs itself: its float8e4m3fnuz types are put right too."""
+    twice = helper.make_function("local", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])],
+                                 [helper.make_opsetid("", 19)])
+    graph = helper.make_graph([helper.make_node("Twice", ["x"], ["t"], domain="local"),
+                               helper.make_node("Cast", ["t"], ["c"], to=T.FLOAT8E4M3FNUZ),
+                               helper.make_node("Cast", ["c"], ["y"], to=T.FLOAT)], "g",
+                              [helper.make_tensor_value_info("x", T.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19), helper.make_opsetid("local", 1)],
+                              functions=[twice])
+    model.ir_version = 9
+    out = k3opt.optimize(model, opset=19)
+    assert len(out.functions) == 1
+    assert [vi.type.tensor_type.elem_type for vi in out.graph.value_info if vi.name == "c"] == [T.FLOAT8E4M3FNUZ]
+    x = np.float32([[0.5, -1.25, 3], [100, -0.001, 7]])
+    assert np.array_equal(run_model(out, {"x": x})[0], run_model(model, {"x": x})[0])

@@ -28,9 +28,10 @@ from .wire import field, varint
 
 
 def export_onnx(graph: Graph, tensors: Optional[dict[str, Tensor]] = None) -> onnx.ModelProto:
-    """Exactly ``gs.export_onnx(graph, do_type_check=False)``; ``tensors``: ``tensor_map(graph)`` when known."""
+    """Exactly ``gs.export_onnx(graph, do_type_check=False)``, element types from :mod:`.dtypes`; ``tensors``:
+    ``tensor_map(graph)`` when known."""
     if graph.functions or not gs_fast_paths():
-        return gs.export_onnx(graph, do_type_check=False)
+        return _retyped(gs.export_onnx(graph, do_type_check=False), graph)
     model = onnx.ModelProto()
     model.ir_version = onnx.IR_VERSION  # as onnx.helper.make_model
     used = _write_graph(graph, model.graph, tensor_map(graph) if tensors is None else dict(tensors))
@@ -115,6 +116,24 @@ def _write_graph(graph: Graph, out: onnx.GraphProto, tensors: dict[str, Tensor])
     if graph.doc_string:
         out.doc_string = graph.doc_string
     return used
+
+
+def _retyped(model: onnx.ModelProto, graph: Graph) -> onnx.ModelProto:
+    """``model`` as gs exported ``graph``, with the value types gs's ``dtype_to_onnx`` got wrong (float8e4m3fnuz
+    typed as float8e4m3fn) set from :mod:`.dtypes`."""
+    fnuz = onnx.TensorProto.FLOAT8E4M3FNUZ
+    graphs = [*all_graphs(graph), *(f for fn in graph.functions for f in all_graphs(fn))]
+    wrong = {t.name for g in graphs for t in g.tensors().values()
+             if not isinstance(t.dtype, int) and dtypes.onnx_type(t.dtype) == fnuz}  # an enum is exported as it is
+    if wrong:
+        protos = [model.graph, *model.functions]
+        while protos:
+            p = protos.pop()
+            for vi in [*p.input, *p.output, *p.value_info] if isinstance(p, onnx.GraphProto) else p.value_info:
+                if vi.name in wrong and vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT8E4M3FN:
+                    vi.type.tensor_type.elem_type = fnuz
+            protos += [sub for n in p.node for a in n.attribute for sub in ([a.g] if a.HasField("g") else list(a.graphs))]
+    return model
 
 
 #: ONNX types whose numpy arrays gs writes as ``tobytes()`` into ``raw_data`` (no packing, no conversion).
