@@ -166,15 +166,14 @@ class _Run:
         if target not in TARGETS:
             raise UsageError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
         report.target = target
-        if plugins:
-            from .plugins import load_plugins
+        from .plugins import run_plugins
 
-            load_plugins(list(plugins))
-        pipeline = build_pipeline(list(passes) if passes is not None else None, tuple(skip), target)
+        with run_plugins(list(plugins)):  # this run's plugins only: the registry is as it was afterwards
+            pipeline = build_pipeline(list(passes) if passes is not None else None, tuple(skip), target)
+            check_pass_options(self.pass_options)
         # Target lowerings run after the verified passes; one for another target stays, to be skipped with a note.
         lowering = [p for p in pipeline if p.lowering and (p.targets is None or target in p.targets)]
         pipeline = [p for p in pipeline if p not in lowering]
-        check_pass_options(self.pass_options)
         with self.step("loading", "load"):
             on_disk = None if isinstance(model, onnx.ModelProto) else model
             model, external = _load(model, report)

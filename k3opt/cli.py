@@ -16,7 +16,7 @@ import click
 from . import __version__
 from .api import default_output, optimize_file
 from .cli_options import (
-    STATE,
+    RunState,
     optimize_kwargs,
     output_options,
     pipeline_options,
@@ -37,37 +37,39 @@ class _Group(click.Group):
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, **extra: Any) -> Any:
         extra.pop("standalone_mode", None)
-        STATE.debug, STATE.quiet, STATE.progress = False, False, None
+        extra.pop("obj", None)
+        state = RunState()  # this run's: handed to click as the context object, read back here on failure
         try:
-            code = super().main(args, prog_name, standalone_mode=False, **extra)
+            code = super().main(args, prog_name, standalone_mode=False, obj=state, **extra)
         except click.exceptions.Exit as exc:
             code = exc.exit_code
         except _NO_ARGS_IS_HELP as exc:  # bare ``k3opt``: the help, not an error line
             click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
             code = 0
         except click.ClickException as exc:
-            _fail(exc.format_message(), EXIT_USAGE)
+            _fail(state, exc.format_message(), EXIT_USAGE)
         except K3optError as exc:
-            _fail(str(exc), exc.exit_code)
+            _fail(state, str(exc), exc.exit_code)
         except (KeyboardInterrupt, click.exceptions.Abort):
-            _fail("interrupted; nothing was written", EXIT_USAGE)
+            _fail(state, "interrupted; nothing was written", EXIT_USAGE)
         except MemoryError:
-            _fail(f"out of memory{_during()}", EXIT_USAGE)
+            _fail(state, f"out of memory{_during(state)}", EXIT_USAGE)
         except Exception as exc:  # a bug: say where, keep the traceback for --debug
-            _fail(f"internal error{_during()} ({type(exc).__name__}: {exc}); rerun with --debug", EXIT_USAGE)
+            _fail(state, f"internal error{_during(state)} ({type(exc).__name__}: {exc}); rerun with --debug",
+                  EXIT_USAGE)
         finally:
-            if STATE.progress is not None:
-                STATE.progress.close()
+            if state.progress is not None:
+                state.progress.close()
         sys.exit(code if isinstance(code, int) else 0)
 
 
-def _during() -> str:
-    step = STATE.progress.current if STATE.progress is not None else None
+def _during(state: RunState) -> str:
+    step = state.progress.current if state.progress is not None else None
     return f" while {step}" if step else ""
 
 
-def _fail(message: str, code: int) -> None:
-    if STATE.debug:
+def _fail(state: RunState, message: str, code: int) -> None:
+    if state.debug:
         traceback.print_exc()
     click.echo(f"k3opt: error: {message}", err=True)
     sys.exit(code)
@@ -130,12 +132,11 @@ def _output_of(model: str, positional: Optional[str], option: Optional[str]) -> 
 def passes_cmd(plugins: tuple[str, ...], quiet: bool, debug: bool) -> None:
     """List every pass (built-in and plugin) in pipeline order with its description."""
     from .pipeline.pass_base import registered_passes
+    from .plugins import run_plugins
 
-    if plugins:
-        from .plugins import load_plugins
-
-        load_plugins(list(plugins))
-    for name, cls in registered_passes().items():
+    with run_plugins(list(plugins)):  # this command's plugins only
+        passes = registered_passes()
+    for name, cls in passes.items():
         tags = [t for t in ("" if cls.default else "not default", f"plugin {cls.plugin}" if cls.plugin else "") if t]
         suffix = f" [{', '.join(tags)}]" if tags else ""
         click.echo(f"{name:34} {cls.description}{suffix}")

@@ -29,14 +29,21 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @dataclasses.dataclass
 class RunState:
-    """Flags the top-level error handler needs (set while the options are parsed)."""
+    """Flags the top-level error handler needs, for one command run (set while the options are parsed).
+
+    ``k3opt``'s group hands a fresh one to click as the run's context object (:func:`run_state`): nothing of
+    one command run reaches the next in the same process.
+    """
 
     debug: bool = False
     quiet: bool = False
     progress: Optional[Progress] = None
 
 
-STATE = RunState()
+def run_state() -> Optional[RunState]:
+    """The current command run's state (None outside a click command)."""
+    ctx = click.get_current_context(silent=True)
+    return None if ctx is None else ctx.ensure_object(RunState)
 
 
 def _comma_list(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[list[str]]:
@@ -66,7 +73,7 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
 def _set_flag(name: str) -> Callable[[click.Context, click.Parameter, bool], bool]:
     def callback(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
         if value:
-            setattr(STATE, name, True)
+            setattr(ctx.ensure_object(RunState), name, True)
         return value
 
     return callback
@@ -144,6 +151,9 @@ def optimize_kwargs(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def progress_for(params: dict[str, Any]) -> Progress:
-    """The progress sink for a command run (silent with -q); also kept for error messages."""
-    STATE.progress = Progress(enabled=not params.get("quiet"))
-    return STATE.progress
+    """The progress sink for a command run (silent with -q); also kept in its :class:`RunState` for error messages."""
+    progress = Progress(enabled=not params.get("quiet"))
+    state = run_state()
+    if state is not None:
+        state.progress = progress
+    return progress

@@ -16,9 +16,15 @@ pass it registers is marked with the plugin's name (``k3opt passes`` shows
 it) and can be skipped by name. Anything that goes wrong while loading is a
 :class:`~k3opt.errors.PluginError` naming the plugin, and leaves no pass of
 it half-registered.
+
+Which plugins are active is a run's own business: ``optimize(plugins=...)`` and ``--plugin`` use them for that
+run only (:func:`run_plugins`; the next run has them only if it asks again). Installed entry points and
+:func:`load_plugins` called directly are for the whole process, like direct registration.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
@@ -27,7 +33,7 @@ import os
 import sys
 import types
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from .errors import K3optError, PluginError
 from .pipeline import pass_base as base
@@ -36,14 +42,41 @@ ENTRY_POINT_GROUP = "k3opt.plugins"
 #: Set to 1 to skip entry-point discovery (a broken installed plugin must not lock users out).
 DISABLE_ENV = "K3OPT_NO_ENTRY_POINTS"
 
-_loaded: dict[str, str] = {}  # spec key -> plugin name
-_loaded_objects: list = []  # what each plugin provided: one object reached by two routes loads once
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    """What loading one plugin registered: registered again, not loaded again, when a later run asks for it."""
+
+    passes: tuple[tuple[str, type], ...]  # (pass name, class), new or grown by the plugin
+    includes: tuple[str, ...]  # keys of plugins that registered an object this one reached again
+
+
+# Module-level, and written once per plugin: what loading a plugin registers is a fact about the plugin (a
+# module that registers at import cannot be imported twice). Which plugins a run uses is kept by the run.
+_records: dict[str, _Record] = {}  # spec key -> what it registered
+_objects: list[tuple[object, str]] = []  # what each plugin provided (kept alive: obj: keys are ids), its key
+# Installed entry points are loaded once per process into the registry every run starts from.
 _entry_point_error: Optional[PluginError] = None
 _entry_points_done = False
 
 
+@contextlib.contextmanager
+def run_plugins(specs: Sequence[Union[str, object]] = ()) -> Iterator[None]:
+    """The pass registry with ``specs``' plugins for one run; on exit the registry is as it was before."""
+    from .passes import load_builtin_passes
+
+    load_builtin_passes()  # built-ins and installed plugins belong to every run: before the snapshot
+    before = base.registry_snapshot()
+    try:
+        load_plugins(specs)
+        yield
+    finally:
+        base.restore_registry(before)
+
+
 def load_plugins(specs: Sequence[Union[str, object]]) -> None:
-    """Load each plugin once (paths, module names, ``module:attr`` or objects); raise PluginError on failure."""
+    """Register each plugin (paths, module names, ``module:attr`` or objects), loading it the first time;
+    raise PluginError on failure."""
     from .passes import load_builtin_passes
 
     load_builtin_passes()  # plugins anchor their passes before/after built-ins
@@ -53,7 +86,29 @@ def load_plugins(specs: Sequence[Union[str, object]]) -> None:
         else:
             name = getattr(spec, "__name__", None) or _str_attr(spec, "name") or type(spec).__name__
             key, loader = f"obj:{id(spec)}", (lambda obj=spec: obj)
+        _use(name, key, loader)
+
+
+def _use(name: str, key: str, loader: Callable[[], Any]) -> None:
+    """Register the plugin ``key``: load it the first time, replay its record afterwards."""
+    if key in _records:
+        _replay(key, name)
+    else:
         _activate(name, key, loader)
+
+
+def _replay(key: str, name: str) -> None:
+    """Register again what loading the plugin ``key`` registered (into a registry a run restored since)."""
+    record = _records[key]
+    for other in record.includes:
+        _replay(other, name)
+    for pass_name, cls in record.passes:
+        current = base.registry_snapshot().get(pass_name)
+        if current is cls:
+            continue
+        if current is not None and not issubclass(cls, current):  # it only ever replaces a set it grew
+            raise PluginError(f"plugin '{name}': a pass named '{pass_name}' is already registered")
+        base.register_pass(cls, replace=current is not None)
 
 
 def _str_attr(obj: object, attr: str) -> Optional[str]:
@@ -73,7 +128,7 @@ def load_entry_point_plugins() -> None:
         return
     for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         try:
-            _activate(ep.name, f"ep:{ep.value}", ep.load)
+            _use(ep.name, f"ep:{ep.value}", ep.load)
         except PluginError as exc:
             _entry_point_error = PluginError(f"{exc} (installed entry point '{ep.value}'; set {DISABLE_ENV}=1 "
                                              "to run without installed plugins)")
@@ -113,42 +168,39 @@ def _import_file(path: Path) -> types.ModuleType:
 
 
 def _activate(name: str, key: str, loader: Callable[[], Any]) -> None:
-    """Load one plugin, register what it provides, mark its passes; all or nothing."""
-    if key in _loaded:
-        return
-    before, n_objects = dict(base._REGISTRY), len(_loaded_objects)
+    """Load one plugin, register what it provides, mark its passes, record it; all or nothing."""
+    before, n_objects = base.registry_snapshot(), len(_objects)
+    includes: list[str] = []
     try:
-        _register(loader(), name)
+        _register(loader(), name, key, includes)
     except Exception as exc:
-        _rollback(before)
-        del _loaded_objects[n_objects:]
+        base.restore_registry(before)
+        del _objects[n_objects:]
         if isinstance(exc, PluginError) and f"plugin '{name}'" in str(exc):
             raise
         detail = str(exc) if isinstance(exc, K3optError) else f"{type(exc).__name__}: {exc}"
         raise PluginError(f"plugin '{name}' failed to load: {detail}") from exc
-    for pass_name, cls in base._REGISTRY.items():
-        if before.get(pass_name) is not cls and cls.plugin is None:
+    added = tuple((n, cls) for n, cls in base.registry_snapshot().items() if before.get(n) is not cls)
+    for _, cls in added:
+        if cls.plugin is None:
             cls.plugin = name
-    _loaded[key] = name
+    _records[key] = _Record(added, tuple(dict.fromkeys(includes)))
 
 
-def _rollback(before: dict) -> None:
-    for pass_name in [n for n in base._REGISTRY if before.get(n) is not base._REGISTRY[n]]:
-        del base._REGISTRY[pass_name]
-    base._REGISTRY.update(before)
-
-
-def _register(obj: Any, name: str) -> None:
+def _register(obj: Any, name: str, key: str, includes: list[str]) -> None:
     """Register whatever form of plugin ``obj`` is (see the module docstring)."""
     from .patterns import Rule, register_rules
 
-    if any(obj is seen for seen in _loaded_objects):
-        return  # the same module/hook reached by a second route (entry point and --plugin)
-    _loaded_objects.append(obj)
+    owner = next((k for seen, k in _objects if seen is obj), None)
+    if owner is not None:  # the same module/hook reached by a second route (entry point and --plugin)
+        if owner != key:
+            includes.append(owner)
+        return
+    _objects.append((obj, key))
     if isinstance(obj, types.ModuleType):
         hook = getattr(obj, "register", None)
         if callable(hook):
-            _register(hook(), name)
+            _register(hook(), name, key, includes)
     elif isinstance(obj, Rule):
         register_rules(obj, plugin=name)
     elif isinstance(obj, (list, tuple)) and obj and all(isinstance(r, Rule) for r in obj):
@@ -156,6 +208,6 @@ def _register(obj: Any, name: str) -> None:
     elif inspect.isclass(obj) and issubclass(obj, base.Pass):
         base.register_pass(obj, plugin=name)
     elif callable(obj):
-        _register(obj(), name)
+        _register(obj(), name, key, includes)
     elif obj is not None:
         raise PluginError(f"plugin '{name}' provides {type(obj).__name__}, not a module, rule(s), pass or register()")

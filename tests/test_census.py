@@ -11,7 +11,8 @@ from onnx import TensorProto as T, helper
 import k3opt
 from k3opt.graph import ir
 from k3opt.pipeline import manager
-from k3opt.pipeline.pass_base import OpCensus, Pass, PassContext
+from k3opt.pipeline.op_census import OpCensus
+from k3opt.pipeline.pass_base import Pass, PassContext
 from k3opt.passes.cleanup.remove_identity import RemoveIdentity
 from k3opt.passes.fusion.fuse_layernorm import RULES as LAYERNORM_RULES
 from k3opt.pipeline.manager import PassManager

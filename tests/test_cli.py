@@ -91,6 +91,17 @@ def test_internal_error_is_one_line_naming_the_step(register, tiny_transformer, 
     assert not (tmp_path / "o.onnx").exists()
 
 
+def test_a_debug_run_does_not_reach_the_next_run(register, tiny_transformer, tmp_path):
+    """--debug and the progress step belong to one command run: the next run in the process starts clean."""
+    register(Crash)
+    code, _, err = invoke(["optimize", tiny_transformer, "-o", tmp_path / "o.onnx", "--passes", "test-crash",
+                           "--debug"])
+    assert code == 2 and "Traceback" in err
+    code, _, err = invoke(["optimize", tiny_transformer, "-o", tmp_path / "o.onnx", "--passes", "nope"])
+    assert code == 2 and err.strip().startswith("k3opt: error: unknown pass 'nope'") and "Traceback" not in err
+    assert "while" not in err  # no step of the run before
+
+
 def test_python_dash_m_and_version(tiny_transformer, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "k3opt", "optimize", tiny_transformer, "-o", tmp_path / "o.onnx"],
                           capture_output=True, text=True)

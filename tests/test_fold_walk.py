@@ -12,11 +12,10 @@ from onnx import TensorProto as T, helper
 
 import k3opt
 from k3opt.report import Report
-from k3opt.graph.ir import Graph, Node, Tensor, const_value, producer
+from k3opt.graph.ir import Graph, Node, Tensor, const_value, outer_refs, producer
 from k3opt.pipeline.pass_base import PassContext
 from k3opt.pipeline.manager import PassManager
 from k3opt.passes.fold.fold_constants import FoldConstants, _holders
-from k3opt.passes.fold._eval import outer_refs
 from k3opt.passes.fold._guard import too_big
 from tests.helpers import make_model
 from tests.zoo import needs_torch, zoo_model

@@ -322,7 +322,7 @@ def test_report_size_before_is_the_file_size(tmp_path):
 
 def _deferred_concat(tmp_path):
     """A ConcatValues over two external weights, exported (its spill region reserved, not written)."""
-    from k3opt.graph.lazy_values import ConcatValues
+    from k3opt.modelio.concat_values import ConcatValues
 
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal((40, 24)).astype(np.float32), rng.standard_normal((40, 8)).astype(np.float32)
@@ -340,9 +340,9 @@ def _deferred_concat(tmp_path):
 
 
 def test_merged_weight_is_written_straight_into_the_output_not_the_spill_file(tmp_path, monkeypatch):
-    import k3opt.graph.lazy_values as lazy_values
+    import k3opt.modelio.concat_values as concat_values
 
-    monkeypatch.setattr(lazy_values, "_BLOCK", 24 * 4 * 7)  # several row blocks, the last one short
+    monkeypatch.setattr(concat_values, "_BLOCK", 24 * 4 * 7)  # several row blocks, the last one short
     proto, expected = _deferred_concat(tmp_path)
     location, offset, _ = modelio.external.external_span(proto)
     assert (location, offset) in modelio.deferred_regions()

@@ -64,3 +64,32 @@ def test_new_variable_is_gs_variable(monkeypatch):
         assert type(made) is gs.Variable and made.__dict__.keys() == ref.__dict__.keys()
         assert [type(made.__dict__[k]) for k in ref.__dict__] == [type(v) for v in ref.__dict__.values()]
         assert (made.name, made.dtype, made.shape, made.type) == ("v", None, None, "tensor_type")
+
+
+def test_size_queries_never_load_a_constant(monkeypatch):
+    """const_tensor / is_const / const_shape answer from the proto: an external weight stays on disk."""
+    model, _ = _int4_model()
+    graph = gs.import_onnx(model)
+    loads = []
+    monkeypatch.setattr(gs.ir.tensor.LazyValues, "load", lambda self: loads.append(self) or None)
+    w, s = graph.tensors()["w"], graph.tensors()["s"]
+    assert ir.is_const(w) and ir.is_const(s) and not ir.is_const(graph.tensors()["x"])
+    assert tuple(ir.const_tensor(w).shape) == (4,) and ir.const_shape(w) == (4,)
+    assert tuple(ir.const_tensor(s).shape) == (2,)
+    assert loads == []
+
+
+def test_scalar_and_int_list_readers():
+    model, _ = _int4_model()
+    graph = gs.import_onnx(model)
+    t = graph.tensors()
+    assert ir.int_list(t["w"]) == [1, -2, 3, -8] and ir.int_list(t["x"]) is None
+    assert ir.const_scalar(t["scale"]) == 0.5 and ir.const_scalar(t["w"]) is None and ir.const_scalar(t["x"]) is None
+
+
+def test_the_pattern_checks_read_constants_with_the_same_functions():
+    """One constant reader: the rule-writing names in k3opt.patterns.checks are the graph's functions."""
+    from k3opt.patterns import checks
+
+    assert checks.const_value is ir.const_value and checks.const_scalar is ir.const_scalar
+    assert checks.static_shape is ir.const_shape and checks.rank is ir.rank

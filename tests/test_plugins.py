@@ -21,10 +21,10 @@ from onnx import helper
 import k3opt
 from k3opt import plugins
 from k3opt.cli import main as cli
-from k3opt.errors import PluginError
+from k3opt.errors import PluginError, UsageError
 from k3opt.passes import load_builtin_passes
 from k3opt.pipeline import pass_base as base
-from k3opt.patterns import Rule, rule
+from k3opt.patterns import Rule, register_rules, rule
 from tests.helpers import assert_equivalent, make_model, op_counts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,8 +49,8 @@ def registry(monkeypatch):
     """Every test starts from the built-in registry and no loaded plugins, and leaves it so."""
     load_builtin_passes()
     saved = dict(base._REGISTRY)
-    monkeypatch.setattr(plugins, "_loaded", {})
-    monkeypatch.setattr(plugins, "_loaded_objects", [])
+    monkeypatch.setattr(plugins, "_records", {})
+    monkeypatch.setattr(plugins, "_objects", [])
     yield
     base._REGISTRY.clear()
     base._REGISTRY.update(saved)
@@ -77,10 +77,12 @@ def assert_fused(out: onnx.ModelProto) -> None:
 def test_file_plugin_through_api_placed_after_named_pass(tmp_path):
     path = write(tmp_path, "negrelu_file", NEG_RELU_PLUGIN.format(name="t-negrelu"))
     assert_fused(k3opt.optimize(model(), plugins=[str(path)]))
-    names = list(base.registered_passes())
-    assert names[names.index("fold-constants") + 1] == "t-negrelu"
-    assert base.registered_passes()["t-negrelu"].plugin == "negrelu_file"
-    assert op_counts(k3opt.optimize(model(), skip=["t-negrelu"])) == {"Neg": 1, "Relu": 1}
+    with plugins.run_plugins([str(path)]):  # the registry a run with the plugin sees
+        names = list(base.registered_passes())
+        assert names[names.index("fold-constants") + 1] == "t-negrelu"
+        assert base.registered_passes()["t-negrelu"].plugin == "negrelu_file"
+    assert "t-negrelu" not in base.registered_passes()
+    assert op_counts(k3opt.optimize(model(), plugins=[str(path)], skip=["t-negrelu"])) == {"Neg": 1, "Relu": 1}
 
 
 def test_module_and_attribute_specs(tmp_path, monkeypatch):
@@ -94,10 +96,11 @@ def test_module_and_attribute_specs(tmp_path, monkeypatch):
                          lambda op, m: op.Neg(op.Min(m["x"], 0.0)))]
         """)
     k3opt.optimize(model(), plugins=["negrelu_mod_a", "negrelu_mod_b:make"], passes=[])
-    passes = base.registered_passes()
-    assert passes["t-mod-a"].plugin == "negrelu_mod_a"
-    assert passes["negrelu_mod_b:make"].plugin == "negrelu_mod_b:make"  # a list of rules: one pass, plugin's name
-    assert_fused(k3opt.optimize(model(), passes=["negrelu_mod_b:make"]))
+    with plugins.run_plugins(["negrelu_mod_a", "negrelu_mod_b:make"]):
+        passes = base.registered_passes()
+        assert passes["t-mod-a"].plugin == "negrelu_mod_a"
+        assert passes["negrelu_mod_b:make"].plugin == "negrelu_mod_b:make"  # a list of rules: one pass, plugin's name
+    assert_fused(k3opt.optimize(model(), plugins=["negrelu_mod_b:make"], passes=["negrelu_mod_b:make"]))
 
 
 class NegReluPass(base.Pass):
@@ -129,6 +132,56 @@ def test_cli_optimize_and_passes_with_plugin(tmp_path):
     res = CliRunner().invoke(cli, ["optimize", str(src), "-o", str(dst), "--plugin", str(path), "--skip", "t-cli",
                                    "--overwrite", "-q"])
     assert res.exit_code == 0 and op_counts(onnx.load(dst)) == {"Neg": 1, "Relu": 1}
+
+
+# --- a run's plugins and options are the run's own ------------------------------------------------------
+
+def test_two_runs_in_one_process_with_different_plugins_are_independent(tmp_path, monkeypatch):
+    """A plugin asked for by run 1 is not in run 2 unless run 2 asks again; asked again, it is there again,
+    also when its module registered at import (loaded once, registered per run)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    imports = tmp_path / "imports.log"
+    write(tmp_path, "negrelu_once", NEG_RELU_PLUGIN.format(name="t-once")
+          + f"\nopen({str(imports)!r}, 'a').write('x')\n")
+    plain = k3opt.optimize(model())
+    assert op_counts(plain) == {"Neg": 1, "Relu": 1}
+    for run in range(2):
+        assert_fused(k3opt.optimize(model(), plugins=["negrelu_once"]))
+        assert k3opt.optimize(model()) == plain, f"run {run}: the plugin of the run before leaked"
+        assert "t-once" not in base.registered_passes()
+    assert imports.read_text() == "x"  # imported once; its registrations replayed for the second run
+
+
+def test_a_failed_run_leaves_no_plugin_behind(tmp_path):
+    path = write(tmp_path, "negrelu_fail", NEG_RELU_PLUGIN.format(name="t-fail-run"))
+    with pytest.raises(UsageError):
+        k3opt.optimize(model(), plugins=[str(path)], passes=["no-such-pass"])
+    assert "t-fail-run" not in base.registered_passes()
+
+
+def test_two_runs_with_different_pass_options_are_independent():
+    """A pass option of run 1 (MatMul+Add to Gemm on rank-3 input) does not reach run 2."""
+    m = make_model([helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["y"])],
+                   [("x", TP.FLOAT, [2, 5, 4])], [("y", TP.FLOAT, [2, 5, 3])],
+                   {"w": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.float32([1, 2, 3])})
+    plain = k3opt.optimize(m)
+    assert "Gemm" not in op_counts(plain)
+    assert "Gemm" in op_counts(k3opt.optimize(m, matmul_add_nd="flatten"))
+    assert k3opt.optimize(m) == plain
+
+
+def test_an_open_rule_set_grown_by_a_run_plugin_shrinks_back(tmp_path):
+    """Rules a run's plugin adds to a rule set registered in code are gone after the run (a new class grew)."""
+    first = register_rules(Rule("t-grow-a", lambda op, x: op.Relu(op.Neg(x)),
+                                                lambda op, m: op.Neg(op.Min(m["x"], 0.0))), name="t-grow")
+    grow = write(tmp_path, "grow", f"""
+        from k3opt.patterns import Rule, register_rules
+        register_rules(Rule("t-grow-b", lambda op, x: op.Neg(op.Neg(x)), lambda op, m: op.Identity(m["x"])),
+                       name="t-grow")
+        """)
+    with plugins.run_plugins([str(grow)]):
+        assert [r.name for r in base.registered_passes()["t-grow"].rules] == ["t-grow-a", "t-grow-b"]
+    assert base.registered_passes()["t-grow"] is first and [r.name for r in first.rules] == ["t-grow-a"]
 
 
 # --- route 3: direct registration ------------------------------------------------------------------

@@ -7,7 +7,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper
 
-from k3opt.graph.lazy_values import ConcatValues
+from k3opt.modelio.concat_values import ConcatValues
 from k3opt.pipeline.pass_base import PassContext
 from k3opt.pipeline.manager import PassManager
 from k3opt.passes.fusion.merge_sibling_matmuls import MergeSiblingMatMuls

@@ -7,7 +7,9 @@ tensor map through ``SynchronizedList.__add__``. :func:`export_onnx` sets the
 same fields in place: the same proto, byte for byte. Node attributes,
 constants, and tensors of other kinds than plain tensors are still
 converted by gs's own ``OnnxExporter`` methods; graphs with local functions
-go to gs entirely.
+go to gs entirely. One deliberate difference: element types come from
+``k3opt.graph.dtypes``, not gs's ``dtype_to_onnx`` (which types a float8e4m3fnuz
+tensor as float8e4m3fn).
 """
 from __future__ import annotations
 
@@ -17,17 +19,19 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx, update_import_domains
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, update_import_domains
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
+from . import dtypes
 from .ir import Graph, Tensor, all_graphs, gs_fast_paths, node_subgraphs
 from .wire import field, varint
 
 
 def export_onnx(graph: Graph, tensors: Optional[dict[str, Tensor]] = None) -> onnx.ModelProto:
-    """Exactly ``gs.export_onnx(graph, do_type_check=False)``; ``tensors``: ``tensor_map(graph)`` when known."""
+    """Exactly ``gs.export_onnx(graph, do_type_check=False)``, element types from :mod:`.dtypes`; ``tensors``:
+    ``tensor_map(graph)`` when known."""
     if graph.functions or not gs_fast_paths():
-        return gs.export_onnx(graph, do_type_check=False)
+        return _retyped(gs.export_onnx(graph, do_type_check=False), graph)
     model = onnx.ModelProto()
     model.ir_version = onnx.IR_VERSION  # as onnx.helper.make_model
     used = _write_graph(graph, model.graph, tensor_map(graph) if tensors is None else dict(tensors))
@@ -114,6 +118,24 @@ def _write_graph(graph: Graph, out: onnx.GraphProto, tensors: dict[str, Tensor])
     return used
 
 
+def _retyped(model: onnx.ModelProto, graph: Graph) -> onnx.ModelProto:
+    """``model`` as gs exported ``graph``, with the value types gs's ``dtype_to_onnx`` got wrong (float8e4m3fnuz
+    typed as float8e4m3fn) set from :mod:`.dtypes`."""
+    fnuz = onnx.TensorProto.FLOAT8E4M3FNUZ
+    graphs = [*all_graphs(graph), *(f for fn in graph.functions for f in all_graphs(fn))]
+    wrong = {t.name for g in graphs for t in g.tensors().values()
+             if not isinstance(t.dtype, int) and dtypes.onnx_type(t.dtype) == fnuz}  # an enum is exported as it is
+    if wrong:
+        protos = [model.graph, *model.functions]
+        while protos:
+            p = protos.pop()
+            for vi in [*p.input, *p.output, *p.value_info] if isinstance(p, onnx.GraphProto) else p.value_info:
+                if vi.name in wrong and vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT8E4M3FN:
+                    vi.type.tensor_type.elem_type = fnuz
+            protos += [sub for n in p.node for a in n.attribute for sub in ([a.g] if a.HasField("g") else list(a.graphs))]
+    return model
+
+
 #: ONNX types whose numpy arrays gs writes as ``tobytes()`` into ``raw_data`` (no packing, no conversion).
 _ARRAY_TYPES = frozenset(getattr(onnx.TensorProto, n) for n in (
     "FLOAT", "DOUBLE", "FLOAT16", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64", "BOOL"))
@@ -158,17 +180,11 @@ def _write_node(node: gs.Node, out: onnx.NodeProto) -> None:
         out.attribute.extend(OnnxExporter.export_attributes(node.attrs))
 
 
-#: dtype -> ONNX element type, as gs's ``dtype_to_onnx`` gives it.
-_ELEM_TYPES: dict = {}
-
-
 def _elem_type(dtype) -> int:
-    """The ONNX element type of a tensor's dtype (an int is one already)."""
-    if isinstance(dtype, int):
-        return dtype
-    elem = _ELEM_TYPES.get(dtype)
+    """The ONNX element type of a tensor's dtype (an int is one already); ValueError when it has none."""
+    elem = dtypes.onnx_type(dtype)
     if elem is None:
-        elem = _ELEM_TYPES[dtype] = dtype_to_onnx(dtype)
+        raise ValueError(f"no ONNX element type for dtype {dtype!r}")
     return elem
 
 

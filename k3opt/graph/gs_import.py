@@ -117,7 +117,8 @@ def _io_tensor(tensors: OrderedDict, vi: onnx.ValueInfoProto) -> Tensor:
     return tensors[vi.name]
 
 
-#: onnx data type -> (numpy dtype, item size), for types gs converts without a warning.
+#: onnx data type -> (numpy dtype, item size), for types gs converts without a warning (gs's own answer, which
+#: this import must reproduce; a cache of fixed facts, so process-wide).
 _DTYPES: dict[int, tuple] = {}
 
 

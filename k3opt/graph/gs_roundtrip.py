@@ -21,7 +21,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from . import gs_export, gs_import
+from . import dtypes, gs_export, gs_import
 from .ir import Graph, Tensor, all_graphs, set_input
 
 #: Tensor kinds gs's exporter can write.
@@ -104,7 +104,7 @@ def restore_default_inputs(model: onnx.ModelProto, graph: Graph) -> None:
 
 def _elem_dtype(vi: onnx.ValueInfoProto):
     elem = vi.type.tensor_type.elem_type
-    return onnx.helper.tensor_dtype_to_np_dtype(elem) if elem else None
+    return dtypes.numpy_dtype(elem) if elem else None
 
 
 def _shape(vi: onnx.ValueInfoProto):

@@ -1,5 +1,10 @@
 """Small helpers over onnx-graphsurgeon's graph, shared by every pass.
 
+Reading a constant goes through one set of functions here: :func:`const_tensor` (the constant behind a
+tensor: its ``shape`` and ``dtype`` without loading any data), :func:`is_const`, :func:`const_shape`,
+:func:`const_value` / :func:`peek` (the value, never cached), :func:`const_scalar` and :func:`int_list`;
+an element type is ``k3opt.graph.dtypes.onnx_type(t.dtype)``.
+
 onnx-graphsurgeon (``gs``) is k3opt's in-memory graph (see docs/design.md).
 It keeps producer/consumer links on every tensor (``tensor.inputs`` are the
 producing nodes, ``tensor.outputs`` the consuming ones), so passes never
@@ -9,7 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -162,6 +167,18 @@ def const_value(t: Optional[Tensor]) -> Optional[np.ndarray]:
     """
     c = const_tensor(t)
     return None if c is None else peek(c)
+
+
+def const_scalar(t: Optional[Tensor]) -> Optional[float]:
+    """The single value of a size-1 constant as a float, else None."""
+    v = const_value(t)
+    return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
+
+
+def int_list(t: Optional[Tensor]) -> Optional[list[int]]:
+    """A constant's value as a flat list of ints (axes, pads, a shape target...), else None."""
+    v = const_value(t)
+    return None if v is None else [int(x) for x in np.asarray(v).ravel()]
 
 
 def is_const(t: Optional[Tensor]) -> bool:
@@ -364,6 +381,37 @@ def _local_names(graph: Graph) -> set[str]:
         last[t.name] = t
     own.update(name for name, t in last.items() if name and isinstance(t, gs.Constant))
     return own
+
+
+def outer_refs(node: Node) -> list[Tensor]:
+    """Non-constant tensors that ``node``'s subgraphs (If/Loop/Scan bodies) read from enclosing scopes.
+
+    What a pass asks (folding, liveness). :func:`_outer_reads` is gs's own list, constants included, in
+    gs's order: the one :func:`toposort` and :func:`cleanup` must follow to match gs.
+    """
+    return _unique(t for attr in node.attrs.values() if isinstance(attr, gs.Graph) for t in _reads_from_outside(attr))
+
+
+def _reads_from_outside(sub: Graph) -> list[Tensor]:
+    """Tensors ``sub`` (nested bodies included) reads but does not define; constants excluded
+    (gs exports those inside the body)."""
+    local = {id(t) for t in sub.inputs}
+    local.update(id(t) for n in sub.nodes for t in n.outputs)
+    reads = [t for n in sub.nodes for t in n.inputs]
+    reads += [t for n in sub.nodes for a in n.attrs.values() if isinstance(a, gs.Graph) for t in _reads_from_outside(a)]
+    reads += list(sub.outputs)
+    return _unique(t for t in reads if t.name and not isinstance(t, gs.Constant) and id(t) not in local)
+
+
+def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """``tensors`` without repeats (by identity), in first-seen order."""
+    seen: set[int] = set()
+    out: list[Tensor] = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
 
 
 def _outer_reads(node: Node) -> list[Tensor]:

@@ -9,8 +9,9 @@ streams it into the output's data file chunk by chunk.
 
 Modules by job: ``loading`` (read and import), ``validation`` (well-formed
 input), ``external`` (external-data tensors), ``spill`` and ``spill_regions``
-(weights created during the run), ``saving`` (atomic save), ``data_location``
-and ``direct_io`` (their file-system helpers).
+(weights created during the run), ``concat_values`` (merged weights, written
+only when saved), ``saving`` (atomic save), ``data_location`` and
+``direct_io`` (their file-system helpers).
 """
 from .external import (EXTERNAL_THRESHOLD, ExternalValues, PathLike, all_tensors, external_info,
                        external_tensor, inline_copy, read_external_bytes, tensor_nbytes, weights_as_inputs)

@@ -21,10 +21,10 @@ import stat
 from pathlib import Path
 from typing import Optional
 
-import onnx
 from onnx import TensorProto
 
 from ..errors import InputError
+from ..graph import dtypes
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
@@ -96,17 +96,9 @@ def _check_span(t: TensorProto, info: dict[str, str], size: int, path: Path, sou
         raise InputError(f"{source}: external-data file {path} is too short for tensor '{t.name}'")
 
 
-#: Types stored packed, several elements a byte: their bits per element.
-PACKED_BITS = {TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.FLOAT4E2M1: 4, TensorProto.INT2: 2,
-               TensorProto.UINT2: 2, TensorProto.FLOAT6E2M3: 6, TensorProto.FLOAT6E3M2: 6}
-
-
 def claimed_bytes(t: TensorProto) -> Optional[int]:
     """The bytes ``t``'s dims and type take in raw form (exact: no int64 overflow); None for a negative dim,
     0 for strings (they have no fixed size)."""
     if any(d < 0 for d in t.dims):
         return None
-    if t.data_type == TensorProto.STRING:
-        return 0
-    bits = PACKED_BITS.get(t.data_type) or 8 * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-    return -(-math.prod(t.dims) * bits // 8)
+    return -(-math.prod(t.dims) * dtypes.bits(t.data_type) // 8)

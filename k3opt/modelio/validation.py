@@ -10,6 +10,7 @@ import onnx
 from onnx import TensorProto
 
 from ..errors import InputError
+from ..graph import dtypes
 from . import data_location
 from .external import MAY_HOLD_TENSORS, PathLike, external_info
 from .spill import is_spill_file
@@ -163,7 +164,7 @@ def _check_attribute_tensor(t: TensorProto, source: str, external: list[TensorPr
         raise InputError(f"{source}: tensor '{t.name}' has a negative dimension {list(t.dims)}")
     if t.HasField("raw_data"):
         held, want = len(t.raw_data), claimed
-    elif t.data_type in data_location.PACKED_BITS:
+    elif t.data_type in dtypes.PACKED_BITS:
         return  # packed into int32_data by rules of their own: decoding checks them
     else:
         per = 2 if t.data_type in (TensorProto.COMPLEX64, TensorProto.COMPLEX128) else 1

@@ -1,7 +1,8 @@
 """Built-in rewrite passes, one folder per capability (``analysis``, ``cleanup``, ``fold``, ``fusion``,
 ``lowering``), one module per pass named after it. Each module registers its passes with
 :func:`k3opt.pipeline.pass_base.register_pass`; every module in these packages whose name does not start
-with ``_`` is imported by :func:`load_builtin_passes`, so adding a pass is adding a module.
+with ``_`` is imported by :func:`load_builtin_passes`, so adding a pass is adding a module. Helpers shared
+across capabilities live in ``_shared`` (never imported as passes); a pass never imports another pass's module.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from ..pipeline.pass_base import Pass, PassContext, build_pipeline, get_pass, re
 
 __all__ = ["Pass", "PassContext", "build_pipeline", "get_pass", "register_pass", "registered_passes"]
 
+# Process-wide, not run state: the built-in modules are imported once, and every run starts from the registry
+# they fill (a run's plugins are added and removed around it, k3opt.plugins.run_plugins).
 _LOADED = False
 
 
@@ -21,7 +24,7 @@ def load_builtin_passes() -> None:
     if not _LOADED:
         _LOADED = True
         for info in sorted(pkgutil.walk_packages(__path__, f"{__name__}."), key=lambda i: i.name):
-            if not info.ispkg and not info.name.rpartition(".")[2].startswith("_"):
+            if not info.ispkg and not any(part.startswith("_") for part in info.name.split(".")[2:]):
                 importlib.import_module(info.name)
     from ..plugins import load_entry_point_plugins
 

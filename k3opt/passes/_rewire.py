@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import ClassVar, Optional, Sequence
 
 import numpy as np
-from onnx import helper
 
 from ..graph.ir import (
-    Graph, Node, Tensor, all_graphs, const_value, disconnect, edited, is_graph_output, node_subgraphs, producer, replace_uses,
+    Graph, Node, Tensor, all_graphs, disconnect, edited, int_list, is_graph_output, node_subgraphs, producer,
+    replace_uses,
 )
 from ..pipeline.pass_base import Pass, PassContext
 
@@ -119,28 +119,6 @@ def chain_producer(graph: Graph, node: Node, op: str) -> Optional[Node]:
     if first is None or first.op != op or (first.domain or "") not in ("", "ai.onnx"):
         return None
     return first if single_use(graph, node.inputs[0]) and holds(graph, first) else None
-
-
-def onnx_type(t: Tensor) -> Optional[int]:
-    """The ONNX element type of ``t``, when known.
-
-    Not gs's ``dtype_to_onnx``: it maps ml_dtypes' float8e4m3fnuz to
-    float8e4m3fn, which would make a real Cast look like a no-op.
-    """
-    if t.dtype is None:
-        return None
-    if isinstance(t.dtype, (int, np.integer)):
-        return int(t.dtype)
-    try:
-        return int(helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)))
-    except (TypeError, ValueError, KeyError):  # odd dtype objects: treat as unknown
-        return None
-
-
-def int_list(t: Tensor) -> Optional[list[int]]:
-    """A constant int tensor as a list, else None."""
-    v = const_value(t)
-    return None if v is None else [int(x) for x in np.asarray(v).ravel()]
 
 
 def unsqueeze_axes(node: Node) -> Optional[list[int]]:

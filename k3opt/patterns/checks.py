@@ -10,34 +10,16 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 from onnx import TensorProto
-from ..graph import dtype_to_onnx
 
-from ..graph import ir
+from ..graph import dtypes
 from ..graph.ir import Node, Tensor
+# The graph's constant readers, under the names rules use (docs/writing-rules.md): the same functions.
+from ..graph.ir import const_scalar, const_value, rank
+from ..graph.ir import const_shape as static_shape
 from .matcher import is_empty
 
 #: ``reduce_axes`` result for a reduction over every axis (axes omitted, noop_with_empty_axes=0).
 ALL = "all"
-
-
-def const_value(t: Optional[Tensor]) -> Optional[np.ndarray]:
-    """Value of ``t`` if it is a constant (initializer or Constant node), else None."""
-    return ir.const_value(t) if ir.is_const(t) else None
-
-
-def const_scalar(t: Optional[Tensor]) -> Optional[float]:
-    """The single value of a size-1 constant, else None."""
-    v = const_value(t)
-    return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
-
-
-def static_shape(t: Tensor) -> Optional[tuple[int, ...]]:
-    """Shape when every dim is a known int, else None."""
-    return ir.const_shape(t)
-
-
-def rank(t: Tensor) -> Optional[int]:
-    return ir.rank(t)
 
 
 def last_dim(t: Tensor) -> Optional[int]:
@@ -51,9 +33,10 @@ def last_dim(t: Tensor) -> Optional[int]:
 def is_float(t: Tensor) -> bool:
     """True when ``t``'s element type is known and floating point (bfloat16 and float8, which gs gives as
     ONNX enums, included)."""
-    if t.dtype is None:
+    elem = dtypes.onnx_type(t.dtype)
+    if elem is None:
         return False
-    name = TensorProto.DataType.Name(dtype_to_onnx(t.dtype))
+    name = TensorProto.DataType.Name(elem)
     return name.startswith("FLOAT") or name in ("DOUBLE", "BFLOAT16")
 
 

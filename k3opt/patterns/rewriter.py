@@ -17,10 +17,9 @@ import dataclasses
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
-import onnx
 from .. import graph as gs
 
-from ..graph import ir
+from ..graph import dtypes, ir
 from ..graph.ir import Graph, Node, Tensor
 from ..pipeline.pass_base import PassContext
 from .schema import validate_node
@@ -103,7 +102,7 @@ def _numpy_dtype(dtype: Any) -> Any:
     try:
         return np.dtype(dtype)
     except TypeError:
-        return onnx.helper.tensor_dtype_to_np_dtype(int(dtype))
+        return dtypes.numpy_dtype(int(dtype))
 
 
 class GraphEditor:

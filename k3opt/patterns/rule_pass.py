@@ -24,6 +24,8 @@ class RuleSetPass(Pass):
     """
 
     rules: ClassVar[Sequence[Rule]] = ()
+    #: Made by :func:`register_rules`: only such a set takes more rules later (never a built-in pass).
+    open_set: ClassVar[bool] = False
 
     def __init__(self, rules: Optional[Sequence[Rule]] = None, name: Optional[str] = None):
         if rules is not None:
@@ -157,16 +159,15 @@ def register_rules(
             raise TypeError("register_rules with several rules needs name=")
         name = rules[0].name
     existing = registered_passes().get(name)
-    if existing is not None and existing in _OPEN_SETS and before is None and after is None:
-        existing.rules = list(existing.rules) + [r for r in rules if r not in existing.rules]
-        return existing
-    cls = rules_pass(name, rules, order=order, description=description, before=before, after=after, plugin=plugin)
-    _OPEN_SETS.add(cls)
-    return cls
-
-
-#: Rule-set passes made by register_rules: only these take more rules later (never a built-in pass).
-_OPEN_SETS: set = set()
+    if existing is not None and getattr(existing, "open_set", False) and before is None and after is None:
+        # A new class, not the registered one changed: the registry's entries stay its whole state (a run's
+        # plugins are undone by putting the entries back).
+        added = [r for r in rules if r not in existing.rules]
+        return register_pass(type(existing.__name__, (existing,), {"rules": list(existing.rules) + added}),
+                             replace=True)
+    cls = rules_pass(name, rules, order=order, description=description, plugin=plugin, register=False)
+    cls.open_set = True
+    return register_pass(cls, before=before, after=after, plugin=plugin)
 
 
 def rule(

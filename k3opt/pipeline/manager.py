@@ -16,7 +16,8 @@ from typing import Callable, Optional
 from ..errors import K3optError, PluginError
 from ..graph.ir import Graph, NameScope, watching_edits
 from .analyses import Shapes
-from .pass_base import OpCensus, Pass, PassContext
+from .op_census import OpCensus
+from .pass_base import Pass, PassContext
 
 
 @dataclasses.dataclass

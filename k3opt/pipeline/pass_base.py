@@ -8,74 +8,12 @@ statistics. Built-in passes and plugins register through the same
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, ClassVar, Collection, Optional, Type
 
 from ..errors import UsageError
 from ..graph.ir import Graph, Node, NameScope, all_graphs
 from .analyses import A, AnalysisManager
-
-
-class OpCensus:
-    """Which nodes of each op type a graph holds, shared by the passes that run at one graph version.
-
-    A pass that finds nothing to do costs what finding its candidates costs: on a large graph that is
-    a scan of every node (cache misses on thousands of objects), repeated by every pass. The census
-    scans once and answers every pass until the graph changes. The pass manager drops it
-    (:meth:`clear`) after every pass that rewrote; answers are also checked against each graph's node
-    list (the same list object, the same length), so a pass that replaced or resized one gets a fresh
-    census even if it wrongly reported no rewrite. What no check sees is an in-place change (an op
-    renamed, a list entry replaced) by a pass that then returns 0: that breaks the pass contract.
-    """
-
-    def __init__(self) -> None:
-        self._graphs: Optional[list[Graph]] = None  # all_graphs order, with the stamps of their node lists
-        self._stamps: list[tuple[list, int]] = []
-        # id(graph) -> (graph, its node list, its length, op type -> positions in the list)
-        self._index: dict[int, tuple[Graph, list[Node], int, dict[str, list[int]]]] = {}
-
-    def clear(self) -> None:
-        """Forget everything: the graph changed."""
-        self._graphs, self._stamps = None, []
-        self._index.clear()
-
-    def graphs(self, graph: Graph) -> list[Graph]:
-        """``list(all_graphs(graph))``: the graph and its bodies, outermost first."""
-        if self._graphs is None or self._graphs[0] is not graph or \
-                any(g.nodes is not nodes or len(nodes) != n for g, (nodes, n) in zip(self._graphs, self._stamps)):
-            self._graphs = []
-            self._walk(graph)
-            self._stamps = [(g.nodes, len(g.nodes)) for g in self._graphs]
-        return list(self._graphs)
-
-    def _walk(self, graph: Graph) -> None:
-        """``all_graphs`` with one comprehension per graph (no call per node) to find the bodies."""
-        assert self._graphs is not None
-        self._graphs.append(graph)
-        for body in [a for n in graph.nodes if n.attrs for a in n.attrs.values() if isinstance(a, Graph)]:
-            self._walk(body)
-
-    def nodes_of(self, graph: Graph, ops: Collection[str]) -> list[Node]:
-        """The nodes of ``graph`` (not of its bodies) whose op type is in ``ops``, in graph order."""
-        nodes, index = self._entry(graph)
-        found = [index[op] for op in set(ops) if op in index]
-        if len(found) == 1:
-            return [nodes[i] for i in found[0]]
-        return [nodes[i] for i in sorted(itertools.chain.from_iterable(found))]
-
-    def ops_in(self, graph: Graph) -> set[str]:
-        """The op types of the nodes of ``graph`` (not of its bodies)."""
-        return set(self._entry(graph)[1])
-
-    def _entry(self, graph: Graph) -> tuple[list[Node], dict[str, list[int]]]:
-        """``graph``'s node list and op type -> positions in it, indexed again if the list is not the one indexed."""
-        entry = self._index.get(id(graph))
-        if entry is None or entry[1] is not graph.nodes or len(entry[1]) != entry[2]:
-            index: dict[str, list[int]] = {}
-            for i, op in enumerate([n.op for n in graph.nodes]):
-                index.setdefault(op, []).append(i)
-            entry = self._index[id(graph)] = (graph, graph.nodes, len(graph.nodes), index)
-        return entry[1], entry[3]
+from .op_census import OpCensus
 
 
 @dataclasses.dataclass
@@ -218,6 +156,8 @@ class Pass:
         the graph. Default: nothing."""
 
 
+#: The registry every run starts from: built-ins, installed plugins, passes registered in code. A run's own
+#: plugins are registered for that run only (k3opt.plugins.run_plugins puts the entries back after it).
 _REGISTRY: dict[str, Type[Pass]] = {}
 
 
@@ -255,6 +195,21 @@ def register_pass(
         cls.plugin = plugin
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def registry_snapshot() -> dict[str, Type[Pass]]:
+    """The registry as it is now, for :func:`restore_registry`.
+
+    Registering only ever changes the registry's entries (a class is complete when registered; rules added to
+    a rule set make a new class), so the entries are the whole state.
+    """
+    return dict(_REGISTRY)
+
+
+def restore_registry(snapshot: dict[str, Type[Pass]]) -> None:
+    """Put the registry back as :func:`registry_snapshot` saw it (a failed plugin's half, a run's plugins)."""
+    _REGISTRY.clear()
+    _REGISTRY.update(snapshot)
 
 
 def unregister_pass(name: str) -> None:

@@ -15,7 +15,7 @@ from .. import graph as gs
 from google.protobuf.message import Message
 from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
-from ..graph import OnnxExporter, dtype_to_onnx
+from ..graph import OnnxExporter, dtypes
 from ..graph import SparseValues
 
 from ..errors import UsageError
@@ -334,7 +334,7 @@ def _initializer_field(t: gs.Constant) -> bytes:
 def _weight_input_field(t: gs.Constant) -> bytes:
     """A big constant as a typed graph input: inference needs only its type."""
     shape = [int(d) for d in t._values.shape]
-    vi = onnx.helper.make_tensor_value_info(t.name, dtype_to_onnx(t._values.dtype), shape)
+    vi = onnx.helper.make_tensor_value_info(t.name, dtypes.onnx_type(t._values.dtype), shape)
     return field(_GRAPH_INPUT, vi.SerializeToString())
 
 
@@ -425,7 +425,7 @@ def _dtype_and_shape(tp: onnx.TypeProto, declared: frozenset[str]) -> Optional[t
     tt = tp.tensor_type
     if not tp.HasField("tensor_type") or tt.elem_type == TensorProto.UNDEFINED:
         return None
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+    dtype = dtypes.numpy_dtype(tt.elem_type)
     if not tt.HasField("shape"):
         return dtype, None
     return dtype, tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param if d.dim_param in declared else None)

@@ -17,6 +17,7 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from ..errors import InputError, UsageError
+from ..graph import dtypes
 from ..modelio import PROTO_LIMIT, all_tensors, inline_copy, proto_size
 from . import verify_dims
 
@@ -99,7 +100,7 @@ def make_feeds(
     user = _load_input_data(input_data)
     inits = {t.name for t in model.graph.initializer}
     limits = _index_limits(model.graph)
-    types = {vi.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
+    types = {vi.name: dtypes.numpy_dtype(vi.type.tensor_type.elem_type)
              for vi in model.graph.input if vi.name not in inits}
     unknown = set(user) - set(types)
     if unknown:

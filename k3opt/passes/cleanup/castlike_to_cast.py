@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from ...graph.ir import Graph, Node
 from ...pipeline.pass_base import PassContext, register_pass
-from .._rewire import NodeRewritePass, onnx_type
+from ...graph.dtypes import onnx_type
+from .._rewire import NodeRewritePass
 
 
 class CastLikeToCast(NodeRewritePass):
@@ -24,7 +25,7 @@ class CastLikeToCast(NodeRewritePass):
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         if len(node.inputs) != 2:
             return False
-        to = onnx_type(node.inputs[1])
+        to = onnx_type(node.inputs[1].dtype)
         if to is None:
             return False
         del node.inputs[1]

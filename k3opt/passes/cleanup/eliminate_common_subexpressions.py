@@ -24,14 +24,14 @@ from typing import Callable, Hashable, Optional
 import numpy as np
 from ... import graph as gs
 from google.protobuf.message import Message
-from onnx import TensorProto, helper
-from ...graph import LazyValues
+from onnx import TensorProto
+from ...graph import LazyValues, dtypes
 
 from ...graph.ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import can_replace, detach_all, remove
-from ..fold.fold_constants import RANDOM_OPS
+from .._shared.op_kinds import RANDOM_OPS
 
 DEFAULT_MAX_CONST_BYTES = 1 << 20
 _DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
@@ -40,7 +40,7 @@ _DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 #: Item size of the types whose ``raw_data`` is exactly the bytes of the array onnx reads from it (not
 #: bit-packed) on a little-endian machine: a constant of these is compared from the proto, without building the array.
 _RAW_AS_ARRAY = {
-    t: helper.tensor_dtype_to_np_dtype(t).itemsize
+    t: dtypes.numpy_dtype(t).itemsize
     for t in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.BOOL,
               TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64,
               TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64)

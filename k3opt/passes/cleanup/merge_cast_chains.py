@@ -12,7 +12,8 @@ from onnx import TensorProto as T
 
 from ...graph.ir import Graph, Node, set_input
 from ...pipeline.pass_base import register_pass
-from .._rewire import ChainPass, cast_target, detach, onnx_type
+from ...graph.dtypes import onnx_type
+from .._rewire import ChainPass, cast_target, detach
 
 _INTS = {T.INT8: (True, 8), T.UINT8: (False, 8), T.INT16: (True, 16), T.UINT16: (False, 16),
          T.INT32: (True, 32), T.UINT32: (False, 32), T.INT64: (True, 64), T.UINT64: (False, 64)}
@@ -46,7 +47,7 @@ class MergeCastChains(ChainPass):
     ops = frozenset({"Cast"})
 
     def merge(self, graph: Graph, first: Node, node: Node, dead: list[Node]) -> bool:
-        src, middle = onnx_type(first.inputs[0]), cast_target(first)
+        src, middle = onnx_type(first.inputs[0].dtype), cast_target(first)
         if src is None or middle is None or not lossless(src, middle):
             return False
         set_input(node, 0, first.inputs[0])

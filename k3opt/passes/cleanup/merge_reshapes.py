@@ -15,9 +15,9 @@ from typing import Optional
 
 import numpy as np
 
-from ...graph.ir import Graph, Node, as_constant, set_input
+from ...graph.ir import Graph, Node, as_constant, int_list, set_input
 from ...pipeline.pass_base import PassContext, register_pass
-from .._rewire import NodeRewritePass, chain_producer, detach, int_list
+from .._rewire import NodeRewritePass, chain_producer, detach
 from ..analysis.fold_shapes import DimAnalysis, dim_at
 
 

@@ -14,10 +14,10 @@ from typing import Optional
 
 import numpy as np
 
-from ...graph.ir import Graph, Node, as_constant, rank, set_input
+from ...graph.ir import Graph, Node, as_constant, int_list, rank, set_input
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
-from .._rewire import NodeRewritePass, chain_producer, detach, int_list
+from .._rewire import NodeRewritePass, chain_producer, detach
 
 INT64_MAX = np.iinfo(np.int64).max
 

@@ -6,20 +6,10 @@ middle tensor has another reader or is a graph output.
 """
 from __future__ import annotations
 
-from typing import Optional
-
-from ...graph.ir import Graph, Node, rank, set_input
+from ...graph.ir import Graph, Node, set_input
 from ...pipeline.pass_base import register_pass
 from .._rewire import ChainPass, bypass, detach
-
-
-def perm_of(node: Node) -> Optional[list[int]]:
-    """The permutation of a Transpose (its default reverses the axes)."""
-    perm = node.attrs.get("perm")
-    if perm is not None:
-        return [int(p) for p in perm]
-    r = rank(node.inputs[0])
-    return None if r is None else list(reversed(range(r)))
+from .._shared.op_kinds import perm_of
 
 
 class MergeTransposes(ChainPass):

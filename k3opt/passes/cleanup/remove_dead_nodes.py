@@ -9,11 +9,10 @@ read. Graph inputs are never removed (they are the model's interface).
 """
 from __future__ import annotations
 
-from ...graph.ir import Graph, Node, producer
+from ...graph.ir import Graph, Node, outer_refs, producer
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import detach_all, remove
-from ..fold._eval import outer_refs
 
 
 def live_nodes(graph: Graph) -> set[int]:

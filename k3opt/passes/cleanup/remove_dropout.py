@@ -7,28 +7,21 @@ mode is on or unknown and the ratio is not a constant 0.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from ...graph.ir import Graph, Node, const_value
+from ...graph.ir import Graph, Node, const_scalar
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, bypass, is_used
 
 
-def _const_is(t, value: float) -> bool:
-    v = const_value(t)
-    return v is not None and np.asarray(v).size == 1 and float(np.asarray(v).ravel()[0]) == value
-
-
 def inference_mode(node: Node, opset: int) -> bool:
     """True when this Dropout cannot drop: not training, or ratio 0."""
     ins = node.inputs
-    ratio_zero = _const_is(ins[1], 0.0) if len(ins) > 1 and ins[1].name else node.attrs.get("ratio", 0.5) == 0
+    ratio_zero = const_scalar(ins[1]) == 0.0 if len(ins) > 1 and ins[1].name else node.attrs.get("ratio", 0.5) == 0
     if ratio_zero:
         return True
     if opset < 7:
         return bool(node.attrs.get("is_test", 0))
-    return len(ins) < 3 or not ins[2].name or _const_is(ins[2], 0.0)
+    return len(ins) < 3 or not ins[2].name or const_scalar(ins[2]) == 0.0
 
 
 class RemoveDropout(NodeRewritePass):

@@ -32,7 +32,8 @@ import numpy as np
 from ...graph.ir import Graph, Node, Tensor, const_tensor, producer, rank
 from ...pipeline.pass_base import PassContext, register_pass
 from ..analysis.fold_shapes import DimAnalysis, dim_at, shape_elements, small_const_value, small_int_list
-from .._rewire import NodeRewritePass, bypass, cast_target, onnx_type
+from ...graph.dtypes import onnx_type
+from .._rewire import NodeRewritePass, bypass, cast_target
 
 INT64_MAX = np.iinfo(np.int64).max
 #: Constants bigger than this are not read to look for an all-0/all-1 operand.
@@ -108,8 +109,8 @@ def _identity_transpose(node: Node) -> Optional[Tensor]:
 
 def _same_cast(node: Node) -> Optional[Tensor]:
     x = node.inputs[0]
-    src = onnx_type(x)
-    dst = cast_target(node) if node.op == "Cast" else onnx_type(node.inputs[1])
+    src = onnx_type(x.dtype)
+    dst = cast_target(node) if node.op == "Cast" else onnx_type(node.inputs[1].dtype)
     return x if src is not None and src == dst else None
 
 

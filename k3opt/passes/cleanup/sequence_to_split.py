@@ -14,9 +14,9 @@ from typing import Optional
 import numpy as np
 from ... import graph as gs
 
-from ...graph.ir import Graph, Node, Tensor, const_value, is_graph_output, replace_uses
+from ...graph.ir import Graph, Node, Tensor, const_value, int_list, is_graph_output, replace_uses
 from ...pipeline.pass_base import PassContext, register_pass
-from .._rewire import NodeRewritePass, detach, int_list
+from .._rewire import NodeRewritePass, detach
 
 
 def chunk_sizes(node: Node) -> Optional[list[int]]:

@@ -24,7 +24,7 @@ from ...graph.ir import Graph, Node, as_constant
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass
-from ..cleanup.merge_transposes import perm_of
+from .._shared.op_kinds import perm_of
 from ..analysis.fold_shapes import Dim, DimAnalysis, tensor_dims
 
 

@@ -22,9 +22,9 @@ import numpy as np
 import onnx
 from ... import graph as gs
 from onnx import TensorProto, helper, numpy_helper
-from ...graph import OnnxExporter
+from ...graph import OnnxExporter, dtypes
 
-from ...graph.ir import Graph, Node, Tensor, peek, producer
+from ...graph.ir import Graph, Node, Tensor, outer_refs, peek, producer
 from ..fold._numpy import KERNELS, numpy_values
 
 # ORT type string -> (type to widen to inside the model, ONNX type to narrow back to).
@@ -108,33 +108,6 @@ def _external_inputs(nodes: Iterable[Node]) -> Iterable[Tensor]:
         yield from outer_refs(n)
 
 
-def outer_refs(node: Node) -> list[Tensor]:
-    """Non-constant tensors that ``node``'s subgraphs (If/Loop/Scan bodies) read from enclosing scopes."""
-    return _unique(t for attr in node.attrs.values() if isinstance(attr, gs.Graph) for t in _reads_from_outside(attr))
-
-
-def _reads_from_outside(sub: Graph) -> list[Tensor]:
-    """Tensors ``sub`` (nested bodies included) reads but does not define; constants excluded
-    (gs exports those inside the body)."""
-    local = {id(t) for t in sub.inputs}
-    local.update(id(t) for n in sub.nodes for t in n.outputs)
-    reads = [t for n in sub.nodes for t in n.inputs]
-    reads += [t for n in sub.nodes for a in n.attrs.values() if isinstance(a, gs.Graph) for t in _reads_from_outside(a)]
-    reads += list(sub.outputs)
-    return _unique(t for t in reads if t.name and not isinstance(t, gs.Constant) and id(t) not in local)
-
-
-def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
-    """``tensors`` without repeats (by identity), in first-seen order."""
-    seen: set[int] = set()
-    out: list[Tensor] = []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
 def _session(data: bytes) -> "onnxruntime.InferenceSession":
     import onnxruntime as ort  # here: a model whose constants numpy computes never needs it (~40 ms to import)
 
@@ -169,7 +142,7 @@ def run_model(model: onnx.ModelProto, feeds: Optional[dict[str, np.ndarray]] = N
         sess = _session(widened.SerializeToString())
     values = sess.run(None, feeds or {})
     for i, onnx_type in narrow.items():
-        values[i] = np.asarray(values[i]).astype(helper.tensor_dtype_to_np_dtype(onnx_type))
+        values[i] = np.asarray(values[i]).astype(dtypes.numpy_dtype(onnx_type))
     return values
 
 

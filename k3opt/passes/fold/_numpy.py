@@ -29,8 +29,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 from ... import graph as gs
-from onnx import helper
-
+from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, peek
 from ..analysis.fold_shapes import small_const_value
 
@@ -206,7 +205,7 @@ def _cast(node: Node, opset: int, value: Value) -> Optional[np.ndarray]:
         return None
     x = got[0]
     try:
-        to = np.dtype(helper.tensor_dtype_to_np_dtype(int(node.attrs["to"])))
+        to = dtypes.numpy_dtype(int(node.attrs["to"]))
     except (KeyError, ValueError, TypeError):
         return None
     if to not in _CAST_TARGETS or not _casts_exactly(x, to):

@@ -26,20 +26,17 @@ import numpy as np
 from ... import graph as gs
 
 from ...graph.ir import (
-    Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, node_subgraphs, producer,
-    replace_uses, set_output,
+    Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, node_subgraphs, outer_refs,
+    producer, replace_uses, set_output,
 )
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import detach, is_used, remove
-from ..fold._eval import EvalError, as_array, outer_refs, run_ort, run_reference
+from .._shared.op_kinds import RANDOM_OPS
+from ..fold._eval import EvalError, as_array, run_ort, run_reference
 from ..fold._guard import too_big
 from ..analysis.fold_shapes import DimAnalysis, fold_shape_value, remember_value
 from ..fold._starts import is_constant, start_nodes, still_in
 
-#: Ops whose result is not a function of their inputs.
-RANDOM_OPS = frozenset(
-    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
-)
 FOLDABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "com.microsoft"})
 SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "Slice", "Equal"})
 MAX_SWEEPS = 32

@@ -21,11 +21,11 @@ from typing import Optional
 
 import numpy as np
 
-from ...graph.ir import Graph, Node, const_tensor, const_value, producer, set_input
+from ...graph.ir import Graph, Node, const_tensor, const_value, int_list, producer, set_input
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from ..fold._channel_affine import RefusalNotes
-from .._rewire import NodeRewritePass, detach, holds, int_list, is_used, single_use
+from .._rewire import NodeRewritePass, detach, holds, is_used, single_use
 
 READERS = frozenset({"Conv", "AveragePool", "MaxPool"})
 

@@ -35,14 +35,15 @@ from typing import Callable, Optional, Sequence
 import ml_dtypes
 import numpy as np
 from ... import graph as gs
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
-from ...graph import ir
+from ...graph import dtypes, ir
 from ...graph.ir import Graph, NameScope, Node, Tensor, is_graph_output, producer
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.rule_pass import sweep
 from ...patterns.schema import attr_value
 from ..analysis import fold_shapes
+from .._shared.shape_refs import is_dim_of, ref_size, same_size, shape_refs, small_const, small_ints
 from ...pipeline.pass_base import PassContext
 
 #: Element types the attention's q/k/v/output may have (the fused ops' float types).
@@ -295,7 +296,7 @@ def _peel_scale(t: Tensor, walked: list[Node], what: str) -> tuple[float, Tensor
                 return scale, t
             raise _Decline(f"{what} are multiplied or divided by a constant that is not a float scalar "
                            f"(shape {ir.const_tensor(n.inputs[const_at]).shape}): not a scale of q @ k^T")
-        c = float(_small_const(n.inputs[const_at]).reshape(-1)[0])
+        c = float(small_const(n.inputs[const_at]).reshape(-1)[0])
         if not math.isfinite(c) or c == 0.0:
             raise _Decline(f"a scale factor of {what} is {c:g}")
         scale = scale / c if n.op == "Div" else scale * c
@@ -308,7 +309,7 @@ def _scalar_const(t: Tensor) -> bool:
     c = ir.const_tensor(t)
     if c is None or len(c.shape) > 4 or math.prod(c.shape) != 1:
         return False
-    return _small_const(t).dtype.kind == "f"
+    return small_const(t).dtype.kind == "f"
 
 
 def _untransposed_key(kt: Tensor, walked: list[Node]) -> tuple[Tensor, tuple[int, ...], float]:
@@ -349,11 +350,11 @@ def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
             or inner.attrs.get("allowzero", 0) or outer.attrs.get("allowzero", 0):
         return None
     k = inner.inputs[0]
-    flat, back = _shape_refs(inner.inputs[1]), _shape_refs(outer.inputs[1])
+    flat, back = shape_refs(inner.inputs[1]), shape_refs(outer.inputs[1])
     if flat is None or back is None or len(flat) != 3 or len(back) != 4:
         return None
     if checks.rank(k) == 4:
-        is_dim = lambda ref, j: _is_dim(ref, k, j)  # noqa: E731
+        is_dim = lambda ref, j: is_dim_of(ref, k, j)  # noqa: E731
         dims = (0, 2, 3)  # batch, sequence, head dim
         merged = flat[0] == -1 or _merged(flat[0], k)
     else:
@@ -377,7 +378,7 @@ def _key_heads(ref: object, k: Tensor) -> bool:
     """``ref`` is the head count of ``k``: its dim 1 (BNSD), or the static product of dims 1 and 2 of GQA's
     rank-5 repeat ``(B, Nkv, rep, S, D)``."""
     if checks.rank(k) == 4:
-        return _is_dim(ref, k, 1)
+        return is_dim_of(ref, k, 1)
     kv, rep = fold_shapes.dim_at(k, 1), fold_shapes.dim_at(k, 2)
     return isinstance(ref, int) and isinstance(kv, int) and isinstance(rep, int) and ref == kv * rep
 
@@ -386,84 +387,6 @@ def _merged(ref: object, k: Tensor) -> bool:
     """``ref`` is the static product of ``k``'s dims 0 and 1 (the batch and heads merged)."""
     b, n = fold_shapes.dim_at(k, 0), fold_shapes.dim_at(k, 1)
     return isinstance(ref, int) and isinstance(b, int) and isinstance(n, int) and ref == b * n
-
-
-def _shape_refs(t: Tensor) -> Optional[list]:
-    """A small integer tensor (a shape) element by element: ints for constants, ``("dim", x, axis)`` for
-    dims of a Shape(x), ``("elem", t, i)`` for an element of anything else (equal only to itself)."""
-    value = _small_const(t)
-    if value is not None:
-        return [int(v) for v in value.reshape(-1)] if value.dtype.kind in "iu" and value.size <= 8 else None
-    n = producer(t)
-    refs = None if n is None else _computed_refs(n)
-    if refs is None and ir.const_shape(t) is not None and len(t.shape) <= 1 and math.prod(t.shape) <= 8:
-        refs = [("elem", t, i) for i in range(math.prod(t.shape))]
-    return refs
-
-
-def _computed_refs(n: Node) -> Optional[list]:
-    """:func:`_shape_refs` of the output of ``n``, from its op."""
-    if n.op == "Concat" and int(n.attrs.get("axis", 0)) in (0, -1):
-        parts = [_shape_refs(i) for i in n.inputs]
-        return None if any(p is None for p in parts) else [e for p in parts for e in p]
-    if n.op == "Shape":
-        r = checks.rank(n.inputs[0])
-        if r is None:
-            return None
-        start, end = int(n.attrs.get("start", 0)), n.attrs.get("end")
-        axes = range(r)[slice(start, None if end is None else int(end))]
-        return [("dim", n.inputs[0], a) for a in axes]
-    if n.op == "Slice" and len(n.inputs) in (3, 4) and (len(n.inputs) < 4 or _ints(n.inputs[3]) == [0]):
-        src, starts, ends = _shape_refs(n.inputs[0]), _ints(n.inputs[1]), _ints(n.inputs[2])
-        if src is None or starts is None or ends is None or len(starts) != 1 or len(ends) != 1:
-            return None
-        return src[slice(max(starts[0], -len(src) - 1), min(ends[0], len(src)))]
-    if n.op == "Gather" and int(n.attrs.get("axis", 0)) == 0:
-        src, idx = _shape_refs(n.inputs[0]), _ints(n.inputs[1])
-        return None if src is None or idx is None or len(idx) != 1 or not -len(src) <= idx[0] < len(src) \
-            else [src[idx[0]]]
-    if n.op in ("Unsqueeze", "Reshape", "Squeeze") and len(n.outputs[0].shape or (0, 0)) <= 1:
-        return _shape_refs(n.inputs[0])  # a 0-D or 1-D result has the elements in their order
-    if n.op == "Where":  # TorchScript's expand target: Where(Equal(shape, -1), 1, shape), the Equal folded
-        cond, parts = _small_const(n.inputs[0]), [_shape_refs(i) for i in n.inputs[1:]]
-        if cond is None or cond.ndim != 1 or any(p is None or len(p) not in (1, cond.size) for p in parts):
-            return None
-        pick = [p * cond.size if len(p) == 1 else p for p in parts]
-        return [pick[0][i] if c else pick[1][i] for i, c in enumerate(cond.tolist())]
-    return None
-
-
-def _small_const(t: Tensor) -> Optional[np.ndarray]:
-    """The value of a small constant (decoded once per process), else None."""
-    c = ir.const_tensor(t)
-    return None if c is None or math.prod(c.shape) > 64 else fold_shapes.small_const_value(t)
-
-
-def _ints(t: Tensor) -> Optional[list[int]]:
-    value = _small_const(t)
-    return None if value is None or value.dtype.kind not in "iu" else [int(v) for v in value.reshape(-1)]
-
-
-def _is_dim(ref: object, x: Tensor, axis: int) -> bool:
-    """``ref`` (from :func:`_shape_refs`) is dim ``axis`` of ``x``: read from ``x``'s shape, or equal to it as a
-    number or a symbol (equal ``dim_param`` names are equal sizes)."""
-    return _same(ref, ("dim", x, axis))
-
-
-def _same(a: object, b: object) -> bool:
-    """Two :func:`_shape_refs` elements are provably the same size: one element of one tensor, or equal
-    numbers or symbols (equal ``dim_param`` names are equal sizes)."""
-    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] and a[1] is b[1] and a[2] == b[2]:
-        return True
-    a, b = _size(a), _size(b)
-    return a is not None and a == b and not (isinstance(a, int) and a < 0)
-
-
-def _size(ref: object) -> object:
-    """What is known of a ref's size: a number, a symbol, or None."""
-    if isinstance(ref, tuple):
-        return fold_shapes.dim_at(ref[1], ref[2]) if ref[0] == "dim" else None
-    return ref
 
 
 @dataclasses.dataclass
@@ -487,13 +410,13 @@ class _Repeat:
         """``ref`` is provably dim ``j`` of the expanded tensor: the target's element where that is not 1,
         else x's dim."""
         if self.target[j] != 1:
-            return _same(ref, self.target[j])
-        return _is_dim(ref, self.x, (0, 1, None, 2, 3)[j])
+            return same_size(ref, self.target[j])
+        return is_dim_of(ref, self.x, (0, 1, None, 2, 3)[j])
 
     def heads(self) -> Optional[int]:
         """The heads after the repeat (H * rep), when static."""
         h = self.target[1] if self.target[1] != 1 else fold_shapes.dim_at(self.x, 1)
-        h = _size(h)
+        h = ref_size(h)
         return h * self.rep if isinstance(h, int) and h > 0 else None
 
 
@@ -503,11 +426,11 @@ def _expanded(t: Tensor) -> Optional[_Repeat]:
     u = producer(e.inputs[0]) if e is not None and e.op == "Expand" and len(e.inputs) == 2 else None
     if u is None or u.op != "Unsqueeze":
         return None
-    axes = u.attrs.get("axes") if "axes" in u.attrs else (_ints(u.inputs[1]) if len(u.inputs) > 1 else None)
+    axes = u.attrs.get("axes") if "axes" in u.attrs else (small_ints(u.inputs[1]) if len(u.inputs) > 1 else None)
     x = u.inputs[0]
     if axes is None or [int(a) for a in axes] not in ([2], [-3]) or checks.rank(x) != 4:
         return None
-    target = _shape_refs(e.inputs[1])
+    target = shape_refs(e.inputs[1])
     if target is None or len(target) != 5 or not isinstance(target[2], int) or target[2] <= 0:
         raise _Decline("GQA's Expand of the keys/values has no readable target with a constant repeat count")
     return _Repeat(x, target, [e, u])
@@ -522,7 +445,7 @@ def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[Tensor, Optional[_Repeat]
     ex = _expanded(r.inputs[0]) if r is not None and r.op == "Reshape" and len(r.inputs) == 2 else None
     if ex is None:
         return t, None
-    out = _shape_refs(r.inputs[1])
+    out = shape_refs(r.inputs[1])
     copy = not r.attrs.get("allowzero", 0)
     if out is None or len(out) != 4 or not ((copy and out[0] == 0) or ex.is_dim(out[0], 0)) \
             or not ex.is_dim(out[2], 3) or not ex.is_dim(out[3], 4):
@@ -582,19 +505,8 @@ def _no_escape(graph: Graph, chain: list[Node], pv: Node) -> None:
                                f"'{other.name}' ({other.op})")
 
 
-def _elem(t: Tensor) -> Optional[int]:
-    if t.dtype is None:
-        return None
-    if isinstance(t.dtype, int):
-        return t.dtype
-    try:
-        return helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
-    except TypeError:
-        return None
-
-
 def _dtype_of(*tensors: Tensor) -> int:
-    types = {_elem(t) for t in tensors}
+    types = {dtypes.onnx_type(t.dtype) for t in tensors}
     if None in types:
         raise _Decline("a dtype of q, k, v or the scores is unknown")
     if len(types) != 1:
@@ -609,7 +521,7 @@ def _dtype_of(*tensors: Tensor) -> int:
 def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
     """The mask has the scores' dtype, and no known dim of it broadcasts the scores to a larger shape
     (dims inference leaves unknown are checked by the fused op at run time against (B, Nq, Sq, Skv))."""
-    if _elem(mask) != dtype:
+    if dtypes.onnx_type(mask.dtype) != dtype:
         raise _Decline("the mask's dtype is not the scores'")
     r = checks.rank(mask)
     if r is None or r > 4:
@@ -623,7 +535,7 @@ def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
 
 def masks_out(fill: float, dtype: int) -> bool:
     """A mask value that excludes a key: -inf, or at most half the dtype's lowest value."""
-    return fill <= MASKED_FRACTION * float(ml_dtypes.finfo(helper.tensor_dtype_to_np_dtype(dtype)).min)
+    return fill <= MASKED_FRACTION * float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).min)
 
 
 def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
@@ -640,9 +552,9 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
         return (keep if masks_out(fill, dtype) else None), fill, _causal(keep_value, q, k_dims)
     n = producer(mask)
-    if n is None or n.op != "Where" or len(n.inputs) != 3 or _elem(n.inputs[0]) != TensorProto.BOOL:
+    if n is None or n.op != "Where" or len(n.inputs) != 3 or dtypes.onnx_type(n.inputs[0].dtype) != TensorProto.BOOL:
         return None, None, False
-    zero, fill = _small_const(n.inputs[1]), _small_const(n.inputs[2])
+    zero, fill = small_const(n.inputs[1]), small_const(n.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or zero.ndim > 4 or fill.ndim > 4 \
             or float(zero.reshape(-1)[0]) != 0.0 or not float(fill.reshape(-1)[0]) < 0:
         return None, None, False

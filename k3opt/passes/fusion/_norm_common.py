@@ -20,8 +20,9 @@ import math
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
+from ...graph import dtypes, ir
 from ...graph.ir import Graph, Node, Tensor
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, RuleSetPass, checks
 from ...patterns.rule_pass import sweep
@@ -158,16 +159,6 @@ def _matched(m: Match, label: str) -> Optional[Node]:
         return None
 
 
-def _elem_type(dtype: Any) -> Optional[int]:
-    if dtype is None or isinstance(dtype, int):
-        return dtype
-    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-
-
-def _np_dtype(elem_type: int) -> np.dtype:
-    return helper.tensor_dtype_to_np_dtype(elem_type)
-
-
 def _widens(src: int, dst: int) -> bool:
     return src == dst or (src in _WIDTH and dst in _WIDTH and _WIDTH[dst] > _WIDTH[src])
 
@@ -205,16 +196,17 @@ def fits(shape: tuple[int, ...], normalized_shape: tuple[int, ...], rank: int) -
 
 
 def _const_shape(t: Tensor) -> Optional[tuple[int, ...]]:
+    """``t``'s static shape, or its constant's (read from the proto: a weight is never loaded for it)."""
     shape = checks.static_shape(t)
     if shape is None:
-        value = checks.const_value(t)
-        shape = None if value is None else tuple(value.shape)
+        c = ir.const_tensor(t)
+        shape = None if c is None else tuple(int(d) for d in c.shape)
     return shape
 
 
 def _absorbable(t: Tensor, normalized_shape: tuple[int, ...], rank: int, dtype: int) -> bool:
     shape = _const_shape(t)
-    return shape is not None and fits(shape, normalized_shape, rank) and _elem_type(t.dtype) in (None, dtype)
+    return shape is not None and fits(shape, normalized_shape, rank) and dtypes.onnx_type(t.dtype) in (None, dtype)
 
 
 def analyze(m: Match, centered: bool) -> Optional[NormMatch]:
@@ -241,13 +233,13 @@ def analyze(m: Match, centered: bool) -> Optional[NormMatch]:
         return _fail(m, f"normalized dims {normalized_shape} are not static")
     normalized_shape = tuple(int(d) for d in normalized_shape)
     eps = checks.const_value(m["eps"])
-    if eps is None or eps.size != 1 or eps.ndim > rank or _elem_type(eps.dtype) not in _WIDTH \
+    if eps is None or eps.size != 1 or eps.ndim > rank or dtypes.onnx_type(eps.dtype) not in _WIDTH \
             or not math.isfinite(float(eps.reshape(-1)[0])) or float(eps.reshape(-1)[0]) < 0:
         return _fail(m, "epsilon is not a constant finite scalar >= 0")
-    dtypes = _dtypes(m, _elem_type(eps.dtype))
-    if isinstance(dtypes, str):
-        return _fail(m, dtypes)
-    input_dtype, compute_dtype, output_dtype = dtypes
+    types = _dtypes(m, dtypes.onnx_type(eps.dtype))
+    if isinstance(types, str):
+        return _fail(m, types)
+    input_dtype, compute_dtype, output_dtype = types
     scale, bias = m.get("scale"), m.get("bias")
     for role, t in (("scale", scale), ("bias", bias)):
         if t is not None and not _absorbable(t, normalized_shape, rank, output_dtype):
@@ -260,7 +252,7 @@ def analyze(m: Match, centered: bool) -> Optional[NormMatch]:
 
 def _dtypes(m: Match, eps_dtype: Optional[int]) -> tuple[int, int, int] | str:
     """(input, compute, output) element types, or why the match's Casts make fusing inexact."""
-    src = _elem_type(m["x"].dtype)
+    src = dtypes.onnx_type(m["x"].dtype)
     cur = src
     for label in ("cast_in", "cast_mid"):
         node = _matched(m, label)
@@ -299,7 +291,7 @@ def affine_input(op: RewriteBuilder, nm: NormMatch, t: Optional[Tensor], fill: f
     """A scale/bias of exactly ``normalized_shape`` and the output type: ``t`` itself when it already is
     (its data is not loaded), else a new constant (``fill`` everywhere when ``t`` is None).
     """
-    dtype = _np_dtype(nm.output_dtype)
+    dtype = dtypes.numpy_dtype(nm.output_dtype)
     if t is None:
         return op.const(np.full(nm.normalized_shape, fill, dtype=dtype))
     if _const_shape(t) == nm.normalized_shape:

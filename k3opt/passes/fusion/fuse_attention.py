@@ -31,8 +31,8 @@ from typing import Optional
 
 import ml_dtypes
 import numpy as np
-from onnx import helper
 
+from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor
 from ...patterns import RewriteBuilder
 from ..analysis import fold_shapes
@@ -81,7 +81,7 @@ def _square(am: AttentionMatch) -> bool:
 
 def _mask_value(op: RewriteBuilder, am: AttentionMatch) -> Tensor:
     """The mask, its fill moved off the dtype's lowest value (which onnxruntime takes for -inf)."""
-    np_type = helper.tensor_dtype_to_np_dtype(am.dtype)  # float32, float16 or ml_dtypes' bfloat16
+    np_type = dtypes.numpy_dtype(am.dtype)  # float32, float16 or ml_dtypes' bfloat16
     lowest = np.array(ml_dtypes.finfo(np_type).min, dtype=np_type)
     if am.mask_fill != float(lowest):
         return am.mask

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from onnx import TensorProto
 
-from ...graph import dtype_to_onnx
+from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, const_value, is_const, producer
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.matcher import is_empty
@@ -163,8 +163,8 @@ def analyze(m: Match, full_width: bool) -> Optional[RotaryMatch]:
     d = checks.last_dim(x)
     if d is None or d < 2 or d % 2:
         return _fail(m, f"the head dim {shape[-1]} is not a static even number")
-    dtype = _onnx_type(x)
-    if dtype not in _FUSABLE_TYPES or any(_onnx_type(m[k]) != dtype for k in ("cos", "sin")):
+    dtype = dtypes.onnx_type(x.dtype)
+    if dtype not in _FUSABLE_TYPES or any(dtypes.onnx_type(m[k].dtype) != dtype for k in ("cos", "sin")):
         return _fail(m, "x, cos and sin are not all float32, float16 or bfloat16 of one type")
     pairs = _halves_kind(m, d)
     if isinstance(pairs, str):
@@ -195,8 +195,6 @@ def analyze(m: Match, full_width: bool) -> Optional[RotaryMatch]:
                        m.node("root"), m)
 
 
-def _onnx_type(t: Tensor) -> Optional[int]:
-    return None if t.dtype is None else int(dtype_to_onnx(t.dtype))
 
 
 def _fail(m: Match, reason: str) -> None:
@@ -330,8 +328,8 @@ def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
         if axis < g + k:
             return inputs[1], axis - g
         return inputs[0], axis - k + 1
-    if op == "Range" and axis == 0 and _scalar(inputs[2]) == 1:
-        if _scalar(inputs[0]) == 0:
+    if op == "Range" and axis == 0 and checks.const_scalar(inputs[2]) == 1:
+        if checks.const_scalar(inputs[0]) == 0:
             return None, _scalar_dim(inputs[1])
         limit = producer(inputs[1])
         if limit is not None and limit.op == "Add" and len(limit.inputs) == 2 \
@@ -352,10 +350,6 @@ def _raw_axes(node: Node) -> Optional[list[int]]:
 def _unsqueeze_axes(node: Node, out_rank: int) -> Optional[list[int]]:
     axes = _raw_axes(node)
     return None if axes is None else sorted(a + out_rank if a < 0 else a for a in axes)
-
-
-def _scalar(t: Tensor) -> Optional[float]:
-    return checks.const_scalar(t) if is_const(t) else None
 
 
 def _scalar_dim(t: Tensor) -> Dim:
@@ -384,9 +378,9 @@ def _chain(t: Tensor) -> tuple[list[tuple[Node, int]], Tensor]:
             break
         if node.op in _ANGLE_UNARY:
             i = 0
-        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and _scalar(node.inputs[1]) is not None:
+        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and checks.const_scalar(node.inputs[1]) is not None:
             i = 0
-        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and _scalar(node.inputs[0]) is not None:
+        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and checks.const_scalar(node.inputs[0]) is not None:
             i = 1
         else:
             break

@@ -27,7 +27,7 @@ import onnx
 
 from ...graph import ir
 from ...errors import UsageError
-from ...graph.lazy_values import onnx_type
+from ...graph.dtypes import onnx_type
 from ...patterns import Match, Rule, rules_pass
 
 #: Gemm's floating types (integer Gemm is rare and not what ATC fuses).
@@ -62,7 +62,7 @@ def check(m: Match) -> bool:
     if not m.is_const("b") or b_shape is None:
         return m.fail("bias is not a constant of known shape")
     dtypes = [m[k].dtype for k in ("x", "w", "b")]
-    types = {None if d is None else onnx_type(d) for d in dtypes}
+    types = {onnx_type(d) for d in dtypes}
     if len(types) != 1 or not types <= GEMM_TYPES:
         return m.fail("dtypes differ, are unknown or are not floating point")
     if x_rank is None or x_rank < 2:

@@ -11,7 +11,7 @@ the siblings' own output tensors, so names and graph outputs are unchanged.
 
 Not a single-rooted pattern (a group is found from the shared input), so
 the pass works on gs directly. Merged weights of external-data models are
-lazy: nothing is read or copied until the model is saved (k3opt/lazy_values.py).
+lazy: nothing is read or copied until the model is saved (k3opt/modelio/concat_values.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import numpy as np
 from ... import graph as gs
 
 from ...graph.ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank
-from ...graph.lazy_values import PACKED_TYPES, concat_last_axis, onnx_type
+from ...graph.dtypes import PACKED_BITS, onnx_type
+from ...modelio.concat_values import concat_last_axis
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 
@@ -36,7 +37,7 @@ def _projection_weight(node: Node) -> Optional[gs.Constant]:
     weight = const_tensor(w)
     if weight is None or isinstance(x, gs.Constant) or const_tensor(x) is not None:
         return None
-    if len(weight.shape) != 2 or onnx_type(weight.dtype) in PACKED_TYPES:
+    if len(weight.shape) != 2 or onnx_type(weight.dtype) in PACKED_BITS:
         return None
     return weight
 

@@ -43,7 +43,8 @@ from ...errors import UsageError
 from ...graph.ir import Graph, Node, Tensor, producer
 from ...patterns import RewriteBuilder, checks
 from ..analysis import fold_shapes
-from ..fusion._attention_common import AttentionMatch, _shape_refs, apply_attention, attention_rules
+from .._shared.shape_refs import shape_refs
+from ..fusion._attention_common import AttentionMatch, apply_attention, attention_rules
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 
@@ -61,7 +62,7 @@ _DEPTH = 12
 def dim_refs(t: Tensor, depth: int = _DEPTH) -> Optional[list]:
     """Each dim of ``t``: a number, or ``("dim", x, axis)`` naming it as dim ``axis`` of the tensor ``x`` it is
     provably equal to (canonical: the furthest such tensor found), through head-split Reshapes (target
-    elements read by the recogniser's :func:`_shape_refs`), Transposes, Splits and same-shape ops."""
+    elements read by the recogniser's :func:`shape_refs`), Transposes, Splits and same-shape ops."""
     shape = t.shape
     if shape is None:
         return None
@@ -80,7 +81,7 @@ def dim_refs(t: Tensor, depth: int = _DEPTH) -> Optional[list]:
     elif n.op in fold_shapes.UNARY_SAME_SHAPE:
         inner = dim_refs(n.inputs[0], depth - 1)
     elif n.op == "Reshape" and len(n.inputs) == 2:
-        target = [_canonical(r, depth - 1) for r in (_shape_refs(n.inputs[1]) or [])]
+        target = [_canonical(r, depth - 1) for r in (shape_refs(n.inputs[1]) or [])]
         if len(target) == len(own):
             copy = not n.attrs.get("allowzero", 0)
             src = dim_refs(n.inputs[0], depth - 1) if copy and 0 in target else None
@@ -94,7 +95,7 @@ def dim_refs(t: Tensor, depth: int = _DEPTH) -> Optional[list]:
 
 
 def _canonical(ref: object, depth: int) -> object:
-    """A :func:`_shape_refs` element as :func:`dim_refs` names it."""
+    """A :func:`shape_refs` element as :func:`dim_refs` names it."""
     if isinstance(ref, tuple) and ref[0] == "dim":
         refs = dim_refs(ref[1], depth)
         return refs[ref[2]] if refs is not None and ref[2] < len(refs) else ref
@@ -114,7 +115,7 @@ def static_dim(t: Tensor, axis: int) -> Optional[int]:
     n = producer(x)
     if n is None or n.op != "Reshape" or len(n.inputs) != 2:
         return None
-    target = [_canonical(r, _DEPTH) for r in (_shape_refs(n.inputs[1]) or [])]
+    target = [_canonical(r, _DEPTH) for r in (shape_refs(n.inputs[1]) or [])]
     src = dim_refs(n.inputs[0])
     if src is None or len(target) != len(x.shape or ()) or i >= len(target) or target[i] != -1 or \
             any(r == 0 for r in target):

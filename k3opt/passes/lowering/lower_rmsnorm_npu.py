@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import numpy as np
-import onnx
 
 from ...cann_bridge.target_form import STAGING_DOMAIN
+from ...graph import dtypes
 from ...graph.ir import Graph, Tensor
 from ...patterns import RewriteBuilder
 from ..fusion._norm_common import NormMatch, affine_input, apply_in_order, norm_input
@@ -33,7 +33,7 @@ DTYPE_PAIRS = frozenset({("float16", "float32"), ("bfloat16", "float32"), ("floa
 def _dtype_name(dtype: Any) -> str:
     """numpy-style name of a gs/numpy/ONNX dtype (``bfloat16`` included)."""
     if isinstance(dtype, int):
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+        dtype = dtypes.numpy_dtype(dtype)
     return "bfloat16" if "bfloat16" in str(dtype) else np.dtype(dtype).name
 
 

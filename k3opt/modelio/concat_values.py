@@ -16,35 +16,19 @@ folder). Weights already in memory are simply concatenated.
 """
 from __future__ import annotations
 
-import atexit
-import os
-import tempfile
 from typing import BinaryIO, Optional, Sequence, Union
 
 import numpy as np
 import onnx
-from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
-from onnx_graphsurgeon.ir.tensor import LazyValues
-
-from .. import modelio
-from ..modelio import SPILL_PREFIX  # io accepts absolute external-data locations only for files named so
+from ..graph import LazyValues, dtypes
+from .external import external_tensor, read_external_bytes
+from .spill import SpillFile
+from .spill_regions import defer_spill
 
 Source = Union[np.ndarray, LazyValues]
 
-#: Sub-byte ONNX types are stored packed: concatenating their rows is not a byte copy.
-PACKED_TYPES = frozenset(
-    getattr(onnx.TensorProto, n)
-    for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
-    if hasattr(onnx.TensorProto, n)
-)
-_ALIGN = 4096
 #: Bytes of merged rows written at a time.
 _BLOCK = 16 * 2**20
-
-
-def onnx_type(dtype) -> int:
-    """The ONNX element type of a gs dtype (a numpy dtype, or already an ONNX enum)."""
-    return dtype_to_onnx(dtype)
 
 
 def is_external(source: Source) -> bool:
@@ -55,40 +39,6 @@ def is_external(source: Source) -> bool:
 def read(source: Source) -> np.ndarray:
     """The array of ``source`` without caching it anywhere (the caller drops it when done)."""
     return source.load() if isinstance(source, LazyValues) else np.asarray(source)
-
-
-class SpillFile:
-    """This process's append-only scratch file for materialised weights, removed at exit.
-
-    Regions are page-aligned so readers can memory-map them.
-    """
-
-    _current: Optional["SpillFile"] = None
-
-    def __init__(self) -> None:
-        fd, self.path = tempfile.mkstemp(prefix=SPILL_PREFIX, suffix=".data")
-        os.close(fd)
-        self.size = 0
-        atexit.register(self.remove)
-
-    @classmethod
-    def get(cls) -> "SpillFile":
-        """The process's spill file, created on first use."""
-        if cls._current is None or not os.path.exists(cls._current.path):
-            cls._current = cls()
-        return cls._current
-
-    def allocate(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` at the end of the file; returns the region's offset."""
-        offset = -(-self.size // _ALIGN) * _ALIGN
-        self.size = offset + nbytes
-        with open(self.path, "r+b") as f:
-            f.truncate(self.size)
-        return offset
-
-    def remove(self) -> None:
-        if os.path.exists(self.path):
-            os.remove(self.path)
 
 
 def concat_last_axis(sources: Sequence[Source]) -> Union[np.ndarray, "ConcatValues"]:
@@ -115,7 +65,7 @@ class ConcatValues(LazyValues):
         self.dtype = sources[0].dtype
         self.shape = (shapes[0][0], sum(s[1] for s in shapes))
         self._spilled: Optional[onnx.TensorProto] = None
-        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(onnx_type(self.dtype))).itemsize
+        itemsize = dtypes.numpy_dtype(dtypes.onnx_type(self.dtype)).itemsize
         self.nbytes = self.shape[0] * self.shape[1] * itemsize
 
     def load(self) -> np.ndarray:
@@ -137,8 +87,8 @@ class ConcatValues(LazyValues):
         """
         spill = SpillFile.get()
         offset = spill.allocate(self.nbytes)
-        modelio.defer_spill(spill.path, offset, self.write_to)
-        return modelio.external_tensor("", onnx_type(self.dtype), self.shape, spill.path, offset, self.nbytes)
+        defer_spill(spill.path, offset, self.write_to)
+        return external_tensor("", dtypes.onnx_type(self.dtype), self.shape, spill.path, offset, self.nbytes)
 
     def write_to(self, f: BinaryIO) -> None:
         """Write the concatenation's bytes at ``f``'s position, a block of rows at a time (flat memory)."""
@@ -157,7 +107,7 @@ class ConcatValues(LazyValues):
                 if i in in_memory:
                     block[:, col : col + width] = in_memory[i][r0:r1]
                 else:
-                    data = modelio.read_external_bytes(source.tensor, r0 * width * itemsize, (r1 - r0) * width * itemsize)
+                    data = read_external_bytes(source.tensor, r0 * width * itemsize, (r1 - r0) * width * itemsize)
                     block[:, col : col + width] = np.frombuffer(data, dtype=raw).reshape(r1 - r0, width)
                     del data
                 col += width
