@@ -182,6 +182,8 @@ def _write_node(node: gs.Node, out: onnx.NodeProto) -> None:
 
 def _elem_type(dtype) -> int:
     """The ONNX element type of a tensor's dtype (an int is one already); ValueError when it has none."""
+    if isinstance(dtype, int):  # gs keeps an ONNX type it has no numpy type for (UNDEFINED, a sequence's) as is
+        return dtype
     elem = dtypes.onnx_type(dtype)
     if elem is None:
         raise ValueError(f"no ONNX element type for dtype {dtype!r}")
