@@ -13,7 +13,8 @@ import onnx
 from onnx import version_converter
 
 from ..errors import UsageError
-from .opset_nodes import convert_changed_nodes
+from .opset_down import NoOpset17Form, rewrite_for_17
+from .opset_nodes import ModelScope, all_graphs, convert_changed_nodes
 
 #: Models below this are raised to it by default; the CANN target needs exactly it.
 DEFAULT_OPSET = 17
@@ -66,7 +67,7 @@ def convert(
     if reason is None:
         try:
             converted = _convert_changed_nodes(model, current, wanted)
-        except _InexactConversion as exc:
+        except (_InexactConversion, NoOpset17Form) as exc:
             reason = str(exc)
         except Exception as exc:  # onnx's converter raises RuntimeError/ValueError/IndexError...
             reason = _blocking_reason(model, wanted, exc)
@@ -90,22 +91,12 @@ def inexact_conversion(model: onnx.ModelProto, current: int, wanted: int) -> Opt
     crossed = {op: why for (op, before, after), why in INEXACT_ADAPTERS.items() if low <= before and after <= high}
     if not crossed:
         return None
-    for graph in _graphs(model.graph):
+    for graph in all_graphs(model.graph):
         for node in graph.node:
             if node.op_type in crossed and node.domain in _DEFAULT_DOMAINS:
                 where = f" (node '{node.name}')" if node.name else ""
                 return f"op {node.op_type}{where} has no exact conversion: {crossed[node.op_type]}"
     return None
-
-
-def _graphs(graph: onnx.GraphProto):
-    """``graph`` and every subgraph in it."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            subs = [attr.g] if attr.HasField("g") else []
-            for sub in subs + list(attr.graphs):
-                yield from _graphs(sub)
 
 
 def _interface_change(before: onnx.ModelProto, after: onnx.ModelProto) -> Optional[str]:
@@ -149,7 +140,8 @@ def _single_default_import(model: onnx.ModelProto, version: int) -> onnx.ModelPr
 def _convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int) -> onnx.ModelProto:
     """``model`` at opset ``wanted``, converted in place: only the nodes whose schema changes in between
     go through onnx's converter (on a sub-model of them, see :mod:`.opset_nodes`), each sub-model checked
-    and its interface compared; the model is left as it was when any of that fails."""
+    and its interface compared; the model is left as it was when any of that fails, but for the
+    rewrites of :func:`.opset_down.rewrite_for_17` going below 18 (same values, valid at either opset)."""
     def convert_sub(sub: onnx.ModelProto, version: int) -> onnx.ModelProto:
         converted = _convert_hiding_unadapted(sub, version)
         _check_nodes(converted.graph, converted)
@@ -158,7 +150,10 @@ def _convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int) ->
             raise _InexactConversion(reason)
         return converted
 
-    convert_changed_nodes(model, current, wanted, convert_sub)
+    scope = ModelScope(model)
+    if current >= 18 > wanted:
+        rewrite_for_17(model, scope)
+    convert_changed_nodes(model, current, wanted, convert_sub, scope)
     imports = [o for o in model.opset_import if o.domain not in _DEFAULT_DOMAINS]
     del model.opset_import[:]
     model.opset_import.extend([onnx.helper.make_opsetid("", wanted)] + imports)
@@ -209,7 +204,7 @@ def _convert_hiding_unadapted(model: onnx.ModelProto, wanted: int) -> onnx.Model
             converted = version_converter.convert_version(model, wanted)
             break
         except Exception as exc:  # the converter raises RuntimeError/ValueError/IndexError...
-            m = re.search(r"No Adapter From Version \$?\d+ for (\w+)", str(exc))
+            m = re.search(r"No Adapter (?:From|To) Version \$?\d+ for (\w+)", str(exc))
             op = m.group(1) if m else None
             if op is None or op in hidden or not _valid_at(model.graph, op, wanted):
                 raise

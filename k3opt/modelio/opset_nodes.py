@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import onnx
 from onnx.external_data_helper import uses_external_data
+
+from .external import weights_as_inputs
 
 #: Constant inputs up to this size are copied into the sub-model (adapters read axes, pads, scales...).
 SMALL_CONSTANT_BYTES = 4096
@@ -44,18 +46,25 @@ class _Splice:
 
 
 def convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int,
-                          convert: Callable[[onnx.ModelProto, int], onnx.ModelProto]) -> int:
+                          convert: Callable[[onnx.ModelProto, int], onnx.ModelProto],
+                          scope: Optional["ModelScope"] = None) -> int:
     """Convert the nodes of ``model`` whose schema changes from opset ``current`` to ``wanted`` with
     ``convert`` (a sub-model at ``current`` -> at ``wanted``), in place; returns how many were converted.
 
     ``model`` is changed only when every sub-model converted: an exception leaves it as it was. The
-    caller sets the opset import.
+    caller sets the opset import. A sub-model that fails is tried once more with the types onnx's
+    shape inference finds for its inputs.
     """
-    scope = _Scope(model)
+    scope = scope or ModelScope(model)
     splices = []
     others = [o for o in model.opset_import if o.domain not in _DEFAULT_DOMAINS]
     for graph, nodes in _changed(model.graph, current, wanted):
-        splices.append(_Splice(graph, nodes, convert(scope.sub_model(graph, nodes, current, others), wanted).graph))
+        try:
+            converted = convert(scope.sub_model(graph, nodes, current, others), wanted)
+        except Exception:  # an adapter may need its inputs' types (OptionalHasElement 18 -> 17): once more with them
+            scope.infer_types()
+            converted = convert(scope.sub_model(graph, nodes, current, others), wanted)
+        splices.append(_Splice(graph, nodes, converted.graph))
     for splice in splices:
         _splice(splice, scope)
     if splices:
@@ -84,11 +93,12 @@ def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
         yield from attr.graphs
 
 
-def _all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph in it."""
     yield graph
     for node in graph.node:
         for sub in _subgraphs(node):
-            yield from _all_graphs(sub)
+            yield from all_graphs(sub)
 
 
 def _used_names(node: onnx.NodeProto) -> Iterator[str]:
@@ -102,7 +112,7 @@ def _used_names(node: onnx.NodeProto) -> Iterator[str]:
         yield from (o.name for o in sub.output if o.name not in local)
 
 
-class _Scope:
+class ModelScope:
     """What the model knows about its names: types, small constants, and which names are taken."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
@@ -111,7 +121,7 @@ class _Scope:
         self.constants: dict[str, onnx.TensorProto] = {}
         self.constant_nodes: dict[str, onnx.TensorProto] = {}  # Constant node output -> its value
         self.taken: set[str] = set()
-        for graph in _all_graphs(model.graph):
+        for graph in all_graphs(model.graph):
             for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
                 if vi.type.WhichOneof("value") is not None:
                     self.types.setdefault(vi.name, vi.type)
@@ -125,6 +135,7 @@ class _Scope:
                         and node.attribute[0].name == "value" and node.attribute[0].t.ByteSize() <= SMALL_CONSTANT_BYTES):
                     self.constant_nodes[node.output[0]] = node.attribute[0].t
             self.taken.update(i.name for i in graph.input)
+        self.inferred = False
         self.read: set[str] = set()  # constants a sub-model got: dropped later if nothing reads them any more
 
     def sub_model(self, graph: onnx.GraphProto, positions: list[int], opset: int,
@@ -139,7 +150,7 @@ class _Scope:
                 if name in produced or name in seen:
                     continue
                 seen.add(name)
-                constant = self._constant(name)
+                constant = self.constant(name)
                 if constant is not None:
                     initializers.append(constant)
                     self.read.add(name)
@@ -151,7 +162,8 @@ class _Scope:
         return onnx.helper.make_model(sub, opset_imports=[onnx.helper.make_opsetid("", opset)] + other_imports,
                                       ir_version=self.model.ir_version)
 
-    def _constant(self, name: str):
+    def constant(self, name: str) -> Optional[onnx.TensorProto]:
+        """The small constant (initializer or Constant node) named ``name``, else None."""
         if name in self.constants:
             return self.constants[name]
         if name in self.constant_nodes:
@@ -160,6 +172,25 @@ class _Scope:
             t.name = name
             return t
         return None
+
+    def infer_types(self) -> None:
+        """Add the types onnx's shape inference finds (on a copy without the big weights) to those the
+        model declares: some adapters need their inputs' types, an export seldom declares them."""
+        if self.inferred:
+            return
+        self.inferred = True
+        light = onnx.shape_inference.infer_shapes(weights_as_inputs(self.model)[0])
+        for graph in all_graphs(light.graph):
+            for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
+                if vi.type.WhichOneof("value") is not None:
+                    self.types.setdefault(vi.name, vi.type)
+
+    def rank(self, name: str) -> Optional[int]:
+        """The rank of tensor ``name`` if known."""
+        t = self.types.get(name)
+        if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+            return None
+        return len(t.tensor_type.shape.dim)
 
     def _value_info(self, name: str) -> onnx.ValueInfoProto:
         vi = onnx.ValueInfoProto(name=name)
@@ -180,14 +211,14 @@ class _Scope:
         """Remove the constants the sub-models read that nothing reads any more (an adapter moved them
         into an attribute), unless a graph output names them."""
         used: set[str] = set()
-        for graph in _all_graphs(self.model.graph):
+        for graph in all_graphs(self.model.graph):
             used.update(o.name for o in graph.output)
             for node in graph.node:
                 used.update(_used_names(node))
         unused = self.read - used
         if not unused:
             return
-        for graph in _all_graphs(self.model.graph):
+        for graph in all_graphs(self.model.graph):
             if any(t.name in unused for t in graph.initializer):
                 kept = [t for t in graph.initializer if t.name not in unused]
                 del graph.initializer[:]
@@ -202,7 +233,7 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
     return out
 
 
-def _splice(splice: _Splice, scope: _Scope) -> None:
+def _splice(splice: _Splice, scope: ModelScope) -> None:
     """Put the converted nodes where the originals were: each original's replacement is the converted
     node producing its outputs plus the new nodes just before it. New names get fresh ones if taken."""
     owner = {o: k for k, pos in enumerate(splice.nodes) for o in splice.graph.node[pos].output if o}
