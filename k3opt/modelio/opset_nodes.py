@@ -67,8 +67,7 @@ def convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int,
         splices.append(_Splice(graph, nodes, converted.graph))
     for splice in splices:
         _splice(splice, scope)
-    if splices:
-        scope.drop_unused_constants()
+    scope.drop_unused_constants({i for s in splices for n in s.converted.node for i in _used_names(n)})
     return sum(len(s.nodes) for s in splices)
 
 
@@ -80,8 +79,9 @@ def _changed(graph: onnx.GraphProto, current: int, wanted: int) -> Iterator[tupl
         if node.domain in _DEFAULT_DOMAINS and schema_changes(node.op_type, current, wanted):
             nodes.append(k)
             continue
-        for sub in _subgraphs(node):
-            yield from _changed(sub, current, wanted)
+        if node.attribute:
+            for sub in _subgraphs(node):
+                yield from _changed(sub, current, wanted)
     if nodes:
         yield graph, nodes
 
@@ -97,8 +97,9 @@ def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """``graph`` and every subgraph in it."""
     yield graph
     for node in graph.node:
-        for sub in _subgraphs(node):
-            yield from all_graphs(sub)
+        if node.attribute:
+            for sub in _subgraphs(node):
+                yield from all_graphs(sub)
 
 
 def _used_names(node: onnx.NodeProto) -> Iterator[str]:
@@ -118,23 +119,18 @@ class ModelScope:
     def __init__(self, model: onnx.ModelProto) -> None:
         self.model = model
         self.types: dict[str, onnx.TypeProto] = {}
-        self.constants: dict[str, onnx.TensorProto] = {}
+        self.initializers: dict[str, onnx.TensorProto] = {}
         self.constant_nodes: dict[str, onnx.TensorProto] = {}  # Constant node output -> its value
-        self.taken: set[str] = set()
+        self._taken: Optional[set[str]] = None
         for graph in all_graphs(model.graph):
             for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
                 if vi.type.WhichOneof("value") is not None:
                     self.types.setdefault(vi.name, vi.type)
-            for t in graph.initializer:
-                self.taken.add(t.name)
-                if not uses_external_data(t) and t.ByteSize() <= SMALL_CONSTANT_BYTES:
-                    self.constants[t.name] = t
+            self.initializers.update((t.name, t) for t in graph.initializer)
             for node in graph.node:
-                self.taken.update(node.output)
-                if (node.op_type == "Constant" and node.domain in _DEFAULT_DOMAINS and len(node.attribute) == 1
-                        and node.attribute[0].name == "value" and node.attribute[0].t.ByteSize() <= SMALL_CONSTANT_BYTES):
+                if node.op_type == "Constant" and node.domain in _DEFAULT_DOMAINS and len(node.attribute) == 1 \
+                        and node.attribute[0].name == "value":
                     self.constant_nodes[node.output[0]] = node.attribute[0].t
-            self.taken.update(i.name for i in graph.input)
         self.inferred = False
         self.read: set[str] = set()  # constants a sub-model got: dropped later if nothing reads them any more
 
@@ -164,14 +160,16 @@ class ModelScope:
 
     def constant(self, name: str) -> Optional[onnx.TensorProto]:
         """The small constant (initializer or Constant node) named ``name``, else None."""
-        if name in self.constants:
-            return self.constants[name]
-        if name in self.constant_nodes:
-            t = onnx.TensorProto()
-            t.CopyFrom(self.constant_nodes[name])
-            t.name = name
-            return t
-        return None
+        t = self.initializers.get(name)
+        if t is not None:
+            return t if not uses_external_data(t) and t.ByteSize() <= SMALL_CONSTANT_BYTES else None
+        value = self.constant_nodes.get(name)
+        if value is None or value.ByteSize() > SMALL_CONSTANT_BYTES:
+            return None
+        t = onnx.TensorProto()
+        t.CopyFrom(value)
+        t.name = name
+        return t
 
     def infer_types(self) -> None:
         """Add the types onnx's shape inference finds (on a copy without the big weights) to those the
@@ -200,16 +198,25 @@ class ModelScope:
 
     def fresh(self, name: str) -> str:
         """``name``, or a variant of it no other value of the model has; now taken."""
+        if self._taken is None:
+            self._taken = set(self.initializers)
+            for graph in all_graphs(self.model.graph):
+                self._taken.update(i.name for i in graph.input)
+                for node in graph.node:
+                    self._taken.update(node.output)
         unique, k = name, 0
-        while unique in self.taken:
+        while unique in self._taken:
             k += 1
             unique = f"{name}_k3opt{k}"
-        self.taken.add(unique)
+        self._taken.add(unique)
         return unique
 
-    def drop_unused_constants(self) -> None:
+    def drop_unused_constants(self, still_read: set[str]) -> None:
         """Remove the constants the sub-models read that nothing reads any more (an adapter moved them
-        into an attribute), unless a graph output names them."""
+        into an attribute), unless a graph output names them. ``still_read``: names the converted nodes
+        read (when they read all the constants, nothing else needs a look)."""
+        if self.read <= still_read:
+            return
         used: set[str] = set()
         for graph in all_graphs(self.model.graph):
             used.update(o.name for o in graph.output)
@@ -245,7 +252,7 @@ def _splice(splice: _Splice, scope: ModelScope) -> None:
             if o and o not in known:
                 renamed[o] = node.output[i] = scope.fresh(o)
     for t in splice.converted.initializer:
-        if t.name not in originals and t.name not in scope.constants and t.name not in scope.constant_nodes:
+        if t.name not in originals and t.name not in scope.read:
             renamed[t.name] = t.name = scope.fresh(t.name)
             splice.graph.initializer.append(t)
     groups: list[list[onnx.NodeProto]] = [[] for _ in splice.nodes]
@@ -259,6 +266,11 @@ def _splice(splice: _Splice, scope: ModelScope) -> None:
             pending = []
     if pending:
         raise RuntimeError("the converter left nodes that produce none of the converted nodes' outputs")
+    if all(len(g) == 1 for g in groups):  # one node for one (most adapters): no rebuild of the node list
+        for pos, (node,) in zip(splice.nodes, groups):
+            if splice.graph.node[pos] != node:
+                splice.graph.node[pos].CopyFrom(node)
+        return
     group_at = dict(zip(splice.nodes, groups))
     merged = []
     for pos, node in enumerate(splice.graph.node):
