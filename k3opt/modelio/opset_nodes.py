@@ -65,8 +65,10 @@ def convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int,
             scope.infer_types()
             converted = convert(scope.sub_model(graph, nodes, current, others), wanted)
         splices.append(_Splice(graph, nodes, converted.graph))
-    for splice in splices:
-        _splice(splice, scope)
+    plans = [_plan(splice, scope) for splice in splices]  # may raise: nothing is changed yet
+    for splice, (groups, initializers) in zip(splices, plans):
+        splice.graph.initializer.extend(initializers)
+        _splice(splice, groups)
     scope.drop_unused_constants({i for s in splices for n in s.converted.node for i in _used_names(n)})
     return sum(len(s.nodes) for s in splices)
 
@@ -103,8 +105,8 @@ def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
 
 
 def _used_names(node: onnx.NodeProto) -> Iterator[str]:
-    """Names ``node`` reads, its bodies' reads of outer-scope names included (and some of their own:
-    harmless, a sub-model input nobody reads is dropped by nothing and changes nothing)."""
+    """Names ``node`` reads, its bodies' reads of outer-scope names included (a name local to a body
+    nested deeper may be among them: as a sub-model input that nothing reads, it changes nothing)."""
     yield from (i for i in node.input if i)
     for sub in _subgraphs(node):
         local = {t.name for t in sub.initializer} | {i.name for i in sub.input}
@@ -240,9 +242,9 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
     return out
 
 
-def _splice(splice: _Splice, scope: ModelScope) -> None:
-    """Put the converted nodes where the originals were: each original's replacement is the converted
-    node producing its outputs plus the new nodes just before it. New names get fresh ones if taken."""
+def _plan(splice: _Splice, scope: ModelScope) -> tuple[list[list[onnx.NodeProto]], list[onnx.TensorProto]]:
+    """What replaces each changed node: the converted node producing its outputs plus the new nodes just
+    before it; and the initializers the converter added. New names get fresh ones if taken."""
     owner = {o: k for k, pos in enumerate(splice.nodes) for o in splice.graph.node[pos].output if o}
     originals = set(owner)
     known = originals | {vi.name for vi in splice.converted.input} | {t.name for t in splice.converted.initializer}
@@ -251,10 +253,11 @@ def _splice(splice: _Splice, scope: ModelScope) -> None:
         for i, o in enumerate(node.output):
             if o and o not in known:
                 renamed[o] = node.output[i] = scope.fresh(o)
+    added = []
     for t in splice.converted.initializer:
         if t.name not in originals and t.name not in scope.read:
             renamed[t.name] = t.name = scope.fresh(t.name)
-            splice.graph.initializer.append(t)
+            added.append(t)
     groups: list[list[onnx.NodeProto]] = [[] for _ in splice.nodes]
     pending: list[onnx.NodeProto] = []
     for node in splice.converted.node:
@@ -266,6 +269,11 @@ def _splice(splice: _Splice, scope: ModelScope) -> None:
             pending = []
     if pending:
         raise RuntimeError("the converter left nodes that produce none of the converted nodes' outputs")
+    return groups, added
+
+
+def _splice(splice: _Splice, groups: list[list[onnx.NodeProto]]) -> None:
+    """Put each changed node's replacement (``groups``, in the order of ``splice.nodes``) in its place."""
     if all(len(g) == 1 for g in groups):  # one node for one (most adapters): no rebuild of the node list
         for pos, (node,) in zip(splice.nodes, groups):
             if splice.graph.node[pos] != node:
