@@ -50,10 +50,10 @@ def converts_down(model: onnx.ModelProto, opset: Optional[int] = None, *, target
 def convert(
     model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx"
 ) -> tuple[onnx.ModelProto, list[str]]:
-    """Return (model at the wanted opset, report notes).
+    """Return (model at the wanted opset, report notes): ``model`` itself, converted in place.
 
     No ``opset``: below 17 is raised to 17, otherwise kept; if raising fails
-    the model keeps its opset and a note says so. An explicit ``opset`` or
+    the model keeps its opset (and its nodes) and a note says so. An explicit ``opset`` or
     the cann target (exactly 17) must succeed, else UsageError naming the
     blocking op.
     """
