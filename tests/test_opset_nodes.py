@@ -142,3 +142,23 @@ def test_a_failed_conversion_leaves_the_model_untouched():
     with pytest.raises(UsageError, match="LayerNormalization"):  # an explicit opset must be reached
         opsets.convert(model, 13)
     assert model == before
+
+
+@pytest.mark.parametrize("target", [18, 23])
+def test_up_from_17_adapters_that_add_nodes_match_onnx(target: int):
+    """Reduce axes become an input (a Constant node the adapter adds), Split/Pad/Resize change schema too."""
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[1], keepdims=1),
+             helper.make_node("ReduceMax", ["x"], ["n"], axes=[0], keepdims=0),
+             helper.make_node("Split", ["x"], ["a", "b"], axis=1), helper.make_node("Pad", ["x", "p"], ["q"]),
+             helper.make_node("Resize", ["x4", "", "sc"], ["r"], mode="nearest")]
+    outputs = [("m", F, [3, 1]), ("n", F, [4]), ("a", F, [3, 2]), ("b", F, [3, 2]), ("q", F, [3, 6]),
+               ("r", F, [1, 1, 6, 6])]
+    model = make_model(nodes, [("x", F, [3, 4]), ("x4", F, [1, 1, 3, 3])], outputs,
+                       {"p": np.array([0, 1, 0, 1], np.int64), "sc": np.array([1, 1, 2, 2], np.float32)}, opset=17)
+    reference = version_converter.convert_version(_copy(model), target)
+    out, _ = opsets.convert(_copy(model), target)
+    assert _ops(out.graph) == _ops(reference.graph)
+    onnx.checker.check_model(out, full_check=True)
+    feeds = {"x": np.arange(12, dtype=np.float32).reshape(3, 4), "x4": np.arange(9, dtype=np.float32).reshape(1, 1, 3, 3)}
+    for got, want in zip(_run(out, feeds), _run(model, feeds)):
+        np.testing.assert_array_equal(got, want)
