@@ -4,9 +4,12 @@
 (time per phase, peak RSS) and prints a markdown table:
 
 - ``gs-eager``: ``onnx.load`` with all weights, ``gs.import_onnx``, ``gs.export_onnx``, ``onnx.save``;
-- ``gs-lazy``: k3opt's own route: ``k3opt.modelio.load`` (external data left on disk), ``import_graph``
-  (weights as lazy values), ``gs.export_onnx``, ``k3opt.modelio.save`` (copies the weights to the output);
-- ``onnx-ir``: ``onnx_ir.load`` (weights memory-mapped), ``onnx_ir.save``.
+- ``gs-lazy``: k3opt's own route through the ``k3opt.graph`` boundary: ``k3opt.modelio.load`` (external
+  data left on disk), ``modelio.import_graph`` (``k3opt.graph``'s import, weights as lazy values),
+  ``k3opt.api.export`` (``k3opt.graph``'s export), ``k3opt.modelio.save`` (copies the weights to the output);
+- ``onnx-ir-proto``: onnx-ir at that same boundary: ``k3opt.modelio.load``, ``onnx_ir.from_proto``,
+  ``onnx_ir.to_proto``, ``k3opt.modelio.save`` (what replacing gs under ``k3opt.graph`` would cost);
+- ``onnx-ir``: ``onnx_ir.load`` (weights memory-mapped), ``onnx_ir.save``: onnx-ir's own file route.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from .models import BIG, DEPTH_PREFIX, ModelSpec, cached_path, ensure_built
 from .optimizers import PROTOBUF_SAFE, model_bytes
 from .procs import python_module, ram_gib, run_measured, write_result
 
-VARIANTS = ("gs-eager", "gs-lazy", "onnx-ir")
+VARIANTS = ("gs-eager", "gs-lazy", "onnx-ir-proto", "onnx-ir")
 
 
 def _gs_eager(src: Path, dst: Path, big: bool, lap) -> None:
@@ -39,14 +42,27 @@ def _gs_eager(src: Path, dst: Path, big: bool, lap) -> None:
 
 
 def _gs_lazy(src: Path, dst: Path, big: bool, lap) -> None:
-    import onnx_graphsurgeon as gs
     from k3opt import modelio
+    from k3opt.api import export
 
     model = modelio.load(src)
     lap("load")
     graph = modelio.import_graph(model)
     lap("import")
-    out = gs.export_onnx(graph)
+    out = export(graph, model)
+    lap("export")
+    modelio.save(out, dst, external_data=big)
+
+
+def _onnx_ir_proto(src: Path, dst: Path, big: bool, lap) -> None:
+    import onnx_ir as ir
+    from k3opt import modelio
+
+    model = modelio.load(src)
+    lap("load")
+    graph = ir.from_proto(model)
+    lap("import")
+    out = ir.to_proto(graph)
     lap("export")
     modelio.save(out, dst, external_data=big)
 
@@ -72,7 +88,8 @@ def worker(variant: str, src: Path) -> dict:
         last = now
 
     with tempfile.TemporaryDirectory(prefix="k3bench-ir-", dir=src.parent.parent) as tmp:
-        {"gs-eager": _gs_eager, "gs-lazy": _gs_lazy, "onnx-ir": _onnx_ir}[variant](src, Path(tmp) / "out.onnx", big, lap)
+        run = {"gs-eager": _gs_eager, "gs-lazy": _gs_lazy, "onnx-ir-proto": _onnx_ir_proto, "onnx-ir": _onnx_ir}[variant]
+        run(src, Path(tmp) / "out.onnx", big, lap)
         lap("save")
     return {"time_s": time.perf_counter() - t0, "phases": phases}
 

@@ -2,7 +2,9 @@
 
 - the test exports (``tests/zoo.py``: ``zoo_model(name, exporter)``, cached by the zoo), one entry per
   family and exporter, with the zoo's own inputs;
-- a depth series of one Llama-style model (8, 16, 32, 64 layers, small hidden size, TorchScript export);
+- a depth series of one Llama-style model (8, 16, 32, 64 layers, small hidden size, TorchScript export at
+  opset 17), and the same series exported at opset 14 (``llama-depth64-op14``: many exporters' default, so
+  k3opt's opset conversion is part of what is timed);
 - ``llama-3gb``: the same architecture at hidden 2048 and 16 layers, 3.3 GB of fp32 weights in external
   data (opt-in: it takes disk and minutes);
 - the third-party set: ONNX files that packages on PyPI ship inside their wheels (Silero VAD, PaddleOCR's
@@ -38,6 +40,10 @@ EXPORTERS = ("torchscript", "dynamo")
 DEPTHS = (8, 16, 32, 64)
 BIG = "llama-3gb"
 DEPTH_PREFIX = "llama-depth"
+DEPTH_OPSET = 17
+#: The depth series' second export: opset 14, the default of many exporters (k3opt raises it to 17).
+LEGACY_OPSET = 14
+LEGACY_SUFFIX = f"-op{LEGACY_OPSET}"
 ENCODERS = {"bert": "bert", "vit": "vit"}
 CNN_FAMILY = "cnn"
 
@@ -59,7 +65,7 @@ class ModelSpec:
     @property
     def is_zoo(self) -> bool:
         """A test export from ``tests/zoo.py`` or ``tests/cnn_zoo.py`` (which cache it themselves)."""
-        return self.path is None and self.name != BIG and depth_of(self.name) is None
+        return self.path is None and self.name != BIG and series_depth(self.name) is None
 
     @property
     def own_feeds(self) -> bool:
@@ -83,6 +89,7 @@ def model_set(quick: bool = False, big: bool = False) -> list[ModelSpec]:
     depths = DEPTHS[:2] if quick else DEPTHS
     specs = [ModelSpec(f"{fam}-{exp}", fam) for fam in ZOO_FAMILIES for exp in exporters]
     specs += [ModelSpec(f"{DEPTH_PREFIX}{d}", "llama") for d in depths]
+    specs += [ModelSpec(f"{DEPTH_PREFIX}{d}{LEGACY_SUFFIX}", "llama") for d in depths]
     specs += [ModelSpec(f"{CNN_FAMILY}-{name}-{exp}", CNN_FAMILY) for name in cnn_names() for exp in exporters]
     specs += third_party_specs()
     if big:
@@ -148,9 +155,20 @@ def _cnn_parts(name: str) -> tuple[str, str]:
 
 
 def depth_of(name: str) -> Optional[int]:
-    """Layer count of a depth-series model name (``llama-depth16`` -> 16), else None."""
+    """Layer count of an opset-17 depth-series model name (``llama-depth16`` -> 16), else None (the
+    scaling goal's series)."""
     tail = name[len(DEPTH_PREFIX):] if name.startswith(DEPTH_PREFIX) else ""
     return int(tail) if tail.isdigit() else None
+
+
+def series_depth(name: str) -> Optional[int]:
+    """Layer count of a depth-series model of either export (``llama-depth16-op14`` -> 16), else None."""
+    return depth_of(name[:-len(LEGACY_SUFFIX)] if name.endswith(LEGACY_SUFFIX) else name)
+
+
+def export_opset(name: str) -> int:
+    """The opset a depth-series model is exported at."""
+    return LEGACY_OPSET if name.endswith(LEGACY_SUFFIX) else DEPTH_OPSET
 
 
 def select(specs: list[ModelSpec], patterns: Optional[list[str]]) -> list[ModelSpec]:
@@ -239,8 +257,8 @@ def _placeholder_llama(cfg):
     return model
 
 
-def _export_llama(tmp: Path, stream_weights: bool = False, **config: int) -> None:
-    """TorchScript export of a random-weight LlamaForCausalLM (no KV cache, dynamic batch/sequence).
+def _export_llama(tmp: Path, stream_weights: bool = False, opset: int = DEPTH_OPSET, **config: int) -> None:
+    """TorchScript export of a random-weight LlamaForCausalLM (no KV cache, dynamic batch/sequence) at ``opset``.
 
     ``stream_weights``: trace with placeholder weights, export the graph alone, then write seeded random
     weights tensor by tensor into external data, so a multi-GB model never sits in memory.
@@ -257,7 +275,7 @@ def _export_llama(tmp: Path, stream_weights: bool = False, **config: int) -> Non
     dyn = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"}}
     with torch.no_grad():
         torch.onnx.export(_logits_only(model), (ids, mask), str(tmp), input_names=list(dyn), output_names=["logits"],
-                          dynamic_axes=dyn, opset_version=17, dynamo=False, export_params=not stream_weights)
+                          dynamic_axes=dyn, opset_version=opset, dynamo=False, export_params=not stream_weights)
     if stream_weights:
         _weights_to_external_data(tmp, keep=set(dyn))
 
@@ -320,7 +338,7 @@ def build(name: str, dst: Path) -> None:
         if name == BIG:
             _export_llama(tmp, stream_weights=True, **BIG_LLAMA)
         else:
-            _export_llama(tmp, num_hidden_layers=depth_of(name), **SMALL_LLAMA)
+            _export_llama(tmp, opset=export_opset(name), num_hidden_layers=series_depth(name), **SMALL_LLAMA)
         _store(tmp, dst)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -11,13 +11,17 @@ from typing import Optional
 
 import numpy as np
 
-from .models import BIG, DEPTH_PREFIX, depth_of
+from .models import BIG, DEPTH_PREFIX, LEGACY_OPSET, LEGACY_SUFFIX, depth_of
 from .optimizers import SUBJECT
 
 RTOL, ATOL = 1e-4, 1e-5  # "equal outputs": max abs diff within ATOL, or within RTOL of the output's max magnitude
 NOISE_FLOOR = 0.03  # latency differences below 3 % are never called a difference
 LINEAR_LIMIT = 9.0  # 8x the layers may take at most ~9x the time
 LINEAR = "linear 8->64 layers (time ratio <= 9)"
+#: Issue #18: on the opset-14 export, the whole k3opt process (interpreter start, opset conversion included)
+#: within this share of onnxsim's.
+LEGACY_WALL_LIMIT = 0.5
+LEGACY_WALL = f"64 layers, opset-{LEGACY_OPSET} export: whole-process wall <= {LEGACY_WALL_LIMIT}x onnxsim's"
 #: The depth table's column for k3opt's rounds over the whole series (bench.run.series_runs).
 SERIES = f"{SUBJECT} (series rounds)"
 
@@ -168,7 +172,7 @@ def model_table(model: dict) -> list[str]:
         status = row["status"] if row["status"] == "ok" else f"{row['status']}: {last[0][:100]}"
         status = status.replace("|", "/").replace("\n", " ")
         lines.append(" | ".join([
-            f"| {row['optimizer']}", status, _time_cell(row), _num(row.get("wall_s")),
+            f"| {row['optimizer']}", status, _time_cell(row), _num(wall_time(row)),
             _num(row.get("peak_rss_mb"), "{:.0f}"), str(ev.get("nodes", "-")),
             {True: "yes", False: "**NO**", None: "-"}[row.get("equal")],
             _num(diff.get("max_abs"), "{:.1e}"), _num(diff.get("max_rel"), "{:.1e}"),
@@ -180,6 +184,11 @@ def model_table(model: dict) -> list[str]:
 def opt_time(row: dict) -> Optional[float]:
     """An optimizer row's optimize time: the median of its interleaved runs when it has several, else its run's."""
     return row.get("time_median_s", (row.get("payload") or {}).get("time_s"))
+
+
+def wall_time(row: dict) -> Optional[float]:
+    """An optimizer row's whole-process wall time: the median of its interleaved runs when it has several."""
+    return row.get("wall_median_s", row.get("wall_s"))
 
 
 def _time_cell(row: dict) -> str:
@@ -223,6 +232,13 @@ def scaling(run: dict) -> dict:
                 mine < theirs, f"{mine:.2f} s vs {theirs:.2f} s ({who}; {how})")
             out["goals"]["64 layers (aim): at most half of that"] = (
                 mine <= theirs / 2, f"{mine:.2f} s vs {theirs / 2:.2f} s: ratio {mine / theirs:.2f} ({how})")
+    legacy = f"{DEPTH_PREFIX}64{LEGACY_SUFFIX}"
+    mine, sim = opt_row(legacy, SUBJECT), opt_row(legacy, "onnxsim")
+    if mine and sim and wall_time(mine) and wall_time(sim):
+        ratio = wall_time(mine) / wall_time(sim)
+        runs = min(len(mine.get("wall_samples", [0])), len(sim.get("wall_samples", [0])))
+        out["goals"][LEGACY_WALL] = (ratio <= LEGACY_WALL_LIMIT, f"{wall_time(mine):.2f} s vs {wall_time(sim):.2f} s: "
+                                                                f"ratio {ratio:.2f} (medians of {runs} interleaved runs)")
     big = by_name.get(BIG)
     mine = opt_row(BIG, SUBJECT)
     if big and mine:

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 from .latency_rounds import rounds
-from .models import CACHE, ModelSpec, depth_of, ensure_built, model_set, select, zoo_feeds
+from .models import CACHE, ModelSpec, depth_of, ensure_built, model_set, select, series_depth, zoo_feeds
 from .optimizers import OPTIMIZERS, SUBJECT, model_bytes
 from .procs import python_module, ram_gib, run_measured
 from .report import render
@@ -126,7 +126,7 @@ def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, limits: dict
         if "eval" not in row:
             shutil.rmtree(out_dir, ignore_errors=True)
         print(f"  {spec.name} {name}: {row['status']} {res.wall_s:.1f} s {res.peak_rss_mb:.0f} MB", flush=True)
-    if depth_of(spec.name) is not None:
+    if series_depth(spec.name) is not None:
         time_samples(entry["results"], path, work / "again", spec.ort_model_type, limits, time_runs)
     for ev, merged in zip((e for e, _ in timed), rounds([p for _, p in timed], feeds, limits, budget, latency_rounds)):
         if "error" in merged:
@@ -141,7 +141,9 @@ def bench_model(spec: ModelSpec, optimizers: list[str], work: Path, limits: dict
 def time_samples(rows: list[dict], src: Path, scratch: Path, model_type: str, limits: dict, runs: int) -> None:
     """Optimize ``src`` again with each :data:`TIMED` optimizer that succeeded, interleaved (one fresh
     process per run, outputs discarded), until each has ``runs`` times; ``row["time_samples"]`` holds them
-    all (the first run's included), ``row["time_median_s"]`` their median. A failed rerun is left out.
+    all (the first run's included), ``row["time_median_s"]`` their median, and ``row["wall_samples"]``,
+    ``row["wall_median_s"]`` the same for the whole process's wall time (interpreter start and imports
+    included). A failed rerun is left out.
 
     Each round rotates the order one further and every other round reverses it: a process runs slower
     right after one that used much memory (on this VM, k3opt's 64-layer run +17 % right after
@@ -149,16 +151,18 @@ def time_samples(rows: list[dict], src: Path, scratch: Path, model_type: str, li
     predecessor; a few seeded shuffles can repeat one order)."""
     rows = [r for r in rows if r["optimizer"] in TIMED and r["status"] == "ok"]
     for row in rows:
-        row["time_samples"] = [row["payload"]["time_s"]]
+        row["time_samples"], row["wall_samples"] = [row["payload"]["time_s"]], [row["wall_s"]]
     scratch.mkdir(parents=True, exist_ok=True)
     for r in range(1, runs):
         order = rows[r % len(rows):] + rows[:r % len(rows)] if rows else []
         for row in order[::-1] if r % 2 else order:
             t = _timed_run(row["optimizer"], src, scratch, model_type, limits)
             if t is not None:
-                row["time_samples"].append(t)
+                row["time_samples"].append(t[0])
+                row["wall_samples"].append(t[1])
     for row in rows:
         row["time_median_s"] = float(np.median(row["time_samples"]))
+        row["wall_median_s"] = float(np.median(row["wall_samples"]))
         print(f"  {row['optimizer']}: median {row['time_median_s']:.2f} s of {len(row['time_samples'])} runs",
               flush=True)
     scratch.rmdir()
@@ -176,20 +180,21 @@ def series_runs(series: list[tuple[int, Path, str]], scratch: Path, limits: dict
         for depth, src, model_type in series[r % len(series):] + series[:r % len(series)]:
             t = _timed_run(SUBJECT, src, scratch, model_type, limits)
             if t is not None:
-                samples[str(depth)].append(t)
+                samples[str(depth)].append(t[0])
     scratch.rmdir()
     print("  series: " + ", ".join(f"{d} layers {np.median(t):.2f} s" for d, t in samples.items() if t), flush=True)
     return samples
 
 
-def _timed_run(optimizer: str, src: Path, scratch: Path, model_type: str, limits: dict) -> Optional[float]:
-    """One more optimize run of ``src`` in a fresh process, for its time only (None when it failed); its
-    output in ``scratch`` is deleted."""
+def _timed_run(optimizer: str, src: Path, scratch: Path, model_type: str,
+               limits: dict) -> Optional[tuple[float, float]]:
+    """One more optimize run of ``src`` in a fresh process, for its times only: (optimize time, the
+    process's wall time), None when it failed; its output in ``scratch`` is deleted."""
     res = run_measured(python_module("bench.optimizers", optimizer, str(src), str(scratch / "model.onnx"),
                                      model_type), **limits)
     for f in scratch.iterdir():
         f.unlink()
-    return res.payload["time_s"] if res.status == "ok" else None
+    return (res.payload["time_s"], res.wall_s) if res.status == "ok" else None
 
 
 def _load() -> str:

@@ -197,9 +197,9 @@ class _Run:
             converted = model
         # Verification compares with the model as given; bisection restarts from the converted one.
         start = original
-        if original is not None and converted is not model:
+        if original is not None and opsets.model_opset(converted) != opset_before:  # converted in place
             start = verifier.runnable_bytes(converted)
-        known_external = external if converted is model else None  # a converted model was not walked
+        known_external = external  # the conversion touches no external tensor
         model = converted
 
         ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options),
@@ -216,6 +216,9 @@ class _Run:
         if down:
             with self.step("converting opset", "opset"):
                 before_down = out
+                if original is not None:  # the conversion works in place; verification needs the passes' output
+                    before_down = onnx.ModelProto()
+                    before_down.CopyFrom(out)
                 out, notes = opsets.convert(out, opset, target=target)
                 report.notes.extend(notes)
         report.passes = [manager.stats[p.name].as_dict() for p in pipeline]

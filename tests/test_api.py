@@ -279,11 +279,14 @@ def test_converting_down_keeps_nodes_already_valid_at_the_lower_opset():
     assert opsets.model_opset(out) == 17 and [o.domain for o in out.opset_import] == [""]
     onnx.checker.check_model(out)
     assert_equivalent(model, out)
-    with pytest.raises(UsageError, match="op Split"):  # Split-18's num_outputs has no opset-17 form
-        k3opt.optimize(make_model([helper.make_node("Split", ["x"], ["a", "b"], axis=-1, num_outputs=2)],
-                                  [("x", TensorProto.FLOAT, [2, 4])], [("a", TensorProto.FLOAT, [2, 2]),
-                                                                       ("b", TensorProto.FLOAT, [2, 2])], opset=18),
-                       opset=17, passes=[])
+    def split(dims: list) -> onnx.ModelProto:
+        return make_model([helper.make_node("Split", ["x"], ["a", "b"], axis=-1, num_outputs=2)],
+                          [("x", TensorProto.FLOAT, dims)], [("a", TensorProto.FLOAT, [2, None]),
+                                                             ("b", TensorProto.FLOAT, [2, None])], opset=18)
+
+    assert_equivalent(split([2, 4]), k3opt.optimize(split([2, 4]), opset=17, passes=[]))  # sizes [2, 2] given
+    with pytest.raises(UsageError, match="op Split"):  # num_outputs over a dynamic axis: no opset-17 form
+        k3opt.optimize(split([2, "n"]), opset=17, passes=[])
 
 
 def test_shapes_written_to_the_output_hold():

@@ -126,12 +126,13 @@ def test_goals_compare_with_valid_peers_only_and_name_the_invalid_ones():
 def test_time_samples_rerun_the_timed_optimizers_interleaved(tmp_path):
     path = tmp_path / "tiny.onnx"
     onnx.save(_tiny_model(), str(path))
-    rows = [{"optimizer": "k3opt", "status": "ok", "payload": {"time_s": 9.0}},
+    rows = [{"optimizer": "k3opt", "status": "ok", "payload": {"time_s": 9.0}, "wall_s": 10.0},
             {"optimizer": "ort-basic", "status": "ok", "payload": {"time_s": 1.0}},  # not a timed optimizer
             {"optimizer": "onnxsim", "status": "crash", "payload": None}]  # failed: not rerun
     bench_run.time_samples(rows, path, tmp_path / "again", "gpt2", {"timeout_s": 120}, runs=3)
     assert len(rows[0]["time_samples"]) == 3 and rows[0]["time_samples"][0] == 9.0
     assert rows[0]["time_median_s"] == sorted(rows[0]["time_samples"])[1] < 9.0
+    assert len(rows[0]["wall_samples"]) == 3 and rows[0]["wall_median_s"] == sorted(rows[0]["wall_samples"])[1] < 10
     assert "time_samples" not in rows[1] and "time_samples" not in rows[2]
     assert not (tmp_path / "again").exists()
 
@@ -149,7 +150,8 @@ def test_time_samples_vary_which_optimizer_runs_before_which(tmp_path, monkeypat
         return ProcResult("ok", 0, 0.1, 1.0, {"time_s": 1.0}, "")
 
     monkeypatch.setattr(bench_run, "run_measured", fake)
-    rows = [{"optimizer": o, "status": "ok", "payload": {"time_s": 1.0}} for o in ("k3opt", "onnxsim", "onnxslim")]
+    rows = [{"optimizer": o, "status": "ok", "payload": {"time_s": 1.0}, "wall_s": 1.5}
+            for o in ("k3opt", "onnxsim", "onnxslim")]
     bench_run.time_samples(rows, tmp_path / "m.onnx", tmp_path / "again", "gpt2", {"timeout_s": 5}, runs=7)
     rounds = [calls[i:i + 3] for i in range(0, len(calls), 3)]
     assert len(rounds) == 6 and all(sorted(r) == ["k3opt", "onnxsim", "onnxslim"] for r in rounds)
@@ -207,3 +209,23 @@ def test_scaling_goal_reads_the_series_rounds_when_there_are_some():
         True, "x8.0 (0.25 s -> 2.00 s: medians of 3 interleaved rounds over the series)")
     assert sc["depth"][64]["k3opt (series rounds)"] == {"time_s": 2.0, "peak_rss_mb": None}
     assert "| 64 | 2.60 / 100 | 2.00 / - |" in render({"date": "d", "machine": "m", "versions": "v", **run})
+
+
+def test_the_opset14_goal_reads_whole_process_wall_medians():
+    from bench.models import export_opset, model_set, series_depth
+    from bench.report import LEGACY_WALL, scaling
+
+    names = [s.name for s in model_set(quick=True)]
+    assert {"llama-depth8-op14", "llama-depth16-op14"} <= set(names)
+    assert series_depth("llama-depth64-op14") == 64 and export_opset("llama-depth64-op14") == 14
+    assert export_opset("llama-depth64") == 17
+
+    def row(optimizer: str, walls: list) -> dict:
+        return {"optimizer": optimizer, "status": "ok", "payload": {"time_s": 1.0}, "wall_s": walls[0],
+                "wall_samples": walls, "wall_median_s": float(np.median(walls))}
+
+    run = {"models": [{"model": "llama-depth64-op14", "results": [row("k3opt", [2.0, 1.9, 9.0]),
+                                                                  row("onnxsim", [4.0, 4.2, 3.9])]}]}
+    assert scaling(run)["goals"][LEGACY_WALL] == (True, "2.00 s vs 4.00 s: ratio 0.50 (medians of 3 interleaved runs)")
+    run["models"][0]["results"][0]["wall_median_s"] = 2.1
+    assert scaling(run)["goals"][LEGACY_WALL][0] is False

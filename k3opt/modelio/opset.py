@@ -1,8 +1,8 @@
 """Opset conversion: raise old models to opset 17 (LayerNormalization) or to what the user asks.
 
-The converter runs on a weight-less copy (big tensors' data stripped), and
-the original weights are grafted back by name, so a multi-GB model
-converts without its weights in memory.
+Only the nodes whose schema changes between the two opsets are converted
+(:mod:`.opset_nodes`): the rest of the graph, weights included, is left as
+it is and the opset import is bumped.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Optional
 
 import onnx
 from onnx import version_converter
-from onnx.external_data_helper import uses_external_data
 
 from ..errors import UsageError
-from .external import inline_copy, weights_as_inputs
+from .opset_down import NoOpset17Form, rewrite_for_17
+from .opset_nodes import ModelScope, all_graphs, convert_changed_nodes
 
 #: Models below this are raised to it by default; the CANN target needs exactly it.
 DEFAULT_OPSET = 17
@@ -50,10 +50,10 @@ def converts_down(model: onnx.ModelProto, opset: Optional[int] = None, *, target
 def convert(
     model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx"
 ) -> tuple[onnx.ModelProto, list[str]]:
-    """Return (model at the wanted opset, report notes).
+    """Return (model at the wanted opset, report notes): ``model`` itself, converted in place.
 
     No ``opset``: below 17 is raised to 17, otherwise kept; if raising fails
-    the model keeps its opset and a note says so. An explicit ``opset`` or
+    the model keeps its opset (and its nodes) and a note says so. An explicit ``opset`` or
     the cann target (exactly 17) must succeed, else UsageError naming the
     blocking op.
     """
@@ -66,11 +66,11 @@ def convert(
     converted = None
     if reason is None:
         try:
-            converted = _convert_weightless(model, wanted)
+            converted = _convert_changed_nodes(model, current, wanted)
+        except (_InexactConversion, NoOpset17Form) as exc:
+            reason = str(exc)
         except Exception as exc:  # onnx's converter raises RuntimeError/ValueError/IndexError...
             reason = _blocking_reason(model, wanted, exc)
-        else:
-            reason = _interface_change(model, converted)
     if reason is not None:
         if strict:
             raise UsageError(f"cannot convert opset {current} to {wanted}: {reason}") from None
@@ -91,22 +91,12 @@ def inexact_conversion(model: onnx.ModelProto, current: int, wanted: int) -> Opt
     crossed = {op: why for (op, before, after), why in INEXACT_ADAPTERS.items() if low <= before and after <= high}
     if not crossed:
         return None
-    for graph in _graphs(model.graph):
+    for graph in all_graphs(model.graph):
         for node in graph.node:
             if node.op_type in crossed and node.domain in _DEFAULT_DOMAINS:
                 where = f" (node '{node.name}')" if node.name else ""
                 return f"op {node.op_type}{where} has no exact conversion: {crossed[node.op_type]}"
     return None
-
-
-def _graphs(graph: onnx.GraphProto):
-    """``graph`` and every subgraph in it."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            subs = [attr.g] if attr.HasField("g") else []
-            for sub in subs + list(attr.graphs):
-                yield from _graphs(sub)
 
 
 def _interface_change(before: onnx.ModelProto, after: onnx.ModelProto) -> Optional[str]:
@@ -147,23 +137,53 @@ def _single_default_import(model: onnx.ModelProto, version: int) -> onnx.ModelPr
     return model
 
 
-def _convert_weightless(model: onnx.ModelProto, wanted: int) -> onnx.ModelProto:
-    """Convert with big initializers turned into typed graph inputs, then put them back in order."""
-    light, big = weights_as_inputs(model)
-    declared = {vi.name for vi in model.graph.input}
-    converted = _convert_hiding_unadapted(_single_default_import(light, model_opset(light)), wanted)
-    onnx.checker.check_model(converted)
-    g = converted.graph
-    inputs = [vi for vi in g.input if vi.name not in big or vi.name in declared]
-    del g.input[:]
-    g.input.extend(inputs)
-    fresh = {t.name: t for t in g.initializer}  # small ones, converted, plus any the converter added
-    ordered = [big[t.name] if t.name in big else _unchanged_original(t, fresh.pop(t.name))
-               for t in model.graph.initializer if t.name in big or t.name in fresh]
-    ordered += fresh.values()
-    del g.initializer[:]
-    g.initializer.extend(ordered)
-    return _single_default_import(converted, wanted)
+def _convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int) -> onnx.ModelProto:
+    """``model`` at opset ``wanted``, converted in place: only the nodes whose schema changes in between
+    go through onnx's converter (on a sub-model of them, see :mod:`.opset_nodes`), each sub-model checked
+    and its interface compared; the model is left as it was when any of that fails, but for the
+    rewrites of :func:`.opset_down.rewrite_for_17` going below 18 (same values, valid at either opset)."""
+    def convert_sub(sub: onnx.ModelProto, version: int) -> onnx.ModelProto:
+        converted = _convert_hiding_unadapted(sub, version)
+        _check_nodes(converted.graph, converted)
+        reason = _interface_change(sub, converted)
+        if reason is not None:
+            raise _InexactConversion(reason)
+        return converted
+
+    scope = ModelScope(model)
+    if current >= 18 > wanted:
+        rewrite_for_17(model, scope)
+    convert_changed_nodes(model, current, wanted, convert_sub, scope)
+    imports = [o for o in model.opset_import if o.domain not in _DEFAULT_DOMAINS]
+    del model.opset_import[:]
+    model.opset_import.extend([onnx.helper.make_opsetid("", wanted)] + imports)
+    return model
+
+
+def _check_nodes(graph: onnx.GraphProto, model: onnx.ModelProto) -> None:
+    """onnx's checker on every node of ``graph`` and its bodies, each against its schema (a sub-model's
+    inputs may be untyped, which the whole-model check refuses)."""
+    ctx = onnx.checker.C.CheckerContext()
+    ctx.ir_version = model.ir_version
+    ctx.opset_imports = {o.domain: o.version for o in model.opset_import}
+    for node in graph.node:
+        bodies = [a for a in node.attribute if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)]
+        if bodies:  # the bodies read outer names the checker would not find: check their nodes one by one
+            bare = onnx.NodeProto()
+            bare.CopyFrom(node)
+            for attr in bare.attribute:
+                for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    g.Clear()
+                    g.name = "body"
+            node = bare
+            for attr in bodies:
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    _check_nodes(sub, model)
+        onnx.checker.check_node(node, ctx)
+
+
+class _InexactConversion(Exception):
+    """The converter changed a converted sub-model's inputs or outputs (the message says how)."""
 
 
 #: Domain that hides nodes from the converter (see _convert_hiding_unadapted).
@@ -184,7 +204,7 @@ def _convert_hiding_unadapted(model: onnx.ModelProto, wanted: int) -> onnx.Model
             converted = version_converter.convert_version(model, wanted)
             break
         except Exception as exc:  # the converter raises RuntimeError/ValueError/IndexError...
-            m = re.search(r"No Adapter From Version \$?\d+ for (\w+)", str(exc))
+            m = re.search(r"No Adapter (?:From|To) Version \$?\d+ for (\w+)", str(exc))
             op = m.group(1) if m else None
             if op is None or op in hidden or not _valid_at(model.graph, op, wanted):
                 raise
@@ -236,13 +256,6 @@ def _valid_at(graph: onnx.GraphProto, op: str, version: int) -> bool:
         return False
     return all(len(n.input) <= schema.max_input and {a.name for a in n.attribute} <= set(schema.attributes)
                for n in graph.node if n.op_type == op and n.domain in _DEFAULT_DOMAINS)
-
-
-def _unchanged_original(original: onnx.TensorProto, converted: onnx.TensorProto) -> onnx.TensorProto:
-    """The original (maybe external) tensor when the converter left its inlined copy as it was."""
-    if uses_external_data(original) and inline_copy(original) == converted:
-        return original
-    return converted
 
 
 def _blocking_reason(model: onnx.ModelProto, wanted: int, exc: Exception) -> str:
