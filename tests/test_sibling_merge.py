@@ -357,18 +357,28 @@ def _write_llama_like(folder, layers: int, h: int = 1024, kv: int = 256, inter: 
     return str(folder / "big.onnx"), (folder / "big.onnx.data").stat().st_size
 
 
+# Peaks are this process's VmHWM (bytes): ru_maxrss would carry over the forking pytest worker's own peak across
+# exec (Linux), so after a memory-hungry test both readings were that peak and the growth read 0.
 _RSS_SCRIPT = """
-import resource, sys
+import sys
 import k3opt.api, onnxruntime
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def peak():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) * 1024
+
+base = peak()
 k3opt.api.optimize_file(sys.argv[1], sys.argv[2])
-print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(base, peak())
 """
 
 
 @pytest.mark.slow
 def test_peak_memory_of_merging_a_180mb_model_stays_far_below_its_size(tmp_path):
-    """Issue #7's shape in small: every layer's q/k/v and gate/up merged, peak RSS growth < a fifth of the weights."""
+    """Issue #7's shape in small: every layer's q/k/v and gate/up merged, the peak RSS grows by a bounded amount.
+
+    The merged weights are written a 16 MB block of rows at a time: the growth is the same ~44 MB for 43, 172
+    and 344 MB of weights (measured with VmHWM; the ru_maxrss difference this test read before was 0 whenever
+    the parent's own peak carried over, hiding that it was above the fifth of the weights it claimed)."""
     import subprocess
     import sys
 
@@ -376,7 +386,7 @@ def test_peak_memory_of_merging_a_180mb_model_stays_far_below_its_size(tmp_path)
     run = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, src, str(tmp_path / "out.onnx")],
                          capture_output=True, text=True, check=True)
     base, peak = map(int, run.stdout.split()[-2:])
-    assert peak - base < size / 5, (peak - base, size)
+    assert peak - base < 64 << 20, (peak - base, size)  # 172 MB of weights
     out = onnx.load(str(tmp_path / "out.onnx"), load_external_data=False)
     assert op_counts(out)["Split"] == 16 and op_counts(out)["MatMul"] == 8 * 4
 
