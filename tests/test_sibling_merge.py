@@ -188,6 +188,22 @@ def test_refuses_non_constant_weights():
     assert n == 0 and op_counts(out)["MatMul"] == 2
 
 
+def test_report_lists_merged_groups_and_declined_siblings():
+    """The HTML report's per-site list: a merged group at its first sibling; a MatMul sharing an activation
+    that is no projection, and why (the lone projection beside it is not listed: that MatMul is why)."""
+    nodes = [helper.make_node("MatMul", ["x", f"W{i}"], [f"y{i}"], name=f"proj{i}") for i in range(2)]
+    nodes += [helper.make_node("MatMul", ["x", "Wdyn"], ["y2"], name="dyn"),
+              helper.make_node("MatMul", ["z", "Wz"], ["y3"], name="alone_z"),
+              helper.make_node("MatMul", ["z", "Wdyn2"], ["y4"], name="dyn_z")]
+    model = make_model(nodes, [("x", F, [2, 8]), ("z", F, [2, 8]), ("Wdyn", F, [8, 4]), ("Wdyn2", F, [8, 4])],
+                       [(f"y{i}", F, dims("y", 2)) for i in range(5)], {"W0": w(8, 4), "W1": w(8, 4), "Wz": w(8, 4)})
+    _, n, ctx = merged(model)
+    sites = {(r["site"], r["status"]): r["reason"] for r in ctx.site_records() if r["pass"] == "merge-sibling-matmuls"}
+    assert n == 1 and set(sites) == {("node 'proj0' (MatMul)", "applied"), ("node 'dyn' (MatMul)", "declined"),
+                                     ("node 'dyn_z' (MatMul)", "declined")}
+    assert sites["node 'dyn' (MatMul)", "declined"].startswith("not a projection: its weight is not a constant 2-D")
+
+
 def test_refuses_weight_on_the_activation_side():
     nodes = [helper.make_node("MatMul", [f"W{i}", "x"], [f"y{i}"]) for i in range(2)]
     model = make_model(nodes, [("x", F, [8, 3])], [("y0", F, dims("y", 2)), ("y1", F, dims("y", 2))],
