@@ -17,27 +17,19 @@ from k3opt import modelio
 from k3opt.cann_bridge.target_form import check_written
 from k3opt.cli import main
 from k3opt.errors import InvalidOutputError
-from k3opt.pipeline.pass_base import Pass
 from k3opt.pipeline import verify
 from k3opt.pipeline.verify import check_loads
+from tests.conftest import ReluToSigmoid
 from tests.helpers import make_model
 from tests.test_io import save_external, weighted_model
 
 
-class ReluToUnknownOp(Pass):
+class ReluToUnknownOp(ReluToSigmoid):
     """Test pass: rewrites Relu into a default-domain op no opset defines (onnxruntime refuses the model)."""
 
     name = "test-relu-to-unknown-op"
     description = "test: unloadable rewrite"
-    default = False
-
-    def run(self, graph, ctx) -> int:
-        n = 0
-        for node in graph.nodes:
-            if node.op == "Relu":
-                node.op = "NoSuchOp"
-                n += 1
-        return n
+    replacement = "NoSuchOp"
 
 
 def relu_model() -> onnx.ModelProto:
