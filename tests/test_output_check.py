@@ -172,3 +172,22 @@ def test_nodes_of_one_name_are_renamed_so_the_output_loads(tmp_path):
     got = ort.InferenceSession(str(tmp_path / "o.onnx"), providers=["CPUExecutionProvider"]).run(
         None, {"x": np.array([-1, 2], np.float32)})
     np.testing.assert_array_equal(got[0], [0, 2])
+
+
+@pytest.mark.parametrize("as_proto", [False, True], ids=["path", "proto"])
+def test_compile_checks_the_written_model_with_the_cann_checks(tmp_path, monkeypatch, tiny_transformer, as_proto):
+    """Both compile paths (a model file through optimize_file, a proto saved by compile) run the cann check."""
+    from k3opt.cann_bridge import AtcOptions, compile_model, target_form
+
+    seen = []
+
+    def refuse(path: Path) -> None:
+        seen.append(sorted(p.name for p in path.parent.iterdir()))
+        raise InvalidOutputError("refused")
+
+    monkeypatch.setattr(target_form, "check_written", refuse)
+    model = onnx.load(tiny_transformer) if as_proto else tiny_transformer
+    with pytest.raises(InvalidOutputError):
+        compile_model(model, tmp_path / "m", AtcOptions(soc_version="Ascend910B3"), dry_run=True)
+    assert seen == [["m.onnx"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
