@@ -284,7 +284,8 @@ class _Run:
                 model = onnx.load_from_string(verifier.runnable_bytes(candidate))
                 actual = evaluate(model).run(None, dict(feeds))
             except Exception as exc:  # an op the reference refuses (outside its documented contract) fails too
-                return verifier.failed(f"the reference evaluator cannot run the lowered model: {verifier.first_line(exc)}",
+                why = verifier.first_line(exc)
+                return verifier.failed(f"the reference evaluator cannot run the lowered model: {why}",
                                        self.rtol, self.atol)
             if [o.name for o in candidate.graph.output] != names:
                 return verifier.failed("the lowered model's outputs are not the original's", self.rtol, self.atol)

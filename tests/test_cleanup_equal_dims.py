@@ -159,8 +159,8 @@ def test_gathers_of_one_symbol_merge_inside_a_loop_body():
     body = helper.make_graph(
         list(branch.node) + [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
                              helper.make_node("Add", ["v_in", "body_y"], ["v_out"])],
-        "body", [helper.make_tensor_value_info("iter", T.INT64, []), helper.make_tensor_value_info("cond_in", T.BOOL, []),
-                 helper.make_tensor_value_info("v_in", F, [])],
+        "body", [helper.make_tensor_value_info("iter", T.INT64, []),
+                 helper.make_tensor_value_info("cond_in", T.BOOL, []), helper.make_tensor_value_info("v_in", F, [])],
         [helper.make_tensor_value_info("cond_out", T.BOOL, []), helper.make_tensor_value_info("v_out", F, [])],
         list(branch.initializer))
     model = make_model([helper.make_node("Loop", ["m", "", "v0"], ["v"], body=body)],

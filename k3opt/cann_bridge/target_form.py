@@ -122,4 +122,3 @@ def check_written(path: Path) -> None:
     if problems:
         raise InvalidOutputError("the optimized model fails the cann target's checks (" + "; ".join(problems[:5])
                                  + "); nothing was written")
-

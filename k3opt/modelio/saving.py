@@ -68,8 +68,9 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
 
     External data is used when asked, when the model already keeps weights
     outside the proto, or when the proto would pass the 2 GB limit; it goes
-    to ``DST.data`` (tensors under EXTERNAL_THRESHOLD always go inline). Weights in source files are streamed, never loaded at
-    once. ``model``'s tensors are rewritten to point at the new file.
+    to ``DST.data`` (tensors under EXTERNAL_THRESHOLD always go inline).
+    Weights in source files are streamed, never loaded at once. ``model``'s
+    tensors are rewritten to point at the new file.
     Atomic means a temporary folder next to ``dst`` and renames: a failing
     or interrupted run never leaves a partial output. ``check`` gets the
     written model's path in that folder (its data file beside it, under its
