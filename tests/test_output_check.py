@@ -52,6 +52,7 @@ def test_unloadable_output_with_no_verify_is_exit_1_one_line_and_nothing_written
     assert len(err.strip().splitlines()) == 1
     assert err.startswith("k3opt: error: the optimized model does not load in onnxruntime (")
     assert "NoSuchOp" in err and err.rstrip().endswith("nothing was written")
+    assert "Load model from o.onnx failed" in err  # not the temporary folder's path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]  # no output, no temporary folder
 
 

@@ -105,7 +105,8 @@ def check_loads(path: Path) -> Optional[str]:
     except Unrunnable as exc:
         fallback = str(exc)
     except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind exception types
-        raise InvalidOutputError(f"the optimized model does not load in onnxruntime ({first_line(exc)}); "
+        why = first_line(exc).replace(str(path), path.name)  # the temporary folder means nothing to the user
+        raise InvalidOutputError(f"the optimized model does not load in onnxruntime ({why}); "
                                  "nothing was written") from None
     try:
         onnx.checker.check_model(str(path))
