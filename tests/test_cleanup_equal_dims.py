@@ -8,7 +8,7 @@ from onnx import TensorProto as T, helper
 
 import k3opt
 from k3opt.passes.cleanup.merge_equal_dims import MergeEqualDims
-from tests.helpers import assert_equivalent, make_model, op_counts, run_ort
+from tests.helpers import assert_equivalent, body_op_counts, make_model, op_counts, run_ort
 from tests.test_cleanup_ops import apply
 from tests.zoo import NAMES, needs_torch, zoo_inputs, zoo_model
 
@@ -119,11 +119,6 @@ def _if_model(then_outputs: tuple[str, ...] = ("y",), outer_gather: bool = False
     return make_model(nodes, [("a", F, ["N", "S", 4]), ("b", F, ["S", "N"]), ("c", T.BOOL, [])], outputs, inits)
 
 
-def _body_ops(model: onnx.ModelProto, attr: str) -> dict[str, int]:
-    body = next(a.g for a in model.graph.node[0].attribute if a.name == attr)
-    return {op: sum(n.op_type == op for n in body.node) for op in {n.op_type for n in body.node}}
-
-
 _IF_FEEDS = [{"a": np.zeros((2, 3, 4), np.float32), "b": np.zeros((3, 2), np.float32), "c": np.array(c)}
              for c in (True, False)]
 
@@ -132,7 +127,7 @@ def test_gathers_of_one_symbol_merge_inside_if_branches():
     model = _if_model()
     out, n = apply(model, MergeEqualDims())
     assert n == 2  # one per branch
-    assert _body_ops(out, "then_branch")["Gather"] == 1 and _body_ops(out, "else_branch")["Gather"] == 1
+    assert body_op_counts(out, "then_branch")["Gather"] == 1 and body_op_counts(out, "else_branch")["Gather"] == 1
     for feeds in _IF_FEEDS:
         assert_equivalent(model, out, feeds=feeds)
         np.testing.assert_array_equal(run_ort(out, feeds)[0], 4.0)
@@ -142,7 +137,7 @@ def test_a_body_reader_is_not_merged_with_the_outer_graphs():
     """The main graph's Gather of N and one per branch: each graph keeps its own (two in a branch merge)."""
     model = _if_model(outer_gather=True)
     out, n = apply(model, MergeEqualDims())
-    assert n == 2 and op_counts(out)["Gather"] == 1 and _body_ops(out, "then_branch")["Gather"] == 1
+    assert n == 2 and op_counts(out)["Gather"] == 1 and body_op_counts(out, "then_branch")["Gather"] == 1
     for feeds in _IF_FEEDS:
         assert_equivalent(model, out, feeds=feeds)
 
@@ -150,7 +145,7 @@ def test_a_body_reader_is_not_merged_with_the_outer_graphs():
 def test_body_outputs_are_not_merged():
     model = _if_model(then_outputs=("ga", "gb"))
     out, n = apply(model, MergeEqualDims())
-    assert n == 0 and _body_ops(out, "then_branch")["Gather"] == 2
+    assert n == 0 and body_op_counts(out, "then_branch")["Gather"] == 2
 
 
 def test_gathers_of_one_symbol_merge_inside_a_loop_body():
@@ -167,7 +162,7 @@ def test_gathers_of_one_symbol_merge_inside_a_loop_body():
                        [("a", F, ["N", "S", 4]), ("b", F, ["S", "N"])], [("v", F, [])],
                        {"m": np.int64(3), "v0": np.float32(0)})
     out, n = apply(model, MergeEqualDims())
-    assert n == 1 and _body_ops(out, "body")["Gather"] == 1
+    assert n == 1 and body_op_counts(out, "body")["Gather"] == 1
     feeds = {"a": np.zeros((2, 3, 4), np.float32), "b": np.zeros((3, 2), np.float32)}
     assert_equivalent(model, out, feeds=feeds)
     np.testing.assert_array_equal(run_ort(out, feeds)[0], 12.0)
