@@ -4,6 +4,7 @@ from __future__ import annotations
 from .errors import (
     CompileError,
     InputError,
+    InvalidOutputError,
     K3optError,
     OutputError,
     PluginError,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CompileError",
     "InputError",
+    "InvalidOutputError",
     "K3optError",
     "OutputError",
     "Pass",

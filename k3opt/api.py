@@ -93,7 +93,8 @@ def optimize_file(
                 raise OutputError(f"{path}: is an external-data file of the input; pass --overwrite to replace it")
     with run.step("saving", "save"):
         # merged weights are written straight into the output's data file, never spilled first
-        written = modelio.save(model, out, external_data=external_data, fsync=fsync)
+        written = modelio.save(model, out, external_data=external_data, fsync=fsync,
+                               check=written_check(report.target, report))
     modelio.forget_deferred(modelio.deferred_regions() - deferred)  # this run's graph and protos are gone
     report.output = str(out)
     report.files = [str(p) for p in written]
@@ -285,7 +286,8 @@ class _Run:
                 model = onnx.load_from_string(verifier.runnable_bytes(candidate))
                 actual = evaluate(model).run(None, dict(feeds))
             except Exception as exc:  # an op the reference refuses (outside its documented contract) fails too
-                return verifier.failed(f"the reference evaluator cannot run the lowered model: {_first_line(exc)}",
+                why = verifier.first_line(exc)
+                return verifier.failed(f"the reference evaluator cannot run the lowered model: {why}",
                                        self.rtol, self.atol)
             if [o.name for o in candidate.graph.output] != names:
                 return verifier.failed("the lowered model's outputs are not the original's", self.rtol, self.atol)
@@ -343,7 +345,7 @@ class _Run:
         except (InputError, UsageError):
             raise
         except Exception as exc:  # noqa: BLE001 -- ORT cannot load the original
-            return self._skip_verification(f"onnxruntime failed on the original model: {_first_line(exc)}")
+            return self._skip_verification(f"onnxruntime failed on the original model: {verifier.first_line(exc)}")
         expected = feeds.outputs
         sized = verify_dims.shapes_note(feeds)
         if sized:
@@ -356,7 +358,7 @@ class _Run:
             except verifier.Unrunnable:
                 raise
             except Exception as exc:  # the optimized model does not run: that is a failure
-                return verifier.failed(f"onnxruntime cannot run the optimized model: {_first_line(exc)}",
+                return verifier.failed(f"onnxruntime cannot run the optimized model: {verifier.first_line(exc)}",
                                        self.rtol, self.atol)
             if [o.name for o in candidate.graph.output] != names:
                 return verifier.failed("the optimized model's outputs are not the original's", self.rtol, self.atol)
@@ -476,6 +478,23 @@ def finish_target(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
     return model
 
 
+def written_check(target: str, report: Report) -> Callable[[Path], None]:
+    """The check a written output must pass before it is renamed into place (``modelio.save``'s ``check``):
+    it loads in onnxruntime, or for the cann target (NPU ops onnxruntime lacks) reads back under onnx's
+    checker and the target's invariants."""
+    if target == "cann":
+        from .cann_bridge.target_form import check_written
+
+        return check_written
+
+    def loads(path: Path) -> None:
+        warning = verifier.check_loads(path)
+        if warning:
+            report.warnings.append(warning)
+
+    return loads
+
+
 def _load(model: ModelLike, report: Report) -> modelio.Loaded:
     """A checked copy of a model proto, or the model file read (external data left on disk)."""
     if isinstance(model, onnx.ModelProto):
@@ -486,9 +505,3 @@ def _load(model: ModelLike, report: Report) -> modelio.Loaded:
         report.input = str(model)
         return modelio.read_model(model)
     raise UsageError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
-

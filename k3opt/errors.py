@@ -2,7 +2,7 @@
 
 Library callers catch these; the CLI turns each into one line on stderr and
 the exit code named by ``exit_code`` (2: unusable input or usage, 1: the
-optimized model does not match the original).
+optimized model does not match the original, or does not load).
 """
 from __future__ import annotations
 
@@ -31,6 +31,15 @@ class PluginError(K3optError):
 
 class VerificationError(K3optError):
     """The optimized model's outputs differ from the original's beyond tolerance."""
+
+    exit_code = 1
+
+
+class InvalidOutputError(K3optError):
+    """The optimized model, written, does not load (in onnxruntime, or under its target's checks).
+
+    Raised before the output is renamed into place: nothing was written.
+    """
 
     exit_code = 1
 

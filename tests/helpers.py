@@ -108,10 +108,20 @@ def assert_equivalent(
 
 def op_counts(model: onnx.ModelProto) -> dict[str, int]:
     """How many nodes of each op type the main graph has."""
+    return graph_op_counts(model.graph)
+
+
+def graph_op_counts(graph: onnx.GraphProto) -> dict[str, int]:
+    """How many nodes of each op type ``graph`` has (not counting its bodies)."""
     counts: dict[str, int] = {}
-    for n in model.graph.node:
+    for n in graph.node:
         counts[n.op_type] = counts.get(n.op_type, 0) + 1
     return counts
+
+
+def body_op_counts(model: onnx.ModelProto, attr: str) -> dict[str, int]:
+    """:func:`graph_op_counts` of the body ``attr`` (then_branch, body...) of the main graph's first node."""
+    return graph_op_counts(next(a.g for a in model.graph.node[0].attribute if a.name == attr))
 
 
 def assert_value_info_holds(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:

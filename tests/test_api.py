@@ -17,11 +17,11 @@ from k3opt.pipeline.verify import runnable_bytes
 from tests.helpers import assert_equivalent, assert_value_info_holds, make_model, op_counts
 
 
-def small_model(opset: int = 17) -> onnx.ModelProto:
-    w = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32)
+def small_model(opset: int = 17, n: int = 8) -> onnx.ModelProto:
+    w = np.random.default_rng(1).standard_normal((n, n)).astype(np.float32)
     nodes = [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("MatMul", ["a", "w"], ["b"]),
              helper.make_node("Relu", ["b"], ["y"])]
-    return make_model(nodes, [("x", TensorProto.FLOAT, ["batch", 8])], [("y", TensorProto.FLOAT, ["batch", 8])],
+    return make_model(nodes, [("x", TensorProto.FLOAT, ["batch", n])], [("y", TensorProto.FLOAT, ["batch", n])],
                       {"w": w}, opset=opset)
 
 
@@ -223,8 +223,9 @@ def test_verification_compares_with_the_model_before_opset_conversion(monkeypatc
 
 
 def test_opset_conversion_keeps_external_weights_on_disk(tmp_path):
-    model = small_model(13)
-    onnx.save(small_model(13), tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    model = small_model(13, n=16)  # a 1 KB weight: smaller ones are written inline
+    onnx.save(small_model(13, n=16), tmp_path / "m.onnx", save_as_external_data=True, location="m.data",
+              size_threshold=0)
     report = k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "o.onnx", verify=True)
     assert report.after.opset == 17 and report.verification["status"] == "passed"
     saved = onnx.load(tmp_path / "o.onnx", load_external_data=False)

@@ -8,7 +8,7 @@ from onnx import TensorProto as T, helper
 
 import k3opt
 from k3opt.passes.cleanup.merge_equal_dims import MergeEqualDims
-from tests.helpers import assert_equivalent, make_model, op_counts, run_ort
+from tests.helpers import assert_equivalent, body_op_counts, make_model, op_counts, run_ort
 from tests.test_cleanup_ops import apply
 from tests.zoo import NAMES, needs_torch, zoo_inputs, zoo_model
 
@@ -87,3 +87,84 @@ def test_declared_symbols_untraced_give_the_traced_keys(name):
     with full:
         assert [_dim_key(n) for n in gathers] == fast
     assert sum(k is not None for k in fast) > 2
+
+
+# -- If/Loop/Scan bodies --------------------------------------------------------------------------------------
+
+def _dims_branch(name: str, outputs: tuple[str, ...] = ("y",)) -> onnx.GraphProto:
+    """A body reading the outer a[N, S, 4] and b[S, N]: y = Cast(Gather(Shape(a), 0) + Gather(Shape(b), 1))
+    (both N); ``outputs`` may name the Gathers' results instead."""
+    p = name + "_"
+    nodes = [helper.make_node("Shape", ["a"], [p + "sa"]), helper.make_node("Shape", ["b"], [p + "sb"]),
+             helper.make_node("Gather", [p + "sa", p + "i0"], [p + "ga"], axis=0),
+             helper.make_node("Gather", [p + "sb", p + "i1"], [p + "gb"], axis=0),
+             helper.make_node("Add", [p + "ga", p + "gb"], [p + "s"]),
+             helper.make_node("Cast", [p + "s"], [p + "y"], to=F)]
+    inits = [onnx.numpy_helper.from_array(np.int64(0), p + "i0"), onnx.numpy_helper.from_array(np.int64(1), p + "i1")]
+    outs = [helper.make_tensor_value_info(p + o, F if o == "y" else T.INT64, None) for o in outputs]
+    return helper.make_graph(nodes, name, [], outs, inits)
+
+
+def _if_model(then_outputs: tuple[str, ...] = ("y",), outer_gather: bool = False) -> onnx.ModelProto:
+    """If(c) over two :func:`_dims_branch` bodies; ``outer_gather`` adds the main graph's own Gather of N."""
+    n_out = len(then_outputs)
+    nodes = [helper.make_node("If", ["c"], [f"r{k}" for k in range(n_out)],
+                              then_branch=_dims_branch("then", then_outputs),
+                              else_branch=_dims_branch("else", then_outputs))]
+    outputs = [(f"r{k}", F if o == "y" else T.INT64, []) for k, o in enumerate(then_outputs)]
+    inits = {}
+    if outer_gather:
+        nodes += [helper.make_node("Shape", ["a"], ["outer_sa"]),
+                  helper.make_node("Gather", ["outer_sa", "outer_i"], ["outer_n"], axis=0)]
+        outputs.append(("outer_n", T.INT64, []))
+        inits["outer_i"] = np.int64(0)
+    return make_model(nodes, [("a", F, ["N", "S", 4]), ("b", F, ["S", "N"]), ("c", T.BOOL, [])], outputs, inits)
+
+
+_IF_FEEDS = [{"a": np.zeros((2, 3, 4), np.float32), "b": np.zeros((3, 2), np.float32), "c": np.array(c)}
+             for c in (True, False)]
+
+
+def test_gathers_of_one_symbol_merge_inside_if_branches():
+    model = _if_model()
+    out, n = apply(model, MergeEqualDims())
+    assert n == 2  # one per branch
+    assert body_op_counts(out, "then_branch")["Gather"] == 1 and body_op_counts(out, "else_branch")["Gather"] == 1
+    for feeds in _IF_FEEDS:
+        assert_equivalent(model, out, feeds=feeds)
+        np.testing.assert_array_equal(run_ort(out, feeds)[0], 4.0)
+
+
+def test_a_body_reader_is_not_merged_with_the_outer_graphs():
+    """The main graph's Gather of N and one per branch: each graph keeps its own (two in a branch merge)."""
+    model = _if_model(outer_gather=True)
+    out, n = apply(model, MergeEqualDims())
+    assert n == 2 and op_counts(out)["Gather"] == 1 and body_op_counts(out, "then_branch")["Gather"] == 1
+    for feeds in _IF_FEEDS:
+        assert_equivalent(model, out, feeds=feeds)
+
+
+def test_body_outputs_are_not_merged():
+    model = _if_model(then_outputs=("ga", "gb"))
+    out, n = apply(model, MergeEqualDims())
+    assert n == 0 and body_op_counts(out, "then_branch")["Gather"] == 2
+
+
+def test_gathers_of_one_symbol_merge_inside_a_loop_body():
+    """v += N + N for three iterations, N read twice from the outer a and b inside the body."""
+    branch = _dims_branch("body")
+    body = helper.make_graph(
+        list(branch.node) + [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+                             helper.make_node("Add", ["v_in", "body_y"], ["v_out"])],
+        "body", [helper.make_tensor_value_info("iter", T.INT64, []),
+                 helper.make_tensor_value_info("cond_in", T.BOOL, []), helper.make_tensor_value_info("v_in", F, [])],
+        [helper.make_tensor_value_info("cond_out", T.BOOL, []), helper.make_tensor_value_info("v_out", F, [])],
+        list(branch.initializer))
+    model = make_model([helper.make_node("Loop", ["m", "", "v0"], ["v"], body=body)],
+                       [("a", F, ["N", "S", 4]), ("b", F, ["S", "N"])], [("v", F, [])],
+                       {"m": np.int64(3), "v0": np.float32(0)})
+    out, n = apply(model, MergeEqualDims())
+    assert n == 1 and body_op_counts(out, "body")["Gather"] == 1
+    feeds = {"a": np.zeros((2, 3, 4), np.float32), "b": np.zeros((3, 2), np.float32)}
+    assert_equivalent(model, out, feeds=feeds)
+    np.testing.assert_array_equal(run_ort(out, feeds)[0], 12.0)

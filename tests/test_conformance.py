@@ -5,7 +5,7 @@
     onnxruntime agrees with the reference outputs, that is the reference.
 (b) With every test input turned into an initializer, fold-constants and the
     clean-ups fold the graph to the reference outputs, fully (no compute
-    node left), in at least 1,400 cases; no case crashes, and no folded
+    node left), in at least 1,460 cases (issue #17); no case crashes, and no folded
     value is wrong. Where onnxruntime itself departs from the reference
     (DFT, STFT, some Resize modes, out-of-range int4 casts...), folding
     follows the runtime: the folded value must then equal what onnxruntime
@@ -36,7 +36,7 @@ FOLD_PASSES = [
     "merge-transposes", "merge-reshapes", "sequence-to-split", "eliminate-common-subexpressions",
     "remove-dead-nodes",
 ]
-MIN_FULLY_FOLDED = 1400
+MIN_FULLY_FOLDED = 1460  # issue #17's floor; onnx 1.23: 1,832 of 1,884
 
 
 @functools.cache

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper, numpy_helper
@@ -14,7 +15,7 @@ from k3opt.pipeline.pass_base import PassContext
 from k3opt.passes.cleanup.eliminate_common_subexpressions import EliminateCommonSubexpressions
 from k3opt.passes.cleanup.remove_dead_nodes import RemoveDeadNodes
 from k3opt.pipeline.manager import PassManager
-from tests.helpers import assert_equivalent, export_graph, import_graph, make_model, op_counts
+from tests.helpers import assert_equivalent, body_op_counts, export_graph, import_graph, make_model, op_counts
 from tests.test_cleanup_ops import apply
 
 F = T.FLOAT
@@ -272,3 +273,71 @@ def test_node_merges_match_keying_every_node(seed):
     n = EliminateCommonSubexpressions()._nodes(ours)
     assert n == keyed_all(theirs) and n > 0
     assert state(ours) == state(theirs)
+
+
+# -- If/Loop/Scan bodies --------------------------------------------------------------------------------------
+
+def _twice_branch(name: str, out_twice: bool = False) -> onnx.GraphProto:
+    """A body computing Relu(x) twice from the outer x (``out_twice``: both are the body's outputs)."""
+    nodes = [helper.make_node("Relu", ["x"], [f"{name}_r1"]), helper.make_node("Relu", ["x"], [f"{name}_r2"])]
+    if out_twice:
+        outs = [f"{name}_r1", f"{name}_r2"]
+    else:
+        nodes.append(helper.make_node("Add", [f"{name}_r1", f"{name}_r2"], [f"{name}_y"]))
+        outs = [f"{name}_y"]
+    return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(o, F, [2, 3]) for o in outs])
+
+
+def _if_twice(out_twice: bool = False, outer_relu: bool = False) -> onnx.ModelProto:
+    n_out = 2 if out_twice else 1
+    nodes = [helper.make_node("If", ["c"], [f"y{k}" for k in range(n_out)],
+                              then_branch=_twice_branch("then", out_twice),
+                              else_branch=_twice_branch("else", out_twice))]
+    outputs = [(f"y{k}", F, [2, 3]) for k in range(n_out)]
+    if outer_relu:
+        nodes.append(helper.make_node("Relu", ["x"], ["outer"]))
+        outputs.append(("outer", F, [2, 3]))
+    return make_model(nodes, [("x", F, [2, 3]), ("c", T.BOOL, [])], outputs)
+
+
+_IF_FEEDS = [{"x": np.arange(-3, 3, dtype=np.float32).reshape(2, 3), "c": np.array(c)} for c in (True, False)]
+
+
+def test_equal_nodes_merge_inside_each_if_branch():
+    model = _if_twice()
+    out, n = apply(model, EliminateCommonSubexpressions(), RemoveDeadNodes())
+    assert body_op_counts(out, "then_branch") == {"Relu": 1, "Add": 1} == body_op_counts(out, "else_branch")
+    for feeds in _IF_FEEDS:
+        assert_equivalent(model, out, feeds=feeds)
+
+
+def test_a_body_node_is_not_merged_into_the_outer_graphs():
+    """The outer Relu(x) equals each branch's: the branches keep their own (and merge their two into one)."""
+    model = _if_twice(outer_relu=True)
+    out, _ = apply(model, EliminateCommonSubexpressions(), RemoveDeadNodes())
+    assert op_counts(out) == {"If": 1, "Relu": 1} and body_op_counts(out, "then_branch") == {"Relu": 1, "Add": 1}
+    for feeds in _IF_FEEDS:
+        assert_equivalent(model, out, feeds=feeds)
+
+
+def test_two_body_outputs_are_not_merged():
+    model = _if_twice(out_twice=True)
+    out, _ = apply(model, EliminateCommonSubexpressions(), RemoveDeadNodes())
+    assert body_op_counts(out, "then_branch") == {"Relu": 2}
+
+
+def test_equal_nodes_merge_inside_a_loop_body():
+    """v += (v_in + one) + (v_in + one) three times: the two Adds of the carried value are one."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Add", ["v_in", "one"], ["a1"]), helper.make_node("Add", ["v_in", "one"], ["a2"]),
+         helper.make_node("Add", ["a1", "a2"], ["v_out"])],
+        "body", [helper.make_tensor_value_info("iter", T.INT64, []),
+                 helper.make_tensor_value_info("cond_in", T.BOOL, []), helper.make_tensor_value_info("v_in", F, [2])],
+        [helper.make_tensor_value_info("cond_out", T.BOOL, []), helper.make_tensor_value_info("v_out", F, [2])],
+        [numpy_helper.from_array(np.float32(1), "one")])
+    model = make_model([helper.make_node("Loop", ["m", "", "v0"], ["v"], body=body)], [("v0", F, [2])],
+                       [("v", F, [2])], {"m": np.int64(3)})
+    out, _ = apply(model, EliminateCommonSubexpressions(), RemoveDeadNodes())
+    assert body_op_counts(out, "body") == {"Identity": 1, "Add": 2}
+    assert_equivalent(model, out, feeds={"v0": np.float32([0, 1])})

@@ -379,3 +379,29 @@ def test_constant_nodes_leave_no_links():
     assert isinstance(c, gs.Constant) and isinstance(d, gs.Constant) and readers["m"].inputs[1] is c
     assert (c.name, d.name) == ("c", "d") and not c.inputs and not d.inputs
     assert [id(n) for n in c.outputs] == [id(readers["s"]), id(readers["m"])] and d.outputs == [readers["y"]]
+
+
+@pytest.mark.parametrize("op,bound,expected", [
+    ("ConstantOfShape", [2**32, 2**32], (2**64, 1)),
+    ("ConstantOfShape", [2**40, 2**30, 2**20], (2**90, 1)),
+    ("ConstantOfShape", [4, -1], None),
+    ("Range", np.inf, None),
+])
+def test_size_guard_counts_huge_sizes_exactly(op, bound, expected):
+    """2**32 x 2**32 elements wrap to 0 in int64 (which let the fold allocate them); an infinite Range bound
+    made math.ceil raise. Python ints count them; an unbounded or negative size refuses."""
+    from k3opt import graph as gs
+    from k3opt.graph.ir import as_constant, new_variable
+    from k3opt.passes.fold._guard import predicted_elements, too_big
+
+    if op == "Range":
+        inputs = [as_constant("s", np.float32(0)), as_constant("l", np.float32(bound)), as_constant("d", np.float32(1))]
+    else:
+        inputs = [as_constant("shape", np.array(bound, np.int64))]
+    node = gs.Node(op, inputs=inputs, outputs=[new_variable("y")])
+
+    def value(t):
+        return t.values if isinstance(t, gs.Constant) else None
+
+    assert predicted_elements(node, value) == expected
+    assert too_big(node, value, {})

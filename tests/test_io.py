@@ -120,13 +120,14 @@ def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch, error):
 
 
 def _fsynced(monkeypatch) -> list[str]:
-    """Record what os.fsync is called on for the rest of the test: "folder", or the file a temporary file becomes."""
+    """Record what os.fsync is called on for the rest of the test: "folder", or the file a temporary file becomes
+    (written under its final name in a temporary folder)."""
     calls: list[str] = []
     real = modelio.saving.os.fsync
 
     def spy(fd):
         target = os.readlink(f"/proc/self/fd/{fd}")
-        calls.append("folder" if os.path.isdir(target) else Path(target).name.rsplit(".", 2)[0].lstrip("."))
+        calls.append("folder" if os.path.isdir(target) else Path(target).name)
         real(fd)
 
     monkeypatch.setattr(modelio.saving.os, "fsync", spy)

@@ -188,6 +188,22 @@ def test_refuses_non_constant_weights():
     assert n == 0 and op_counts(out)["MatMul"] == 2
 
 
+def test_report_lists_merged_groups_and_declined_siblings():
+    """The HTML report's per-site list: a merged group at its first sibling; a MatMul sharing an activation
+    that is no projection, and why (the lone projection beside it is not listed: that MatMul is why)."""
+    nodes = [helper.make_node("MatMul", ["x", f"W{i}"], [f"y{i}"], name=f"proj{i}") for i in range(2)]
+    nodes += [helper.make_node("MatMul", ["x", "Wdyn"], ["y2"], name="dyn"),
+              helper.make_node("MatMul", ["z", "Wz"], ["y3"], name="alone_z"),
+              helper.make_node("MatMul", ["z", "Wdyn2"], ["y4"], name="dyn_z")]
+    model = make_model(nodes, [("x", F, [2, 8]), ("z", F, [2, 8]), ("Wdyn", F, [8, 4]), ("Wdyn2", F, [8, 4])],
+                       [(f"y{i}", F, dims("y", 2)) for i in range(5)], {"W0": w(8, 4), "W1": w(8, 4), "Wz": w(8, 4)})
+    _, n, ctx = merged(model)
+    sites = {(r["site"], r["status"]): r["reason"] for r in ctx.site_records() if r["pass"] == "merge-sibling-matmuls"}
+    assert n == 1 and set(sites) == {("node 'proj0' (MatMul)", "applied"), ("node 'dyn' (MatMul)", "declined"),
+                                     ("node 'dyn_z' (MatMul)", "declined")}
+    assert sites["node 'dyn' (MatMul)", "declined"].startswith("not a projection: its weight is not a constant 2-D")
+
+
 def test_refuses_weight_on_the_activation_side():
     nodes = [helper.make_node("MatMul", [f"W{i}", "x"], [f"y{i}"]) for i in range(2)]
     model = make_model(nodes, [("x", F, [8, 3])], [("y0", F, dims("y", 2)), ("y1", F, dims("y", 2))],
@@ -357,18 +373,28 @@ def _write_llama_like(folder, layers: int, h: int = 1024, kv: int = 256, inter: 
     return str(folder / "big.onnx"), (folder / "big.onnx.data").stat().st_size
 
 
+# Peaks are this process's VmHWM (bytes): ru_maxrss would carry over the forking pytest worker's own peak across
+# exec (Linux), so after a memory-hungry test both readings were that peak and the growth read 0.
 _RSS_SCRIPT = """
-import resource, sys
+import sys
 import k3opt.api, onnxruntime
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def peak():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) * 1024
+
+base = peak()
 k3opt.api.optimize_file(sys.argv[1], sys.argv[2])
-print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(base, peak())
 """
 
 
 @pytest.mark.slow
 def test_peak_memory_of_merging_a_180mb_model_stays_far_below_its_size(tmp_path):
-    """Issue #7's shape in small: every layer's q/k/v and gate/up merged, peak RSS growth < a fifth of the weights."""
+    """Issue #7's shape in small: every layer's q/k/v and gate/up merged, the peak RSS grows by a bounded amount.
+
+    The merged weights are written a 16 MB block of rows at a time: the growth is the same ~44 MB for 43, 172
+    and 344 MB of weights (measured with VmHWM; the ru_maxrss difference this test read before was 0 whenever
+    the parent's own peak carried over, hiding that it was above the fifth of the weights it claimed)."""
     import subprocess
     import sys
 
@@ -376,7 +402,7 @@ def test_peak_memory_of_merging_a_180mb_model_stays_far_below_its_size(tmp_path)
     run = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, src, str(tmp_path / "out.onnx")],
                          capture_output=True, text=True, check=True)
     base, peak = map(int, run.stdout.split()[-2:])
-    assert peak - base < size / 5, (peak - base, size)
+    assert peak - base < 64 << 20, (peak - base, size)  # 172 MB of weights
     out = onnx.load(str(tmp_path / "out.onnx"), load_external_data=False)
     assert op_counts(out)["Split"] == 16 and op_counts(out)["MatMul"] == 8 * 4
 

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Union
 import onnx
 
 from .. import modelio, optimize, optimize_file
+from ..api import written_check
 from ..errors import CompileError, UsageError
 from ..report import Report
 from ..pipeline.verify import summary_line
@@ -54,7 +55,7 @@ def _optimize(model: Union[str, os.PathLike, onnx.ModelProto], dst: Path, static
     if isinstance(model, onnx.ModelProto):
         report = options.pop("report", None) or Report()
         out = optimize(model, target="cann", input_shapes=shapes, report=report, **options)
-        report.files = [str(p) for p in modelio.save(out, dst)]
+        report.files = [str(p) for p in modelio.save(out, dst, check=written_check("cann", report))]
         report.output = str(dst)
         return report
     return optimize_file(model, dst, target="cann", input_shapes=shapes, **options)

@@ -14,11 +14,13 @@ Then :func:`invariant_violations` must find nothing.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 import onnx
 
-from ..errors import CompileError
+from .. import modelio
+from ..errors import CompileError, InputError, InvalidOutputError
 from .atc_ops import ATC_PARSERS, NPU_DOMAIN_OPS, NPU_OPS
 from .compat import all_nodes
 
@@ -97,3 +99,26 @@ def invariant_violations(model: onnx.ModelProto) -> list[str]:
             found.append(f"node '{node.name}' ({node.op_type}) is neither a standard opset-{opset} op "
                          "nor an NPU op ATC registers")
     return found
+
+
+def check_written(path: Path) -> None:
+    """The written cann-target model file reads back (external data beside it, of the sizes it claims), passes
+    onnx's checker with its NPU ops set aside, and keeps :func:`invariant_violations` empty; raises
+    InvalidOutputError otherwise. onnxruntime cannot load NPU ops, so these checks stand in for it."""
+    try:
+        modelio.load(path)  # the structure k3opt reads, and every external-data range within its file
+    except InputError as exc:
+        raise InvalidOutputError(f"the optimized model does not read back ({exc}); nothing was written") from None
+    model = onnx.load(str(path), load_external_data=False)  # locations as written: the checker wants them relative
+    problems = invariant_violations(model)
+    for node in all_nodes(model.graph):  # NPU ops are no schema's: the checker judges the rest
+        if node.domain in _DEFAULT and node.op_type in NPU_OPS:
+            node.domain = STAGING_DOMAIN
+    model.opset_import.add(domain=STAGING_DOMAIN, version=1)
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        problems.append(f"onnx's checker: {str(exc).strip().splitlines()[0][:300]}")
+    if problems:
+        raise InvalidOutputError("the optimized model fails the cann target's checks (" + "; ".join(problems[:5])
+                                 + "); nothing was written")

@@ -12,6 +12,9 @@ gs gets two things wrong at the edges of a graph:
   makes ``gs.export_onnx`` crash (``UnboundLocalError``): gs writes only
   tensor, sequence and sparse types. :func:`export_onnx` exports such
   tensors untyped and then writes their real type (:func:`value_info_proto`).
+
+And onnxruntime refuses a graph with two nodes of one name (exporters and
+hand edits make such graphs): :func:`export_onnx` renames the later ones.
 """
 from __future__ import annotations
 
@@ -117,6 +120,7 @@ def _shape(vi: onnx.ValueInfoProto):
 def export_onnx(graph: Graph) -> onnx.ModelProto:
     """``gs.export_onnx(graph, do_type_check=False)`` (built by :mod:`k3opt.graph.gs_export`) that writes
     optional types and input defaults."""
+    _unique_node_names(graph)
     maps = [gs_export.tensor_map(g) for g in all_graphs(graph)]
     odd = [t for tensors in maps for t in tensors.values()
            if getattr(t, "type", "tensor_type") not in _GS_TYPES and t.dtype is not None]
@@ -138,6 +142,23 @@ def export_onnx(graph: Graph) -> onnx.ModelProto:
     have = {t.name for t in model.graph.initializer}
     model.graph.initializer.extend(t for name, t in defaults.items() if name in inputs and name not in have)
     return model
+
+
+def _unique_node_names(graph: Graph) -> None:
+    """Within each graph, rename the second and later nodes of a (non-empty) name to ``NAME_k``, unused."""
+    for g in all_graphs(graph):
+        names = [n.name for n in g.nodes]
+        if len(set(names)) == len(names):
+            continue
+        taken, seen = set(names), set()
+        for node in g.nodes:
+            if node.name and node.name in seen:
+                k = 1
+                while f"{node.name}_{k}" in taken:
+                    k += 1
+                node.name = f"{node.name}_{k}"
+                taken.add(node.name)
+            seen.add(node.name)
 
 
 def value_info_proto(t: Tensor) -> onnx.ValueInfoProto:

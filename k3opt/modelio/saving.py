@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Iterator, NamedTuple, Optional, Union
+from typing import BinaryIO, Callable, Iterator, NamedTuple, Optional, Union
 
 import onnx
 from google.protobuf.message import EncodeError, Message
@@ -62,20 +63,25 @@ def proto_size(model: onnx.ModelProto, serialized: Optional[int] = None,
 
 
 def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool] = None,
-         fsync: bool = False) -> list[Path]:
+         fsync: bool = False, check: Optional[Callable[[Path], None]] = None) -> list[Path]:
     """Write ``model`` to ``dst`` atomically; returns the files written.
 
     External data is used when asked, when the model already keeps weights
     outside the proto, or when the proto would pass the 2 GB limit; it goes
-    to ``DST.data``. Weights in source files are streamed, never loaded at
-    once. ``model``'s tensors are rewritten to point at the new file.
-    Atomic means temporary files and a rename: a failing or interrupted
-    run never leaves a partial output. ``fsync`` also makes the files and
-    the renames durable against a power loss, at the cost of writing out
-    what is still in the page cache (data files of DIRECT_THRESHOLD or more
-    bypass it anyway); off by default, as in onnx.save and every peer.
+    to ``DST.data`` (tensors under EXTERNAL_THRESHOLD always go inline).
+    Weights in source files are streamed, never loaded at once. ``model``'s
+    tensors are rewritten to point at the new file.
+    Atomic means a temporary folder next to ``dst`` and renames: a failing
+    or interrupted run never leaves a partial output. ``check`` gets the
+    written model's path in that folder (its data file beside it, under its
+    final name) before the renames; an exception from it leaves nothing
+    written. ``fsync`` also makes the files and the renames durable against
+    a power loss, at the cost of writing out what is still in the page cache
+    (data files of DIRECT_THRESHOLD or more bypass it anyway); off by
+    default, as in onnx.save and every peer.
     """
     out = Path(dst)
+    _inline_small(model)
     has_external = any(uses_external_data(t) for t in all_tensors(model))
     serialized = None  # the inline model's pieces, when sizing it already produced them
     if external_data is None and has_external:
@@ -90,11 +96,12 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
             external_data = True
         elif too_big:
             raise OutputError(f"{out}: model exceeds 2 GB; it must be saved with external data")
-    temps: list[Path] = []
+    folder: Optional[Path] = None
     try:
+        folder = _temp_folder(out)
+        written = [out] + [data_path(out)] * bool(external_data)
         if external_data:
-            data_tmp = _temp_in(out.parent, data_path(out).name)
-            temps.append(data_tmp)
+            data_tmp = folder / data_path(out).name
             direct = sum(size for _, size in _external_candidates(model)) >= DIRECT_THRESHOLD
             with direct_writer_or_file(data_tmp, direct) as f:
                 _write_external(model, f, data_path(out).name)
@@ -104,25 +111,22 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
             for t in all_tensors(model):
                 if uses_external_data(t):
                     t.CopyFrom(inline_copy(t))
-        model_tmp = _temp_in(out.parent, out.name)
-        temps.append(model_tmp)
-        with open(model_tmp, "wb") as f:
+        with open(folder / out.name, "wb") as f:
             _write_serialized(serialized or _serialized(model), f)
             if fsync:
                 _sync(f)
-        written = [out]
-        if external_data:
-            os.replace(temps[0], data_path(out))
-            written.append(data_path(out))
-        os.replace(model_tmp, out)
+        if check is not None:
+            check(folder / out.name)
+        for path in reversed(written):  # the data file first: the new model never points at an old one
+            os.replace(folder / path.name, path)
         if fsync:
             _sync_folder(out.parent)
         return written
     except OSError as exc:
         raise OutputError(f"{out}: cannot write ({exc.strerror or exc})") from None
     finally:
-        for tmp in temps:
-            tmp.unlink(missing_ok=True)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 # Serializing a whole model at once (upb) encodes it into a buffer that doubles as it grows, then copies
@@ -211,12 +215,10 @@ def _tag(number: int) -> bytes:
     return varint(number << 3 | 2)
 
 
-def _temp_in(folder: Path, name: str) -> Path:
-    """An empty temporary file next to the target, with the permissions a new file would get."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder if str(folder) else ".")
-    os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())
-    return Path(tmp)
+def _temp_folder(out: Path) -> Path:
+    """A new private folder next to ``out`` (same file system, so its files rename into place)."""
+    parent = out.parent if str(out.parent) else Path(".")
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent))
 
 
 def _sync_folder(folder: Path) -> None:
@@ -226,12 +228,6 @@ def _sync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _sync(f) -> None:
@@ -260,6 +256,14 @@ def _write_external(model: onnx.ModelProto, f, location: str) -> None:
             for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
                 t.ClearField(field)
         set_external(t, location, offset, size)
+
+
+def _inline_small(model: onnx.ModelProto) -> None:
+    """Read external tensors under :data:`EXTERNAL_THRESHOLD` back into the proto: onnxruntime's shape
+    inference reads no data file, so a model with, say, Unsqueeze axes stored outside it does not load."""
+    for t in all_tensors(model):
+        if uses_external_data(t) and t.data_type != TensorProto.STRING and tensor_nbytes(t) < EXTERNAL_THRESHOLD:
+            t.CopyFrom(inline_copy(t))
 
 
 def _external_candidates(model: onnx.ModelProto) -> Iterator[tuple[TensorProto, int]]:

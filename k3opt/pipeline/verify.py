@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx.external_data_helper import uses_external_data
 
-from ..errors import InputError, UsageError
+from ..errors import InputError, InvalidOutputError, UsageError
 from ..graph import dtypes
 from ..modelio import PROTO_LIMIT, all_tensors, inline_copy, proto_size
 from . import verify_dims
@@ -65,14 +65,24 @@ def runnable_bytes(model: onnx.ModelProto) -> bytes:
     return inlined.SerializeToString()
 
 
-def session(model: Union[bytes, onnx.ModelProto]):
-    """An onnxruntime CPU session with graph optimizations off (we compare our rewrites, not ORT's)."""
+def session(model: Union[bytes, onnx.ModelProto, Path], load_only: bool = False):
+    """An onnxruntime CPU session with graph optimizations off (we compare our rewrites, not ORT's).
+
+    A Path is loaded by onnxruntime from the file (external data from its folder, so over 2 GB too).
+    ``load_only``: the session will not run, so skip what only speeds runs up (thread pool, spinning,
+    memory arena and patterns, weight prepacking): 0.13 s instead of 0.5 s on the 64-layer Llama.
+    """
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
-    data = model if isinstance(model, bytes) else runnable_bytes(model)
+    if load_only:
+        so.intra_op_num_threads = so.inter_op_num_threads = 1
+        so.enable_cpu_mem_arena = so.enable_mem_pattern = False
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    data = model if isinstance(model, bytes) else str(model) if isinstance(model, Path) else runnable_bytes(model)
     try:
         return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ORT raises its own pybind exception types
@@ -80,6 +90,37 @@ def session(model: Union[bytes, onnx.ModelProto]):
         if any(s in str(exc) for s in _UNSUPPORTED):
             raise Unrunnable(f"onnxruntime cannot run it: {msg[:300]}") from None
         raise
+
+
+def check_loads(path: Path) -> Optional[str]:
+    """Load the model file ``path`` in onnxruntime: the check of an output before it is renamed into place.
+
+    Optimizations off, so it costs a fraction of the run. Where onnxruntime
+    lacks an op or kernel of the model (a custom domain, say), onnx's checker
+    judges the file instead and the returned warning says so; else None.
+    Raises InvalidOutputError when the file does not load.
+    """
+    try:
+        session(path, load_only=True)
+        return None
+    except Unrunnable as exc:
+        fallback = str(exc)
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind exception types
+        why = first_line(exc).replace(str(path), path.name)  # the temporary folder means nothing to the user
+        raise InvalidOutputError(f"the optimized model does not load in onnxruntime ({why}); "
+                                 "nothing was written") from None
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as exc:  # noqa: BLE001 - onnx raises ValidationError, or a C++ error for a bad file
+        raise InvalidOutputError(f"the optimized model fails onnx's checker ({first_line(exc)}); "
+                                 "nothing was written") from None
+    return f"the written model was checked with onnx's checker only: {fallback}"
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first message line (its type when it has no message), at most 300 characters."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
 # --------------------------------------------------------------------------- inputs

@@ -12,6 +12,10 @@ in external data or exceed ``cse_max_const_bytes`` (default 1 MiB).
 Refused: random ops (two draws are not one), nodes with subgraphs, nodes in
 custom domains (their semantics are unknown), and merges that would make two
 graph outputs one tensor.
+
+Inside If/Loop/Scan bodies, equal nodes of one body merge the same way (a
+run of a body sees one value per input); a body's node is never merged
+into a node of another graph, and constants merge in the main graph only.
 """
 from __future__ import annotations
 
@@ -166,7 +170,10 @@ class EliminateCommonSubexpressions(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         limit = int(ctx.options.get("cse_max_const_bytes", DEFAULT_MAX_CONST_BYTES))
-        return self._constants(graph, limit) + self._nodes(graph)
+        merged = self._constants(graph, limit) + self._nodes(graph)
+        # Bodies: equal nodes within one body (one run of it sees one value per input). Constants are merged in
+        # the main graph only: a constant read by two graphs must stay visible to both.
+        return merged + sum(self._nodes(body) for body in ctx.graphs(graph)[1:])
 
     @staticmethod
     def _remembered(cache: dict, c: gs.Constant, compute: Callable[[gs.Constant], Hashable]) -> Hashable:

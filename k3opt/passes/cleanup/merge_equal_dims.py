@@ -8,6 +8,9 @@ of the later ones, so the graph stays acyclic). TorchScript exports read
 the batch and sequence length again from nearly every activation; after
 this, CSE and dead-node removal drop the duplicates. Refused for dims that
 are not a symbol, non-constant or multi-element indices, and graph outputs.
+If/Loop/Scan bodies are merged too, each within itself (one run of a body
+sees one size per symbol, as the main graph does); a body's reader is never
+replaced by a value of another graph.
 """
 from __future__ import annotations
 
@@ -38,21 +41,27 @@ class MergeEqualDims(Pass):
     preserves = frozenset({Shapes})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        toposort(graph)  # gs's order in linear time (gs's own rebuilds its tensor maps at every call)
+        toposort(graph)  # gs's order in linear time, bodies included (gs's own rebuilds its tensor maps at every call)
+        with ctx.analysis(DimAnalysis, graph):
+            return sum(self._merge(g) for g in ctx.graphs(graph))
+
+    @staticmethod
+    def _merge(graph: Graph) -> int:
+        """Merge within ``graph`` alone (the main graph or one If/Loop/Scan body): a body's readers keep
+        to the body, whose first reader precedes the others in its own order."""
         first: dict[object, Tensor] = {}
         dead: list[Node] = []
         merged = 0
-        with ctx.analysis(DimAnalysis, graph):
-            for node in list(graph.nodes):
-                if node.op != "Gather" or (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1:
-                    continue
-                key = _dim_key(node)
-                if key is None:
-                    continue
-                kept = first.setdefault(key, node.outputs[0])
-                if kept is node.outputs[0]:
-                    continue
-                merged += bypass(graph, node, kept, dead)
+        for node in list(graph.nodes):
+            if node.op != "Gather" or (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1:
+                continue
+            key = _dim_key(node)
+            if key is None:
+                continue
+            kept = first.setdefault(key, node.outputs[0])
+            if kept is node.outputs[0]:
+                continue
+            merged += bypass(graph, node, kept, dead)
         remove(graph, dead)
         return merged
 

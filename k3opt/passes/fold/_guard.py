@@ -44,9 +44,10 @@ def predicted_elements(node: Node, value: Values) -> Optional[tuple[int, int]]:
     op = node.op
     if op == "ConstantOfShape":
         shape = value(node.inputs[0])
-        if shape is None:
+        dims = None if shape is None else [int(d) for d in np.asarray(shape).ravel()]
+        if dims is None or any(d < 0 for d in dims):
             return None
-        return int(np.prod(shape, dtype=np.int64)), 1
+        return math.prod(dims), 1  # Python ints: an int64 product of huge dims wraps (to 0 for 2**32 x 2**32)
     data = node.inputs[0]
     data_shape = const_shape(data)
     if op == "Range":
@@ -56,7 +57,10 @@ def predicted_elements(node: Node, value: Values) -> Optional[tuple[int, int]]:
         start, limit, delta = (np.asarray(v).item() for v in vals)
         if delta == 0:
             return None
-        return max(int(math.ceil((limit - start) / delta)), 0), 0
+        count = (limit - start) / delta
+        if not math.isfinite(count):  # an infinite or NaN bound: math.ceil would raise
+            return None
+        return max(math.ceil(count), 0), 0
     if data_shape is None:
         return None
     if out_shape is not None:

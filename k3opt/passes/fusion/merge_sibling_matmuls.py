@@ -23,6 +23,7 @@ from ... import graph as gs
 from ...graph.ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank
 from ...graph.dtypes import PACKED_BITS, onnx_type
 from ...modelio.concat_values import concat_last_axis
+from ...patterns.matcher import describe
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 
@@ -53,6 +54,22 @@ def _sibling_groups(graph: Graph, ctx: PassContext) -> list[list[tuple[Node, gs.
             key = (id(node.inputs[0]), onnx_type(weight.dtype), int(weight.shape[0]))
             groups.setdefault(key, []).append((node, weight))
     return [g for g in groups.values() if len(g) > 1]
+
+
+def _record_declined(graph: Graph, ctx: PassContext) -> None:
+    """Report each MatMul that shares its activation with another MatMul but is no projection, and why.
+
+    (A projection left alone has no sibling projection: the other readers are such MatMuls, reported.)
+    """
+    readers: dict[int, list[Node]] = {}
+    for node in ctx.nodes_of(graph, ("MatMul",)):
+        if node.inputs:
+            readers.setdefault(id(node.inputs[0]), []).append(node)
+    for nodes in readers.values():
+        for node in nodes if len(nodes) > 1 else ():
+            if _projection_weight(node) is None:
+                ctx.site(describe(node), "declined", "not a projection: its weight is not a constant 2-D tensor "
+                                                     "of an unpacked type, or its activation is constant")
 
 
 def _bias_add(graph: Graph, node: Node, weight: gs.Constant) -> Optional[tuple[Node, np.ndarray]]:
@@ -120,6 +137,7 @@ def _merge(graph: Graph, ctx: PassContext, group: list[tuple[Node, gs.Constant]]
     split.outputs = outputs
     new.append(split)
     ctx.count("sibling_matmuls_merged", len(group))
+    ctx.site(describe(group[0][0]), "applied")
     return new, nodes
 
 
@@ -139,6 +157,7 @@ class MergeSiblingMatMuls(Pass):
 
     def _merge_in(self, graph: Graph, ctx: PassContext) -> int:
         groups = _sibling_groups(graph, ctx)
+        _record_declined(graph, ctx)
         if not groups:
             return 0
         replaced: dict[int, list[Node]] = {}  # id(first sibling) -> new nodes, placed where it was
