@@ -140,8 +140,9 @@ class _Decline(Exception):
 def analyze(m: Match) -> Optional[AttentionMatch]:
     """The :class:`AttentionMatch` of a structural match, or None with ``m.fail(reason)``."""
     try:
-        # Dims traced once per match; the symbols the graph declares (batch, sequence) are not traced.
-        with fold_shapes.remembered_dims(m.graph):
+        # Dims traced once per match; the symbols the graph declares (batch, sequence) are not traced, and
+        # unknown ones are named (a head split's -1 of a flattened batch cancels against the batch it reads).
+        with fold_shapes.naming_unknown_dims(m.graph):
             return _analyze(m)
     except _Decline as why:
         m.fail(str(why))
