@@ -445,3 +445,24 @@ def test_attention_24_reads_the_head_counts_from_the_shapes():
     flexattention_expanded_ver26 is such a graph): the fused node omits them there, and still does GQA."""
     out, node, _ = assert_fused(Attn(kv_heads=2, repeat=True, opset=24).model(), q_num_heads=None, kv_num_heads=None)
     onnx.checker.check_model(out, full_check=True)
+
+
+def test_mixed_precision_scores_are_declined_with_the_reason():
+    """TorchScript's float16 export of torch's CPU sdpa: the fp16 scores are Cast to float32, the softmax and
+    probs @ Cast(v) run in float32. Attention-23 (softmax_precision or not) casts the probabilities back to
+    float16 before probs @ v: not the same computation, so it is declined, by name."""
+    h = TP.FLOAT16
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s16"]),
+        helper.make_node("Cast", ["s16"], ["s"], to=TP.FLOAT),
+        helper.make_node("Where", ["keep", "zero", "fill"], ["mask"]),
+        helper.make_node("Add", ["s", "mask"], ["x"]),
+        helper.make_node("Softmax", ["x"], ["p"], axis=-1),
+        helper.make_node("Cast", ["v"], ["v32"], to=TP.FLOAT),
+        helper.make_node("MatMul", ["p", "v32"], ["y"]),
+    ]
+    shape = [B, NQ, S, D]
+    model = make_model(nodes, [("q", h, shape), ("k", h, shape), ("v", h, shape), ("keep", TP.BOOL, [B, 1, S, S])],
+                       [("y", TP.FLOAT, shape)], {"zero": np.float32(0), "fill": np.float32(-np.inf)}, opset=23)
+    assert_declined(onnx.shape_inference.infer_shapes(model), "Attention-23 rounds the probabilities")

@@ -131,6 +131,10 @@ def apply_attention(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> in
 # -- analysis ------------------------------------------------------------------------------------------------
 
 SCORES = "the scores"
+#: Why TorchScript's float16 export of torch's CPU sdpa stays decomposed (see docs/passes/fuse-attention.md).
+MIXED_PRECISION = ("the scores are Cast before the softmax (mixed precision: float16 q @ k^T, the softmax and "
+                   "probs @ v in float32); Attention-23 rounds the probabilities to q's type before probs @ v, "
+                   "even with softmax_precision")
 
 
 class _Decline(Exception):
@@ -166,6 +170,8 @@ def _analyze(m: Match) -> AttentionMatch:
     qk = producer(t)
     if qk is not None and qk.op in ("Mul", "Div"):
         raise _Decline(f"the scores are scaled by a non-constant ({qk.op} '{qk.name}')")
+    if qk is not None and qk.op == "Cast" and _reaches_matmul(qk.inputs[0]):
+        raise _Decline(MIXED_PRECISION)
     if qk is None or qk.op != "MatMul":
         raise _Decline("the scores are not a MatMul(q, k^T)")
     chain.append(qk)
@@ -260,10 +266,13 @@ def _split_mask(x: Tensor, chain: list[Node]) -> tuple[Optional[Tensor], Tensor]
 
 
 def _peeled(t: Tensor) -> Tensor:
-    """``t`` under the Mul/Divs on top of it (through the non-constant operand, else the first): where the
-    scores' MatMul is, if ``t`` is the scores (a non-constant factor is refused later, by name)."""
+    """``t`` under the Mul/Divs and Casts on top of it (through the non-constant operand, else the first): where
+    the scores' MatMul is, if ``t`` is the scores (a non-constant factor or a Cast is refused later, by name)."""
     while True:
         n = producer(t)
+        if n is not None and n.op == "Cast":
+            t = n.inputs[0]
+            continue
         if n is None or n.op not in ("Mul", "Div") or len(n.inputs) != 2:
             return t
         t = n.inputs[1] if n.op == "Mul" and ir.is_const(n.inputs[0]) else n.inputs[0]
