@@ -590,7 +590,8 @@ def _no_escape(graph: Graph, chain: list[Node], pv: Node) -> None:
                                f"'{other.name}' ({other.op})")
 
 
-def _elem(t: Tensor) -> Optional[int]:
+def elem_type(t: Tensor) -> Optional[int]:
+    """``t``'s ONNX element type (``TensorProto.FLOAT`` ...), None when unknown."""
     if t.dtype is None:
         return None
     if isinstance(t.dtype, int):
@@ -602,7 +603,7 @@ def _elem(t: Tensor) -> Optional[int]:
 
 
 def _dtype_of(*tensors: Tensor) -> int:
-    types = {_elem(t) for t in tensors}
+    types = {elem_type(t) for t in tensors}
     if None in types:
         raise _Decline("a dtype of q, k, v or the scores is unknown")
     if len(types) != 1:
@@ -617,7 +618,7 @@ def _dtype_of(*tensors: Tensor) -> int:
 def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
     """The mask has the scores' dtype, and no known dim of it broadcasts the scores to a larger shape
     (dims inference leaves unknown are checked by the fused op at run time against (B, Nq, Sq, Skv))."""
-    if _elem(mask) != dtype:
+    if elem_type(mask) != dtype:
         raise _Decline("the mask's dtype is not the scores'")
     r = checks.rank(mask)
     if r is None or r > 4:
@@ -648,7 +649,7 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
         return (keep if masks_out(fill, dtype) else None), fill, _causal(keep_value, q, k_dims)
     n = producer(mask)
-    if n is None or n.op != "Where" or len(n.inputs) != 3 or _elem(n.inputs[0]) != TensorProto.BOOL:
+    if n is None or n.op != "Where" or len(n.inputs) != 3 or elem_type(n.inputs[0]) != TensorProto.BOOL:
         return None, None, False
     zero, fill = _small_const(n.inputs[1]), _small_const(n.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or zero.ndim > 4 or fill.ndim > 4 \
