@@ -5,8 +5,9 @@ The node gets 4-D BNSD q/k/v (GQA's repeat absorbed: ``q_num_heads``/``kv_num_he
 (the product of the graph's factors), and the mask: ``is_causal=1`` for a constant mask that is
 exactly the causal triangle of static lengths, else the graph's additive float mask as ``attn_mask``
 (the op adds it to the scores as the graph does), expanded over its last two axes to (Sq, Skv) when
-they are not provably those (onnxruntime broadcasts only the leading axes). Decode steps keep their
-``Concat(past, new)`` and the op reads the concatenated keys/values (``present`` outputs unchanged).
+they are not provably those (onnxruntime broadcasts only the leading axes). Decode steps get the cache as
+``past_key``/``past_value`` and the op's ``present`` outputs replace the ``Concat(past, new)``
+(:func:`cache_refusal` says when the op reads the Concat instead).
 
 Rows whose keys are all masked (onnxruntime's Attention gives them zeros, for a bias of -inf and for
 one of the dtype's lowest value alike, per the op's errata) are made to agree with the graph:
