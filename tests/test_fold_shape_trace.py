@@ -206,3 +206,17 @@ def test_unknown_dims_are_named_only_within_the_block():
         assert dim_at(r, 0).startswith("<")
     with remembered_dims(graph):
         assert dim_at(r, 0) is None
+
+
+def test_products_of_sums_are_not_spelled():
+    """``(past + 1) * 2`` has no spelling (a sum symbol's terms would be read apart): unknown; ``batch * 5``
+    and a lone sum are symbols, and they cancel in a quotient."""
+    from k3opt.passes.analysis.fold_shapes import dim_product
+
+    assert dim_product(2, ["past + 1"]) is None and dim_product(1, ["past + 1"]) == "past + 1"
+    assert dim_product(5, ["batch"]) == "batch * 5" and dim_product(3, []) == 3
+    nodes = [helper.make_node("Reshape", ["x", "flat"], ["y"])]
+    model = make_model(nodes, [("x", F, ["past + 1", 2, 4])], [("y", F, [None, 4])], {"flat": np.int64([-1, 4])})
+    y = gs.import_onnx(model).outputs[0]
+    y.shape = [None, 4]
+    assert dim_at(y, 0) is None

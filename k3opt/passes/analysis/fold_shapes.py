@@ -554,13 +554,16 @@ def _factors(dims: Sequence[Dim]) -> tuple[int, list[str]]:
 
 def dim_product(number: int, symbols: Sequence[str]) -> Dim:
     """``number`` times the sizes ``symbols`` name: a number, a symbol, or a symbol spelling the product
-    (``batch * 5``; canonical: names sorted, the number last, as in :func:`dim_sum`).
+    (``batch * 5``; canonical: names sorted, the number last, as in :func:`dim_sum`); None for a sum
+    times something.
 
     A Reshape's -1 of a flattened batch (``Reshape(Gemm(Reshape(x, [-1, C]), w), [-1, S, C'])``) is then
     the batch again, the flattened ``batch * S`` cancelling.
     """
     if not symbols or number == 0:
         return number
+    if (len(symbols) > 1 or number != 1) and any(" + " in d for d in symbols):
+        return None  # a sum times something: not spelled (dim_sum would read its terms apart)
     return " * ".join(sorted(symbols) + ([str(number)] if number != 1 else []))
 
 
