@@ -299,8 +299,9 @@ def test_cache_read_elsewhere_is_passed_concatenated():
     """A Concat of the cache with another reader stays: the op reads it as k and v (no past inputs)."""
     a = Attn(past=4, q_len=1, mask_shape=(B, 1, 1, 5))
     a.outputs.append((a.op("ReduceMax", "present_k", a.ints([-1])), TP.FLOAT, [B, NQ, 5, 1]))
-    out, node, _ = assert_fused(a.model())
+    out, node, ctx = assert_fused(a.model())
     assert node.input[1] == "present_k" and node.input[2] == "present_v" and len(node.input) == 4
+    assert any("reads the concatenated KV cache: the cache Concat 'present_k' is also read by" in n for n in ctx.notes)
 
 
 def test_mask_from_the_cache_length_keeps_the_concat_for_it():

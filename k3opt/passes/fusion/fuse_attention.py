@@ -74,13 +74,17 @@ def to_attention(op: RewriteBuilder, am: AttentionMatch, presents: Optional[Pres
     # Attention-24 refuses head counts with 4-D inputs (it reads them from the shapes, as 23 does without them)
     if am.q_num_heads is not None and am.kv_num_heads is not None and am.match.ctx.opset < 24:
         attrs.update(q_num_heads=am.q_num_heads, kv_num_heads=am.kv_num_heads)
+    why = None if presents is None or am.past_key is None else cache_refusal(am)
+    if why is not None:
+        am.match.ctx.note(f"attention at '{am.softmax.name}' reads the concatenated KV cache: {why}")
+    cached = presents is not None and am.past_key is not None and why is None
     if am.mask is None:
         mask = None
     elif am.causal_only and _square(am):  # is_causal aligns by past_key's length: 0 for square q and keys
         mask, attrs["is_causal"] = None, 1
     else:
-        mask = _fitted_mask(op, am, _mask_value(op, am))
-    if presents is None or cache_refusal(am) is not None:
+        mask = _fitted_mask(op, am, _mask_value(op, am), cached)
+    if not cached:
         return op.Attention(am.q, am.k, am.v, *([] if mask is None else [mask]), **attrs)
     y, key, value = op.Attention(am.q, am.new_key, am.new_value, mask, am.past_key, am.past_value, _outputs=3,
                                  **attrs)
@@ -89,15 +93,13 @@ def to_attention(op: RewriteBuilder, am: AttentionMatch, presents: Optional[Pres
 
 
 def cache_refusal(am: AttentionMatch) -> Optional[str]:
-    """Why a decode step's ``Concat(past, new)`` keys/values cannot become Attention's ``past_key``/``past_value``
+    """Why a decode step's (``am.past_key`` set) ``Concat(past, new)`` keys/values cannot become Attention's ``past_key``/``past_value``
     (the op then concatenates on the sequence axis of BNSD, as the graph does), or None.
 
     The recogniser gives the cache only for Concats of two inputs on axis 2 of BNSD keys, under GQA's
     repeat; here both parts must be rank 4 of the attention's dtype, and every reader of the Concats must be
     the attention's (or a Shape): the op's present outputs then replace them.
     """
-    if am.past_key is None:
-        return "no KV cache Concat"
     parts = (am.past_key, am.new_key, am.past_value, am.new_value)
     if any(checks.rank(t) != 4 for t in parts) or any(elem_type(t) != am.dtype for t in parts):
         return "the cache parts are not rank 4 of the attention's dtype"
@@ -151,16 +153,16 @@ def _mask_value(op: RewriteBuilder, am: AttentionMatch) -> Tensor:
     return op.Where(am.keep, op.const(np.zeros((), np_type)), op.const(fill))
 
 
-def _fitted_mask(op: RewriteBuilder, am: AttentionMatch, mask: Tensor) -> Tensor:
-    """``mask`` with its last two axes of q's and k's sequence lengths (Expand when not provably so; a cache's
-    length is read from its parts, which the op's inputs may be)."""
+def _fitted_mask(op: RewriteBuilder, am: AttentionMatch, mask: Tensor, cached: bool) -> Tensor:
+    """``mask`` with its last two axes of q's and k's sequence lengths (Expand when not provably so; with the
+    cache as past inputs, ``cached``, its length is read from the parts: the Concat goes)."""
     rank = max(2, len(am.mask.shape))
     sq, skv = fold_shapes.dim_at(am.q, 2), fold_shapes.dim_at(am.k, 2)
     have = [fold_shapes.dim_at(am.mask, i) for i in range(len(am.mask.shape))][-2:]
     if len(have) == 2 and have[0] == sq and have[1] == skv and sq is not None and skv is not None:
         return mask
     q_len = op.Shape(am.q, start=2, end=3)
-    if am.past_key is None:
+    if not cached:
         k_len = op.Shape(am.k, start=2, end=3)
     else:
         k_len = op.Add(op.Shape(am.past_key, start=2, end=3), op.Shape(am.new_key, start=2, end=3))
