@@ -273,20 +273,51 @@ def test_non_triangular_causal_mask_stays_a_mask():
 
 
 def test_causal_with_past_keeps_its_mask():
-    """Decode: keys Concat(past, new), the causal mask over past + new bottom-right aligned. Attention's
-    is_causal aligns by its past_key input; the op reads the concatenated keys, so the mask stays."""
+    """Decode: keys Concat(past, new), the causal mask over past + new bottom-right aligned. The op gets
+    past_key/past_value and the new keys, and the mask as it is (is_causal is kept for constant square masks);
+    its present outputs are the graph's."""
     model = Attn(mask="causal", guard=False, past=3, q_len=2).model()
     seen = []
     out, node, _ = assert_fused(model)
-    assert len(node.input) == 4 and op_counts(out)["Concat"] == 2  # the present outputs stay
+    assert list(node.input[4:]) == ["past_k", "past_v"] and node.input[3] and "Concat" not in op_counts(out)
+    assert list(node.output[1:]) == ["present_k", "present_v"]
     recognise(model, seen.append)
     assert seen[0].causal_only
 
 
-def test_decode_with_padding_mask_reads_the_concatenated_cache():
-    model = Attn(past=4, q_len=1, mask_shape=(B, 1, 1, 5)).model()
+@pytest.mark.parametrize("kv_heads, repeat", [(NQ, False), (2, True)], ids=["mha", "gqa"])
+def test_decode_with_padding_mask_gets_the_cache_as_past(kv_heads, repeat):
+    """One new token after 4 cached (a fully masked row included): Attention(q, k, v, mask, past_k, past_v),
+    its present outputs replacing the Concats (graph outputs); GQA's repeat after the Concat is absorbed."""
+    model = Attn(past=4, q_len=1, mask_shape=(B, 1, 1, 5), kv_heads=kv_heads, repeat=repeat).model()
     out, node, _ = assert_fused(model)
-    assert node.input[1] == "present_k" and node.input[2] == "present_v"
+    assert list(node.input) == ["q", "k", "v", node.input[3], "past_k", "past_v"]
+    assert list(node.output[1:]) == ["present_k", "present_v"] and "Concat" not in op_counts(out)
+
+
+def test_cache_read_elsewhere_is_passed_concatenated():
+    """A Concat of the cache with another reader stays: the op reads it as k and v (no past inputs)."""
+    a = Attn(past=4, q_len=1, mask_shape=(B, 1, 1, 5))
+    a.outputs.append((a.op("ReduceMax", "present_k", a.ints([-1])), TP.FLOAT, [B, NQ, 5, 1]))
+    out, node, ctx = assert_fused(a.model())
+    assert node.input[1] == "present_k" and node.input[2] == "present_v" and len(node.input) == 4
+    assert any("reads the concatenated KV cache: the cache Concat 'present_k' is also read by" in n for n in ctx.notes)
+
+
+def test_mask_from_the_cache_length_keeps_the_concat_for_it():
+    """The mask's keep is expanded to Shape(present_k)'s length: reading the op's present output would be a
+    cycle, so the Concat stays for the mask and the graph output (the op still gets the cache as past)."""
+    a = Attn(past=4, q_len=1, mask_shape=(B, 1, 1, 1))
+    where = next(i for i, n in enumerate(a.nodes) if n.op_type == "Where")
+    first = len(a.nodes)
+    length = a.op("Shape", "present_k", start=2, end=3)
+    a.nodes[where].input[0] = a.op("Expand", "keep", a.op("Concat", a.ints([1, 1, 1]), length, axis=0))
+    moved = a.nodes[first:]
+    del a.nodes[first:]
+    a.nodes[where:where] = moved  # before the Where that reads them
+    out, node, _ = assert_fused(a.model())
+    assert list(node.input[4:]) == ["past_k", "past_v"] and op_counts(out)["Concat"] >= 1
+    assert "present_k" not in node.output
 
 
 def recognise(model, record):
@@ -435,8 +466,8 @@ def test_walks_over_the_graph_do_not_grow_with_the_attentions(n):
     graph.nodes = _CountingList(graph.nodes)
     ctx = PassContext(opset=23, names=NameScope(graph))
     _CountingList.walks = 0
-    from k3opt.passes.fusion.fuse_attention import RULES
-    assert apply_attention(graph, ctx, RULES) == n
+    from k3opt.passes.fusion.fuse_attention import to_attention
+    assert apply_attention(graph, ctx, attention_rules(to_attention)) == n
     assert _CountingList.walks <= 4
 
 
@@ -445,3 +476,24 @@ def test_attention_24_reads_the_head_counts_from_the_shapes():
     flexattention_expanded_ver26 is such a graph): the fused node omits them there, and still does GQA."""
     out, node, _ = assert_fused(Attn(kv_heads=2, repeat=True, opset=24).model(), q_num_heads=None, kv_num_heads=None)
     onnx.checker.check_model(out, full_check=True)
+
+
+def test_mixed_precision_scores_are_declined_with_the_reason():
+    """TorchScript's float16 export of torch's CPU sdpa: the fp16 scores are Cast to float32, the softmax and
+    probs @ Cast(v) run in float32. Attention-23 (softmax_precision or not) casts the probabilities back to
+    float16 before probs @ v: not the same computation, so it is declined, by name."""
+    h = TP.FLOAT16
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s16"]),
+        helper.make_node("Cast", ["s16"], ["s"], to=TP.FLOAT),
+        helper.make_node("Where", ["keep", "zero", "fill"], ["mask"]),
+        helper.make_node("Add", ["s", "mask"], ["x"]),
+        helper.make_node("Softmax", ["x"], ["p"], axis=-1),
+        helper.make_node("Cast", ["v"], ["v32"], to=TP.FLOAT),
+        helper.make_node("MatMul", ["p", "v32"], ["y"]),
+    ]
+    shape = [B, NQ, S, D]
+    model = make_model(nodes, [("q", h, shape), ("k", h, shape), ("v", h, shape), ("keep", TP.BOOL, [B, 1, S, S])],
+                       [("y", TP.FLOAT, shape)], {"zero": np.float32(0), "fill": np.float32(-np.inf)}, opset=23)
+    assert_declined(onnx.shape_inference.infer_shapes(model), "Attention-23 rounds the probabilities")

@@ -61,8 +61,13 @@ def test_one_attention_per_layer(name, exporter):
 @needs_torch
 @pytest.mark.parametrize("name, exporter", zoo_decode_params())
 def test_decode_step_with_the_kv_cache(name, exporter):
-    """One new token after a cache of 6, and 3 new after 4; the present outputs are kept."""
+    """One new token after a cache of 6, and 3 new after 4; the cache is the op's past_key/past_value and its
+    present outputs are the graph's present outputs (names kept)."""
     original, out = fused_per_layer(zoo_decode_model(name, exporter), name, zoo_decode_inputs(name))
+    presents = [o.name for o in out.graph.output if o.name.startswith("present")]
+    attentions = [n for n in out.graph.node if n.op_type == "Attention"]
+    assert [o for n in attentions for o in n.output[1:]] == presents
+    assert all(n.input[4].startswith("past") and n.input[5].startswith("past") for n in attentions)
     for past, new in ((6, 1), (4, 3), (1, 1)):
         assert_same_outputs(original, out, zoo_decode_inputs(name, past=past, new=new))
 

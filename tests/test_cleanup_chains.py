@@ -149,6 +149,20 @@ def test_reshape_zero_resolved_through_the_first(s1, x_shape, merged):
         assert_equivalent(model, out, feeds={"x": np.random.default_rng(b).standard_normal((b, 3, 4), np.float32)})
 
 
+def test_reshape_zero_of_a_symbol_x_lacks_becomes_the_minus_one():
+    """x (5, 1, b, 4) -> (5, b, 1, 4) -> [5, 0, 4]: the 0 copies b, which x has at another index; with every other
+    element a number it is the rest of the element count: [5, -1, 4] (a GRU's output made batch-major)."""
+    model = _chain(helper.make_node("Reshape", ["x", "s1"], ["m"]), helper.make_node("Reshape", ["m", "s2"], ["o"]),
+                   ("x", F, [5, 1, "b", 4]), ("y", F, [5, "b", 4]),
+                   {"s1": np.array([5, -1, 1, 4]), "s2": np.array([5, 0, 4])})
+    out, n = apply(model, MergeReshapes())
+    assert n == 1 and op_counts(out)["Reshape"] == 1
+    target = next(list(onnx.numpy_helper.to_array(t)) for t in out.graph.initializer if t.name != "s1")
+    assert target == [5, -1, 4]
+    for b in (1, 3):
+        assert_equivalent(model, out, feeds={"x": np.random.default_rng(b).standard_normal((5, 1, b, 4), np.float32)})
+
+
 # -- SplitToSequence + SequenceAt -------------------------------------------------
 
 def _seq_model(split, keepdims: int, positions: list[int], x_shape, seq_output: bool = False):

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper
 
+from k3opt.passes.analysis.fold_shapes import DimAnalysis, dim_at, naming_unknown_dims
 from tests.helpers import assert_equivalent, assert_optimizes_within, make_model, op_counts
 from tests.test_fold_constants import fold
 from tests.zoo import needs_torch, zoo_inputs, zoo_model
@@ -104,3 +106,117 @@ def test_equal_of_shapes_with_symbols(b_dim, folds):
 def test_llama_torchscript_head_counts_fold():
     """The Llama TorchScript export's head dims (Reshape to [b, s, -1, 8]) fold in every layer: 255 -> 239 nodes."""
     assert_optimizes_within(zoo_model("llama", "torchscript"), zoo_inputs("llama"), max_nodes=239)
+
+
+def _split_graph(x_shape: list, opset: int, n: int, **split) -> list:
+    """The Split outputs of ``x``, with the shapes inference would lose (all unknown): tracing must find them."""
+    inits = {}
+    inputs = ["x"]
+    if "sizes" in split:
+        inits["sizes"] = np.int64(split.pop("sizes"))
+        inputs.append("sizes")
+    outs = [f"o{j}" for j in range(n)]
+    node = helper.make_node("Split", inputs, outs, axis=-1, **split)
+    model = make_model([node], [("x", F, x_shape)], [(o, F, [None] * len(x_shape)) for o in outs], inits, opset=opset)
+    graph = gs.import_onnx(model)
+    for o in graph.outputs:
+        o.shape = [None] * len(x_shape)
+    return graph.outputs
+
+
+@pytest.mark.parametrize("opset, x_last, split, want", [
+    (13, 24, dict(sizes=[8, 16]), [8, 16]),
+    (11, 24, dict(split=[16, 8]), [16, 8]),
+    (13, 24, {}, [8, 8, 8]),
+    (18, 26, dict(num_outputs=3), [9, 9, 8]),
+    (18, 24, dict(num_outputs=3), [8, 8, 8]),
+    (13, 25, {}, [None, None, None]),  # not an equal split: invalid, nothing is claimed
+    (18, 4, dict(num_outputs=3), [None, None, None]),  # ceil(4 / 3) * 2 leaves nothing for the last
+    (13, "C", {}, [None, None, None]),  # the split dim is not a number
+], ids=["split-input", "split-attribute", "equal", "num-outputs-uneven", "num-outputs-even", "uneven-refused",
+        "num-outputs-empty-last", "symbolic-refused"])
+def test_split_dims_traced(opset, x_last, split, want):
+    """Split's outputs keep the input's other dims; on the split axis they have the ``split`` sizes, else equal
+    shares (``num_outputs``: ceil(dim / n) each, the rest in the last)."""
+    outs = _split_graph(["N", 5, x_last], opset, len(want), **split)
+    assert [dim_at(o, 0) for o in outs] == ["N"] * len(want)
+    assert [dim_at(o, 1) for o in outs] == [5] * len(want)
+    assert [dim_at(o, 2) for o in outs] == want
+
+
+def test_gemm_dims_traced():
+    """Gemm's rows are A's (its dim 1 with transA), its columns B's (dim 0 with transB)."""
+    nodes = [helper.make_node("Gemm", ["a", "b"], ["y"], transA=1, transB=1)]
+    model = make_model(nodes, [("a", F, [16, "M"]), ("b", F, ["K", 16])], [("y", F, [None, None])])
+    graph = gs.import_onnx(model)
+    y = graph.outputs[0]
+    y.shape = [None, None]
+    assert (dim_at(y, 0), dim_at(y, 1)) == ("M", "K")
+
+
+def _merged_qkv_heads(batch: tuple = ("N",)) -> onnx.ModelProto:
+    """y = the heads of q in ``Reshape(Split(Reshape(Gemm(Reshape(h, [-1, 32]), w), [-1, 5, 96]))[0],
+    [dim0(h), 5, -1, 8])`` as float: the merged-QKV head split of a TorchScript ViT once fuse-matmul-add
+    flattened the batch; ``h`` is x, or x + z (``batch`` two symbols: the sum's batch is unknown)."""
+    nodes = [
+        helper.make_node("Add", ["x", "z"], ["h"]) if len(batch) == 2 else helper.make_node("Identity", ["x"], ["h"]),
+        helper.make_node("Reshape", ["h", "flat"], ["h2"]),
+        helper.make_node("Gemm", ["h2", "w"], ["g"]),
+        helper.make_node("Reshape", ["g", "unflat"], ["qkv"]),
+        helper.make_node("Split", ["qkv", "sizes"], ["q", "k", "v"], axis=-1),
+        helper.make_node("Shape", ["h"], ["s"]),
+        helper.make_node("Gather", ["s", "i0"], ["g0"], axis=0),
+        helper.make_node("Unsqueeze", ["g0", "ax"], ["u0"]),
+        helper.make_node("Concat", ["u0", "rest"], ["target"], axis=0),
+        helper.make_node("Reshape", ["q", "target"], ["r"]),
+        helper.make_node("Shape", ["r"], ["rs"]),
+        helper.make_node("Gather", ["rs", "i2"], ["d"], axis=0),
+        helper.make_node("Cast", ["d"], ["y"], to=F),
+    ]
+    inits = dict(flat=np.int64([-1, 32]), w=np.random.rand(32, 96).astype(np.float32), unflat=np.int64([-1, 5, 96]),
+                 sizes=np.int64([32, 32, 32]), i0=np.int64(0), ax=np.int64([0]), rest=np.int64([5, -1, 8]),
+                 i2=np.int64(2))
+    inputs = [("x", F, [batch[0], 5, 32])] + ([("z", F, [batch[1], 5, 32])] if len(batch) == 2 else [])
+    model = make_model(nodes, inputs, [("y", F, [])], inits, opset=13)
+    model.graph.value_info.append(helper.make_tensor_value_info("r", F, [None] * 4))  # as exporters declare it
+    return model
+
+
+def test_merged_qkv_head_count_folds():
+    """The flattened batch of the Gemm (``N * 5``) cancels in the Reshape's -1, Split keeps it: q has 4 heads."""
+    model = _merged_qkv_heads()
+    out, _ = fold(model)
+    assert set(op_counts(out)) <= {"Constant"}
+    for n in (1, 3):
+        assert_equivalent(model, out, feeds=_feeds((n, 5, 32)))
+
+
+def test_unknown_dims_are_named_only_within_the_block():
+    """``x + z`` of batches N and M has an unknown batch; within ``naming_unknown_dims`` it is named, so the
+    head split's -1 (a quotient by the dim read from ``Shape(x + z)``) is proven 4; outside it is not."""
+    graph = gs.import_onnx(onnx.shape_inference.infer_shapes(_merged_qkv_heads(("N", "M"))))
+    r = graph.tensors()["r"]
+    for t in graph.tensors().values():
+        if t.shape is not None and not isinstance(t, gs.Constant) and t not in graph.inputs:
+            t.shape = [d if isinstance(d, int) else None for d in t.shape]
+    with DimAnalysis(graph):
+        assert dim_at(r, 2) is None
+    with naming_unknown_dims(graph):
+        assert dim_at(r, 2) == 4
+        assert dim_at(r, 0).startswith("<")
+    with DimAnalysis(graph):
+        assert dim_at(r, 0) is None
+
+
+def test_products_of_sums_are_not_spelled():
+    """``(past + 1) * 2`` has no spelling (a sum symbol's terms would be read apart): unknown; ``batch * 5``
+    and a lone sum are symbols, and they cancel in a quotient."""
+    from k3opt.passes.analysis.fold_shapes import dim_product
+
+    assert dim_product(2, ["past + 1"]) is None and dim_product(1, ["past + 1"]) == "past + 1"
+    assert dim_product(5, ["batch"]) == "batch * 5" and dim_product(3, []) == 3
+    nodes = [helper.make_node("Reshape", ["x", "flat"], ["y"])]
+    model = make_model(nodes, [("x", F, ["past + 1", 2, 4])], [("y", F, [None, 4])], {"flat": np.int64([-1, 4])})
+    y = gs.import_onnx(model).outputs[0]
+    y.shape = [None, 4]
+    assert dim_at(y, 0) is None

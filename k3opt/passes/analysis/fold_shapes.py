@@ -9,8 +9,10 @@ then folds as ordinary constants.
 Dims inference left unknown are traced through their producer (Reshape
 target elements, the Reshape's -1 as a quotient, Transpose, elementwise
 ops, Concat's sum along its axis, spelled as a canonical symbol such as
-``past_sequence + 1``); equal ``dim_param`` names are taken as equal sizes,
-as ONNX defines.
+``past_sequence + 1``, Split's sizes and the dims it keeps, Gemm); a
+Reshape's -1 of a flattened batch is a product (``batch * 5``, which the
+next -1 cancels); equal ``dim_param`` names are taken as equal sizes, as
+ONNX defines.
 
 ``Equal`` of a shape computation (``Shape``, ``Gather``/``Slice`` of it,
 ``Unsqueeze`` of a scalar, ``Concat`` of 1-D pieces, small integer
@@ -25,8 +27,9 @@ from __future__ import annotations
 import sys
 import weakref
 from collections import defaultdict
+from contextlib import contextmanager
 from contextvars import ContextVar, Token
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 from ... import graph as gs
@@ -291,6 +294,28 @@ def remember_value(c: gs.Constant, value: np.ndarray) -> None:
         _decoded[c._values] = value
 
 
+#: True while :func:`naming_unknown_dims` is active (in this context: thread, task).
+_naming: ContextVar[bool] = ContextVar("k3opt_dim_naming", default=False)
+
+
+@contextmanager
+def naming_unknown_dims(graph: Graph) -> Iterator[DimMemo]:
+    """A fresh :class:`DimAnalysis` of ``graph``, active in the block, in which a dim nothing pins is the
+    symbol ``<tensor id:axis>`` instead of None.
+
+    The name stands for that one size, so two paths that reach the same unknown dim (a Reshape's -1 of a
+    flattened ``x`` and a target read from ``Shape(x)``) cancel or compare equal, however far the dim's
+    origin is. The names live only as long as the block (ids of tensors the graph holds while it runs):
+    so the memo is not the run's, and the results must not be kept past it.
+    """
+    token = _naming.set(True)
+    try:
+        with DimAnalysis(graph) as dims:
+            yield dims.memo
+    finally:
+        _naming.reset(token)
+
+
 def input_symbols(graph: Graph) -> frozenset[str]:
     """The symbols the graph's inputs declare: sizes chosen at run time, which no producer pins.
 
@@ -354,17 +379,23 @@ def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
 
 
 def _traced_or(d: Dim, t: Tensor, i: int, rank: int, depth: int) -> Dim:
-    """The traced dim ``i`` of ``t``, else ``d`` (inference's)."""
+    """The traced dim ``i`` of ``t``, else ``d`` (inference's), else its name while :func:`naming_unknown_dims`."""
     traced = _traced_dim(t, i, rank, depth - 1)
     # A traced symbol names the same size as an inferred one, and names it as the producers do
     # (inference invents a fresh ``unk__N`` wherever it loses track).
+    if traced is None and d is None and _naming.get():
+        return f"<{id(t)}:{i}>"
     return d if traced is None else traced
 
 
 def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
     """Dim ``i`` of ``t`` (rank ``rank``) from its producer: an exact consequence of the op's definition."""
     node = producer(t)
-    if node is None or (node.domain or "") not in ("", "ai.onnx") or not node.inputs or t is not node.outputs[0]:
+    if node is None or (node.domain or "") not in ("", "ai.onnx") or not node.inputs:
+        return None
+    if node.op == "Split":
+        return _split_dim(node, t, i, rank, depth)
+    if t is not node.outputs[0]:
         return None
     x = node.inputs[0]
     if node.op == "Reshape" and len(node.inputs) > 1:
@@ -382,6 +413,10 @@ def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
         return _dim_at(x, i, depth)
     if node.op in BROADCASTING and len(node.inputs) >= 2:
         return _broadcast_dim(node.inputs, i, rank, depth)
+    if node.op == "Gemm" and len(node.inputs) >= 2 and rank == 2:
+        # A' @ B' (+ C, broadcast to it): the rows are A''s, the columns B''s
+        src, trans = (x, "transA") if i == 0 else (node.inputs[1], "transB")
+        return _dim_at(src, i ^ int(bool(node.attrs.get(trans, 0))), depth)
     if node.op == "MatMul" and len(node.inputs) == 2 and rank >= 2 and i >= rank - 2:
         # [..., M, K] @ [..., K, N]: the rows come from the first operand, the columns from the second.
         src = node.inputs[0] if i == rank - 2 else node.inputs[1]
@@ -403,6 +438,40 @@ def _concat_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
         dims = [_dim_at(x, i, depth) for x in node.inputs]
         return next((d for d in dims if isinstance(d, int)), next((d for d in dims if d is not None), None))
     return dim_sum([_dim_at(x, i, depth) for x in node.inputs])
+
+
+def _split_dim(node: Node, t: Tensor, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of the Split output ``t``: the input's off the split axis; on it, ``t``'s entry of the
+    constant ``split`` (input or attribute), else its share of the input's known dim: equal shares
+    (an uneven dim is invalid there), or with ``num_outputs`` (opset 18) ``ceil(dim / n)`` each and
+    the rest in the last."""
+    x = node.inputs[0]
+    axis = int(node.attrs.get("axis", 0))
+    if x.shape is None or len(x.shape) != rank or not -rank <= axis < rank:
+        _read(x)
+        return None
+    if i != axis % rank:
+        return _dim_at(x, i, depth)
+    n, k = len(node.outputs), next(j for j, o in enumerate(node.outputs) if o is t)
+    if "split" in node.attrs:  # opset < 13
+        sizes = [int(s) for s in node.attrs["split"]]
+    elif len(node.inputs) > 1 and node.inputs[1].name:
+        sizes = _ints(_const(node.inputs[1]))
+    else:
+        sizes = _equal_shares(_dim_at(x, i, depth), n, node.attrs.get("num_outputs"))
+    return sizes[k] if sizes is not None and len(sizes) == n and sizes[k] >= 0 else None
+
+
+def _equal_shares(d: Dim, n: int, num_outputs: Optional[int]) -> Optional[list[int]]:
+    """The sizes a Split without ``split`` gives ``n`` outputs of a dim ``d``; None when ``d`` is not a number
+    or does not split so."""
+    if not isinstance(d, int) or (num_outputs is not None and int(num_outputs) != n):
+        return None
+    if num_outputs is None:
+        return [d // n] * n if d % n == 0 else None
+    share = -(-d // n)
+    rest = d - share * (n - 1)
+    return [share] * (n - 1) + [rest] if rest > 0 else None
 
 
 def _keeps_axis(node: Node, i: int, rank: int) -> bool:
@@ -459,16 +528,43 @@ def _reshaped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
     others = [element(j) for j in range(rank) if j != i]
     if numerator is None or None in numerator or None in others or -1 in others:
         return None
-    for d in others:
-        if isinstance(d, str):
-            if d not in numerator:
-                return None
-            numerator.remove(d)
-    if not known(numerator):
-        return None
-    den = int(np.prod([d for d in others if isinstance(d, int)], dtype=np.int64))
-    num = int(np.prod(numerator, dtype=np.int64))
-    return num // den if den > 0 and num % den == 0 else None
+    num, den = _factors(numerator), _factors(others)
+    for d in den[1]:
+        if d not in num[1]:
+            return None
+        num[1].remove(d)
+    return dim_product(num[0] // den[0], num[1]) if den[0] > 0 and num[0] % den[0] == 0 else None
+
+
+def _factors(dims: Sequence[Dim]) -> tuple[int, list[str]]:
+    """The product of known dims as (number, symbols): a product symbol (:func:`dim_product`) gives its
+    factors, any other symbol (a name, a sum) is one factor."""
+    number, symbols = 1, []
+    for d in dims:
+        if isinstance(d, int):
+            number *= d
+            continue
+        for f in d.split(" * ") if " + " not in d else [d]:
+            if f.isdigit():
+                number *= int(f)
+            else:
+                symbols.append(f)
+    return number, symbols
+
+
+def dim_product(number: int, symbols: Sequence[str]) -> Dim:
+    """``number`` times the sizes ``symbols`` name: a number, a symbol, or a symbol spelling the product
+    (``batch * 5``; canonical: names sorted, the number last, as in :func:`dim_sum`); None for a sum
+    times something.
+
+    A Reshape's -1 of a flattened batch (``Reshape(Gemm(Reshape(x, [-1, C]), w), [-1, S, C'])``) is then
+    the batch again, the flattened ``batch * S`` cancelling.
+    """
+    if not symbols or number == 0:
+        return number
+    if (len(symbols) > 1 or number != 1) and any(" + " in d for d in symbols):
+        return None  # a sum times something: not spelled (dim_sum would read its terms apart)
+    return " * ".join(sorted(symbols) + ([str(number)] if number != 1 else []))
 
 
 #: Ops whose output has their first input's shape.
@@ -476,6 +572,7 @@ UNARY_SAME_SHAPE = frozenset({
     "Cast", "CastLike", "Neg", "Sigmoid", "Tanh", "Relu", "Gelu", "Erf", "Sqrt", "Reciprocal", "Exp", "Softmax",
     "Identity", "Cos", "Sin", "Abs", "Not", "IsNaN", "LeakyRelu", "HardSigmoid", "HardSwish", "LogSoftmax",
     "Elu", "Selu", "Softplus", "Mish", "Floor", "Ceil", "Round", "Sign", "Log", "BatchNormalization",
+    "LayerNormalization", "RMSNormalization",
 })
 #: Ops whose output keeps the input's batch (dim 0) whatever their other dims do.
 BATCH_KEEPING = frozenset({"Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",

@@ -4,7 +4,8 @@ Exact when s2 does not read the first result's shape: s2 is a constant and,
 unless the second Reshape has ``allowzero=1``, each 0 in it (a copy of the
 first result's dim at that index) is resolved: to that dim's known size, or
 kept as a 0 when that dim provably equals x's dim at the same index (s1 has
-a 0 there too, or both are the same symbol). A -1 is fine: it depends only
+a 0 there too, or both are the same symbol), or made the -1 when that dim
+is a symbol and every other element a number. A -1 is fine: it depends only
 on the element count, which the first Reshape keeps. Refused when a 0
 cannot be resolved, or when the middle tensor has another reader or is a
 graph output.
@@ -35,8 +36,12 @@ def resolved_target(first: Node, target: list[int]) -> Optional[list[int]]:
             out.append(d)
         elif (s1 is not None and i < len(s1) and s1[i] == 0) or (isinstance(d, str) and dim_at(x, i) == d):
             out.append(0)
+        elif isinstance(d, str):
+            out.append(-1)  # a symbol x lacks there: the rest of the element count, when the others are numbers
         else:
             return None
+    if out.count(-1) > target.count(-1) and (out.count(-1) > 1 or any(t <= 0 for t in out if t != -1)):
+        return None
     return out
 
 

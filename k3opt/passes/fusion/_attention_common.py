@@ -132,6 +132,10 @@ def apply_attention(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> in
 # -- analysis ------------------------------------------------------------------------------------------------
 
 SCORES = "the scores"
+#: Why TorchScript's float16 export of torch's CPU sdpa stays decomposed (see docs/passes/fuse-attention.md).
+MIXED_PRECISION = ("the scores are Cast before the softmax (mixed precision: float16 q @ k^T, the softmax and "
+                   "probs @ v in float32); Attention-23 rounds the probabilities to q's type before probs @ v, "
+                   "even with softmax_precision")
 
 
 class _Decline(Exception):
@@ -141,10 +145,9 @@ class _Decline(Exception):
 def analyze(m: Match) -> Optional[AttentionMatch]:
     """The :class:`AttentionMatch` of a structural match, or None with ``m.fail(reason)``."""
     try:
-        # Dims traced once per run (per match outside one); the symbols the graph declares (batch, sequence)
-        # are not traced.
-        dims = fold_shapes.DimAnalysis(m.graph) if m.ctx is None else m.ctx.analysis(fold_shapes.DimAnalysis, m.graph)
-        with dims:
+        # Dims traced once per match; the symbols the graph declares (batch, sequence) are not traced, and
+        # unknown ones are named (a head split's -1 of a flattened batch cancels against the batch it reads).
+        with fold_shapes.naming_unknown_dims(m.graph):
             return _analyze(m)
     except _Decline as why:
         m.fail(str(why))
@@ -168,6 +171,8 @@ def _analyze(m: Match) -> AttentionMatch:
     qk = producer(t)
     if qk is not None and qk.op in ("Mul", "Div"):
         raise _Decline(f"the scores are scaled by a non-constant ({qk.op} '{qk.name}')")
+    if qk is not None and qk.op == "Cast" and _reaches_matmul(qk.inputs[0]):
+        raise _Decline(MIXED_PRECISION)
     if qk is None or qk.op != "MatMul":
         raise _Decline("the scores are not a MatMul(q, k^T)")
     chain.append(qk)
@@ -262,10 +267,13 @@ def _split_mask(x: Tensor, chain: list[Node]) -> tuple[Optional[Tensor], Tensor]
 
 
 def _peeled(t: Tensor) -> Tensor:
-    """``t`` under the Mul/Divs on top of it (through the non-constant operand, else the first): where the
-    scores' MatMul is, if ``t`` is the scores (a non-constant factor is refused later, by name)."""
+    """``t`` under the Mul/Divs and Casts on top of it (through the non-constant operand, else the first): where
+    the scores' MatMul is, if ``t`` is the scores (a non-constant factor or a Cast is refused later, by name)."""
     while True:
         n = producer(t)
+        if n is not None and n.op == "Cast":
+            t = n.inputs[0]
+            continue
         if n is None or n.op not in ("Mul", "Div") or len(n.inputs) != 2:
             return t
         t = n.inputs[1] if n.op == "Mul" and ir.is_const(n.inputs[0]) else n.inputs[0]
@@ -505,8 +513,13 @@ def _no_escape(graph: Graph, chain: list[Node], pv: Node) -> None:
                                f"'{other.name}' ({other.op})")
 
 
+def elem_type(t: Tensor) -> Optional[int]:
+    """``t``'s ONNX element type (``TensorProto.FLOAT`` ...), None when unknown."""
+    return dtypes.onnx_type(t.dtype)
+
+
 def _dtype_of(*tensors: Tensor) -> int:
-    types = {dtypes.onnx_type(t.dtype) for t in tensors}
+    types = {elem_type(t) for t in tensors}
     if None in types:
         raise _Decline("a dtype of q, k, v or the scores is unknown")
     if len(types) != 1:
@@ -521,7 +534,7 @@ def _dtype_of(*tensors: Tensor) -> int:
 def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
     """The mask has the scores' dtype, and no known dim of it broadcasts the scores to a larger shape
     (dims inference leaves unknown are checked by the fused op at run time against (B, Nq, Sq, Skv))."""
-    if dtypes.onnx_type(mask.dtype) != dtype:
+    if elem_type(mask) != dtype:
         raise _Decline("the mask's dtype is not the scores'")
     r = checks.rank(mask)
     if r is None or r > 4:
@@ -552,7 +565,7 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
         return (keep if masks_out(fill, dtype) else None), fill, _causal(keep_value, q, k_dims)
     n = producer(mask)
-    if n is None or n.op != "Where" or len(n.inputs) != 3 or dtypes.onnx_type(n.inputs[0].dtype) != TensorProto.BOOL:
+    if n is None or n.op != "Where" or len(n.inputs) != 3 or elem_type(n.inputs[0]) != TensorProto.BOOL:
         return None, None, False
     zero, fill = small_const(n.inputs[1]), small_const(n.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or zero.ndim > 4 or fill.ndim > 4 \

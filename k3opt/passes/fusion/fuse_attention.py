@@ -5,8 +5,9 @@ The node gets 4-D BNSD q/k/v (GQA's repeat absorbed: ``q_num_heads``/``kv_num_he
 (the product of the graph's factors), and the mask: ``is_causal=1`` for a constant mask that is
 exactly the causal triangle of static lengths, else the graph's additive float mask as ``attn_mask``
 (the op adds it to the scores as the graph does), expanded over its last two axes to (Sq, Skv) when
-they are not provably those (onnxruntime broadcasts only the leading axes). Decode steps keep their
-``Concat(past, new)`` and the op reads the concatenated keys/values (``present`` outputs unchanged).
+they are not provably those (onnxruntime broadcasts only the leading axes). Decode steps get the cache as
+``past_key``/``past_value`` and the op's ``present`` outputs replace the ``Concat(past, new)``
+(:func:`cache_refusal` says when the op reads the Concat instead).
 
 Rows whose keys are all masked (onnxruntime's Attention gives them zeros, for a bias of -inf and for
 one of the dtype's lowest value alike, per the op's errata) are made to agree with the graph:
@@ -33,10 +34,10 @@ import ml_dtypes
 import numpy as np
 
 from ...graph import dtypes
-from ...graph.ir import Graph, Node, Tensor
-from ...patterns import RewriteBuilder
+from ...graph.ir import Graph, Node, Tensor, producer, replace_uses
+from ...patterns import RewriteBuilder, checks
 from ..analysis import fold_shapes
-from ..fusion._attention_common import AttentionMatch, apply_attention, attention_rules
+from ..fusion._attention_common import AttentionMatch, apply_attention, attention_rules, elem_type
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from ._left_decomposed import note_left_decomposed
 
@@ -57,8 +58,14 @@ def mask_refusal(am: AttentionMatch) -> Optional[str]:
     return None
 
 
-def to_attention(op: RewriteBuilder, am: AttentionMatch) -> Optional[Tensor]:
-    """``Attention(q, k, v[, attn_mask], scale, q_num_heads, kv_num_heads[, is_causal])`` (opset 23)."""
+#: (the Concat's present output, the Attention's) of each decode step fused with past_key/past_value.
+Presents = list[tuple[Tensor, Tensor]]
+
+
+def to_attention(op: RewriteBuilder, am: AttentionMatch, presents: Optional[Presents] = None) -> Optional[Tensor]:
+    """``Attention(q, k, v[, attn_mask], scale, q_num_heads, kv_num_heads[, is_causal])`` (opset 23); a decode
+    step whose cache Concats only the attention reads (:func:`cache_refusal`) gets the new keys and values
+    and ``past_key``/``past_value``, its ``present_*`` outputs noted in ``presents``."""
     why = mask_refusal(am)
     if why is not None:
         am.match.fail(why)
@@ -67,11 +74,67 @@ def to_attention(op: RewriteBuilder, am: AttentionMatch) -> Optional[Tensor]:
     # Attention-24 refuses head counts with 4-D inputs (it reads them from the shapes, as 23 does without them)
     if am.q_num_heads is not None and am.kv_num_heads is not None and am.match.ctx.opset < 24:
         attrs.update(q_num_heads=am.q_num_heads, kv_num_heads=am.kv_num_heads)
+    why = None if presents is None or am.past_key is None else cache_refusal(am)
+    if why is not None:
+        am.match.ctx.note(f"attention at '{am.softmax.name}' reads the concatenated KV cache: {why}")
+    cached = presents is not None and am.past_key is not None and why is None
     if am.mask is None:
-        return op.Attention(am.q, am.k, am.v, **attrs)
-    if am.causal_only and _square(am):  # is_causal aligns by past_key's length; the keys here hold the past
-        return op.Attention(am.q, am.k, am.v, is_causal=1, **attrs)
-    return op.Attention(am.q, am.k, am.v, _fitted_mask(op, am, _mask_value(op, am)), **attrs)
+        mask = None
+    elif am.causal_only and _square(am):  # is_causal aligns by past_key's length: 0 for square q and keys
+        mask, attrs["is_causal"] = None, 1
+    else:
+        mask = _fitted_mask(op, am, _mask_value(op, am), cached)
+    if not cached:
+        return op.Attention(am.q, am.k, am.v, *([] if mask is None else [mask]), **attrs)
+    y, key, value = op.Attention(am.q, am.new_key, am.new_value, mask, am.past_key, am.past_value, _outputs=3,
+                                 **attrs)
+    presents += [(am.present_key, key), (am.present_value, value)]
+    return y
+
+
+def cache_refusal(am: AttentionMatch) -> Optional[str]:
+    """Why a decode step's (``am.past_key`` set) ``Concat(past, new)`` keys/values cannot become Attention's ``past_key``/``past_value``
+    (the op then concatenates on the sequence axis of BNSD, as the graph does), or None.
+
+    The recogniser gives the cache only for Concats of two inputs on axis 2 of BNSD keys, under GQA's
+    repeat; here both parts must be rank 4 of the attention's dtype, and every reader of the Concats must be
+    the attention's (or a Shape): the op's present outputs then replace them.
+    """
+    parts = (am.past_key, am.new_key, am.past_value, am.new_value)
+    if any(checks.rank(t) != 4 for t in parts) or any(elem_type(t) != am.dtype for t in parts):
+        return "the cache parts are not rank 4 of the attention's dtype"
+    inside = {id(n) for n in am.match.nodes}
+    for present in (am.present_key, am.present_value):
+        other = next((n for n in present.outputs if id(n) not in inside and n.op != "Shape"), None)
+        if other is not None:
+            return f"the cache Concat '{present.name}' is also read by '{other.name}' ({other.op})"
+    return None
+
+
+def move_presents(graph: Graph, presents: Presents) -> None:
+    """The Concats' readers (the graph outputs ``present.*``, Shapes) read the Attention's present outputs,
+    unless a reader leads to the Attention (a mask from the cache's length): the Concat then stays for them."""
+    for old, new in presents:
+        if not _leads_to(old, producer(new)):
+            replace_uses(graph, old, new)
+
+
+#: Nodes :func:`_leads_to` visits before it gives up (and answers yes).
+MAX_WALK = 256
+
+
+def _leads_to(t: Tensor, node: Node) -> bool:
+    """``node`` reads ``t`` or a tensor computed from it (or more than :data:`MAX_WALK` nodes do)."""
+    seen: set[int] = set()
+    todo = list(t.outputs)
+    while todo:
+        n = todo.pop()
+        if n is node or len(seen) > MAX_WALK:
+            return True
+        if id(n) not in seen:
+            seen.add(id(n))
+            todo.extend(r for o in n.outputs for r in o.outputs)
+    return False
 
 
 def _square(am: AttentionMatch) -> bool:
@@ -89,20 +152,21 @@ def _mask_value(op: RewriteBuilder, am: AttentionMatch) -> Tensor:
     return op.Where(am.keep, op.const(np.zeros((), np_type)), op.const(fill))
 
 
-def _fitted_mask(op: RewriteBuilder, am: AttentionMatch, mask: Tensor) -> Tensor:
-    """``mask`` with its last two axes of q's and k's sequence lengths (Expand when not provably so)."""
+def _fitted_mask(op: RewriteBuilder, am: AttentionMatch, mask: Tensor, cached: bool) -> Tensor:
+    """``mask`` with its last two axes of q's and k's sequence lengths (Expand when not provably so; with the
+    cache as past inputs, ``cached``, its length is read from the parts: the Concat goes)."""
     rank = max(2, len(am.mask.shape))
     sq, skv = fold_shapes.dim_at(am.q, 2), fold_shapes.dim_at(am.k, 2)
     have = [fold_shapes.dim_at(am.mask, i) for i in range(len(am.mask.shape))][-2:]
     if len(have) == 2 and have[0] == sq and have[1] == skv and sq is not None and skv is not None:
         return mask
     q_len = op.Shape(am.q, start=2, end=3)
-    k_len = op.Shape(am.k, start=2, end=3)
+    if not cached:
+        k_len = op.Shape(am.k, start=2, end=3)
+    else:
+        k_len = op.Add(op.Shape(am.past_key, start=2, end=3), op.Shape(am.new_key, start=2, end=3))
     shape = op.Concat(op.const(np.ones(rank - 2, dtype=np.int64)), q_len, k_len, axis=0)
     return op.Expand(mask, shape)
-
-
-RULES = attention_rules(to_attention)
 
 
 @register_pass
@@ -116,7 +180,12 @@ class FuseAttention(Pass):
     needs_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        return apply_attention(graph, ctx, RULES) if _fusable(ctx) else 0
+        if not _fusable(ctx):
+            return 0
+        presents: Presents = []
+        done = apply_attention(graph, ctx, attention_rules(lambda op, am: to_attention(op, am, presents)))
+        move_presents(graph, presents)
+        return done
 
     def finish(self, graph: Graph, ctx: PassContext) -> None:
         """Count the attentions left decomposed (``attention_found``) and note why, once, on the final graph."""
