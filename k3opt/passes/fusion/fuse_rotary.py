@@ -571,13 +571,13 @@ def find_rotaries(graph: Graph, ctx: PassContext) -> list[Node]:
     """The root node of every rotary embedding recognised (and exact to fuse); changes nothing."""
     _FOUND.clear()
     try:
-        _apply(graph, ctx, _COUNTING)
+        apply_rules(graph, ctx, _COUNTING)
         return list(_FOUND.values())
     finally:
         _FOUND.clear()
 
 
-def _apply(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
+def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
     """One sweep per rule, in order. Dims are traced with a memo (declared symbols such as ``batch`` are not
     traced at all), cleared after each sweep: a sweep's rewrites change no dim the checks read (x and the
     angles are upstream of every rotation)."""
@@ -601,7 +601,7 @@ class FuseRotary(Pass):
     preserves_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        return _apply(graph, ctx, RULES) if _fusable(ctx) else 0
+        return apply_rules(graph, ctx, RULES) if _fusable(ctx) else 0
 
     def finish(self, graph: Graph, ctx: PassContext) -> None:
         """Where rotations stay decomposed, count them once, on the final graph (``rotary_found``, a note)."""
