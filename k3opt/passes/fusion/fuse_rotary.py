@@ -23,7 +23,7 @@ cos and sin must be the same computation except Cos vs Sin, of one angle tensor 
 
 Below opset 23, or for another target, the rotations stay decomposed: the pass rewrites nothing and
 counts them once on the final graph (``ctx.counters["rotary_found"]``, a report note). For ``--target
-cann`` see the pass doc: NPURotaryPositionEmbedding's mode 0 is this very rotate-half formula.
+cann`` the lowering ``lower-rotary-npu`` makes them NPURotaryPositionEmbedding (mode 0) where exact.
 
 Entry point for lowerings: ``rotary_rules(rewrite)`` gives the rules; ``rewrite(op, rm)`` receives a
 :class:`RotaryMatch` and returns the replacement of the rotated tensor (or None to leave it).
