@@ -290,7 +290,8 @@ class NPURotaryPositionEmbedding(OpRun):
 
     cos and sin have one shape, x's D and dtype (float16, bfloat16, float32 [RoPE-IR]), and a layout of
     :data:`ROPE_ANGLE_LAYOUTS`. float32 and float16 are computed in their own type (the half-mode kernel
-    ``RotateHalf<T>`` multiplies and adds in T, [RoPE-tiling]); bfloat16 in float32, rounded once.
+    ``RotateHalf<T>`` multiplies and adds in T, [RoPE-tiling]); bfloat16 in float32, rounded once (numpy has
+    no bfloat16 arithmetic; the kernel's own bf16 path, ``op_kernel/rotate_half_bf16.h``, is not modelled).
     """
 
     op_domain = ""
