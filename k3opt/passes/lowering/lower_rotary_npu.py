@@ -27,6 +27,7 @@ ATC reports that.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -35,9 +36,10 @@ from ...cann_bridge.reference_ops import ROPE_HALF, ROPE_MAX_HEAD_DIM
 from ...cann_bridge.target_form import STAGING_DOMAIN
 from ...graph.ir import Graph, Tensor
 from ...patterns import RewriteBuilder
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import PassContext, register_pass
 from ..analysis.fold_shapes import dim_at
 from ..fusion.fuse_rotary import RotaryMatch, apply_rules, rotary_rules
+from ._npu_lowering import NPULowering
 
 #: [RoPE-doc] half mode: "B，N < 1000".
 MAX_BATCH_HEADS = 999
@@ -67,23 +69,14 @@ def _angles(op: RewriteBuilder, rm: RotaryMatch, t: Tensor, batch: Optional[Tens
 
 
 @register_pass
-class LowerRotaryNPU(Pass):
+class LowerRotaryNPU(NPULowering):
     """Rotary embedding -> NPURotaryPositionEmbedding mode 0 (target cann) where the plugin's contract is met."""
 
     name = "lower-rotary-npu"
     description = "rotary embedding -> NPURotaryPositionEmbedding mode 0 (rotate-half) where exact (target cann)"
     order = 2020
-    targets = ("cann",)
-    lowering = True
-    needs_shapes = True
-    #: The replaced value keeps its dtype and shape; re-inferring would lose shapes (onnx does not know NPU ops).
-    preserves_shapes = True
-
-    def __init__(self) -> None:
-        self.lowered: list[str] = []
-        #: root-node name -> reason; several rules may offer the same rotation.
-        self.kept: dict[str, str] = {}
-        self.rules = rotary_rules(self._rewrite, name="lower-rotary")
+    npu_op, what, remark = "NPURotaryPositionEmbedding", "rotary embedding", "(mode 0)"
+    recogniser = staticmethod(functools.partial(rotary_rules, name="lower-rotary"))  # kept: by root node
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         return apply_rules(graph, ctx, self.rules)
@@ -103,11 +96,3 @@ class LowerRotaryNPU(Pass):
                                           mode=ROPE_HALF, _name="NPURotaryPositionEmbedding", _domain=STAGING_DOMAIN)
         self.lowered.append(f"rotary embedding at '{where}' -> NPURotaryPositionEmbedding (mode 0)")
         return y
-
-    def finish(self, graph: Graph, ctx: PassContext) -> None:
-        """The lowering lines: how many rotations became NPURotaryPositionEmbedding, each one, why the others not."""
-        total = len(self.lowered) + len(self.kept)
-        head = f"NPURotaryPositionEmbedding: {len(self.lowered)} of {total} rotary embedding(s) lowered (mode 0)"
-        for line in [head, *self.lowered, *self.kept.values()] if total else \
-                ["NPURotaryPositionEmbedding: no rotary embedding found"]:
-            ctx.note(line)
