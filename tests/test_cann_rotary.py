@@ -216,6 +216,14 @@ def test_head_dim_896_and_1000_heads_are_kept():
     kept(opset17(many_heads), "heads 1000 is not < 1000")
 
 
+def test_a_model_without_rope_gets_no_rotary_line():
+    from tests.cann_models import rms_model
+
+    report = Report()
+    k3opt.optimize(rms_model(eps=1e-6), target="cann", report=report)
+    assert report.lowering and not any("Rotary" in line or "rotary" in line for line in report.lowering)
+
+
 # -- the zoo ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])

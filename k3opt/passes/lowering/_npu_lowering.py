@@ -25,6 +25,8 @@ class NPULowering(Pass):
     what: ClassVar[str] = ""
     #: The count line's closing remark, e.g. ``(mode 0)``.
     remark: ClassVar[str] = ""
+    #: Whether "no <what> found" is a line of its own (off: a model without one gets no line at all).
+    note_none: ClassVar[bool] = True
     #: ``rewrite -> rules``: the shared recogniser's entry point (a staticmethod).
     recogniser: ClassVar[Callable[[Callable[..., Any]], list[Rule]]]
 
@@ -41,7 +43,8 @@ class NPULowering(Pass):
         """The lowering lines: how many became :attr:`npu_op`, each one, and why the others did not."""
         total = len(self.lowered) + len(self.kept)
         if not total:
-            ctx.note(f"{self.npu_op}: no {self.what} found")
+            if self.note_none:
+                ctx.note(f"{self.npu_op}: no {self.what} found")
             return
         ctx.note(f"{self.npu_op}: {len(self.lowered)} of {total} {self.what}(s) lowered {self.remark}")
         for line in [*self.lowered, *self.kept.values()]:

@@ -77,6 +77,8 @@ class LowerRotaryNPU(NPULowering):
     order = 2020
     npu_op, what, remark = "NPURotaryPositionEmbedding", "rotary embedding", "(mode 0)"
     recogniser = staticmethod(functools.partial(rotary_rules, name="lower-rotary"))  # kept: by root node
+    #: Models without RoPE (BERT, ViT, the hand-made attentions) keep the lowering lines they had.
+    note_none = False
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         return apply_rules(graph, ctx, self.rules)
