@@ -4,7 +4,7 @@ Invariants checked on each optimized model: no decomposed LayerNorm left and
 as many LayerNormalization nodes as the torch model has nn.LayerNorm modules;
 no MatMul(x, constant W) + per-column constant bias pair left (optimized with
 ``matmul_add_nd="flatten"``, the form that fuses rank > 2 activations too);
-no activation read by two MatMuls with constant weights (siblings merged);
+no activation read by MatMuls with constant weights whose merge would save a node (siblings merged);
 no Identity and no node whose outputs nobody reads.
 """
 from __future__ import annotations
@@ -86,11 +86,17 @@ def unfused_matmul_bias(model: onnx.ModelProto) -> list[str]:
 
 
 def unmerged_siblings(model: onnx.ModelProto) -> list[str]:
-    """Activations read (as A) by two or more MatMuls with constant 2-D weights."""
+    """Activations read (as A) by MatMuls with constant 2-D weights whose merge would save a node: three or
+    more, or two that each feed a bias Add (a plain pair, SwiGLU's gate/up, is left alone by design)."""
     consts, uses = _constants(model), _consumers(model)
-    return [t for t, readers in uses.items()
-            if sum(r.op_type == "MatMul" and r.input[0] == t and len(consts.get(r.input[1], ())) == 2
-                   for r in readers) > 1]
+    biased = set(unfused_matmul_bias(model))
+    found = []
+    for t, readers in uses.items():
+        siblings = [r for r in readers
+                    if r.op_type == "MatMul" and r.input[0] == t and len(consts.get(r.input[1], ())) == 2]
+        if len(siblings) > 2 or (len(siblings) == 2 and all(r.name in biased for r in siblings)):
+            found.append(t)
+    return found
 
 
 def dead_or_identity(model: onnx.ModelProto) -> list[str]:

@@ -1,7 +1,7 @@
 """k3opt.cann_bridge: from an optimized ONNX model to an Ascend ``.om`` through Huawei's ATC (docs/cann.md).
 
-- The NPU lowerings of ``--target cann`` are passes (``lower-rmsnorm-npu``, ``lower-attention-npu``) that
-  the core pipeline runs after its verification; :func:`finish_model` puts the result in the target's
+- The NPU lowerings of ``--target cann`` are passes (``lower-rmsnorm-npu``, ``lower-attention-npu``,
+  ``lower-rotary-npu``) that the core pipeline runs after its verification; :func:`finish_model` puts the result in the target's
   form and checks :func:`invariant_violations`; :mod:`.reference_ops` runs the NPU ops in numpy.
 - :func:`compile_model`: optimize for cann, pre-flight check, run ATC (``k3opt compile``).
 - :func:`check_model`: what ATC will refuse in a model (``k3opt check --target cann``).

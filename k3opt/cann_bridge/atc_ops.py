@@ -54,6 +54,9 @@ _SPECIAL = {
     "NPUPromptFlashAttention": [*range(11, 17), 19],
     "NPUIncreFlashAttention": [*range(11, 17), 19],
     "NPUFusedAttentionScore": range(11, 19),
+    # OriginOpType list of posembedding/rotary_position_embedding/framework/
+    # npu_rotary_position_embedding_onnx_plugin.cpp (cann/ops-transformer): ai.onnx::11..18 and npu::1.
+    "NPURotaryPositionEmbedding": range(11, 19),
     "NPUMoeInitRouting": range(11, 19),
 }
 
@@ -67,8 +70,10 @@ ATC_PARSERS: dict[str, frozenset[int]] = {
 NPU_OPS = frozenset(op for op in _SPECIAL if op.startswith("NPU"))
 
 #: NPU ops whose plugin also registers ``npu::1::<Op>`` (torch_npu's exporter domain), as read in the plugin
-#: sources: the two flash attentions (above) and NPURmsNorm (hicann/ops-nn norm/rms_norm/framework).
-NPU_DOMAIN_OPS = frozenset({"NPURmsNorm", "NPUPromptFlashAttention", "NPUIncreFlashAttention"})
+#: sources: the two flash attentions and the rotary embedding (above) and NPURmsNorm (hicann/ops-nn
+#: norm/rms_norm/framework).
+NPU_DOMAIN_OPS = frozenset({"NPURmsNorm", "NPUPromptFlashAttention", "NPUIncreFlashAttention",
+                            "NPURotaryPositionEmbedding"})
 
 #: Graph-input element types the ONNX parser maps to a GE type (``onnx.TensorProto`` names).
 ACCEPTED_INPUT_DTYPES = frozenset({

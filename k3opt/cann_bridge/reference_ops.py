@@ -20,6 +20,12 @@ not define. Sources, by short name in the comments:
   https://hiascend.com/document/detail/zh/Pytorch/60RC1/apiref/apilist/ptaoplist_000451.html
 - [RMS-plugin] hicann/ops-nn ``norm/rms_norm/framework/npu_rms_norm_onnx_plugin.cpp`` and
   ``norm/rms_norm/op_graph/rms_norm_proto.h`` (see docs/cann.md, "Lowerings")
+- [RoPE-plugin] cann/ops-transformer (mirror yuanfang-chen/ops-transformer)
+  ``posembedding/rotary_position_embedding/framework/npu_rotary_position_embedding_onnx_plugin.cpp``
+- [RoPE-IR] same repository, ``posembedding/rotary_position_embedding/op_graph/rotary_position_embedding_proto.h``
+- [RoPE-doc] same repository, ``posembedding/rotary_position_embedding/docs/aclnnRotaryPositionEmbedding.md``
+- [RoPE-tiling] same repository, ``posembedding/rotary_position_embedding/op_host/rope_rotate_half_tiling.cpp``
+  and the kernel ``op_kernel/rotate_half.h``
 """
 from __future__ import annotations
 
@@ -42,6 +48,15 @@ SPARSE_TEMPLATE = 2048
 ALL_TOKENS = 2147483647
 #: [PFA-doc] limits (Atlas A2/A3): D <= 512, N <= 256, numHeads / numKeyValueHeads <= 64.
 MAX_HEAD_DIM, MAX_HEADS, MAX_GROUP = 512, 256, 64
+#: [RoPE-IR] / [RoPE-doc] "mode": 0 half (rotate-half), 1 interleave; 2 and 3 are Ascend 910_95 only.
+ROPE_HALF, ROPE_INTERLEAVE = 0, 1
+#: [RoPE-doc] (Atlas A2/A3): "D<896" and a multiple of 2 ([RoPE-IR] and [RoPE-tiling] allow 896 itself).
+ROPE_MAX_HEAD_DIM = 895
+#: [RoPE-doc] cos/sin shapes per mode for a 4-D x, as which of x's three leading dims they keep ("f") or
+#: broadcast ("1"): half takes 11SD, B1SD, BNSD for a BNSD x, 1S1D, BS1D, BSND for BSND, S11D, SB1D, SBND
+#: for SBND; interleave only 11SD, 1S1D, S11D.
+ROPE_ANGLE_LAYOUTS = {ROPE_HALF: frozenset({"11f", "f1f", "fff", "1f1", "ff1", "f11"}),
+                      ROPE_INTERLEAVE: frozenset({"11f", "1f1", "f11"})}
 
 
 class ReferenceError(ValueError):
@@ -245,6 +260,62 @@ class NPUIncreFlashAttention(OpRun):
         return (_from_bnsd(attention(q, k, v, masked, scale_value, 1, False), layout),)
 
 
+def rope_layout_refusal(x_shape: Sequence[int], angle_shape: Sequence[int], mode: int) -> Optional[str]:
+    """Why cos/sin of ``angle_shape`` are not a documented layout for an x of ``x_shape`` ([RoPE-doc]), or None.
+    A leading dim of 1 in x may be read as kept or as broadcast."""
+    if len(x_shape) != 4 or len(angle_shape) != 4:
+        return f"x {list(x_shape)} and cos/sin {list(angle_shape)} are not both 4-D"
+    d = x_shape[3]
+    if angle_shape[3] != d or d % 2 or d > ROPE_MAX_HEAD_DIM:
+        return f"head dim {d} (cos/sin {angle_shape[3]}) is not one even D < 896"
+    layouts = ROPE_ANGLE_LAYOUTS.get(mode)
+    if layouts is None:
+        return f"mode {mode} is not modelled (Atlas A2/A3 take 0 half and 1 interleave)"
+    options = []
+    for have, want in zip(angle_shape[:3], x_shape[:3]):
+        if have not in (1, want):
+            return f"cos/sin {list(angle_shape)} do not broadcast to x {list(x_shape)}"
+        options.append("f1" if want == 1 else ("f" if have == want else "1"))
+    if not any(a + b + c in layouts for a in options[0] for b in options[1] for c in options[2]):
+        return f"cos/sin {list(angle_shape)} against x {list(x_shape)} is not a documented layout for mode {mode}"
+    return None
+
+
+class NPURotaryPositionEmbedding(OpRun):
+    """``NPURotaryPositionEmbedding(x, cos, sin, mode) -> y`` as the plugin passes it on ([RoPE-plugin]: the INT
+    ``mode`` is required, the node is refused without it), computing [RoPE-doc]'s formulas on 4-D tensors:
+
+    - mode 0 (half): ``y = x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin``;
+    - mode 1 (interleave): ``y = x * cos + r * sin`` with ``r[..., 2i] = -x[..., 2i+1]``, ``r[..., 2i+1] = x[..., 2i]``.
+
+    cos and sin have one shape, x's D and dtype (float16, bfloat16, float32 [RoPE-IR]), and a layout of
+    :data:`ROPE_ANGLE_LAYOUTS`. float32 and float16 are computed in their own type (the half-mode kernel
+    ``RotateHalf<T>`` multiplies and adds in T, [RoPE-tiling]); bfloat16 in float32, rounded once (numpy has
+    no bfloat16 arithmetic; the kernel's own bf16 path, ``op_kernel/rotate_half_bf16.h``, is not modelled).
+    """
+
+    op_domain = ""
+
+    def _run(self, x, cos, sin, mode=None):  # noqa: D102 - OpRun's interface
+        if mode is None:
+            raise ReferenceError("mode is required (the plugin refuses a node without the INT attribute)")
+        if cos.shape != sin.shape:
+            raise ReferenceError(f"cos {list(cos.shape)} and sin {list(sin.shape)} differ in shape")
+        if not (x.dtype == cos.dtype == sin.dtype) or x.dtype.name not in ("float16", "float32", "bfloat16"):
+            raise ReferenceError(f"x, cos, sin are {x.dtype}, {cos.dtype}, {sin.dtype}: one of fp16, bf16, fp32")
+        why = rope_layout_refusal(x.shape, cos.shape, int(mode))
+        if why:
+            raise ReferenceError(why)
+        work = np.float32 if x.dtype.name == "bfloat16" else x.dtype
+        xw, c, s = (t.astype(work) for t in (x, cos, sin))
+        if mode == ROPE_HALF:
+            h = x.shape[-1] // 2
+            rotated = np.concatenate([-xw[..., h:], xw[..., :h]], axis=-1)
+        else:
+            rotated = np.stack([-xw[..., 1::2], xw[..., 0::2]], axis=-1).reshape(xw.shape)
+        return ((xw * c + rotated * s).astype(x.dtype),)
+
+
 class GatherElements(OpRun):
     """The standard op, as the ONNX spec and onnxruntime define it (``out[i][j] = data[index[i][j]][j]`` for
     axis 0): onnx 1.23's reference implementation fails when the indices are smaller than the data on the
@@ -264,7 +335,8 @@ def _in_domain(cls: type, domain: str) -> type:
 
 
 #: The ops for the evaluator: each in the default domain and in ``npu`` (torch_npu's exporter form).
-REFERENCE_OPS = [cls for base in (NPURmsNorm, NPUPromptFlashAttention, NPUIncreFlashAttention)
+REFERENCE_OPS = [cls for base in (NPURmsNorm, NPUPromptFlashAttention, NPUIncreFlashAttention,
+                                  NPURotaryPositionEmbedding)
                  for cls in (base, _in_domain(base, NPU_DOMAIN))] + [GatherElements]
 
 

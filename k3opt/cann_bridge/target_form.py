@@ -1,7 +1,7 @@
 """The cann target's output form: where the NPU nodes live, at which opset, and the invariants ATC needs.
 
-The lowering passes (``lower-rmsnorm-npu``, ``lower-attention-npu``) build NPU
-nodes either in the ``npu`` domain (torch_npu's exporter form, opset import
+The lowering passes (``lower-rmsnorm-npu``, ``lower-attention-npu``,
+``lower-rotary-npu``) build NPU nodes either in the ``npu`` domain (torch_npu's exporter form, opset import
 ``npu:1``) or in a private staging domain (:data:`STAGING_DOMAIN`: the
 pattern rewriter checks default-domain nodes against ONNX's schemas, which do
 not know NPU ops). :func:`finish_model` runs on the exported model: staged

@@ -23,7 +23,7 @@ cos and sin must be the same computation except Cos vs Sin, of one angle tensor 
 
 Below opset 23, or for another target, the rotations stay decomposed: the pass rewrites nothing and
 counts them once on the final graph (``ctx.counters["rotary_found"]``, a report note). For ``--target
-cann`` see the pass doc: NPURotaryPositionEmbedding's mode 0 is this very rotate-half formula.
+cann`` the lowering ``lower-rotary-npu`` makes them NPURotaryPositionEmbedding (mode 0) where exact.
 
 Entry point for lowerings: ``rotary_rules(rewrite)`` gives the rules; ``rewrite(op, rm)`` receives a
 :class:`RotaryMatch` and returns the replacement of the rotated tensor (or None to leave it).
@@ -566,13 +566,13 @@ def find_rotaries(graph: Graph, ctx: PassContext) -> list[Node]:
     """The root node of every rotary embedding recognised (and exact to fuse); changes nothing."""
     _FOUND.clear()
     try:
-        _apply(graph, ctx, _COUNTING)
+        apply_rules(graph, ctx, _COUNTING)
         return list(_FOUND.values())
     finally:
         _FOUND.clear()
 
 
-def _apply(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
+def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
     """One sweep per rule, in order. Dims are traced with the run's dims analysis (declared symbols such as
     ``batch`` are not traced at all)."""
     done = 0
@@ -594,7 +594,7 @@ class FuseRotary(Pass):
     preserves = frozenset({Shapes})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        return _apply(graph, ctx, RULES) if _fusable(ctx) else 0
+        return apply_rules(graph, ctx, RULES) if _fusable(ctx) else 0
 
     def finish(self, graph: Graph, ctx: PassContext) -> None:
         """Where rotations stay decomposed, count them once, on the final graph (``rotary_found``, a note)."""

@@ -19,9 +19,9 @@ from ...graph import dtypes
 from ...graph.ir import Graph, Tensor
 from ...patterns import RewriteBuilder
 from ..fusion._norm_common import NormMatch, affine_input, apply_in_order, norm_input
-from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import PassContext, register_pass
 from ..fusion.fuse_rmsnorm import rmsnorm_rules
+from ._npu_lowering import NPULowering
 
 #: ATC's NPURmsNorm plugin ignores the node's attributes and sets this epsilon.
 PLUGIN_EPSILON = 1e-6
@@ -48,24 +48,14 @@ def refusal(epsilon: float, x_dtype: Any, gamma_dtype: Any) -> Optional[str]:
 
 
 @register_pass
-class LowerRMSNormNPU(Pass):
+class LowerRMSNormNPU(NPULowering):
     """RMSNorm -> NPURmsNorm (target cann) where the plugin's fixed eps and kernels make it exact."""
 
     name = "lower-rmsnorm-npu"
     description = "RMSNorm -> NPURmsNorm where exact (target cann; ATC's plugin fixes eps at 1e-6)"
     order = 2000
-    targets = ("cann",)
-    lowering = True
-    needs_shapes = True
-    #: The replaced value keeps its dtype and shape; ``rstd`` gets float32 and no shape. Re-inferring would
-    #: lose shapes: onnx's inference does not know NPU ops.
-    preserves = frozenset({Shapes})
-
-    def __init__(self) -> None:
-        self.lowered: list[str] = []
-        #: reduce-node name -> reason; each rule (one per tail) may offer the same normalization again.
-        self.kept: dict[str, str] = {}
-        self.rules = rmsnorm_rules(self._rewrite)
+    npu_op, what, remark = "NPURmsNorm", "RMSNorm", "(ATC's plugin fixes eps at 1e-6)"
+    recogniser = staticmethod(rmsnorm_rules)  # one rule per tail: kept is keyed by the reduce node
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         return apply_in_order(graph, ctx, self.rules)
@@ -82,15 +72,8 @@ class LowerRMSNormNPU(Pass):
         x = norm_input(op, nm)
         gamma = affine_input(op, nm, nm.weight, 1.0)
         y, rstd = op.NPURmsNorm(x, gamma, _outputs=2, _name="NPURmsNorm", _domain=STAGING_DOMAIN)
-        rstd.dtype = np.float32
+        rstd.dtype = np.float32  # and no shape: onnx's inference does not know NPU ops
         if nm.bias is not None:
             y = op.Add(y, affine_input(op, nm, nm.bias, 0.0))
         self.lowered.append(f"RMSNorm at '{where}' -> NPURmsNorm")
         return y
-
-    def finish(self, graph: Graph, ctx: PassContext) -> None:
-        """The lowering lines: how many RMSNorms became NPURmsNorm, each one, and why the others did not."""
-        total = len(self.lowered) + len(self.kept)
-        head = f"NPURmsNorm: {len(self.lowered)} of {total} RMSNorm(s) lowered (ATC's plugin fixes eps at 1e-6)"
-        for line in [head, *self.lowered, *self.kept.values()] if total else ["NPURmsNorm: no RMSNorm found"]:
-            ctx.note(line)

@@ -1,0 +1,100 @@
+"""lower-rotary-npu: a recognised rotary embedding becomes ``NPURotaryPositionEmbedding(x, cos, sin, mode=0)``
+for ``--target cann``, where the plugin's contract is met exactly (a target lowering: runs after the verified
+passes).
+
+The contract (sources by short name in :mod:`k3opt.cann_bridge.reference_ops`, facts in docs/cann.md): the
+ATC plugin registers ``ai.onnx::11..18`` and ``npu::1`` and requires the INT attribute ``mode``
+([RoPE-plugin]); mode 0 ("half") is ``x * cos + cat(-x2, x1) * sin`` with full-width 4-D cos/sin of x's
+dtype (fp16, bf16, fp32), one shape for both, D even and < 896, B and N < 1000 ([RoPE-doc], [RoPE-IR]).
+
+The recogniser (:func:`..fusion.fuse_rotary.rotary_rules`) has proved the rotation exact: x is (batch, heads,
+positions, D), cos and sin are of one angle tensor, broadcast over the heads, with batch and position dims
+of 1 or provably x's, and full-width ones have equal halves. Every form becomes mode 0:
+
+- rotate-half: ``NPURotaryPositionEmbedding(x, cos, sin)`` with cos/sin as multiplied;
+- explicit halves (half-width angles): the same with ``Concat(cos, cos)``, ``Concat(sin, sin)``
+  (``x1*c - x2*s`` is ``x1*c + (-x2)*s`` exactly);
+- DeepSeek's even/odd halves: the same of ``Concat(x[..., 0::2], x[..., 1::2])`` (the result is in the
+  half-split layout, as the graph's);
+- cos/sin of rank < 4 get their leading 1s; a batch dim of 1 against x's batch is expanded to it, making the
+  layout B1SD: the tiling refuses a BNSD x with 11SD angles when ``B * N > 8 * S`` ([RoPE-tiling],
+  ``CheckBnsdBlockSkip``), so that path is never taken.
+
+Kept decomposed (the report says why): a positions dim of cos/sin that is broadcast against x's (not a
+documented layout), D >= 896, or a static batch or head count >= 1000. The plugin does not know the SoC:
+Atlas inference (310P), 200I/500 A2 (310B) and training (910) products have no kernel in [RoPE-doc]'s table,
+ATC reports that.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import numpy as np
+
+from ...cann_bridge.reference_ops import ROPE_HALF, ROPE_MAX_HEAD_DIM
+from ...cann_bridge.target_form import STAGING_DOMAIN
+from ...graph.ir import Graph, Tensor
+from ...patterns import RewriteBuilder
+from ...pipeline.pass_base import PassContext, register_pass
+from ..analysis.fold_shapes import dim_at
+from ..fusion.fuse_rotary import RotaryMatch, apply_rules, rotary_rules
+from ._npu_lowering import NPULowering
+
+#: [RoPE-doc] half mode: "B，N < 1000".
+MAX_BATCH_HEADS = 999
+
+
+def refusal(rm: RotaryMatch) -> Optional[str]:
+    """Why an (already exact) rotation cannot become NPURotaryPositionEmbedding, or None when it can."""
+    if rm.head_dim > ROPE_MAX_HEAD_DIM:
+        return f"head dim {rm.head_dim} is not < 896"
+    for axis, what in ((0, "batch"), (1, "heads")):
+        dim = dim_at(rm.x, axis)
+        if isinstance(dim, int) and dim > MAX_BATCH_HEADS:
+            return f"{what} {dim} is not < 1000"
+    if not rm.same_positions:
+        return "cos/sin are broadcast over x's positions (no documented layout)"
+    return None
+
+
+def _angles(op: RewriteBuilder, rm: RotaryMatch, t: Tensor, batch: Optional[Tensor]) -> Tensor:
+    """``t`` as the plugin's full-width 4-D cos/sin: leading 1s added, halves doubled, expanded to ``batch``."""
+    rank = len(t.shape)
+    if rank < 4:
+        t = op.Unsqueeze(t, op.const(list(range(4 - rank)), np.int64))
+    if not rm.full_width:
+        t = op.Concat(t, t, axis=-1)
+    return t if batch is None else op.Expand(t, batch)
+
+
+@register_pass
+class LowerRotaryNPU(NPULowering):
+    """Rotary embedding -> NPURotaryPositionEmbedding mode 0 (target cann) where the plugin's contract is met."""
+
+    name = "lower-rotary-npu"
+    description = "rotary embedding -> NPURotaryPositionEmbedding mode 0 (rotate-half) where exact (target cann)"
+    order = 2020
+    npu_op, what, remark = "NPURotaryPositionEmbedding", "rotary embedding", "(mode 0)"
+    recogniser = staticmethod(functools.partial(rotary_rules, name="lower-rotary"))  # kept: by root node
+    #: Models without RoPE (BERT, ViT, the hand-made attentions) keep the lowering lines they had.
+    note_none = False
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        return apply_rules(graph, ctx, self.rules)
+
+    def _rewrite(self, op: RewriteBuilder, rm: RotaryMatch) -> Optional[Tensor]:
+        """``NPURotaryPositionEmbedding(x, cos, sin, mode=0)``, or None: stays decomposed, reason kept."""
+        where = rm.root.name
+        why = refusal(rm)
+        if why is not None:
+            self.kept.setdefault(where, f"rotary embedding at '{where}' kept decomposed: {why}")
+            return None
+        x = op.Concat(rm.lo, rm.hi, axis=-1) if rm.pairs else rm.x
+        batch = None
+        if not rm.same_batch:  # cos/sin batch 1 against x's: B1SD, never the 11SD path the tiling may refuse
+            batch = op.Concat(op.Shape(rm.x, start=0, end=1), op.const([1, 1, 1], np.int64), axis=0)
+        y = op.NPURotaryPositionEmbedding(x, _angles(op, rm, rm.cos, batch), _angles(op, rm, rm.sin, batch),
+                                          mode=ROPE_HALF, _name="NPURotaryPositionEmbedding", _domain=STAGING_DOMAIN)
+        self.lowered.append(f"rotary embedding at '{where}' -> NPURotaryPositionEmbedding (mode 0)")
+        return y
