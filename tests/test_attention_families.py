@@ -67,6 +67,18 @@ EXPECT = {
     "bart": Expect(3, 3, 1, "", "heads is not static"),
 }
 
+#: What differs for the dynamo exports: the lowering, run on dynamic shapes, cannot read these head counts
+#: (as for the zoo's dynamo BERT; k3opt compile's static input shapes give them).
+DYNAMO = {"gpt_neox": dict(lowered=0, npu_why="heads is not static"),
+          "falcon": dict(lowered=0, npu_why="GQA: q's head count is not provably the repeated k's"),
+          "bart": dict(lowered=0, npu_why="heads is not static")}
+
+
+def expected(name: str, exporter: str) -> Expect:
+    """:data:`EXPECT` for ``name``, with :data:`DYNAMO`'s changes for a dynamo export."""
+    return dataclasses.replace(EXPECT[name], **DYNAMO.get(name, {})) if exporter == "dynamo" else EXPECT[name]
+
+
 #: Families whose torchscript export runs in the default (non-slow) test run: the safety-critical forms.
 FAST = ("mistral_sliding", "gemma2", "falcon", "t5", "bart")
 
@@ -79,7 +91,7 @@ def _cases() -> list:
 @needs_torch
 @pytest.mark.parametrize("name, exporter", _cases())
 def test_opset_23(name, exporter):
-    expect, path, feeds = EXPECT[name], family_model(name, exporter), family_inputs(name)
+    expect, path, feeds = expected(name, exporter), family_model(name, exporter), family_inputs(name)
     report = Report()
     out = k3opt.optimize(str(path), opset=23, verify=True, input_data=feeds, report=report)
     assert report.verification["status"] == "passed", report.verification
@@ -99,7 +111,7 @@ def test_opset_23(name, exporter):
 @pytest.mark.parametrize("name, exporter", _cases())
 def test_target_cann(name, exporter):
     """Lowered and verified by the pipeline (the NPU reference ops against onnxruntime), also left-padded."""
-    expect, path, feeds = EXPECT[name], family_model(name, exporter), family_inputs(name)
+    expect, path, feeds = expected(name, exporter), family_model(name, exporter), family_inputs(name)
     out, report = lowered(path, feeds)
     assert flash_attentions(out) == expect.lowered, report.lowering
     kept = [line for line in report.lowering if "kept decomposed" in line and "attention at" in line]
