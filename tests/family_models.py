@@ -6,14 +6,13 @@ sequence 8, the second row padded at the end so the mask matters).
 
 Every family stresses what the zoo's do not: a banded mask (Mistral's sliding
 window of 4 < 8 tokens), logit softcapping and ``query_pre_attn_scalar``
-(Gemma2), partial rotary (Phi, Phi3, GPT-NeoX), ALiBi (Bloom, Falcon with
-``alibi=True``), a relative position bias with no ``1/sqrt(d)`` (T5), and
+(Gemma2), partial rotary (Phi, Phi3, GPT-NeoX), multi-query (Falcon), ALiBi
+(Bloom), MoE (Mixtral), a relative position bias with no ``1/sqrt(d)`` (T5), and
 cross-attention (BART, T5's decoder). Encoder-decoders are exported as
 ``(input_ids, attention_mask, decoder_input_ids) -> logits``.
 
-The cache (``family-*`` files in the zoo's cache folder) is keyed by a hash of
-this file, k3opt/export and the torch/transformers versions; tests/zoo.py is
-not touched (its hash keys everyone's zoo cache).
+The cache (``family-*`` files in the zoo's cache folder) is keyed by the zoo's
+key and this file; tests/zoo.py is not touched (its hash keys everyone's zoo cache).
 """
 from __future__ import annotations
 
@@ -24,10 +23,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tests.zoo import BATCH, SEED, TEXT_SEQ, VOCAB, _require, build_cached, cache_dir
+from tests.zoo import BATCH, SEED, TEXT_SEQ, VOCAB, _require, build_cached, cache_dir, cache_key
 
 _HERE = Path(__file__).resolve()
-_EXPORT_PKG = _HERE.parent.parent / "k3opt" / "export"
 
 _TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
              max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)
@@ -68,8 +66,7 @@ def _families() -> dict[str, Family]:
         "bloom": Family(lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB,
                                                use_cache=False), attn="eager"),
         "mixtral": Family(lambda: tf.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                                   experts_implementation="batched_mm",
-                                                   **_TEXT)),
+                                                   experts_implementation="batched_mm", **_TEXT)),
         "t5": Family(lambda: tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
                                          vocab_size=VOCAB, relative_attention_num_buckets=8, use_cache=False,
                                          decoder_start_token_id=0, pad_token_id=0), seq2seq=True),
@@ -78,21 +75,6 @@ def _families() -> dict[str, Family]:
                                              vocab_size=VOCAB, max_position_embeddings=64, use_cache=False),
                        seq2seq=True),
     }
-
-
-def family_names() -> tuple[str, ...]:
-    """Every family this module builds."""
-    _require()
-    return tuple(_families())
-
-
-def family_config(name: str) -> Any:
-    """The transformers config of family ``name`` (its attention implementation set)."""
-    _require()
-    fam = _families()[name]
-    config = fam.config()
-    config._attn_implementation = fam.attn
-    return config
 
 
 def input_names(name: str) -> list[str]:
@@ -119,10 +101,10 @@ def family_torch_model(name: str) -> Any:
     import torch
     import transformers as tf
 
-    config = family_config(name)
+    fam = _families()[name]
     torch.manual_seed(SEED)
-    auto = tf.AutoModelForSeq2SeqLM if _families()[name].seq2seq else tf.AutoModelForCausalLM
-    hf = auto.from_config(config, attn_implementation=_families()[name].attn)
+    auto = tf.AutoModelForSeq2SeqLM if fam.seq2seq else tf.AutoModelForCausalLM
+    hf = auto.from_config(fam.config(), attn_implementation=fam.attn)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(SEED)
         for p in hf.parameters():
@@ -147,24 +129,9 @@ def _logits_module() -> type:
     return Logits
 
 
-def torch_outputs(name: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """The torch model's logits for ``feeds``."""
-    import torch
-
-    with torch.no_grad():
-        out = family_torch_model(name)(*(torch.from_numpy(feeds[n]) for n in input_names(name)))
-    return [out.numpy()]
-
-
 def _cache_key() -> str:
-    import torch
-    import transformers
-
-    h = hashlib.sha256(_HERE.read_bytes())
-    for source in sorted(_EXPORT_PKG.glob("*.py")):
-        h.update(source.read_bytes())
-    h.update(f"{torch.__version__}|{transformers.__version__}".encode())
-    return h.hexdigest()[:16]
+    """The zoo's key (tests/zoo.py, k3opt/export, torch/transformers versions) with this file's bytes."""
+    return hashlib.sha256(cache_key().encode() + _HERE.read_bytes()).hexdigest()[:16]
 
 
 def family_model(name: str, exporter: str = "torchscript") -> Path:
