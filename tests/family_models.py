@@ -7,7 +7,7 @@ sequence 8, the second row padded at the end so the mask matters).
 Every family stresses what the zoo's do not: a banded mask (Mistral's sliding
 window of 4 < 8 tokens), logit softcapping and ``query_pre_attn_scalar``
 (Gemma2), partial rotary (Phi, Phi3, GPT-NeoX), multi-query (Falcon), ALiBi
-(Bloom), MoE (Mixtral), a relative position bias with no ``1/sqrt(d)`` (T5), and
+(Bloom), MoE (Mixtral, Qwen2-MoE), a relative position bias with no ``1/sqrt(d)`` (T5), and
 cross-attention (BART, T5's decoder). Encoder-decoders are exported as
 ``(input_ids, attention_mask, decoder_input_ids) -> logits``.
 
@@ -67,6 +67,9 @@ def _families() -> dict[str, Family]:
                                                use_cache=False), attn="eager"),
         "mixtral": Family(lambda: tf.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                                    experts_implementation="batched_mm", **_TEXT)),
+        "qwen2_moe": Family(lambda: tf.Qwen2MoeConfig(
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, experts_implementation="batched_mm", **_TEXT)),
         "t5": Family(lambda: tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
                                          vocab_size=VOCAB, relative_attention_num_buckets=8, use_cache=False,
                                          decoder_start_token_id=0, pad_token_id=0), seq2seq=True),

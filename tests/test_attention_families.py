@@ -30,35 +30,38 @@ from tests.zoo import needs_torch
 class Expect:
     """What k3opt does with a family's attentions: ``fused`` Attention-23 nodes and ``lowered`` NPU flash
     attentions; the others are left decomposed with a note containing ``why`` (opset 23) and ``npu_why``
-    (cann), or, where both are empty, not recognised as attention at all."""
+    (cann), or, where both are empty, not recognised as attention at all. ``rotary``: RotaryEmbedding-23
+    nodes at opset 23 (fuse-rotary: q and k of each layer, partial rotary included)."""
 
     attentions: int
     fused: int
     lowered: int
     why: str = ""
     npu_why: str = ""
+    rotary: int = 0
 
 
 SOFTCAP = "the scores are not a MatMul(q, k^T)"
 BIAS = "the mask is of unknown form"
 EXPECT = {
     # the band of the sliding window is a mask like any other: passed as attn_mask, never is_causal
-    "mistral_sliding": Expect(2, 2, 2),
-    "mistral_sliding_eager": Expect(2, 2, 2),
-    "gemma": Expect(2, 2, 2),
+    "mistral_sliding": Expect(2, 2, 2, rotary=4),
+    "mistral_sliding_eager": Expect(2, 2, 2, rotary=4),
+    "gemma": Expect(2, 2, 2, rotary=4),
     # tanh(s / 50) * 50 between the scores and the Softmax: no fused op has it
-    "gemma2": Expect(2, 0, 0, SOFTCAP, SOFTCAP),
-    "gemma2_nocap": Expect(2, 2, 2),  # scale query_pre_attn_scalar^-1/2 = 0.25, not head_dim^-1/2
-    "phi": Expect(2, 2, 2),  # partial rotary
-    "phi3": Expect(2, 2, 2),
-    "gpt_neox": Expect(2, 2, 2),
+    "gemma2": Expect(2, 0, 0, SOFTCAP, SOFTCAP, rotary=4),
+    "gemma2_nocap": Expect(2, 2, 2, rotary=4),  # scale query_pre_attn_scalar^-1/2 = 0.25, not head_dim^-1/2
+    "phi": Expect(2, 2, 2, rotary=4),  # partial rotary
+    "phi3": Expect(2, 2, 2, rotary=4),
+    "gpt_neox": Expect(2, 2, 2, rotary=4),
     # multi-query: q = RotaryEmbedding(Transpose(Split(fused QKV))) has no static head count for the
     # recogniser at opset 23 (so GQA's repeat is not proven); on cann the rotary stays decomposed and it has
-    "falcon": Expect(2, 0, 2, "GQA: q's head count is not provably the repeated k's"),
+    "falcon": Expect(2, 0, 2, "GQA: q's head count is not provably the repeated k's", rotary=4),
     "opt": Expect(2, 2, 2),
     # ALiBi in a 3-D baddbmm, a Reshape between the Softmax and the probabilities' MatMul: not matched
     "bloom": Expect(2, 0, 0),
-    "mixtral": Expect(2, 2, 2),
+    "mixtral": Expect(2, 2, 2, rotary=4),
+    "qwen2_moe": Expect(2, 2, 2, rotary=4),
     # relative position bias + padding mask added as one float tensor: a fully masked row's semantics
     # would differ (Attention zeroes it), so declined; cross-attention has the same bias form
     "t5": Expect(3, 0, 0, BIAS, BIAS),
@@ -96,6 +99,7 @@ def test_opset_23(name, exporter):
     out = k3opt.optimize(str(path), opset=23, verify=True, input_data=feeds, report=report)
     assert report.verification["status"] == "passed", report.verification
     assert op_counts(out).get("Attention", 0) == expect.fused
+    assert op_counts(out).get("RotaryEmbedding", 0) == expect.rotary
     declined = [n for n in report.notes if "attention(s) declined" in n]
     if expect.why:
         assert len(declined) == 1 and declined[0].startswith(f"{expect.attentions - expect.fused} attention(s) "
