@@ -82,6 +82,9 @@ class AttentionMatch:
     #: The fill of a ``Where(keep, 0, fill)`` mask (or of a constant mask of 0s and one value): -inf or a
     #: negative number; None for a mask of unknown form. ``keep`` is set when it masks out (:func:`masks_out`).
     mask_fill: Optional[float] = None
+    #: The mask is a constant keeping a key in every query row (a sliding-window band, say): no row is fully
+    #: masked, so what the graph and a fused op do with such a row does not matter (as for ``causal_only``).
+    rows_open: bool = False
 
 
 # -- pattern -------------------------------------------------------------------------------------------------
@@ -192,12 +195,13 @@ def _analyze(m: Match) -> AttentionMatch:
         raise _Decline(f"q's head dim {dqk} differs from k's {kv.dims[3]}")
     if mask is not None:
         _check_mask(mask, scores, dtype)
-    keep, fill, causal = _mask_form(mask, q, kv.dims, dtype) if mask is not None else (None, None, False)
+    keep, fill, causal, rows_open = _mask_form(mask, q, kv.dims, dtype) if mask is not None \
+        else (None, None, False, False)
     past = _decode_parts(kv.k if kv.perm == IDENTITY else None, kv.v)
     m.nodes.extend(n for n in walked + chain if id(n) not in matched)  # detached by the commit once dead
     m.memo["k_perm"] = kv.perm
     return AttentionMatch(q, kv.k, kv.v, q_heads, kv_heads, dqk, _static(kv.v, 3, "v's head dim"), scale, mask,
-                          keep, causal, _guarded(m), *past, pv.outputs[0], sm, dtype, m, fill)
+                          keep, causal, _guarded(m), *past, pv.outputs[0], sm, dtype, m, fill, rows_open)
 
 
 @dataclasses.dataclass
@@ -552,28 +556,37 @@ def masks_out(fill: float, dtype: int) -> bool:
 
 
 def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
-               ) -> tuple[Optional[Tensor], Optional[float], bool]:
-    """(keep, fill, causal_only) of an additive mask ``Where(keep, 0, fill)`` or a constant of 0s and one
-    negative fill; ``keep`` only when the fill masks out (:func:`masks_out`)."""
+               ) -> tuple[Optional[Tensor], Optional[float], bool, bool]:
+    """(keep, fill, causal_only, rows_open) of an additive mask ``Where(keep, 0, fill)`` or a constant of 0s and
+    one negative fill; ``keep`` only when the fill masks out (:func:`masks_out`); the last two need a constant
+    keep (:func:`_causal`, :func:`_rows_open`)."""
     value = checks.const_value(mask) if ir.is_const(mask) and _size_of(mask) <= 1 << 22 else None
     if value is not None:
         fills = np.unique(value[value != 0])
         if len(fills) > 1 or (len(fills) == 1 and not fills[0] < 0):
-            return None, None, False
+            return None, None, False, False
         keep_value = value == 0
         fill = float(fills[0]) if len(fills) else float("-inf")
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
-        return (keep if masks_out(fill, dtype) else None), fill, _causal(keep_value, q, k_dims)
+        return (keep if masks_out(fill, dtype) else None), fill, _causal(keep_value, q, k_dims), \
+            _rows_open(keep_value)
     n = producer(mask)
     if n is None or n.op != "Where" or len(n.inputs) != 3 or elem_type(n.inputs[0]) != TensorProto.BOOL:
-        return None, None, False
+        return None, None, False, False
     zero, fill = small_const(n.inputs[1]), small_const(n.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or zero.ndim > 4 or fill.ndim > 4 \
             or float(zero.reshape(-1)[0]) != 0.0 or not float(fill.reshape(-1)[0]) < 0:
-        return None, None, False
+        return None, None, False, False
     keep, f = n.inputs[0], float(fill.reshape(-1)[0])
     kv = checks.const_value(keep) if ir.is_const(keep) and _size_of(keep) <= 1 << 22 else None
-    return (keep if masks_out(f, dtype) else None), f, kv is not None and _causal(kv, q, k_dims)
+    return (keep if masks_out(f, dtype) else None), f, kv is not None and _causal(kv, q, k_dims), \
+        kv is not None and _rows_open(kv)
+
+
+def _rows_open(keep: np.ndarray) -> bool:
+    """Every query row of a constant keep mask keeps a key (broadcasting copies rows, so the constant's own
+    rows are all there are)."""
+    return keep.ndim >= 1 and keep.size > 0 and bool(keep.reshape(-1, keep.shape[-1]).any(axis=1).all())
 
 
 def _size_of(t: Tensor) -> int:

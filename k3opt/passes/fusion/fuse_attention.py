@@ -48,7 +48,7 @@ _NOTE = re.compile(r"^\d+ attention\(s\) (found, left decomposed|declined): ")
 
 def mask_refusal(am: AttentionMatch) -> Optional[str]:
     """Why Attention-23 (as onnxruntime runs it) would differ from the graph on fully masked rows, or None."""
-    if am.mask is None or am.causal_only:
+    if am.mask is None or am.causal_only or am.rows_open:
         return None
     if am.mask_fill is None:
         return ("the mask is of unknown form: Attention zeroes a query row whose biases are all -inf or the "

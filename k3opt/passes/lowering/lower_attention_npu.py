@@ -143,7 +143,7 @@ def _masked_rows_refusal(am: AttentionMatch, causal: bool) -> Optional[str]:
     neighbour): those are kept decomposed. The device's own
     result for such a row is undocumented, so the lowering overrides those rows (:meth:`LowerAttentionNPU._dead_rows`).
     """
-    if am.keep is None or causal:
+    if am.keep is None or causal or am.rows_open:
         return None
     if am.mask_fill == float("-inf"):
         return None if am.zero_fully_masked else \
