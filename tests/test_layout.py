@@ -32,3 +32,34 @@ def test_the_graph_package_imports_nothing_of_k3opt_above_it():
             if top not in ("graph", "errors"):
                 above.append(f"{p.relative_to(_ROOT)}: {m.group(0).strip()}")
     assert above == []
+
+
+_PASS_FOLDERS = ("cleanup", "fold", "fusion", "lowering")
+_RELATIVE_IMPORT = re.compile(r"^\s*from\s+(\.+)([\w.]*)\s+import\s+([\w, ()]+)", re.M)
+
+
+def _imported_modules(path: pathlib.Path) -> list[tuple[str, ...]]:
+    """The k3opt modules ``path`` imports relatively, as parts below k3opt (``("passes", "fold", "_eval")``); an
+    ``from X import name`` whose name may be a module counts as ``X.name`` too."""
+    package = path.relative_to(_ROOT).parts[:-1]
+    found = []
+    for dots, module, names in _RELATIVE_IMPORT.findall(path.read_text()):
+        base = package[:len(package) - (len(dots) - 1)] + tuple(p for p in module.split(".") if p)
+        found.append(base)
+        found += [base + (n.strip(),) for n in names.strip("()").split(",") if n.strip()]
+    return found
+
+
+def test_no_pass_imports_another_pass_module():
+    """A pass module in passes/<capability>/ imports only its own folder's ``_`` helpers, passes/_shared/
+    (the recognisers the fusions and lowerings share), passes/analysis/ and passes/_rewire: never another
+    pass's module, nor another capability's helpers (issue #18)."""
+    wrong = []
+    for folder in _PASS_FOLDERS:
+        for p in sorted((_ROOT / "passes" / folder).glob("*.py")):
+            for parts in _imported_modules(p):
+                if len(parts) < 3 or parts[0] != "passes" or parts[1] not in _PASS_FOLDERS:
+                    continue
+                if parts[1] != folder or not parts[2].startswith("_"):
+                    wrong.append(f"{p.relative_to(_ROOT)} imports {'.'.join(parts)}")
+    assert wrong == []

@@ -273,7 +273,7 @@ def test_ordered_sweeps_see_the_nodes_earlier_sweeps_created():
     at nodes an earlier one created, and a rule that rewrote nothing leaves the scan valid for the next.
     """
     from k3opt.graph.ir import NameScope
-    from k3opt.passes.fusion._norm_common import apply_in_order
+    from k3opt.passes._shared.norm_match import apply_in_order
 
     to_neg = Rule("relu-to-neg", lambda op, x: op.Relu(x), lambda op, m: op.Neg(m["x"]))
     never = Rule("never", lambda op, x: op.Neg(op.Sigmoid(x)), lambda op, m: op.Sigmoid(m["x"]))

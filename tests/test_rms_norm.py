@@ -10,9 +10,9 @@ import pytest
 from onnx import TensorProto as TP
 
 from k3opt.graph.ir import NameScope
-from k3opt.passes.fusion._norm_common import NormMatch, OrderedRulesPass, affine_input, norm_input
+from k3opt.passes._shared.norm_match import NormMatch, OrderedRulesPass, affine_input, norm_input
 from k3opt.pipeline.pass_base import PassContext, get_pass
-from k3opt.passes.fusion.fuse_rmsnorm import rmsnorm_rules
+from k3opt.passes._shared.norm_match import rmsnorm_rules
 from tests.helpers import assert_equivalent, op_counts, run_passes
 from tests.test_layer_norm import (H, RNG, Net, affine, assert_bf16_equivalent, attrs, export_fp16, needs_torch,
                                    norm_modules, optimize_fp16, optimize_zoo, rms_core, zoo_cases)

@@ -1,4 +1,4 @@
-"""fuse-attention: recognised scaled dot-product attention (:mod:`._attention_common`) becomes one
+"""fuse-attention: recognised scaled dot-product attention (:mod:`.._shared.attention_match`) becomes one
 ``Attention`` (opset 23, default domain; onnxruntime 1.32 runs it) for ``--target onnx`` at opset >= 23.
 
 The node gets 4-D BNSD q/k/v (GQA's repeat absorbed: ``q_num_heads``/``kv_num_heads``), ``scale``
@@ -37,7 +37,7 @@ from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, producer, replace_uses
 from ...patterns import RewriteBuilder, checks
 from ..analysis import fold_shapes
-from ..fusion._attention_common import AttentionMatch, apply_attention, attention_rules, elem_type
+from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules, elem_type
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from ._left_decomposed import note_left_decomposed
 

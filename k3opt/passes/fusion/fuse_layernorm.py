@@ -1,11 +1,11 @@
 """fuse-layernorm: a decomposed LayerNorm becomes one ``LayerNormalization`` (opset >= 17).
 
 Matches ``(x - mean(x)) / sqrt(mean((x - mean(x))^2) + eps) [* scale] [+ bias]`` in the
-spellings exporters emit (see docs/passes/fuse-layernorm.md and :mod:`._norm_common`):
+spellings exporters emit (see docs/passes/fuse-layernorm.md and :mod:`.._shared.norm_match`):
 Pow(d, 2) or Mul(d, d); Div, Mul by Reciprocal, Div(1, .) or Pow(., -0.5); axes as
 attribute or input; the Casts of fp16/bf16 exports around the statistics; scale and
 bias in either operand order, each optional. Declines whatever it cannot prove exact
-(:func:`._norm_common.analyze`).
+(:func:`.._shared.norm_match.analyze`).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ...graph.ir import Tensor
 from ...patterns import PatternBuilder, RewriteBuilder
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import register_pass
-from ..fusion._norm_common import TAILS, NormMatch, OrderedRulesPass, affine_input, maybe_cast, norm_input, rms_core, tail_rules
+from .._shared.norm_match import TAILS, NormMatch, OrderedRulesPass, affine_input, maybe_cast, norm_input, rms_core, tail_rules
 
 
 def layer_norm_core(op: PatternBuilder, x: Any) -> Any:

@@ -5,7 +5,7 @@ Forms (see docs/passes/fuse-rmsnorm.md): Llama/Qwen2/DeepSeek-V3's ``hidden.to(f
 ``pow(2).mean(-1, keepdim=True)``, ``hidden * rsqrt(var + eps)``, ``weight * hidden.to(input_dtype)``,
 as TorchScript (Div(1, Sqrt)) and dynamo (Reciprocal(Sqrt)) export them; Pow(x, 2) or Mul(x, x);
 Div by the Sqrt or Mul by its inverse; weight on either side or absent. The checks are LayerNorm's
-(:func:`._norm_common.analyze`): trailing constant axes, static normalized dims, constant scalar eps,
+(:func:`.._shared.norm_match.analyze`): trailing constant axes, static normalized dims, constant scalar eps,
 no narrowing Cast, a weight that broadcasts over exactly the normalized dims.
 
 Below opset 23, or for another target, RMSNorms stay decomposed: the pass rewrites nothing
@@ -17,7 +17,7 @@ Entry point for lowerings (the CANN bridge lowers to ``NPURmsNorm``)::
     rules = rmsnorm_rules(rewrite)            # list[Rule], largest pattern first
     OrderedRulesPass(rules, name="...").run(graph, ctx)   # or apply_in_order(graph, ctx, rules)
 
-``rewrite(op, nm)`` gets the rewrite builder and a :class:`~._norm_common.NormMatch`:
+``rewrite(op, nm)`` gets the rewrite builder and a :class:`~.._shared.norm_match.NormMatch`:
 ``nm.x`` (input before the match's Casts), ``nm.weight`` (the constant weight as matched, or
 None), ``nm.epsilon`` (float), ``nm.axis``/``nm.axes``/``nm.normalized_shape``,
 ``nm.input_dtype``/``nm.compute_dtype``/``nm.output_dtype`` (ONNX element types),
@@ -32,31 +32,17 @@ next smaller rule (so a callback may see one norm, named by ``nm.reduce``, more 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional
 
 from ...graph.ir import Graph, Node, Tensor
-from ...patterns import PatternBuilder, RewriteBuilder, Rule
+from ...patterns import RewriteBuilder
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
-from ..fusion._norm_common import NormMatch, affine_input, apply_in_order, maybe_cast, norm_input, rms_core, tail_rules
+from .._shared.norm_match import NormMatch, affine_input, apply_in_order, norm_input, rms_norm_core, rmsnorm_rules, tail_rules
 from ._left_decomposed import note_left_decomposed
 
-#: RMSNorm has a weight (scale) but no bias.
-RMS_TAILS = (("scale",), ("cast",), ())
 #: First opset with RMSNormalization in the default domain.
 RMS_NORMALIZATION_OPSET = 23
 _NOTE = re.compile(r"^\d+ RMSNorm found, left decomposed: ")
-
-
-def rms_norm_core(op: PatternBuilder, x: Any) -> Any:
-    """``x / sqrt(mean(x^2) + eps)`` with an optional Cast of x (``hidden.to(float32)``)."""
-    return rms_core(op, maybe_cast(op, x, "cast_in"))
-
-
-def rmsnorm_rules(rewrite: Callable[[RewriteBuilder, NormMatch], Optional[Tensor]], name: str = "rmsnorm"
-                  ) -> list[Rule]:
-    """The RMSNorm rules (weighted, Cast back only, bare), each rebuilt by ``rewrite`` (see module docstring)."""
-    return tail_rules(name, rms_norm_core, RMS_TAILS, False, rewrite, "RMSNorm")
 
 
 def to_rms_normalization(op: RewriteBuilder, nm: NormMatch) -> Tensor:

@@ -1,7 +1,7 @@
 """lower-attention-npu: a recognised attention becomes ``NPUPromptFlashAttention`` (or, for a one-token decode
 step with a one-head cache, ``NPUIncreFlashAttention``) for ``--target cann``, to the ATC plugin contract.
 
-The recogniser (:mod:`._attention_common`) has proved the attention exact (softmax over the keys, constant
+The recogniser (:mod:`.._shared.attention_match`) has proved the attention exact (softmax over the keys, constant
 scale, no dropout, nothing escaping, GQA's repeat absorbed); this pass checks the plugin's and kernel's
 contract (sources and facts in :mod:`k3opt.cann_bridge.reference_ops` and docs/cann.md):
 
@@ -44,7 +44,7 @@ from ...graph.ir import Graph, Node, Tensor, producer
 from ...patterns import RewriteBuilder, checks
 from ..analysis import fold_shapes
 from .._shared.shape_refs import shape_refs
-from ..fusion._attention_common import AttentionMatch, apply_attention, attention_rules
+from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 

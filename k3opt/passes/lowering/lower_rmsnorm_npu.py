@@ -18,9 +18,9 @@ from ...cann_bridge.target_form import STAGING_DOMAIN
 from ...graph import dtypes
 from ...graph.ir import Graph, Tensor
 from ...patterns import RewriteBuilder
-from ..fusion._norm_common import NormMatch, affine_input, apply_in_order, norm_input
+from .._shared.norm_match import NormMatch, affine_input, apply_in_order, norm_input
 from ...pipeline.pass_base import PassContext, register_pass
-from ..fusion.fuse_rmsnorm import rmsnorm_rules
+from .._shared.norm_match import rmsnorm_rules
 from ._npu_lowering import NPULowering
 
 #: ATC's NPURmsNorm plugin ignores the node's attributes and sets this epsilon.

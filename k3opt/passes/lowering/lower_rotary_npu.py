@@ -7,7 +7,7 @@ ATC plugin registers ``ai.onnx::11..18`` and ``npu::1`` and requires the INT att
 ([RoPE-plugin]); mode 0 ("half") is ``x * cos + cat(-x2, x1) * sin`` with full-width 4-D cos/sin of x's
 dtype (fp16, bf16, fp32), one shape for both, D even and < 896, B and N < 1000 ([RoPE-doc], [RoPE-IR]).
 
-The recogniser (:func:`..fusion.fuse_rotary.rotary_rules`) has proved the rotation exact: x is (batch, heads,
+The recogniser (:func:`.._shared.rotary_match.rotary_rules`) has proved the rotation exact: x is (batch, heads,
 positions, D), cos and sin are of one angle tensor, broadcast over the heads, with batch and position dims
 of 1 or provably x's, and full-width ones have equal halves. Every form becomes mode 0:
 
@@ -38,7 +38,7 @@ from ...graph.ir import Graph, Tensor
 from ...patterns import RewriteBuilder
 from ...pipeline.pass_base import PassContext, register_pass
 from ..analysis.fold_shapes import dim_at
-from ..fusion.fuse_rotary import RotaryMatch, apply_rules, rotary_rules
+from .._shared.rotary_match import RotaryMatch, apply_rules, rotary_rules
 from ._npu_lowering import NPULowering
 
 #: [RoPE-doc] half mode: "B，N < 1000".

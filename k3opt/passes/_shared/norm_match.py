@@ -300,3 +300,18 @@ def affine_input(op: RewriteBuilder, nm: NormMatch, t: Optional[Tensor], fill: f
     k = len(nm.normalized_shape)
     trailing = value.reshape(value.shape[-k:] if value.ndim >= k else (1,) * (k - value.ndim) + value.shape)
     return op.const(np.broadcast_to(trailing, nm.normalized_shape).astype(dtype))
+
+
+#: RMSNorm has a weight (scale) but no bias.
+RMS_TAILS = (("scale",), ("cast",), ())
+
+
+def rms_norm_core(op: PatternBuilder, x: Any) -> Any:
+    """``x / sqrt(mean(x^2) + eps)`` with an optional Cast of x (``hidden.to(float32)``)."""
+    return rms_core(op, maybe_cast(op, x, "cast_in"))
+
+
+def rmsnorm_rules(rewrite: Callable[[RewriteBuilder, NormMatch], Optional[Tensor]], name: str = "rmsnorm"
+                  ) -> list[Rule]:
+    """The RMSNorm rules (weighted, Cast back only, bare), each rebuilt by ``rewrite`` (see module docstring)."""
+    return tail_rules(name, rms_norm_core, RMS_TAILS, False, rewrite, "RMSNorm")

@@ -1,0 +1,465 @@
+"""The rotary-embedding recogniser shared by fuse-rotary (RotaryEmbedding-23) and lower-rotary-npu
+(NPURotaryPositionEmbedding): it finds the rotation of q or k and proves it exact; the passes decide what
+to emit.
+
+Forms (see docs/passes/fuse-rotary.md), for a 4-D ``x`` (batch, heads, positions, head_dim D):
+
+- rotate-half (Llama, Qwen2, GPT-NeoX): ``x * cos + Concat(-x[..., D/2:], x[..., :D/2]) * sin`` with
+  full-width ``cos``/``sin`` (``..., D``), halves by Slice or Split, the minus as Neg or Mul by -1;
+- the explicit halves form: ``Concat(x1*cos - x2*sin, x2*cos + x1*sin)`` with half-width ``cos``/``sin``,
+  where ``x1, x2`` are the halves, or DeepSeek-V3's even/odd elements ``x[..., 0::2], x[..., 1::2]``
+  (transformers' ``apply_rotary_pos_emb_interleave``: its result is in the half-split layout);
+- partial rotary: MLA rotates a Split-off part of q/k, which is simply the ``x`` above; TorchScript merges
+  ``cat((q_pass, q_rot))`` into the rotation's Concat (``Concat(q_pass, real, imag)``), kept as a prefix.
+
+A full-width angle tensor is only taken as equal-halved once that is proven (it is an element-wise
+function, along the last axis, of ``Concat(f, f)``, or a constant with equal halves); its batch and
+position dims must be 1 or provably x's; its heads dim must be 1. cos and sin must be the same
+computation except Cos vs Sin, of one angle tensor (or both constants).
+
+Entry point: ``rotary_rules(rewrite)`` gives the rules and :func:`apply_rules` sweeps them; ``rewrite(op,
+rm)`` receives a :class:`RotaryMatch` and returns the replacement of the rotated tensor (or None to leave it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+from onnx import TensorProto
+
+from ...graph import dtypes
+from ...graph.ir import Graph, Node, Tensor, const_value, is_const, producer
+from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
+from ...patterns.matcher import is_empty
+from ...patterns.rule_pass import sweep
+from ...pipeline.pass_base import PassContext
+from ..analysis.fold_shapes import Dim, DimAnalysis, dim_at, shape_elements
+
+#: Element types RotaryEmbedding-23 takes (and the NPU op: fp16, bf16, fp32).
+_FUSABLE_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_ANGLE_UNARY = ("Cast", "Cos", "Sin", "Identity", "Unsqueeze", "Squeeze", "Expand", "Slice", "Transpose", "Gather")
+_ANGLE_SCALAR = ("Mul", "Div", "Add", "Sub")
+#: How many producers deep an angle tensor or a position dim is followed.
+_MAX_DEPTH = 16
+
+
+@dataclasses.dataclass
+class RotaryMatch:
+    """A recognised rotation of ``x`` (rank 4: batch, heads, positions, ``head_dim``).
+
+    ``lo``/``hi`` are the halves as matched; ``pairs`` when they are the even and odd elements (the
+    result is still in the half-split layout). ``cos``/``sin`` are the angle tensors as the graph
+    multiplies them: ``full_width`` (``..., head_dim``, both halves equal) or half-width.
+    ``same_batch``/``same_positions``: their batch/position dims are provably x's (no broadcast).
+    """
+
+    x: Tensor
+    lo: Tensor
+    hi: Tensor
+    pairs: bool
+    cos: Tensor
+    sin: Tensor
+    full_width: bool
+    head_dim: int
+    same_batch: bool
+    same_positions: bool
+    #: The node computing the result (the final Add or Concat): names the rotation.
+    root: Node
+    match: Match
+
+
+# -- patterns ----------------------------------------------------------------------------------------------------
+
+def _halves(op: PatternBuilder, x: Any, kind: str) -> tuple[Any, Any]:
+    if kind == "slice":
+        return (op.Slice(x, _allow_other_inputs=True, _name="lo"), op.Slice(x, _allow_other_inputs=True, _name="hi"))
+    return op.Split(x, _allow_other_inputs=True, _outputs=["lo", "hi"], _name="split")
+
+
+def _rotate_half(kind: str) -> Callable[..., Any]:
+    def pattern(op: PatternBuilder, x: Any, cos: Any, sin: Any) -> Any:
+        lo, hi = _halves(op, x, kind)
+        rotated = op.Concat(op.Or(op.Neg(hi), op.Mul(hi, -1.0)), lo, _name="concat")
+        return op.Add(op.Mul(x, cos), op.Mul(rotated, sin), _name="root")
+    return pattern
+
+
+def _explicit_halves(kind: str, prefixed: bool = False) -> Callable[..., Any]:
+    def rotation(op: PatternBuilder, x: Any, cos: Any, sin: Any) -> tuple[Any, Any]:
+        lo, hi = _halves(op, x, kind)
+        return op.Sub(op.Mul(lo, cos), op.Mul(hi, sin)), op.Add(op.Mul(hi, cos), op.Mul(lo, sin))
+
+    def pattern(op: PatternBuilder, x: Any, cos: Any, sin: Any) -> Any:
+        return op.Concat(*rotation(op, x, cos, sin), _name="root")
+
+    def prefixed_pattern(op: PatternBuilder, x: Any, cos: Any, sin: Any, prefix: Any) -> Any:
+        return op.Concat(prefix, *rotation(op, x, cos, sin), _name="root")
+
+    return prefixed_pattern if prefixed else pattern
+
+
+def _prefixed_halves(kind: str) -> Callable[..., Any]:
+    """``Concat(prefix, x1*cos - x2*sin, x2*cos + x1*sin)``: TorchScript merges MLA's ``cat((q_pass, q_rot))``
+    with the rotation's own Concat; the rotation is fused and ``prefix`` concatenated before it again."""
+    return _explicit_halves(kind, prefixed=True)
+
+
+_FORMS = (("rotate-half", _rotate_half, True), ("halves", _explicit_halves, False),
+          ("prefixed-halves", _prefixed_halves, False))
+
+
+def rotary_rules(rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]], name: str = "rotary"
+                 ) -> list[Rule]:
+    """The rotary rules (rotate-half, explicit halves, explicit halves after an MLA prefix; each with Slice or
+    Split halves), checked by :func:`analyze` and rebuilt by ``rewrite`` (None leaves the match as it is; a
+    prefix is concatenated in front of the result by the rule)."""
+    rules = []
+    for form, pattern, full_width in _FORMS:
+        for kind in ("slice", "split"):
+            rules.append(_rule(f"{name}-{form}-{kind}", pattern(kind), full_width, rewrite))
+    return rules
+
+
+def _rule(name: str, pattern: Callable[..., Any], full_width: bool,
+          rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]]) -> Rule:
+    def check(m: Match) -> bool:
+        m.memo["rotary"] = analyze(m, full_width)
+        return m.memo["rotary"] is not None
+
+    def apply(op: RewriteBuilder, m: Match) -> Optional[Tensor]:
+        rm = m.memo["rotary"] if "rotary" in m.memo else analyze(m, full_width)
+        rotated = None if rm is None else rewrite(op, rm)
+        if rotated is None or "prefix" not in m:
+            return rotated
+        return op.Concat(m["prefix"], rotated, axis=-1)
+
+    return Rule(name, pattern, apply, check, description=f"rotary embedding ({name})")
+
+
+# -- checks ------------------------------------------------------------------------------------------------------
+
+def analyze(m: Match, full_width: bool) -> Optional[RotaryMatch]:
+    """The :class:`RotaryMatch` of a structural match, or None (with ``m.fail(reason)``) when fusing is not exact."""
+    x = m["x"]
+    shape = x.shape
+    if shape is None or len(shape) != 4:
+        return _fail(m, "x is not a 4-D (batch, heads, positions, head_dim) tensor")
+    d = checks.last_dim(x)
+    if d is None or d < 2 or d % 2:
+        return _fail(m, f"the head dim {shape[-1]} is not a static even number")
+    dtype = dtypes.onnx_type(x.dtype)
+    if dtype not in _FUSABLE_TYPES or any(dtypes.onnx_type(m[k].dtype) != dtype for k in ("cos", "sin")):
+        return _fail(m, "x, cos and sin are not all float32, float16 or bfloat16 of one type")
+    pairs = _halves_kind(m, d)
+    if isinstance(pairs, str):
+        return _fail(m, pairs)
+    if pairs and full_width:
+        return _fail(m, "rotate-half of the even/odd elements is not a rotary embedding")
+    if concat_axis(m.node("concat" if full_width else "root"), 4) != 3:
+        return _fail(m, "the halves are not concatenated on the last axis")
+    width = d if full_width else d // 2
+    shapes = {}
+    for role in ("cos", "sin"):
+        why = _angle_shape(m[role], x, width)
+        if isinstance(why, str):
+            return _fail(m, f"{role}: {why}")
+        shapes[role] = why
+    cos_chain, sin_chain = _chain(m["cos"]), _chain(m["sin"])
+    why = _same_angles(cos_chain, sin_chain)
+    if why:
+        return _fail(m, why)
+    if full_width:
+        for role, chain in (("cos", cos_chain), ("sin", sin_chain)):
+            if not _symmetric(chain, d):
+                return _fail(m, f"{role} is not proven equal on both halves of the head dim")
+    same_batch = shapes["cos"][0] and shapes["sin"][0]
+    same_positions = shapes["cos"][1] and shapes["sin"][1]
+    lo, hi = (m["lo"], m["hi"]) if "lo" in m else (m.node("lo").outputs[0], m.node("hi").outputs[0])
+    return RotaryMatch(x, lo, hi, pairs, m["cos"], m["sin"], full_width, d, same_batch, same_positions,
+                       m.node("root"), m)
+
+
+
+
+def _fail(m: Match, reason: str) -> None:
+    m.fail(reason)
+    return None
+
+
+def concat_axis(node: Node, rank: int) -> Optional[int]:
+    axis = int(node.attrs.get("axis", 0))
+    axis = axis + rank if axis < 0 else axis
+    return axis if 0 <= axis < rank else None
+
+
+def _halves_kind(m: Match, d: int) -> "bool | str":
+    """False for the two halves ``x[..., :D/2]``, ``x[..., D/2:]``, True for ``x[..., 0::2]``, ``x[..., 1::2]``,
+    else why the halves are something else."""
+    h = d // 2
+    try:
+        split = m.node("split")
+    except KeyError:
+        lo, hi = slice_last(m.node("lo"), d), slice_last(m.node("hi"), d)
+        if lo == (0, h, 1) and hi == (h, d, 1):
+            return False
+        if lo == (0, d, 2) and hi == (1, d, 2):
+            return True
+        return f"the halves are slices {lo} and {hi} of the head dim {d}, not its halves or even/odd elements"
+    if len(split.outputs) != 2 or concat_axis(split, 4) != 3 or _split_sizes(split, d) != [h, h]:
+        return "the Split does not cut the head dim into two halves"
+    return False
+
+
+def slice_last(node: Node, d: int) -> Optional[tuple[int, int, int]]:
+    """(start, stop, step) of a Slice over the last axis only of a rank-4 tensor, normalized; None otherwise."""
+    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+    values = [None if t is None or is_empty(t) else const_value(t) if is_const(t) else False for t in inputs[1:5]]
+    if any(v is False for v in values) or values[0] is None or values[1] is None:
+        return None
+    starts, ends, axes, steps = (None if v is None else [int(a) for a in np.asarray(v).reshape(-1)] for v in values)
+    axes = axes if axes is not None else list(range(len(starts)))
+    steps = steps if steps is not None else [1] * len(starts)
+    if not (len(starts) == len(ends) == len(axes) == len(steps) == 1) or axes[0] not in (3, -1) or steps[0] <= 0:
+        return None
+    start, stop = (min(max(v + d if v < 0 else v, 0), d) for v in (starts[0], ends[0]))
+    return start, stop, steps[0]
+
+
+def _split_sizes(node: Node, d: int) -> Optional[list[int]]:
+    sizes = node.inputs[1] if len(node.inputs) > 1 and not is_empty(node.inputs[1]) else None
+    if sizes is not None:
+        value = checks.const_value(sizes)
+        return None if value is None else [int(s) for s in value.reshape(-1)]
+    if "split" in node.attrs:
+        return [int(s) for s in node.attrs["split"]]
+    n = len(node.outputs)
+    return [d // n] * n if d % n == 0 else None
+
+
+def _angle_shape(t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
+    """Whether ``t`` broadcasts against ``x`` as the op's cache does: (same batch, same positions), or why not.
+
+    Aligned with x's (batch, heads, positions, head_dim) from the right: the last dim is ``width``, the heads
+    dim 1, the batch and position dims 1 or provably x's (an Expand then fills in what broadcasts).
+    """
+    shape = t.shape
+    if shape is None or not 1 <= len(shape) <= 4:
+        return "its rank is unknown or above 4"
+    if checks.last_dim(t) != width:
+        return f"its last dim {shape[-1]} is not {width}"
+    pad = 4 - len(shape)
+    dims = [1] * pad + list(shape)
+    if len(shape) >= 3 and dims[1] != 1:
+        return "it is not broadcast over the heads (its heads dim is not 1)"
+    same = []
+    for axis, what in ((0, "batch"), (2, "positions")):
+        if axis >= pad and _same_dim(t, axis - pad, dim_at(x, axis)):
+            same.append(True)
+        elif dims[axis] == 1:
+            same.append(dim_at(x, axis) == 1)
+        else:
+            return f"its {what} dim is neither 1 nor provably x's"
+    return same[0], same[1]
+
+
+def _same_dim(t: Tensor, axis: int, want: Dim) -> bool:
+    """Dim ``axis`` of ``t`` is provably ``want`` (a number or symbol): as inferred, or traced back through the
+    ops that compute angles from positions (element-wise ops, Unsqueeze, Gather, ``Range(0, n, 1)``)."""
+    if want is None:
+        return False
+    for _ in range(_MAX_DEPTH):
+        have = dim_at(t, axis)
+        if have == want:
+            return True
+        node = producer(t)
+        if node is None or isinstance(have, int) or (node.domain or "") not in ("", "ai.onnx") or t.shape is None:
+            return False
+        step = _dim_source(node, t, axis)
+        if step is None:
+            return False
+        if step[0] is None:
+            return step[1] == want
+        t, axis = step
+    return False
+
+
+def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
+    """Where dim ``axis`` of ``t`` (``node``'s output) comes from: (tensor, axis), or (None, value) when it is
+    a value read off a Range's bound; None when not known."""
+    rank = len(t.shape)
+    op, inputs = node.op, node.inputs
+    if op in ("Cos", "Sin", "Cast", "Neg", "Identity") or (op == "Concat" and concat_axis(node, rank) != axis) \
+            or (op == "Slice" and _slice_spares(node, rank, axis)):
+        return inputs[0], axis
+    if op in _ANGLE_SCALAR and len(inputs) == 2:
+        # the one operand not broadcast along this axis (a position offset or a frequency vector is)
+        if any(x.shape is None for x in inputs):
+            return None
+        varying = [(x, j) for x in inputs for j in [axis - (rank - len(x.shape))] if j >= 0 and x.shape[j] != 1]
+        return varying[0] if len(varying) == 1 else None
+    if op == "Unsqueeze":
+        axes = unsqueeze_axes(node, rank)
+        if axes is None or axis in axes:
+            return None
+        return inputs[0], axis - sum(a < axis for a in axes)
+    if op == "Gather" and inputs[0].shape is not None and inputs[1].shape is not None:
+        g = concat_axis(node, len(inputs[0].shape))
+        k = len(inputs[1].shape)
+        if g is None:
+            return None
+        if axis < g:
+            return inputs[0], axis
+        if axis < g + k:
+            return inputs[1], axis - g
+        return inputs[0], axis - k + 1
+    if op == "Range" and axis == 0 and checks.const_scalar(inputs[2]) == 1:
+        if checks.const_scalar(inputs[0]) == 0:
+            return None, _scalar_dim(inputs[1])
+        limit = producer(inputs[1])
+        if limit is not None and limit.op == "Add" and len(limit.inputs) == 2 \
+                and any(a is inputs[0] for a in limit.inputs):
+            return None, _scalar_dim(limit.inputs[1] if limit.inputs[0] is inputs[0] else limit.inputs[0])
+    return None
+
+
+def _raw_axes(node: Node) -> Optional[list[int]]:
+    """The axes of an Unsqueeze/Squeeze as written (attribute or constant input), None when not constant."""
+    if "axes" in node.attrs:
+        return [int(a) for a in node.attrs["axes"]]
+    if len(node.inputs) > 1 and is_const(node.inputs[1]):
+        return [int(a) for a in const_value(node.inputs[1]).reshape(-1)]
+    return None
+
+
+def unsqueeze_axes(node: Node, out_rank: int) -> Optional[list[int]]:
+    axes = _raw_axes(node)
+    return None if axes is None else sorted(a + out_rank if a < 0 else a for a in axes)
+
+
+def _scalar_dim(t: Tensor) -> Dim:
+    """The one element of a shape computation (``Gather(Shape(x), i)``, also through Squeeze/Reshape), or None."""
+    for _ in range(2):
+        elements = shape_elements(t)
+        if elements is not None and len(elements[0]) == 1:
+            return elements[0][0]
+        node = producer(t)
+        if node is None or node.op not in ("Squeeze", "Reshape"):
+            return None
+        t = node.inputs[0]
+    return None
+
+
+# -- cos and sin: one angle computation ----------------------------------------------------------------------------
+
+def _chain(t: Tensor) -> tuple[list[tuple[Node, int]], Tensor]:
+    """The nodes from the angle tensor ``t`` back to its root, each with the input followed: through
+    :data:`_ANGLE_UNARY` (their data input) and :data:`_ANGLE_SCALAR` ops with a scalar constant operand.
+    The root is the first tensor computed otherwise."""
+    steps: list[tuple[Node, int]] = []
+    for _ in range(_MAX_DEPTH):
+        node = producer(t)
+        if node is None or (node.domain or "") not in ("", "ai.onnx") or not node.inputs:
+            break
+        if node.op in _ANGLE_UNARY:
+            i = 0
+        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and checks.const_scalar(node.inputs[1]) is not None:
+            i = 0
+        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and checks.const_scalar(node.inputs[0]) is not None:
+            i = 1
+        else:
+            break
+        steps.append((node, i))
+        t = node.inputs[i]
+    return steps, t
+
+
+def _same_angles(cos: tuple[list[tuple[Node, int]], Tensor], sin: tuple[list[tuple[Node, int]], Tensor]
+                 ) -> Optional[str]:
+    """None when sin is cos's computation with Cos replaced by Sin, of the same root (or both from constants)."""
+    (cos_steps, cos_root), (sin_steps, sin_root) = cos, sin
+    if len(cos_steps) != len(sin_steps):
+        return "cos and sin are not computed alike"
+    trig = 0
+    for (a, i), (b, j) in zip(cos_steps, sin_steps):
+        if (a.op, b.op) == ("Cos", "Sin"):
+            trig += 1
+            continue
+        others_a = [t for k, t in enumerate(a.inputs) if k != i]
+        others_b = [t for k, t in enumerate(b.inputs) if k != j]
+        if a.op != b.op or i != j or a.attrs != b.attrs or len(others_a) != len(others_b) \
+                or not all(map(_same_operand, others_a, others_b)):
+            return f"cos and sin are not computed alike ({a.op} vs {b.op})"
+    if trig == 1 and cos_root is sin_root:
+        return None
+    if trig == 0 and is_const(cos_root) and is_const(sin_root):
+        return None
+    return "cos and sin are not the Cos and Sin of the same angles"
+
+
+def _same_operand(a: Tensor, b: Tensor) -> bool:
+    if a is b:
+        return True
+    if is_const(a) and is_const(b):
+        va, vb = const_value(a), const_value(b)
+        return va is not None and vb is not None and va.dtype == vb.dtype and np.array_equal(va, vb)
+    return False
+
+
+def _symmetric(chain: tuple[list[tuple[Node, int]], Tensor], d: int) -> bool:
+    """The angle tensor's two halves along the last axis are equal: each step maps the last axis element-wise
+    and the root is ``Concat(f, f)`` on the last axis or a constant with equal halves."""
+    steps, root = chain
+    for node, _ in steps:
+        if not _spares_last_axis(node, d):
+            return False
+    concat = producer(root)
+    if concat is not None and concat.op == "Concat" and len(concat.inputs) == 2 \
+            and concat.inputs[0] is concat.inputs[1] and root.shape is not None \
+            and concat_axis(concat, len(root.shape)) == len(root.shape) - 1:
+        return True
+    value = const_value(root) if is_const(root) else None
+    return value is not None and value.ndim >= 1 and value.shape[-1] == d and \
+        np.array_equal(value[..., :d // 2], value[..., d // 2:])
+
+
+def _spares_last_axis(node: Node, d: int) -> bool:
+    """``node`` (a step of an angle chain) computes each element along the last axis from the same position of
+    its followed input, whose last dim is ``d``."""
+    if node.op in _ANGLE_SCALAR or node.op in ("Cast", "Cos", "Sin", "Identity"):
+        return True
+    src = node.inputs[0]
+    if src.shape is None or checks.last_dim(src) != d:
+        return False
+    rank = len(src.shape)
+    if node.op == "Gather":
+        return concat_axis(node, rank) not in (None, rank - 1)
+    if node.op == "Transpose":
+        return [int(p) for p in node.attrs.get("perm", ())][-1:] == [rank - 1]
+    if node.op == "Unsqueeze":
+        axes = unsqueeze_axes(node, rank + len(_raw_axes(node) or []))
+        return axes is not None and rank + len(axes) - 1 not in axes
+    if node.op == "Slice":
+        return _slice_spares(node, rank, rank - 1)
+    return node.op in ("Squeeze", "Expand")  # the last dim is d before and after (checked on both sides)
+
+
+def _slice_spares(node: Node, rank: int, axis: int) -> bool:
+    """The Slice (of a rank-``rank`` tensor) leaves axis ``axis`` whole: its constant axes do not include it."""
+    if len(node.inputs) < 4 or is_empty(node.inputs[3]):
+        starts = const_value(node.inputs[1]) if is_const(node.inputs[1]) else None
+        return starts is not None and starts.size <= axis
+    axes = const_value(node.inputs[3]) if is_const(node.inputs[3]) else None
+    return axes is not None and all((int(a) + rank if a < 0 else int(a)) != axis for a in axes.reshape(-1))
+
+
+# -- the rewrite -----------------------------------------------------------------------------------------------------
+
+def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
+    """One sweep per rule, in order. Dims are traced with the run's dims analysis (declared symbols such as
+    ``batch`` are not traced at all)."""
+    done = 0
+    with ctx.analysis(DimAnalysis, graph):
+        for rule in rules:
+            done += sweep(graph, ctx, [rule])
+    return done
