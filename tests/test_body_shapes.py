@@ -85,9 +85,11 @@ def test_loop_body_shapes():
 
 def test_sibling_matmuls_merge_in_a_body():
     rng = np.random.default_rng(2)
-    inits = [numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), n) for n in ("wq", "wk")]
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), n) for n in ("wq", "wk", "wv")]
+    # three siblings: a merged pair would save no node, so merge-sibling-matmuls leaves pairs alone
     branch = helper.make_graph([helper.make_node("MatMul", ["x", "wq"], ["q"]), helper.make_node("MatMul", ["x", "wk"], ["k"]),
-                                helper.make_node("Add", ["q", "k"], ["s"])], "then", [],
+                                helper.make_node("MatMul", ["x", "wv"], ["v"]), helper.make_node("Add", ["q", "k"], ["qk"]),
+                                helper.make_node("Add", ["qk", "v"], ["s"])], "then", [],
                                [helper.make_tensor_value_info("s", F, None)], inits)
     other = helper.make_graph([helper.make_node("ReduceSum", ["x", "ax"], ["r"], keepdims=1)], "else", [],
                               [helper.make_tensor_value_info("r", F, None)],
@@ -98,6 +100,6 @@ def test_sibling_matmuls_merge_in_a_body():
     model = make_model(nodes, [("x", F, ["B", 4, 8])], [("y", F, ["B", 4, "n"])], {"zero": np.array(0.0, np.float32)})
     out = k3opt.optimize(model)
     body = next(a.g for a in out.graph.node[-1].attribute if a.name == "then_branch")
-    assert sorted(n.op_type for n in body.node) == ["Add", "MatMul", "Split"]
+    assert sorted(n.op_type for n in body.node) == ["Add", "Add", "MatMul", "Split"]
     feeds = {"x": np.abs(rng.standard_normal((2, 4, 8)).astype(np.float32))}
     assert_equivalent(model, out, feeds=feeds)
