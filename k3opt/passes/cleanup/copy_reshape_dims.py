@@ -93,7 +93,11 @@ class CopyReshapeDims(NodeRewritePass):
 
 def _sharpens(node: Node, target: list[Optional[int]]) -> bool:
     """Whether inference knows a dim of the Reshape's output from the constant ``target`` that its kept shape
-    lacks (a number, or a 0 copying a known input dim, where the data propagation of the old target lost it)."""
+    lacks (a number, or a 0 copying a known input dim, where the data propagation of the old target lost it).
+
+    A -1 that inference may now compute (the 0s cancel symbolic dims) is not counted: dim tracing reads that
+    quotient already (``fold_shapes._reshaped_dim``), and counting it costs the 64-layer Llama a third
+    inference and a round for value_info only."""
     out, x = node.outputs[0].shape, node.inputs[0].shape
     if out is None or len(out) != len(target):
         return True
