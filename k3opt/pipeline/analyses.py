@@ -86,8 +86,8 @@ class AnalysisManager:
     def sharpen_shapes(self, graph: Graph) -> None:
         """Mark the kept :class:`Shapes` of ``graph`` :attr:`~Shapes.sharpened` (nothing when none is kept)."""
         found = self._cache.get((Shapes, id(graph)))
-        if found is not None and found.graph is graph:
-            found.sharpened = True  # type: ignore[attr-defined]
+        if isinstance(found, Shapes) and found.graph is graph:
+            found.sharpened = True
 
     def invalidate(self, preserved: Collection[type] = ()) -> None:
         """Drop every analysis whose class is not in ``preserved``."""
