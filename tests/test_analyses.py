@@ -160,3 +160,15 @@ def test_manager_keeps_gets_and_drops():
     assert manager.get(Analysis, graph) is not lost
     manager.invalidate({Shapes})
     assert manager.holds(Shapes, graph) and not manager.holds(DimAnalysis, graph)
+
+
+def test_sharpen_marks_the_kept_shapes_only():
+    graph, manager = reshaped_graph(), AnalysisManager()
+    manager.sharpen_shapes(graph)  # none kept: nothing to mark, none made up
+    assert not manager.holds(Shapes, graph)
+    manager.put(Shapes(graph))
+    assert not manager.get(Shapes, graph).sharpened
+    manager.sharpen_shapes(graph)
+    assert manager.get(Shapes, graph).sharpened
+    manager.put(Shapes(graph))  # inferred again: what inference knows is what the tensors say
+    assert not manager.get(Shapes, graph).sharpened

@@ -107,6 +107,44 @@ def test_a_pass_that_preserves_shapes_does_not_trigger_a_refresh():
     assert refreshes([DropOneIdentity(), DropKeepingShapes(), NeedsShapes()], identity_chain(4)) == 2
 
 
+class SharpeningDrop(DropKeepingShapes):
+    """Drops an Identity keeping every shape, and marks them sharpened (as merge-equal-dims may)."""
+
+    name = "test-sharpening-drop"
+
+    def run(self, graph, ctx):
+        n = super().run(graph, ctx)
+        if n:
+            ctx.analyses.sharpen_shapes(graph)
+        return n
+
+
+def sharpened_run(inferred: list) -> tuple[int, int]:
+    """Rounds and shape inferences of a run whose k-th inference sets every computed tensor's shape to
+    ``inferred[k]`` (the last one from then on)."""
+    calls = []
+
+    def infer(graph):
+        shape = inferred[min(len(calls), len(inferred) - 1)]
+        calls.append(1)
+        for node in graph.nodes:
+            for t in node.outputs:
+                t.shape = shape
+        return True
+
+    pm = PassManager([NeedsShapes(), SharpeningDrop()], shape_inference=infer)
+    pm.run(gs.import_onnx(identity_chain(1)), PassContext(opset=17))
+    return pm.rounds, len(calls)
+
+
+def test_sharpened_shapes_are_inferred_again_before_the_run_ends():
+    # round 1 drops the Identity (shapes sharpened), round 2 rewrites nothing; inference then knows more,
+    # so round 3 looks again, and ends the run (nothing sharpened since)
+    assert sharpened_run([None, [2, 3]]) == (3, 2)
+    # inference knows nothing more: round 2 was the fixed point
+    assert sharpened_run([[2, 3]]) == (2, 2)
+
+
 def test_builtin_pass_bug_propagates_plugin_bug_is_plugin_error(register):
     with pytest.raises(ValueError, match="boom"):
         run(identity_chain(1), [Crash()])

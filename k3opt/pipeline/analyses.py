@@ -42,9 +42,19 @@ class Shapes(Analysis):
     Not dropped by single edits while a pass runs: whether a pass's rewrites keep every shape is what it
     declares (``preserves = frozenset({Shapes})``: every tensor it keeps has its value, so its shape,
     unchanged, and tensors it creates carry their dtype/shape or none).
+
+    Kept shapes are then right, but inference may know more than they say once a rewrite spells a shape
+    computation so that its data propagation reads it (merge-equal-dims, copy-reshape-dims): such a pass
+    marks them :attr:`sharpened`, and the pass manager infers again before it calls a fixed point reached
+    (else a second run, inferring afresh, would still rewrite).
     """
 
     edit_proof = True
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__(graph)
+        #: A rewrite since inference may let a fresh inference know more (see the class docstring).
+        self.sharpened = False
 
 
 class AnalysisManager:
@@ -72,6 +82,12 @@ class AnalysisManager:
         """Keep ``analysis`` (one computed outside the manager: shape inference)."""
         self._cache[type(analysis), id(analysis.graph)] = analysis
         self._told = self._told or not analysis.edit_proof
+
+    def sharpen_shapes(self, graph: Graph) -> None:
+        """Mark the kept :class:`Shapes` of ``graph`` :attr:`~Shapes.sharpened` (nothing when none is kept)."""
+        found = self._cache.get((Shapes, id(graph)))
+        if isinstance(found, Shapes) and found.graph is graph:
+            found.sharpened = True
 
     def invalidate(self, preserved: Collection[type] = ()) -> None:
         """Drop every analysis whose class is not in ``preserved``."""

@@ -1,7 +1,8 @@
 """The pass manager: runs a pipeline to a fixed point and keeps statistics.
 
 A round runs every pass once in order; rounds repeat until one makes no
-rewrite (or ``max_rounds`` is reached). Then each pass's ``finish`` looks at the
+rewrite (or ``max_rounds`` is reached), and shapes a pass marked sharpened
+(:attr:`Shapes.sharpened`) do not change when inferred again. Then each pass's ``finish`` looks at the
 final graph once (report-only analysis). A pass that found nothing to do is
 not rerun until some other pass has changed the graph. Each pass execution is a "step";
 ``max_steps`` stops after that many steps, which is how verification
@@ -14,7 +15,7 @@ import time
 from typing import Callable, Optional
 
 from ..errors import K3optError, PluginError
-from ..graph.ir import Graph, NameScope, watching_edits
+from ..graph.ir import Graph, NameScope, all_graphs, watching_edits
 from .analyses import Shapes
 from .op_census import OpCensus
 from .pass_base import Pass, PassContext
@@ -46,6 +47,12 @@ class Step:
     round: int
     name: str
     rewrites: int
+
+
+def _typed(graph: Graph) -> list[tuple[object, Optional[tuple]]]:
+    """Dtype and shape of every tensor the nodes of ``graph`` and its bodies compute, in node order."""
+    return [(t.dtype, None if t.shape is None else tuple(t.shape))
+            for g in all_graphs(graph) for n in g.nodes for t in n.outputs]
 
 
 class PassManager:
@@ -129,8 +136,23 @@ class PassManager:
                 round_rewrites += n
             total += round_rewrites
             if round_rewrites == 0:
-                break
+                if not self._sharper_shapes(graph, ctx):
+                    break
+                version += 1  # every pass looks again, at what inference now knows
         return total
+
+    def _sharper_shapes(self, graph: Graph, ctx: PassContext) -> bool:
+        """At the end of a round without rewrites: when a pass marked the kept shapes sharpened, infer
+        again; True when a tensor's shape or dtype changed (the run is then not at its fixed point)."""
+        analyses = ctx.analyses
+        if self.shape_inference is None or not analyses.holds(Shapes, graph) or \
+                not analyses.get(Shapes, graph).sharpened:
+            return False
+        before = _typed(graph)
+        ctx.shapes_available = self.shape_inference(graph)
+        analyses.invalidate()
+        analyses.put(Shapes(graph))
+        return _typed(graph) != before
 
     def _applicable(self, p: Pass, ctx: PassContext) -> bool:
         reason = None

@@ -654,6 +654,15 @@ def _picked_dims(node: Node, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements]
     return [_dim_at(src.inputs[0], axes[i], depth) for i in picked[0]], picked[1]
 
 
+def inferred_picked(node: Node) -> Optional[list[Dim]]:
+    """The dims a Gather/Slice of a ``Shape`` picks as shape inference gives them (nothing traced): what
+    inference's data propagation knows of its value. None when it is no such pick."""
+    src = producer(node.inputs[0]) if node.inputs else None
+    axes = None if src is None or src.op != "Shape" else _shape_axes(src)
+    picked = None if axes is None else _gather(node, len(axes)) if node.op == "Gather" else _slice(node, len(axes))
+    return None if picked is None else [_dim(src.inputs[0].shape[axes[i]]) for i in picked[0]]
+
+
 def shape_elements(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements]:
     """What is known of a small integer tensor computed from shapes, element by element.
 

@@ -18,7 +18,7 @@ from ...graph.ir import Graph, Node, Tensor, producer, toposort
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import bypass, remove
-from ..analysis.fold_shapes import DimAnalysis, shape_elements
+from ..analysis.fold_shapes import DimAnalysis, inferred_picked, shape_elements
 
 
 def _dim_key(node: Node) -> object:
@@ -43,15 +43,19 @@ class MergeEqualDims(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> int:
         toposort(graph)  # gs's order in linear time, bodies included (gs's own rebuilds its tensor maps at every call)
         with ctx.analysis(DimAnalysis, graph):
-            return sum(self._merge(g) for g in ctx.graphs(graph))
+            results = [self._merge(g) for g in ctx.graphs(graph)]
+        if any(sharpened for _, sharpened in results):
+            ctx.analyses.sharpen_shapes(graph)
+        return sum(merged for merged, _ in results)
 
     @staticmethod
-    def _merge(graph: Graph) -> int:
+    def _merge(graph: Graph) -> tuple[int, bool]:
         """Merge within ``graph`` alone (the main graph or one If/Loop/Scan body): a body's readers keep
-        to the body, whose first reader precedes the others in its own order."""
+        to the body, whose first reader precedes the others in its own order. Also whether a merge joined
+        a value inference does not know as the symbol (it was traced): inference may then know more."""
         first: dict[object, Tensor] = {}
         dead: list[Node] = []
-        merged = 0
+        merged, sharpened = 0, False
         for node in list(graph.nodes):
             if node.op != "Gather" or (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1:
                 continue
@@ -61,9 +65,10 @@ class MergeEqualDims(Pass):
             kept = first.setdefault(key, node.outputs[0])
             if kept is node.outputs[0]:
                 continue
+            sharpened = sharpened or any(inferred_picked(n) != [key[0]] for n in (node, producer(kept)))
             merged += bypass(graph, node, kept, dead)
         remove(graph, dead)
-        return merged
+        return merged, sharpened
 
 
 register_pass(MergeEqualDims)
