@@ -20,6 +20,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 import k3opt
 from k3opt.passes.analysis import fold_shapes
 from k3opt.passes.analysis.fold_shapes import DimAnalysis, DimMemo, dim_at, shape_elements
+from k3opt.graph import small_constants
 from k3opt.graph.ir import as_constant, replace_uses, watching_edits
 from tests.helpers import make_model
 from tests.zoo import needs_torch, zoo_model
@@ -132,17 +133,17 @@ def test_small_constants_are_decoded_once(monkeypatch):
     decoded at every read, so weights are never held."""
     graph = reshaped_graph()
     tensors = graph.tensors()
-    big = as_constant("big", np.arange(fold_shapes.MAX_DECODED_BYTES, dtype=np.int64))
+    big = as_constant("big", np.arange(small_constants.MAX_DECODED_BYTES, dtype=np.int64))
     decoded = []
-    for name in ("peek", "_decode_small"):  # big ones are peeked, small ones decoded (fast path or peek)
-        real = getattr(fold_shapes, name)
-        monkeypatch.setattr(fold_shapes, name, lambda c, real=real: decoded.append(c.name) or real(c))
+    for module, name in ((fold_shapes, "peek"), (small_constants, "_decode")):  # big ones peeked, small decoded
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda c, real=real: decoded.append(c.name) or real(c))
     for _ in range(2):
         with remembered(graph, declared=False):
             assert shape_elements(tensors["target"])[0] == ["N", -1]
             assert fold_shapes._const(big) is not None
     assert sorted(decoded) == ["big", "big", "minus1", "zero", "zero1"]
-    value = fold_shapes.small_const_value(tensors["minus1"])
+    value = small_constants.small_const_value(tensors["minus1"])
     assert value.dtype == np.int64 and value.tolist() == [-1]
 
 
@@ -185,8 +186,8 @@ def test_folded_results_are_not_decoded_again(monkeypatch):
     assert PassManager([FoldConstants()]).run(graph, PassContext(opset=17))
     folded = graph.nodes[0].inputs[1]
     assert isinstance(folded, gs.Constant)
-    monkeypatch.setattr(fold_shapes, "peek", lambda c: pytest.fail(f"{c.name} decoded again"))
-    assert fold_shapes.small_const_value(folded).tolist() == [3, 3]
+    monkeypatch.setattr(small_constants, "_decode", lambda c: pytest.fail(f"{c.name} decoded again"))
+    assert small_constants.small_const_value(folded).tolist() == [3, 3]
 
 
 @pytest.mark.parametrize("value", [
@@ -203,7 +204,7 @@ def test_small_decode_matches_peek(value, raw):
     if not raw:
         proto = helper.make_tensor("c", proto.data_type, value.shape, value.ravel().tolist())
     c = gs.Constant("c", LazyValues(proto))
-    fast, slow = fold_shapes._decode_small(c), fold_shapes.peek(c)
+    fast, slow = small_constants._decode(c), small_constants.peek(c)
     assert fast.dtype == slow.dtype and fast.shape == slow.shape and fast.tobytes() == slow.tobytes()
     assert fast.flags.writeable and fast.flags.owndata and fast.flags.c_contiguous
 
@@ -211,8 +212,8 @@ def test_small_decode_matches_peek(value, raw):
 def test_small_decode_reads_raw_numbers_itself(monkeypatch):
     """The common case (raw int64 bytes, as exporters write shape constants) does not go through gs."""
     c = gs.Constant("c", LazyValues(numpy_helper.from_array(np.array([2, -1], np.int64), "c")))
-    monkeypatch.setattr(fold_shapes, "peek", lambda c: pytest.fail("went to gs"))
-    assert fold_shapes._decode_small(c).tolist() == [2, -1]
+    monkeypatch.setattr(small_constants, "peek", lambda c: pytest.fail("went to gs"))
+    assert small_constants._decode(c).tolist() == [2, -1]
 
 
 def test_small_constants_are_read_outside_the_memo_but_tracked():
@@ -220,10 +221,10 @@ def test_small_constants_are_read_outside_the_memo_but_tracked():
     the result that read it is dropped when it is rewired, as through the memo; a big one is memoized."""
     graph = reshaped_graph()
     y, minus1 = graph.tensors()["y"], graph.tensors()["minus1"]
-    big = as_constant("big", np.arange(fold_shapes.MAX_DECODED_BYTES, dtype=np.int64))
+    big = as_constant("big", np.arange(small_constants.MAX_DECODED_BYTES, dtype=np.int64))
     with remembered(graph, declared=False) as memo:
         got = memo.get(y, 7, 1, lambda: (fold_shapes._const(minus1).tolist(), fold_shapes._const(big).size))
-        assert got == ([-1], fold_shapes.MAX_DECODED_BYTES)
+        assert got == ([-1], small_constants.MAX_DECODED_BYTES)
         assert id(minus1) not in memo._results and -2 in memo._results[id(big)][1]
         assert id(y) in memo._readers[id(minus1)] and id(y) in memo._readers[id(big)]
         memo.forget([minus1])

@@ -177,8 +177,12 @@ def const_scalar(t: Optional[Tensor]) -> Optional[float]:
 
 def int_list(t: Optional[Tensor]) -> Optional[list[int]]:
     """A constant's value as a flat list of ints (axes, pads, a shape target...), else None."""
-    v = const_value(t)
-    return None if v is None else [int(x) for x in np.asarray(v).ravel()]
+    return as_int_list(const_value(t))
+
+
+def as_int_list(value: object) -> Optional[list[int]]:
+    """``value`` (an array, a number, or None) as a flat list of ints; None for None."""
+    return None if value is None else [int(x) for x in np.asarray(value).ravel()]
 
 
 def is_const(t: Optional[Tensor]) -> bool:

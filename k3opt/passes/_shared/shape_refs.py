@@ -12,6 +12,7 @@ import numpy as np
 
 from ...graph import ir
 from ...graph.ir import Node, Tensor, producer
+from ...graph.small_constants import small_const_value
 from ...patterns import checks
 from ..analysis import fold_shapes
 
@@ -64,7 +65,7 @@ def _computed_refs(n: Node) -> Optional[list]:
 def small_const(t: Tensor) -> Optional[np.ndarray]:
     """The value of a small constant (decoded once per process), else None."""
     c = ir.const_tensor(t)
-    return None if c is None or math.prod(c.shape) > 64 else fold_shapes.small_const_value(t)
+    return None if c is None or math.prod(c.shape) > 64 else small_const_value(t)
 
 
 def small_ints(t: Tensor) -> Optional[list[int]]:

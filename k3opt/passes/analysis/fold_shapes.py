@@ -24,19 +24,15 @@ when the batch and sequence are not.
 """
 from __future__ import annotations
 
-import sys
-import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
-from ... import graph as gs
-from onnx import TensorProto
-from ...graph import LazyValues
 
-from ...graph.ir import Graph, Node, Tensor, bad_data, const_tensor, peek, producer
+from ...graph.ir import Graph, Node, Tensor, as_int_list, const_tensor, peek, producer
+from ...graph.small_constants import constant_value, is_small, small_const_value, small_int_list
 from ...pipeline.analyses import Analysis
 from .._rewire import unsqueeze_axes
 
@@ -218,80 +214,9 @@ def _const(t: Tensor) -> object:
     constants are read once per memo, where the memo's bookkeeping cost more than the read."""
     _read(t)
     c = const_tensor(t)
-    if c is None or _small(c._values):
-        return _small_value(c)
+    if c is None or is_small(c):
+        return constant_value(c)
     return _remembered(t, -2, 0, lambda: peek(c))
-
-
-#: Small constants as decoded (at most this many bytes: shape computations' integers), by their lazy value
-#: holder: decoded once per process rather than once per pass run (a deep model's passes read thousands).
-#: Weak keys: an entry goes with its graph.
-_decoded: "weakref.WeakKeyDictionary[LazyValues, np.ndarray]" = weakref.WeakKeyDictionary()
-MAX_DECODED_BYTES = 8 * MAX_SHAPE_ELEMENTS
-
-
-def _ints(value: object) -> Optional[list[int]]:
-    """A constant's value as a flat list of ints (as ``cleanup_rewire.int_list`` gives it), None for None."""
-    return None if value is None else [int(x) for x in np.asarray(value).ravel()]
-
-
-def small_int_list(t: Tensor) -> Optional[list[int]]:
-    """``cleanup_rewire.int_list(t)``, a small constant decoded once per process (:func:`small_const_value`)."""
-    return _ints(small_const_value(t))
-
-
-def small_const_value(t: Tensor) -> Optional[np.ndarray]:
-    """:func:`~k3opt.graph.ir.const_value`, remembering small decoded values (:data:`_decoded`); never modify it."""
-    return _small_value(const_tensor(t))
-
-
-def _small_value(c: Optional[gs.Constant]) -> Optional[np.ndarray]:
-    """:func:`small_const_value` of the constant ``c`` (None for None)."""
-    if c is None:
-        return None
-    lazy = c._values
-    if not _small(lazy):
-        return peek(c)
-    value = _decoded.get(lazy)
-    if value is None:
-        value = _decoded[lazy] = _decode_small(c)
-    return value
-
-
-#: Element types whose raw bytes onnx's ``to_array`` reads as they are (one native numpy dtype, no unpacking).
-_RAW_DTYPES = {
-    TensorProto.INT64: np.dtype(np.int64), TensorProto.INT32: np.dtype(np.int32),
-    TensorProto.FLOAT: np.dtype(np.float32), TensorProto.DOUBLE: np.dtype(np.float64),
-    TensorProto.BOOL: np.dtype(np.bool_), TensorProto.INT8: np.dtype(np.int8), TensorProto.UINT8: np.dtype(np.uint8),
-} if sys.byteorder == "little" else {}
-
-
-def _decode_small(c: gs.Constant) -> np.ndarray:
-    """``peek(c)`` for a small constant: raw little-endian numbers are read directly, as ``to_array`` reads
-    them (its generic path and gs's copy cost more than the decode; a deep model's passes decode thousands)."""
-    lazy = c._values
-    t = lazy.tensor
-    dtype = _RAW_DTYPES.get(t.data_type) if type(lazy) is LazyValues else None
-    if dtype is None or not t.HasField("raw_data") or t.data_location == TensorProto.EXTERNAL \
-            or t.HasField("segment"):
-        return peek(c)
-    try:
-        return np.frombuffer(t.raw_data, dtype).reshape(tuple(t.dims)).copy()  # a copy, as gs's load gives
-    except ValueError as exc:  # raw_data of the wrong length
-        raise bad_data(c, exc) from None
-
-
-def _small(lazy: object) -> bool:
-    nbytes = getattr(lazy, "nbytes", None)
-    return isinstance(lazy, LazyValues) and isinstance(nbytes, int) and nbytes <= MAX_DECODED_BYTES
-
-
-def remember_value(c: gs.Constant, value: np.ndarray) -> None:
-    """Note that constant ``c`` was just built from ``value`` (``ir.as_constant``): when small and numeric
-    (what decoding gives back exactly), :func:`small_const_value` answers it without decoding. Folded
-    results are then not decoded again by every later pass that reads them."""
-    if _small(c._values) and value.dtype.kind in "biuf" and value.dtype.isnative:
-        _decoded[c._values] = value
 
 
 #: True while :func:`naming_unknown_dims` is active (in this context: thread, task).
@@ -456,7 +381,7 @@ def _split_dim(node: Node, t: Tensor, i: int, rank: int, depth: int) -> Dim:
     if "split" in node.attrs:  # opset < 13
         sizes = [int(s) for s in node.attrs["split"]]
     elif len(node.inputs) > 1 and node.inputs[1].name:
-        sizes = _ints(_const(node.inputs[1]))
+        sizes = as_int_list(_const(node.inputs[1]))
     else:
         sizes = _equal_shares(_dim_at(x, i, depth), n, node.attrs.get("num_outputs"))
     return sizes[k] if sizes is not None and len(sizes) == n and sizes[k] >= 0 else None
@@ -695,7 +620,7 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         for x in node.inputs[1:]:
             _read(x)  # the axes
         # unsqueeze_axes(node), with an axes input read through the remembered small values
-        axes = unsqueeze_axes(node) if "axes" in node.attrs or len(node.inputs) < 2 else _ints(_const(node.inputs[1]))
+        axes = unsqueeze_axes(node) if "axes" in node.attrs or len(node.inputs) < 2 else as_int_list(_const(node.inputs[1]))
         if inner is None or inner[1] != () or axes not in ([0], [-1]):
             return None
         return inner[0], (1,)
@@ -720,7 +645,7 @@ def _reshaped_elements(node: Node, depth: int) -> Optional[Elements]:
     Reshape, a fixed-point round later.
     """
     inner = shape_elements(node.inputs[0], depth - 1)
-    to = _ints(_const(node.inputs[1]))
+    to = as_int_list(_const(node.inputs[1]))
     if inner is None or to is None:
         return None
     n = len(inner[0])

@@ -31,7 +31,7 @@ import numpy as np
 from ... import graph as gs
 from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, peek
-from ..analysis.fold_shapes import small_const_value
+from ...graph.small_constants import small_const_value
 
 #: Element kinds numpy holds exactly as onnxruntime returns them (no strings, no ml_dtypes types).
 _PLAIN_KINDS = frozenset("biuf")
@@ -53,7 +53,7 @@ def numpy_values(graph: Graph, nodes: Sequence[Node], known: dict) -> dict[str, 
     numeric arrays (``known`` values, constants, or outputs computed before them here).
 
     Results are numpy arrays, possibly views of the inputs or of the shared decoded small constants
-    (:func:`~.fold_shapes.small_const_value`): never modify them.
+    (:func:`~k3opt.graph.small_constants.small_const_value`): never modify them.
     """
     computed: dict[str, np.ndarray] = {}
 

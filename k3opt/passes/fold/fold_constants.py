@@ -34,7 +34,8 @@ from .._rewire import detach, is_used, remove
 from .._shared.op_kinds import RANDOM_OPS
 from ..fold._eval import EvalError, as_array, run_ort, run_reference
 from ..fold._guard import too_big
-from ..analysis.fold_shapes import DimAnalysis, fold_shape_value, remember_value
+from ...graph.small_constants import remember_value
+from ..analysis.fold_shapes import DimAnalysis, fold_shape_value
 from ..fold._starts import is_constant, start_nodes, still_in
 
 FOLDABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "com.microsoft"})
