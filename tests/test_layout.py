@@ -63,3 +63,11 @@ def test_no_pass_imports_another_pass_module():
                 if parts[1] != folder or not parts[2].startswith("_"):
                     wrong.append(f"{p.relative_to(_ROOT)} imports {'.'.join(parts)}")
     assert wrong == []
+
+
+def test_the_cann_bridge_does_not_import_the_api():
+    """api runs the cann lowering passes and the bridge's checks; the bridge importing api back was the
+    cycle issue #18 removed."""
+    wrong = [f"{p.relative_to(_ROOT)}: {'.'.join(parts)}" for p in sorted((_ROOT / "cann_bridge").glob("*.py"))
+             for parts in _imported_modules(p) if parts[:1] == ("api",)]
+    assert wrong == []

@@ -14,7 +14,6 @@ from typing import Callable, Optional, Union
 import onnx
 
 from .. import modelio, optimize, optimize_file
-from ..api import written_check
 from ..errors import CompileError, UsageError
 from ..report import Report
 from ..pipeline.verify import summary_line
@@ -22,6 +21,7 @@ from .atc_command import AtcOptions, build_command, check_output_prefix, render,
 from .atc_locate import find_atc
 from .atc_run import raise_for_result, run_atc, summarize_fusion_result
 from .compat import Finding, check_model
+from . import target_form
 
 Echo = Callable[[str], None]
 
@@ -55,7 +55,7 @@ def _optimize(model: Union[str, os.PathLike, onnx.ModelProto], dst: Path, static
     if isinstance(model, onnx.ModelProto):
         report = options.pop("report", None) or Report()
         out = optimize(model, target="cann", input_shapes=shapes, report=report, **options)
-        report.files = [str(p) for p in modelio.save(out, dst, check=written_check("cann", report))]
+        report.files = [str(p) for p in modelio.save(out, dst, check=target_form.check_written)]
         report.output = str(dst)
         return report
     return optimize_file(model, dst, target="cann", input_shapes=shapes, **options)
