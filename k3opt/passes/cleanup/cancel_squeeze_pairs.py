@@ -27,6 +27,7 @@ def _normalized(axes: Optional[list[int]], r: Optional[int]) -> Optional[frozens
     return frozenset(norm) if len(set(norm)) == len(norm) else None
 
 
+@register_pass
 class CancelSqueezePairs(NodeRewritePass):
     name = "cancel-squeeze-pairs"
     description = "Squeeze(Unsqueeze(x, a), a) and Unsqueeze(Squeeze(x, a), a) become x."
@@ -48,6 +49,3 @@ class CancelSqueezePairs(NodeRewritePass):
             return False
         detach(first, dead)
         return True
-
-
-register_pass(CancelSqueezePairs)

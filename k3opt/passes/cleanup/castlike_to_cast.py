@@ -16,6 +16,7 @@ from ...graph.dtypes import onnx_type
 from .._rewire import NodeRewritePass
 
 
+@register_pass
 class CastLikeToCast(NodeRewritePass):
     name = "castlike-to-cast"
     description = "CastLike to a known type becomes Cast (a constant operand then folds)."
@@ -41,6 +42,3 @@ class CastLikeToCast(NodeRewritePass):
         if left:
             ctx.note(f"{len(left)} CastLike kept for cann, which has no CastLike parser (dtype of the second "
                      f"input unknown: {', '.join(left[:5])})")
-
-
-register_pass(CastLikeToCast)

@@ -55,6 +55,7 @@ def target_elements(t: Tensor) -> Optional[list[object]]:
     return out
 
 
+@register_pass
 class CopyReshapeDims(NodeRewritePass):
     name = "copy-reshape-dims"
     description = ("A run-time Reshape target of known numbers and copies of the input's own dims (or one "
@@ -112,6 +113,3 @@ def _spelled(e: object, x: Tensor, i: int) -> Optional[int]:
         return e
     d: Dim = e if isinstance(e, str) else None
     return 0 if d is not None and dim_at(x, i, TRACE_DEPTH) == d else None
-
-
-register_pass(CopyReshapeDims)

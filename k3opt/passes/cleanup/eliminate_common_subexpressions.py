@@ -155,6 +155,7 @@ def _external(values: object) -> bool:
     return isinstance(proto, TensorProto) and proto.data_location == TensorProto.EXTERNAL
 
 
+@register_pass
 class EliminateCommonSubexpressions(Pass):
     name = "eliminate-common-subexpressions"
     description = "Merge nodes with the same op, attributes and inputs, and equal constants."
@@ -261,6 +262,3 @@ class EliminateCommonSubexpressions(Pass):
             if is_graph_output(graph, old) or old.outputs:
                 replace_uses(graph, old, new)
         return True
-
-
-register_pass(EliminateCommonSubexpressions)

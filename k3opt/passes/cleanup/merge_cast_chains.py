@@ -40,6 +40,7 @@ def lossless(src: int, dst: int) -> bool:
     return False
 
 
+@register_pass
 class MergeCastChains(ChainPass):
     name = "merge-cast-chains"
     description = "Merge Cast(Cast(x)) when the middle type holds every value of x's type."
@@ -53,6 +54,3 @@ class MergeCastChains(ChainPass):
         set_input(node, 0, first.inputs[0])
         detach(first, dead)
         return True
-
-
-register_pass(MergeCastChains)

@@ -23,6 +23,7 @@ def concat_axis(node: Node) -> Optional[int]:
     return axis + r if axis < 0 and r is not None else axis
 
 
+@register_pass
 class MergeConcats(NodeRewritePass):
     name = "merge-concats"
     description = "Splice a Concat on the same axis (read only there) into the Concat reading it."
@@ -57,6 +58,3 @@ def set_inputs(node: Node, inputs: list) -> None:
     list.__setitem__(node.inputs, slice(None), list(inputs))
     for t in inputs:
         list.append(t.outputs, node)
-
-
-register_pass(MergeConcats)

@@ -32,6 +32,7 @@ def _dim_key(node: Node) -> object:
     return picked[0][0], picked[1]
 
 
+@register_pass
 class MergeEqualDims(Pass):
     name = "merge-equal-dims"
     description = "Gathers of Shapes that read the same symbolic dim become one value."
@@ -69,6 +70,3 @@ class MergeEqualDims(Pass):
             merged += bypass(graph, node, kept, dead)
         remove(graph, dead)
         return merged, sharpened
-
-
-register_pass(MergeEqualDims)

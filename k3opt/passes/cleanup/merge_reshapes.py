@@ -45,6 +45,7 @@ def resolved_target(first: Node, target: list[int]) -> Optional[list[int]]:
     return out
 
 
+@register_pass
 class MergeReshapes(NodeRewritePass):
     name = "merge-reshapes"
     description = "Merge consecutive Reshapes whose second shape does not depend on the first."
@@ -72,6 +73,3 @@ class MergeReshapes(NodeRewritePass):
         set_input(node, 0, first.inputs[0])
         detach(first, dead)
         return True
-
-
-register_pass(MergeReshapes)

@@ -68,6 +68,7 @@ def compose(inner: tuple[int, int, int], outer: tuple[int, int, int], size: obje
     return min(s1 + s2, INT64_MAX), min(e1, s1 + e2, INT64_MAX), 1
 
 
+@register_pass
 class MergeSlices(NodeRewritePass):
     name = "merge-slices"
     description = "Merge consecutive Slices with constant parameters into one."
@@ -107,6 +108,3 @@ class MergeSlices(NodeRewritePass):
                 second.inputs.append(t)
         detach(first, dead)
         return True
-
-
-register_pass(MergeSlices)

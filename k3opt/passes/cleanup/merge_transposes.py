@@ -12,6 +12,7 @@ from .._rewire import ChainPass, bypass, detach
 from .._shared.op_kinds import perm_of
 
 
+@register_pass
 class MergeTransposes(ChainPass):
     name = "merge-transposes"
     description = "Compose consecutive Transposes into one (or none)."
@@ -32,6 +33,3 @@ class MergeTransposes(ChainPass):
             node.attrs["perm"] = composed
         detach(first, dead)
         return True
-
-
-register_pass(MergeTransposes)

@@ -29,6 +29,7 @@ def merged_axes(x_rank: int, a1: list[int], a2: list[int]) -> Optional[list[int]
     return sorted(n2 | {rest[j] for j in n1})
 
 
+@register_pass
 class MergeUnsqueezes(NodeRewritePass):
     name = "merge-unsqueezes"
     description = "Merge consecutive Unsqueezes into one."
@@ -51,6 +52,3 @@ class MergeUnsqueezes(NodeRewritePass):
         set_input(node, 0, x)
         detach(first, dead)
         return True
-
-
-register_pass(MergeUnsqueezes)

@@ -31,6 +31,7 @@ def live_nodes(graph: Graph) -> set[int]:
     return live
 
 
+@register_pass
 class RemoveDeadNodes(Pass):
     name = "remove-dead-nodes"
     description = "Remove nodes (and with them initializers and value_info) that reach no graph output."
@@ -46,6 +47,3 @@ class RemoveDeadNodes(Pass):
             remove(g, dead)
             removed += len(dead)
         return removed
-
-
-register_pass(RemoveDeadNodes)

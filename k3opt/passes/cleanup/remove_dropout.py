@@ -24,6 +24,7 @@ def inference_mode(node: Node, opset: int) -> bool:
     return len(ins) < 3 or not ins[2].name or const_scalar(ins[2]) == 0.0
 
 
+@register_pass
 class RemoveDropout(NodeRewritePass):
     name = "remove-dropout"
     description = "Remove inference-time Dropout whose mask is unused."
@@ -35,6 +36,3 @@ class RemoveDropout(NodeRewritePass):
         if any(is_used(graph, t) for t in node.outputs[1:]) or not inference_mode(node, ctx.opset):
             return False
         return bypass(graph, node, node.inputs[0], dead)
-
-
-register_pass(RemoveDropout)

@@ -12,6 +12,7 @@ from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, bypass
 
 
+@register_pass
 class RemoveIdentity(NodeRewritePass):
     name = "remove-identity"
     description = "Remove Identity nodes (graph outputs keep their names)."
@@ -21,6 +22,3 @@ class RemoveIdentity(NodeRewritePass):
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         return bypass(graph, node, node.inputs[0], dead)
-
-
-register_pass(RemoveIdentity)

@@ -187,6 +187,7 @@ CHECKS: dict[str, Callable[[Node], Optional[Tensor]]] = {
 }
 
 
+@register_pass
 class RemoveNoopOps(NodeRewritePass):
     name = "remove-noop-ops"
     description = "Remove nodes that provably return their input unchanged."
@@ -202,6 +203,3 @@ class RemoveNoopOps(NodeRewritePass):
         if src is None:
             return False
         return bypass(graph, node, src, dead)
-
-
-register_pass(RemoveNoopOps)

@@ -45,6 +45,7 @@ def all_zero(t: Tensor, depth: int = 8) -> bool:
     return bool(data) and all(all_zero(x, depth - 1) for x in data)
 
 
+@register_pass
 class RemoveZeroRnnStates(NodeRewritePass):
     name = "remove-zero-rnn-states"
     description = "An all-zero initial_h/initial_c of RNN/GRU/LSTM becomes the omitted input (its default)."
@@ -59,6 +60,3 @@ class RemoveZeroRnnStates(NodeRewritePass):
                 set_input(node, i, new_variable(""))
                 changed = True
         return changed
-
-
-register_pass(RemoveZeroRnnStates)

@@ -56,6 +56,7 @@ def _positions(graph: Graph, seq: Tensor, n: int) -> Optional[dict[int, list[Nod
     return by_pos
 
 
+@register_pass
 class SequenceToSplit(NodeRewritePass):
     name = "sequence-to-split"
     description = "Replace SplitToSequence + SequenceAt with Split."
@@ -111,6 +112,3 @@ class SequenceToSplit(NodeRewritePass):
             return gs.Node("Squeeze", name, {"axes": [axis]}, [chunk], [out])
         axes = gs.Constant(ctx.fresh_name(f"{name}_axes"), np.array([axis], dtype=np.int64))
         return gs.Node("Squeeze", name, {}, [chunk, axes], [out])
-
-
-register_pass(SequenceToSplit)

@@ -49,6 +49,7 @@ def reshape_target(dims: Sequence[Dim], perm: Sequence[int]) -> Optional[list[in
     return target
 
 
+@register_pass
 class TransposeToReshape(NodeRewritePass):
     name = "transpose-to-reshape"
     description = "A Transpose that only moves dims of size 1 becomes a Reshape (which then merges with its neighbours)."
@@ -71,6 +72,3 @@ class TransposeToReshape(NodeRewritePass):
         node.inputs.append(as_constant(ctx.fresh_name(f"{node.name or 'Transpose'}_shape"),
                                        np.array(target, dtype=np.int64)))
         return True
-
-
-register_pass(TransposeToReshape)

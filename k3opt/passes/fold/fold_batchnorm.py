@@ -49,6 +49,7 @@ def batchnorm_affine(node: Node, channels: int) -> tuple[Optional[tuple[np.ndarr
     return (a, bias - mean * a), ""
 
 
+@register_pass
 class FoldBatchNorm(RefusalNotes, NodeRewritePass):
     name = "fold-batchnorm"
     description = "Fold inference BatchNormalization (and per-channel constant Mul) into the Conv/ConvTranspose/Gemm/MatMul before it."
@@ -80,6 +81,3 @@ class FoldBatchNorm(RefusalNotes, NodeRewritePass):
     def _mul(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         found = channel_operand(graph, node, CONVOLUTIONS, self.refuse)
         return found is not None and fold_into(graph, node, found[0], found[1], None, ctx, dead, self.refuse)
-
-
-register_pass(FoldBatchNorm)

@@ -43,6 +43,7 @@ SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "Slice", "Equal"})
 MAX_SWEEPS = 32
 
 
+@register_pass
 class FoldConstants(Pass):
     name = "fold-constants"
     description = "Evaluate constant subgraphs and statically known shape computations at compile time."
@@ -330,6 +331,3 @@ def _groups(order: list[Node]) -> list[list[Node]]:
     for i, node in enumerate(order):
         groups.setdefault(find(i), []).append(node)
     return list(groups.values())
-
-
-register_pass(FoldConstants)

@@ -70,6 +70,7 @@ def pad_value(pad: Node) -> Optional[float]:
     return None if v is None or v.size != 1 else float(np.asarray(v).ravel()[0])
 
 
+@register_pass
 class FoldPad(RefusalNotes, NodeRewritePass):
     name = "fold-pad"
     description = "Fold a constant-mode Pad of the spatial axes into the Conv/AveragePool/MaxPool reading it."
@@ -128,6 +129,3 @@ class FoldPad(RefusalNotes, NodeRewritePass):
         if node.op == "MaxPool" and len(node.outputs) > 1 and is_used(graph, node.outputs[1]):
             return "MaxPool's Indices output is used"
         return None
-
-
-register_pass(FoldPad)

@@ -59,6 +59,7 @@ def _names_outside(root: Graph, branch: Graph) -> set[str]:
     return names
 
 
+@register_pass
 class InlineConstantIf(Pass):
     name = "inline-constant-if"
     description = "Replace an If whose condition is a constant by the nodes of the branch it takes."
@@ -97,6 +98,3 @@ class InlineConstantIf(Pass):
         g.nodes[at:at] = moved + copies
         ctx.changed()
         return True
-
-
-register_pass(InlineConstantIf)

@@ -18,6 +18,7 @@ from .._rewire import NodeRewritePass
 BIASED = CONVOLUTIONS | {"Gemm"}
 
 
+@register_pass
 class MergeConvBias(RefusalNotes, NodeRewritePass):
     name = "merge-conv-bias"
     description = "Merge an Add of a per-channel constant after a Conv/ConvTranspose/Gemm into its bias."
@@ -28,6 +29,3 @@ class MergeConvBias(RefusalNotes, NodeRewritePass):
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         found = channel_operand(graph, node, BIASED, self.refuse)
         return found is not None and fold_into(graph, node, found[0], None, found[1], ctx, dead, self.refuse)
-
-
-register_pass(MergeConvBias)

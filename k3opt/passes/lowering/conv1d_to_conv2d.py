@@ -29,6 +29,7 @@ def _axes_node(op: str, x, out, ctx: PassContext, base: str) -> Node:
     return gs.Node(op, name, attrs={"axes": [2]}, inputs=[x], outputs=[out])
 
 
+@register_pass
 class Conv1dToConv2d(NodeRewritePass):
     name = "conv1d-to-conv2d"
     description = "For Ascend: a 1-D Conv becomes Unsqueeze, 2-D Conv (height 1), Squeeze (as msit's Conv1d2Conv2d)."
@@ -63,6 +64,3 @@ class Conv1dToConv2d(NodeRewritePass):
         at = next(i for i, n in enumerate(graph.nodes) if n is node)
         graph.nodes[at:at + 1] = [unsqueeze, node, squeeze]
         return True
-
-
-register_pass(Conv1dToConv2d)
