@@ -15,6 +15,7 @@ cann`` the lowering ``lower-rotary-npu`` makes them NPURotaryPositionEmbedding (
 from __future__ import annotations
 
 import re
+from contextvars import ContextVar
 from typing import Any, Optional
 
 import numpy as np
@@ -110,12 +111,15 @@ PARTIAL = Rule("rotary-partial", _partial, _partial_rewrite, _partial_check,
 RULES = [*rotary_rules(to_rotary_embedding), PARTIAL]
 
 
-#: Roots of the rotations the counting rules saw (filled by :func:`find_rotaries` only).
-_FOUND: dict[int, Node] = {}
+#: Roots of the rotations the counting rules saw, for the :func:`find_rotaries` call running in this
+#: context (the rules are built once and shared; what they find is the call's).
+_found: ContextVar[Optional[dict[int, Node]]] = ContextVar("k3opt_rotaries_found", default=None)
 
 
 def _record(op: RewriteBuilder, rm: RotaryMatch) -> None:
-    _FOUND.setdefault(id(rm.root), rm.root)
+    found = _found.get()
+    if found is not None:
+        found.setdefault(id(rm.root), rm.root)
 
 
 #: The rules counting, not rewriting (built once: a pattern costs ~1 ms to build).
@@ -124,12 +128,13 @@ _COUNTING = rotary_rules(_record)
 
 def find_rotaries(graph: Graph, ctx: PassContext) -> list[Node]:
     """The root node of every rotary embedding recognised (and exact to fuse); changes nothing."""
-    _FOUND.clear()
+    found: dict[int, Node] = {}
+    token = _found.set(found)
     try:
         apply_rules(graph, ctx, _COUNTING)
-        return list(_FOUND.values())
     finally:
-        _FOUND.clear()
+        _found.reset(token)
+    return list(found.values())
 
 
 
