@@ -9,7 +9,9 @@ then folds as ordinary constants.
 Dims inference left unknown are traced through their producer (Reshape
 target elements, the Reshape's -1 as a quotient, Transpose, elementwise
 ops, Concat's sum along its axis, spelled as a canonical symbol such as
-``past_sequence + 1``, Split's sizes and the dims it keeps, Gemm); a
+``past_sequence + 1``, Split's sizes and the dims it keeps, Gemm, Expand,
+Gather, GatherElements, and a ``Slice(x, 0, S)`` of a static dim c as
+``min(S, c)``, which a broadcast with S gives S); a
 Reshape's -1 of a flattened batch is a product (``batch * 5``, which the
 next -1 cancels); equal ``dim_param`` names are taken as equal sizes, as
 ONNX defines.
