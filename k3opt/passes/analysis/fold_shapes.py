@@ -9,7 +9,9 @@ then folds as ordinary constants.
 Dims inference left unknown are traced through their producer (Reshape
 target elements, the Reshape's -1 as a quotient, Transpose, elementwise
 ops, Concat's sum along its axis, spelled as a canonical symbol such as
-``past_sequence + 1``, Split's sizes and the dims it keeps, Gemm); a
+``past_sequence + 1``, Split's sizes and the dims it keeps, Gemm, Expand,
+Gather, GatherElements, and a ``Slice(x, 0, S)`` of a static dim c as
+``min(S, c)``, which a broadcast with S gives S); a
 Reshape's -1 of a flattened batch is a product (``batch * 5``, which the
 next -1 cancels); equal ``dim_param`` names are taken as equal sizes, as
 ONNX defines.
@@ -336,6 +338,14 @@ def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
     if (node.op in BATCH_KEEPING and i == 0) or \
             (node.op in ("Slice", "Resize", "Upsample") and _keeps_axis(node, i, rank)):
         return _dim_at(x, i, depth)
+    if node.op == "Slice":
+        return _capped_dim(node, i, rank, depth)
+    if node.op == "Expand" and len(node.inputs) == 2:
+        return _expanded_dim(node, i, rank, depth)
+    if node.op == "GatherElements" and len(node.inputs) == 2:
+        return _dim_at(node.inputs[1], i, depth)  # the output has the indices' shape
+    if node.op == "Gather" and len(node.inputs) == 2:
+        return _gathered_dim(node, i, rank, depth)
     if node.op in BROADCASTING and len(node.inputs) >= 2:
         return _broadcast_dim(node.inputs, i, rank, depth)
     if node.op == "Gemm" and len(node.inputs) >= 2 and rank == 2:
@@ -417,8 +427,59 @@ def _keeps_axis(node: Node, i: int, rank: int) -> bool:
     return values is not None and values.size == rank and float(values.ravel()[i]) == 1.0
 
 
+def _capped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of ``Slice(x, 0, E, [i], 1)`` (opset >= 10) where ``E`` is a dim named by a plain symbol and
+    x's dim a number ``c >= 1``: ``min(E, c)`` (an end at least 0 is clamped to ``c``), spelled so for
+    :func:`_broadcast_dim` (an embedding table's rows sliced to the sequence: ``position_ids[:, :S]``)."""
+    x = node.inputs[0]
+    if "starts" in node.attrs or len(node.inputs) < 4 or x.shape is None or len(x.shape) != rank:
+        return None
+    starts, axes = small_int_list(node.inputs[1]), small_int_list(node.inputs[3])
+    steps = small_int_list(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else [1]
+    ends = shape_elements(node.inputs[2], depth)
+    if starts != [0] or steps != [1] or axes is None or len(axes) != 1 or axes[0] % rank != i or ends is None \
+            or len(ends[0]) != 1:
+        return None
+    end, c = ends[0][0], _dim_at(x, i, depth)
+    if not isinstance(end, str) or not isinstance(c, int) or c < 1 or " " in end:
+        return None
+    return f"min({end}, {c})"
+
+
+def _capped_symbol(d: Dim) -> Optional[str]:
+    """The symbol ``E`` of a dim :func:`_capped_dim` spelled ``min(E, c)``, else None."""
+    return d[4:d.rindex(", ")] if isinstance(d, str) and d.startswith("min(") and ", " in d else None
+
+
+def _expanded_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of ``Expand(x, shape)``: x's dim broadcast with the target's element (:func:`_broadcast_of`)."""
+    x = node.inputs[0]
+    target = shape_elements(node.inputs[1], depth)
+    if x.shape is None or target is None or len(target[0]) != rank or len(x.shape) > rank \
+            or (isinstance(target[0][i], int) and target[0][i] < 0):
+        _read(x)
+        return None
+    j = i - (rank - len(x.shape))
+    return _broadcast_of([1 if j < 0 else _dim_at(x, j, depth), target[0][i]])
+
+
+def _gathered_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of ``Gather(data, indices, axis)``: data's dims before and after the axis around the indices'."""
+    data, indices = node.inputs
+    if data.shape is None or indices.shape is None or len(data.shape) + len(indices.shape) - 1 != rank:
+        _read(data)
+        _read(indices)
+        return None
+    axis = int(node.attrs.get("axis", 0)) % len(data.shape)
+    if i < axis:
+        return _dim_at(data, i, depth)
+    if i < axis + len(indices.shape):
+        return _dim_at(indices, i - axis, depth)
+    return _dim_at(data, i - len(indices.shape) + 1, depth)
+
+
 def _broadcast_dim(operands: Sequence[Tensor], i: int, rank: int, depth: int) -> Dim:
-    """Dim ``i`` of a broadcast: a number other than 1 wins (the other is 1 or equal); a symbol wins over 1 or itself."""
+    """Dim ``i`` of a broadcast of ``operands`` (:func:`_broadcast_of` of their dims, aligned right)."""
     dims = []
     for x in operands:
         if x.shape is None:
@@ -426,10 +487,18 @@ def _broadcast_dim(operands: Sequence[Tensor], i: int, rank: int, depth: int) ->
             return None
         j = i - (rank - len(x.shape))
         dims.append(1 if j < 0 else _dim_at(x, j, depth))
+    return _broadcast_of(dims)
+
+
+def _broadcast_of(dims: Sequence[Dim]) -> Dim:
+    """The broadcast of ``dims``: a number other than 1 wins (the others are 1 or equal); a symbol wins over 1,
+    itself, and ``min(itself, c)`` (a valid broadcast of ``E`` with ``min(E, c)``, ``c >= 1``, is ``E``: they are
+    equal, or ``E > c`` and ``c`` is 1). An unknown beside a symbol stays unknown (a symbol 1 broadcasts it)."""
     numbers = [d for d in dims if isinstance(d, int) and d != 1]
     if numbers:
         return numbers[0]
     rest = {d for d in dims if d != 1}
+    rest -= {d for d in rest if _capped_symbol(d) is not None and _capped_symbol(d) in rest}
     return rest.pop() if len(rest) == 1 else (1 if not rest else None)
 
 

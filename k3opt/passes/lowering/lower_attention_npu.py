@@ -43,6 +43,7 @@ from ...errors import UsageError
 from ...graph.ir import Graph, Node, Tensor, producer
 from ...patterns import RewriteBuilder, checks
 from ..analysis import fold_shapes
+from ..analysis.input_dims import input_dims_written
 from .._shared.shape_refs import shape_refs
 from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules
 from ...pipeline.analyses import Shapes
@@ -181,7 +182,8 @@ class LowerAttentionNPU(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> int:
         if self.form is None:
             self.form = self._choose_form(graph, ctx)
-        return apply_attention(graph, ctx, self.rules)
+        with input_dims_written(graph):  # q/k/v's batch and sequence, however deep the layer
+            return apply_attention(graph, ctx, self.rules)
 
     def _choose_form(self, graph: Graph, ctx: PassContext) -> str:
         wanted = str(ctx.options.get("npu_attention_form", "auto"))
