@@ -57,15 +57,6 @@ def test_cann_target_invariants_on_exports(name, exporter):
     assert op_counts(out).get("NPURmsNorm", 0) == expected_npu_rmsnorms(name), report.lowering
 
 
-#: Exports whose head count is not proven with dynamic batch/sequence dims, and how many of their layers still lower.
-#: dynamo BERT and ViT (sdpa) lower every layer: their residual stream's batch and sequence, lost by inference at
-#: the embeddings' broadcasts (``min(S, 512)`` position rows, an expanded class token), are traced once and
-#: written for the lowering (input_dims). Eager dynamo ViT's second layer reads the first's probs @ v, whose
-#: heads (a MatMul's batch dims) tracing does not follow: it is lowered with the inputs' static shapes, which is
-#: what ``k3opt compile`` gives the optimizer.
-_STATIC_SHAPES = {("vit_eager", "dynamo"): 1}
-
-
 def _flash_cases():
     """sdpa (default) and eager attention; dynamo and eager ones marked slow."""
     families = ("bert", "gpt2", "llama", "qwen2", "vit")
@@ -75,21 +66,20 @@ def _flash_cases():
 
 @pytest.mark.parametrize("name, exporter", _flash_cases())
 def test_one_prompt_flash_attention_per_layer_in_prefill(name, exporter):
-    """Eager exports fill the mask with the dtype's lowest (a fully masked row is the mean of v): exact too."""
+    """Eager exports fill the mask with the dtype's lowest (a fully masked row is the mean of v): exact too.
+
+    Every export lowers with its dynamic batch/sequence dims: dynamo BERT and ViT's residual stream's batch and
+    sequence, lost by inference at the embeddings' broadcasts (``min(S, 512)`` position rows, an expanded class
+    token), are traced once and written for the lowering (input_dims); eager ViT's second layer reads the first's
+    probs @ v, whose heads are that MatMul's batch dims, traced too."""
     feeds = zoo_inputs(name)
-    static = {k: list(v.shape) for k, v in feeds.items()} if (name, exporter) in _STATIC_SHAPES else None
-    out, report = lowered(zoo_model(name, exporter), feeds, input_shapes=static)
+    out, report = lowered(zoo_model(name, exporter), feeds)
     layers = zoo_config(name).num_hidden_layers
     assert flash_attentions(out) == layers, report.lowering
     assert "Softmax" not in op_counts(out)
     layer_norm = "LayerNormalization" in op_counts(out)
     assert [(o.domain or "", o.version) for o in out.opset_import] == ([("", 17), ("npu", 1)] if layer_norm
                                                                       else [("", 16)])
-    if static is not None:  # and without static shapes: the first layers or none, the others kept with the reason
-        dynamic, report = lowered(zoo_model(name, exporter), feeds)
-        assert flash_attentions(dynamic) == _STATIC_SHAPES[name, exporter], report.lowering
-        reasons = ("heads is not static", "not a transposed key")
-        assert sum(any(r in line for r in reasons) for line in report.lowering) == layers - flash_attentions(dynamic)
 
 
 def test_deepseek_mla_attention_stays_decomposed_with_the_reason():

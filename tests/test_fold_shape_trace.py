@@ -154,6 +154,44 @@ def test_gemm_dims_traced():
     assert (dim_at(y, 0), dim_at(y, 1)) == ("M", "K")
 
 
+def _traced_output(node: onnx.NodeProto, inputs: list, rank: int, opset: int = 17) -> gs.Variable:
+    """``node``'s first output, its shape forgotten (as inference leaves it unknown): tracing must find it."""
+    model = make_model([node], inputs, [(node.output[0], F, [None] * rank)], opset=opset)
+    y = gs.import_onnx(model).outputs[0]
+    y.shape = [None] * rank
+    return y
+
+
+@pytest.mark.parametrize("a_shape, b_shape, want", [
+    (["B", 4, "S", 8], ["B", 4, 8, "T"], ["B", 4, "S", "T"]),  # probs @ v, q @ k^T: heads are batch dims
+    ([1, 4, "S", 8], ["B", 1, 8, "T"], ["B", 4, "S", "T"]),  # batch dims broadcast
+    (["S", 8], ["B", 4, 8, "T"], ["B", 4, "S", "T"]),  # a lower-rank operand aligns right
+    (["B", 4, "S", 8], [None, 4, 8, "T"], [None, 4, "S", "T"]),  # an unknown beside a symbol stays unknown
+    (["B", 4, "S", 8], ["C", 4, 8, "T"], [None, 4, "S", "T"]),  # two symbols: either may be 1, unknown
+], ids=["same", "broadcast", "lower-rank", "unknown-refused", "two-symbols-refused"])
+def test_matmul_dims_traced(a_shape, b_shape, want):
+    """MatMul's rows are a's, its columns b's, its batch dims a's and b's broadcast (numpy's matmul)."""
+    y = _traced_output(helper.make_node("MatMul", ["a", "b"], ["y"]), [("a", F, a_shape), ("b", F, b_shape)], 4)
+    assert [dim_at(y, i) for i in range(4)] == want
+
+
+def test_matmul_batch_dims_need_both_ranks():
+    """A 1-D operand changes the output's rank: its batch dims are not claimed."""
+    y = _traced_output(helper.make_node("MatMul", ["a", "b"], ["y"]), [("a", F, [8]), ("b", F, ["B", 4, 8, "T"])], 3)
+    assert dim_at(y, 0) is None
+
+
+def test_attention_output_dims_traced():
+    """Attention-23 on 4-D inputs: Y is (batch, q heads, q sequence) of Q and v's head size."""
+    node = helper.make_node("Attention", ["q", "k", "v"], ["y"])
+    y = _traced_output(node, [("q", F, ["B", 4, "S", 8]), ("k", F, ["B", 2, "T", 8]), ("v", F, ["B", 2, "T", 16])],
+                       4, opset=23)
+    assert [dim_at(y, i) for i in range(4)] == ["B", 4, "S", 16]
+    y3 = _traced_output(node, [("q", F, ["B", "S", 32]), ("k", F, ["B", "T", 32]), ("v", F, ["B", "T", 32])], 3,
+                        opset=23)
+    assert dim_at(y3, 0) is None  # 3-D inputs: not traced
+
+
 def _merged_qkv_heads(batch: tuple = ("N",)) -> onnx.ModelProto:
     """y = the heads of q in ``Reshape(Split(Reshape(Gemm(Reshape(h, [-1, 32]), w), [-1, 5, 96]))[0],
     [dim0(h), 5, -1, 8])`` as float: the merged-QKV head split of a TorchScript ViT once fuse-matmul-add

@@ -352,14 +352,34 @@ def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
         # A' @ B' (+ C, broadcast to it): the rows are A''s, the columns B''s
         src, trans = (x, "transA") if i == 0 else (node.inputs[1], "transB")
         return _dim_at(src, i ^ int(bool(node.attrs.get(trans, 0))), depth)
-    if node.op == "MatMul" and len(node.inputs) == 2 and rank >= 2 and i >= rank - 2:
-        # [..., M, K] @ [..., K, N]: the rows come from the first operand, the columns from the second.
-        src = node.inputs[0] if i == rank - 2 else node.inputs[1]
-        if src.shape is None or len(src.shape) < 2:
+    if node.op == "MatMul" and len(node.inputs) == 2 and rank >= 2:
+        return _matmul_dim(node, i, rank, depth)
+    if node.op == "Attention" and len(node.inputs) >= 3 and rank == 4:
+        # Attention-23 on 4-D (B, heads, seq, head size) inputs: Y is (B, q heads, q seq) of Q, v's head size
+        src = node.inputs[2] if i == 3 else x
+        if src.shape is None or len(src.shape) != 4:
             _read(src)
             return None
-        return _dim_at(src, len(src.shape) - (rank - i), depth)
+        return _dim_at(src, i, depth)
     return None
+
+
+def _matmul_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
+    """Dim ``i`` of ``[..., M, K] @ [..., K, N]``: the rows come from the first operand, the columns from the
+    second; the batch dims, when both operands are of rank >= 2 (the output of the larger rank), are the
+    operands' batch dims broadcast (aligned right, as numpy's matmul does)."""
+    if i < rank - 2:
+        if any(x.shape is None or len(x.shape) < 2 for x in node.inputs) \
+                or rank != max(len(x.shape) for x in node.inputs):
+            for x in node.inputs:
+                _read(x)
+            return None
+        return _broadcast_dim(node.inputs, i, rank, depth)
+    src = node.inputs[0] if i == rank - 2 else node.inputs[1]
+    if src.shape is None or len(src.shape) < 2:
+        _read(src)
+        return None
+    return _dim_at(src, len(src.shape) - (rank - i), depth)
 
 
 def _concat_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
