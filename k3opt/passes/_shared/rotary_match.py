@@ -231,7 +231,8 @@ def _every_two_refusal(m: Match, pairs: bool) -> Optional[str]:
 
 def flattens_last_pair(node: Node) -> bool:
     """``node`` is a Reshape of a 5-D (a, b, c, n, 2) tensor to (a, b, c, 2n) (torch's ``flatten(-2)``): each
-    of the first three elements of its shape copies the dim (0 without allowzero) or provably equals it."""
+    of the first three elements of its shape copies the dim (0 without allowzero) or provably equals it (or one
+    of them is -1 and the last is 2n), or they are ``Shape(src)[0:3]``."""
     src = node.inputs[0]
     if node.op != "Reshape" or len(node.inputs) != 2 or src.shape is None or len(src.shape) != 5 \
             or dim_at(src, 4) != 2 or not isinstance(dim_at(src, 3), int):
@@ -240,7 +241,10 @@ def flattens_last_pair(node: Node) -> bool:
     if elements is None or len(elements[0]) != 4 or elements[0][3] not in (-1, 2 * dim_at(src, 3)):
         return False
     copies = not int(node.attrs.get("allowzero", 0))
-    return all((e == 0 and copies) or (e is not None and e == dim_at(src, k)) for k, e in enumerate(elements[0][:3])) \
+    kept = [(e == 0 and copies) or (e is not None and e == dim_at(src, k)) for k, e in enumerate(elements[0][:3])]
+    # one -1 among them is the dim itself when every other one is (the element count is kept)
+    inferred = [e == -1 for e in elements[0][:3]]
+    return all(kept) or (sum(inferred) == 1 and elements[0][3] != -1 and all(k or i for k, i in zip(kept, inferred))) \
         or _leading_three_of(node.inputs[1], src)
 
 
@@ -325,13 +329,13 @@ def _angle_shape(t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
         return f"its last dim {shape[-1]} is not {width}"
     pad = 4 - len(shape)
     dims = [1] * pad + list(shape)
-    if len(shape) >= 3 and dims[1] != 1:
+    if len(shape) >= 3 and dims[1] != 1 and not _same_dim(t, 1 - pad, 1):
         return "it is not broadcast over the heads (its heads dim is not 1)"
     same = []
     for axis, what in ((0, "batch"), (2, "positions")):
         if axis >= pad and _same_dim(t, axis - pad, dim_at(x, axis)):
             same.append(True)
-        elif dims[axis] == 1:
+        elif dims[axis] == 1 or (axis >= pad and _same_dim(t, axis - pad, 1)):
             same.append(dim_at(x, axis) == 1)
         else:
             return f"its {what} dim is neither 1 nor provably x's"

@@ -82,10 +82,19 @@ class LowerRotaryNPU(NPULowering):
     name = "lower-rotary-npu"
     description = "rotary embedding -> NPURotaryPositionEmbedding mode 0 (rotate-half) where exact (target cann)"
     order = 2020
-    npu_op, what, remark = "NPURotaryPositionEmbedding", "rotary embedding", "(mode 0)"
+    npu_op, what = "NPURotaryPositionEmbedding", "rotary embedding"
     recogniser = staticmethod(functools.partial(rotary_rules, name="lower-rotary"))  # kept: by root node
     #: Models without RoPE (BERT, ViT, the hand-made attentions) keep the lowering lines they had.
     note_none = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: set[int] = set()
+
+    @property
+    def remark(self) -> str:  # type: ignore[override]
+        """The count line's remark: the modes emitted (``(mode 0)`` when none was)."""
+        return "(mode " + " and ".join(map(str, sorted(self.modes or {ROPE_HALF}))) + ")"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         return apply_rules(graph, ctx, self.rules)
@@ -104,5 +113,6 @@ class LowerRotaryNPU(NPULowering):
             batch = op.Concat(op.Shape(rm.x, start=0, end=1), op.const([1, 1, 1], np.int64), axis=0)
         y = op.NPURotaryPositionEmbedding(x, _angles(op, rm, rm.cos, batch), _angles(op, rm, rm.sin, batch),
                                           mode=mode, _name="NPURotaryPositionEmbedding", _domain=STAGING_DOMAIN)
+        self.modes.add(mode)
         self.lowered.append(f"rotary embedding at '{where}' -> NPURotaryPositionEmbedding (mode {mode})")
         return y
