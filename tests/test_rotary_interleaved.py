@@ -197,3 +197,33 @@ def test_torch_exports_fuse_and_lower(exporter, batch_positions, tmp_path):
     assert [attrs for attrs in ([(a.name, a.i) for a in n.attribute] for n in rope_nodes(out))] == [[("interleaved", 1)]]
     lowered, _ = cann(model)
     assert op_counts(lowered).get(NPU_ROPE, 0) == (0 if batch_positions else 1)
+
+
+@needs_torch
+@pytest.mark.slow
+def test_transformers_gptj_stays_decomposed(tmp_path):
+    """The CURRENT REFUSAL, documented: transformers' GPT-J rotates q/k in the (batch, positions, heads, D)
+    layout, before the head transpose, with angles (batch, positions, 1, D) that vary along dim 1; that is not
+    RotaryEmbedding's 4-D layout, so its rotations stay as they are (and the model's outputs with them)."""
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTJConfig(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4, rotary_dim=8, use_cache=False)
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = GPTJForCausalLM(config).eval()
+
+        def forward(self, input_ids):
+            return self.lm(input_ids=input_ids, use_cache=False).logits
+
+    path = str(tmp_path / "gptj.onnx")
+    dims = {"input_ids": {0: torch.export.Dim("b"), 1: torch.export.Dim("s")}}
+    torch.onnx.export(Logits(), (torch.randint(0, 64, (2, 5)),), path, input_names=["input_ids"], dynamo=True,
+                      dynamic_shapes=dims, opset_version=18)
+    report = Report()
+    out = k3opt.optimize(onnx.load(path), opset=23, verify=True, report=report)
+    assert report.verification["status"] == "passed" and rope_nodes(out) == []
+    assert {site["status"] for site in report.sites if site["rule"] == "rotary-interleaved"} == {"declined"}
