@@ -13,13 +13,14 @@ import k3opt
 from k3opt.report import Report
 from tests.helpers import op_counts
 from tests.test_layer_norm import Net, needs_torch
-from tests.test_rotary import D, INV_FREQ, X, assert_fused, i64, model_of, refused, rope_nodes
+from tests.test_rotary import D, INV_FREQ, X, assert_fused, fuse, i64, model_of, refused, rope_nodes
 
 BIG = np.iinfo(np.int64).max
 NPU_ROPE = "NPURotaryPositionEmbedding"
 
 
-def paired_angles(net: Net, repeat: str = "tile", flatten: str = "const", batch: bool = False) -> list[str]:
+def paired_angles(net: Net, repeat: str = "tile", flatten: str = "const", batch: bool = False,
+                  axes=(1, 4), repeats=(1, 1, 1, 1, 2)) -> list[str]:
     """cos/sin (1|B, 1, S, D) as GPT-J builds them: ``repeat_interleave(trig(pos * inv_freq)[:, None], 2, 3)``,
     the repeat as TorchScript (Tile) or dynamo (Expand) writes it; ``batch``: GPT-J's position_ids input (B, S)."""
     if batch:
@@ -30,8 +31,8 @@ def paired_angles(net: Net, repeat: str = "tile", flatten: str = "const", batch:
     ang = net("Mul", net("Cast", net("Unsqueeze", pos, i64(net, [2])), to=TP.FLOAT), net.const(INV_FREQ))
     out = []
     for trig in ("Cos", "Sin"):
-        pairs = net("Unsqueeze", net(trig, ang), i64(net, [1, 4]))
-        twice = net("Tile" if repeat == "tile" else "Expand", pairs, i64(net, [1, 1, 1, 1, 2]))
+        pairs = net("Unsqueeze", net(trig, ang), i64(net, list(axes)))
+        twice = net("Tile" if repeat == "tile" else "Expand", pairs, i64(net, list(repeats)))
         out.append(net("Reshape", twice, flat_shape(net, twice, flatten)))
     return out
 
@@ -44,19 +45,20 @@ def flat_shape(net: Net, t: str, flatten: str) -> str:
                axis=0)
 
 
-def every_two(net: Net, cos: str, sin: str, neg: str = "neg", steps=(0, 1, 2), swap: bool = False) -> str:
+def every_two(net: Net, cos: str, sin: str, neg: str = "neg", steps=(0, 1, 2), swap: bool = False, x: str = "x"
+              ) -> str:
     """``x * cos + stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2) * sin`` (GPT-J's apply_rotary_pos_emb);
     ``steps``: (first, second, step) of the slices; ``swap``: the minus on the even elements."""
     first, second, step = steps
     stop = BIG if step == 2 else second
-    even = net("Slice", "x", i64(net, [first]), i64(net, [stop]), i64(net, [3]), i64(net, [step]))
-    odd = net("Slice", "x", i64(net, [second]), i64(net, [BIG]), i64(net, [3]), i64(net, [step]))
+    even = net("Slice", x, i64(net, [first]), i64(net, [stop]), i64(net, [3]), i64(net, [step]))
+    odd = net("Slice", x, i64(net, [second]), i64(net, [BIG]), i64(net, [3]), i64(net, [step]))
     if swap:
         even, odd = odd, even
     minus = net("Neg", odd) if neg == "neg" else net("Mul", odd, net.const(-1.0))
     stacked = net("Concat", net("Unsqueeze", minus, i64(net, [-1])), net("Unsqueeze", even, i64(net, [-1])), axis=-1)
     rotated = net("Reshape", stacked, flat_shape(net, stacked, "const"))  # a Shape of it would be a second use
-    return net("Add", net("Mul", "x", cos), net("Mul", rotated, sin))
+    return net("Add", net("Mul", x, cos), net("Mul", rotated, sin))
 
 
 POS = ("pos", TP.INT64, ["b", "s"])
@@ -80,6 +82,17 @@ def test_interleaved_becomes_rotary_embedding_interleaved(neg, repeat, flatten):
 
 def test_positions_per_batch_row_give_batch_caches():
     assert_fused(gptj_model(angles=lambda net: paired_angles(net, batch=True), inputs=(X, POS)), interleaved=1)
+
+
+def test_partial_interleaved_becomes_rotary_embedding_dim():
+    """GPT-J with rotary_dim < head_dim: cat(rope(q[..., :8]), q[..., 8:]) of a head dim 12."""
+    net = Net(23)
+    head = net("Slice", "x", i64(net, [0]), i64(net, [D]), i64(net, [-1]), i64(net, [1]))
+    tail = net("Slice", "x", i64(net, [D]), i64(net, [BIG]), i64(net, [-1]), i64(net, [1]))
+    y = net("Concat", every_two(net, *paired_angles(net), x=head), tail, axis=-1)
+    out = assert_fused(model_of(net, y, inputs=[("x", TP.FLOAT, ["b", 4, "s", 12])]), rewrites=2, interleaved=1,
+                       rotary_embedding_dim=D)
+    assert rope_nodes(out)[0].input[0] == "x"
 
 
 def test_constant_angles_with_equal_pairs():
@@ -108,6 +121,30 @@ def test_angles_repeated_as_a_whole_are_refused():
         ang = net("Mul", net("Cast", pos, to=TP.FLOAT), net.const(INV_FREQ))
         return [net("Unsqueeze", net(trig, net("Concat", ang, ang, axis=-1)), i64(net, [1])) for trig in ("Cos", "Sin")]
     refused(gptj_model(angles=doubled))
+
+
+def tiled_constants(net: Net, axes, repeats) -> list[str]:
+    """cos/sin ``Reshape(Tile(Unsqueeze(f, axes), repeats))`` of constant half-width angles f (1, 6, D/2)."""
+    f = (np.arange(6, dtype=np.float32)[:, None] * INV_FREQ)[None]
+    unsqueezed = [net("Unsqueeze", net.const(trig(f)), i64(net, list(axes))) for trig in (np.cos, np.sin)]
+    return [net("Reshape", net("Tile", u, i64(net, list(repeats))), i64(net, [0, 0, 0, -1])) for u in unsqueezed]
+
+
+def test_constants_repeat_interleaved_in_the_graph():
+    net = Net(23)
+    cos, sin = tiled_constants(net, (1, 4), (1, 1, 1, 1, 2))
+    assert_fused(model_of(net, every_two(net, cos, sin), inputs=[("x", TP.FLOAT, [2, 4, 6, D])]), interleaved=1)
+
+
+def test_angles_tiled_whole_are_refused():
+    """``Reshape(Tile(Unsqueeze(f, 3), [1, 1, 1, 2, 1]))`` is ``repeat(f, 2)`` (Concat(f, f)), not repeat_interleave."""
+    net = Net(23)
+    cos, sin = tiled_constants(net, (1, 3), (1, 1, 1, 2, 1))
+    model = model_of(net, every_two(net, cos, sin), inputs=[("x", TP.FLOAT, [2, 4, 6, D])])
+    refused(model)
+    _, _, ctx = fuse(model)
+    assert [site["reason"] for site in ctx.sites.values()] == [
+        "check declined: cos is not proven repeat_interleave(2) of half-width angles (equal pairs)"]
 
 
 def test_minus_on_the_even_elements_is_refused():
@@ -194,7 +231,7 @@ def test_torch_exports_fuse_and_lower(exporter, batch_positions, tmp_path):
     report = Report()
     out = k3opt.optimize(model, opset=23, verify=True, report=report)
     assert report.verification["status"] == "passed"
-    assert [attrs for attrs in ([(a.name, a.i) for a in n.attribute] for n in rope_nodes(out))] == [[("interleaved", 1)]]
+    assert [[(a.name, a.i) for a in node.attribute] for node in rope_nodes(out)] == [[("interleaved", 1)]]
     lowered, _ = cann(model)
     assert op_counts(lowered).get(NPU_ROPE, 0) == (0 if batch_positions else 1)
 

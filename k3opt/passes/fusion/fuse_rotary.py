@@ -6,7 +6,8 @@ which the schema allows: the angles computed in the graph (at run time from the 
 handed over as they are, so nothing depends on a bound of the position (an Expand to x's batch and
 positions fills in what broadcasts). DeepSeek-V3's even/odd form is ``RotaryEmbedding(Concat(x1, x2))``
 with ``interleaved=0``; GPT-J's interleaved form (``rotate_every_two``) is ``RotaryEmbedding(x, ...,
-interleaved=1)`` with the even elements of its equal-paired angles as caches; GPT-NeoX's ``cat(rope(q[..., :r]), q[..., r:])`` becomes ``rotary_embedding_dim=r``
+interleaved=1)`` with the even elements of its equal-paired angles as caches; GPT-NeoX's
+``cat(rope(q[..., :r]), q[..., r:])`` becomes ``rotary_embedding_dim=r``
 (rule ``rotary-partial``).
 
 Below opset 23, or for another target, the rotations stay decomposed: the pass rewrites nothing and
@@ -58,7 +59,8 @@ def _same_leading_dims(x: Tensor) -> Tensor:
 
 def angle_cache(op: RewriteBuilder, rm: RotaryMatch, t: Tensor, size: Optional[Tensor]) -> Tensor:
     """``t`` (as multiplied with x) as the op's (batch, positions, D/2) cache: heads dim dropped, first half of
-    a full-width tensor (its even elements in the interleaved form), expanded to ``size`` (x's batch and positions) when given."""
+    a full-width tensor (its even elements in the interleaved form), expanded to ``size`` (x's batch and
+    positions) when given."""
     rank = len(t.shape)
     src = producer(t)
     if rank == 4 and src is not None and src.op == "Unsqueeze" and unsqueeze_axes(src, 4) == [1]:

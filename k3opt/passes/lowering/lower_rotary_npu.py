@@ -109,7 +109,8 @@ class LowerRotaryNPU(NPULowering):
         x = op.Concat(rm.lo, rm.hi, axis=-1) if rm.pairs else rm.x
         mode = ROPE_INTERLEAVE if rm.interleaved else ROPE_HALF
         batch = None
-        if not rm.same_batch and not rm.interleaved:  # cos/sin batch 1 against x's: B1SD, never the 11SD path the tiling may refuse
+        # cos/sin batch 1 against x's: B1SD, never the 11SD path the tiling may refuse (mode 1 takes only 11SD)
+        if not rm.same_batch and not rm.interleaved:
             batch = op.Concat(op.Shape(rm.x, start=0, end=1), op.const([1, 1, 1], np.int64), axis=0)
         y = op.NPURotaryPositionEmbedding(x, _angles(op, rm, rm.cos, batch), _angles(op, rm, rm.sin, batch),
                                           mode=mode, _name="NPURotaryPositionEmbedding", _domain=STAGING_DOMAIN)
