@@ -10,6 +10,7 @@ import pytest
 from onnx import TensorProto as TP
 
 import k3opt
+from k3opt.cann_bridge import check_model, invariant_violations
 from k3opt.report import Report
 from tests.helpers import op_counts
 from tests.test_layer_norm import Net, needs_torch
@@ -161,7 +162,9 @@ def test_halves_instead_of_step_2_slices_are_refused():
 def cann(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     report = Report()
     out = k3opt.optimize(model, target="cann", verify=True, report=report)
+    assert report.verification["status"] == "passed"
     assert report.lowering_verification["status"] == "passed", report.lowering_verification
+    assert invariant_violations(out) == [] and [str(f) for f in check_model(out) if f.kind != "dynamic"] == []
     return out, [line for line in report.lowering if "rotary" in line.lower()]
 
 
