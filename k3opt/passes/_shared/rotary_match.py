@@ -10,10 +10,15 @@ Forms (see docs/passes/fuse-rotary.md), for a 4-D ``x`` (batch, heads, positions
   where ``x1, x2`` are the halves, or DeepSeek-V3's even/odd elements ``x[..., 0::2], x[..., 1::2]``
   (transformers' ``apply_rotary_pos_emb_interleave``: its result is in the half-split layout);
 - partial rotary: MLA rotates a Split-off part of q/k, which is simply the ``x`` above; TorchScript merges
-  ``cat((q_pass, q_rot))`` into the rotation's Concat (``Concat(q_pass, real, imag)``), kept as a prefix.
+  ``cat((q_pass, q_rot))`` into the rotation's Concat (``Concat(q_pass, real, imag)``), kept as a prefix;
+- interleaved (GPT-J, CodeGen): ``x * cos + rotate_every_two(x) * sin`` where ``rotate_every_two(x)`` is
+  ``stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)`` (Unsqueeze, Concat and Reshape in ONNX) and
+  ``cos``/``sin`` are ``repeat_interleave(2)`` of half-width angles (the result keeps the pairs).
 
 A full-width angle tensor is only taken as equal-halved once that is proven (it is an element-wise
-function, along the last axis, of ``Concat(f, f)``, or a constant with equal halves); its batch and
+function, along the last axis, of ``Concat(f, f)``, or a constant with equal halves), and one of the
+interleaved form as equal-paired once it is such a function of ``repeat_interleave(f, 2)`` (a Reshape
+flattening ``Tile``/``Expand`` of ``Unsqueeze(f, -1)`` by 2) or a constant with equal pairs; its batch and
 position dims must be 1 or provably x's; its heads dim must be 1. cos and sin must be the same
 computation except Cos vs Sin, of one angle tensor (or both constants).
 
@@ -67,6 +72,8 @@ class RotaryMatch:
     #: The node computing the result (the final Add or Concat): names the rotation.
     root: Node
     match: Match
+    #: The interleaved form: x's pairs ``(2i, 2i+1)`` rotated in place by full-width angles with equal pairs.
+    interleaved: bool = False
 
 
 # -- patterns ----------------------------------------------------------------------------------------------------
@@ -105,6 +112,17 @@ def _prefixed_halves(kind: str) -> Callable[..., Any]:
     return _explicit_halves(kind, prefixed=True)
 
 
+def _rotate_every_two(op: PatternBuilder, x: Any, cos: Any, sin: Any) -> Any:
+    """GPT-J's ``x * cos + stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2) * sin``."""
+    even = op.Slice(x, _allow_other_inputs=True, _name="lo")
+    odd = op.Slice(x, _allow_other_inputs=True, _name="hi")
+    minus = op.Or(op.Neg(odd), op.Mul(odd, -1.0))
+    stacked = op.Concat(op.Unsqueeze(minus, _allow_other_inputs=True, _name="stack_odd"),
+                        op.Unsqueeze(even, _allow_other_inputs=True, _name="stack_even"), _name="concat")
+    rotated = op.Reshape(stacked, _allow_other_inputs=True, _name="flatten")
+    return op.Add(op.Mul(x, cos), op.Mul(rotated, sin), _name="root")
+
+
 _FORMS = (("rotate-half", _rotate_half, True), ("halves", _explicit_halves, False),
           ("prefixed-halves", _prefixed_halves, False))
 
@@ -118,17 +136,18 @@ def rotary_rules(rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tenso
     for form, pattern, full_width in _FORMS:
         for kind in ("slice", "split"):
             rules.append(_rule(f"{name}-{form}-{kind}", pattern(kind), full_width, rewrite))
+    rules.append(_rule(f"{name}-interleaved", _rotate_every_two, True, rewrite, interleaved=True))
     return rules
 
 
 def _rule(name: str, pattern: Callable[..., Any], full_width: bool,
-          rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]]) -> Rule:
+          rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]], interleaved: bool = False) -> Rule:
     def check(m: Match) -> bool:
-        m.memo["rotary"] = analyze(m, full_width)
+        m.memo["rotary"] = analyze(m, full_width, interleaved)
         return m.memo["rotary"] is not None
 
     def apply(op: RewriteBuilder, m: Match) -> Optional[Tensor]:
-        rm = m.memo["rotary"] if "rotary" in m.memo else analyze(m, full_width)
+        rm = m.memo["rotary"] if "rotary" in m.memo else analyze(m, full_width, interleaved)
         rotated = None if rm is None else rewrite(op, rm)
         if rotated is None or "prefix" not in m:
             return rotated
@@ -139,7 +158,7 @@ def _rule(name: str, pattern: Callable[..., Any], full_width: bool,
 
 # -- checks ------------------------------------------------------------------------------------------------------
 
-def analyze(m: Match, full_width: bool) -> Optional[RotaryMatch]:
+def analyze(m: Match, full_width: bool, interleaved: bool = False) -> Optional[RotaryMatch]:
     """The :class:`RotaryMatch` of a structural match, or None (with ``m.fail(reason)``) when fusing is not exact."""
     x = m["x"]
     shape = x.shape
@@ -154,9 +173,14 @@ def analyze(m: Match, full_width: bool) -> Optional[RotaryMatch]:
     pairs = _halves_kind(m, d)
     if isinstance(pairs, str):
         return _fail(m, pairs)
-    if pairs and full_width:
+    if interleaved:
+        why = _every_two_refusal(m, pairs)
+        if why:
+            return _fail(m, why)
+        pairs = False  # the pairs are rotated in place: x itself is the op's input
+    elif pairs and full_width:
         return _fail(m, "rotate-half of the even/odd elements is not a rotary embedding")
-    if concat_axis(m.node("concat" if full_width else "root"), 4) != 3:
+    elif concat_axis(m.node("concat" if full_width else "root"), 4) != 3:
         return _fail(m, "the halves are not concatenated on the last axis")
     width = d if full_width else d // 2
     shapes = {}
@@ -165,11 +189,17 @@ def analyze(m: Match, full_width: bool) -> Optional[RotaryMatch]:
         if isinstance(why, str):
             return _fail(m, f"{role}: {why}")
         shapes[role] = why
-    cos_chain, sin_chain = _chain(m["cos"]), _chain(m["sin"])
+    if interleaved:
+        cos_chain, sin_chain = _paired_chain(m["cos"], d), _paired_chain(m["sin"], d)
+        for role, paired in (("cos", cos_chain), ("sin", sin_chain)):
+            if paired is None:
+                return _fail(m, f"{role} is not proven repeat_interleave(2) of half-width angles (equal pairs)")
+    else:
+        cos_chain, sin_chain = _chain(m["cos"]), _chain(m["sin"])
     why = _same_angles(cos_chain, sin_chain)
     if why:
         return _fail(m, why)
-    if full_width:
+    if full_width and not interleaved:
         for role, chain in (("cos", cos_chain), ("sin", sin_chain)):
             if not _symmetric(chain, d):
                 return _fail(m, f"{role} is not proven equal on both halves of the head dim")
@@ -177,14 +207,63 @@ def analyze(m: Match, full_width: bool) -> Optional[RotaryMatch]:
     same_positions = shapes["cos"][1] and shapes["sin"][1]
     lo, hi = (m["lo"], m["hi"]) if "lo" in m else (m.node("lo").outputs[0], m.node("hi").outputs[0])
     return RotaryMatch(x, lo, hi, pairs, m["cos"], m["sin"], full_width, d, same_batch, same_positions,
-                       m.node("root"), m)
-
+                       m.node("root"), m, interleaved)
 
 
 
 def _fail(m: Match, reason: str) -> None:
     m.fail(reason)
     return None
+
+
+def _every_two_refusal(m: Match, pairs: bool) -> Optional[str]:
+    """Why the interleaved form's rotation is not ``stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)``, or
+    None. The Neg is on the odd elements (the pattern) and they are stacked in that order."""
+    if not pairs:
+        return "the stacked elements are not x[..., 0::2] and x[..., 1::2] (step-2 slices of the head dim)"
+    if concat_axis(m.node("concat"), 5) != 4 or any(unsqueeze_axes(m.node(n), 5) != [4]
+                                                   for n in ("stack_odd", "stack_even")):
+        return "the even and odd elements are not stacked on a new last axis"
+    if not flattens_last_pair(m.node("flatten")):
+        return "the stacked pairs are not flattened back into the head dim"
+    return None
+
+
+def flattens_last_pair(node: Node) -> bool:
+    """``node`` is a Reshape of a 5-D (a, b, c, n, 2) tensor to (a, b, c, 2n) (torch's ``flatten(-2)``): each
+    of the first three elements of its shape copies the dim (0 without allowzero) or provably equals it (or one
+    of them is -1 and the last is 2n), or they are ``Shape(src)[0:3]``."""
+    src = node.inputs[0]
+    if node.op != "Reshape" or len(node.inputs) != 2 or src.shape is None or len(src.shape) != 5 \
+            or dim_at(src, 4) != 2 or not isinstance(dim_at(src, 3), int):
+        return False
+    elements = shape_elements(node.inputs[1])
+    if elements is None or len(elements[0]) != 4 or elements[0][3] not in (-1, 2 * dim_at(src, 3)):
+        return False
+    copies = not int(node.attrs.get("allowzero", 0))
+    kept = [(e == 0 and copies) or (e is not None and e == dim_at(src, k)) for k, e in enumerate(elements[0][:3])]
+    # one -1 among them is the dim itself when every other one is (the element count is kept)
+    inferred = [e == -1 for e in elements[0][:3]]
+    return all(kept) or (sum(inferred) == 1 and elements[0][3] != -1 and all(k or i for k, i in zip(kept, inferred))) \
+        or _leading_three_of(node.inputs[1], src)
+
+
+def _leading_three_of(shape: Tensor, src: Tensor) -> bool:
+    """``shape`` is ``Concat(Shape(src)[0:3], [last])`` (TorchScript's flatten when src's dims are unknown)."""
+    concat = producer(shape)
+    if concat is None or concat.op != "Concat" or len(concat.inputs) != 2:
+        return False
+    head, sliced = producer(concat.inputs[0]), False
+    if head is not None and head.op == "Slice":
+        values = [None if is_empty(t) else checks.const_value(t) for t in head.inputs[1:]]
+        want = ([0], [3], [0], [1])  # starts, ends, axes (or none), steps (or none)
+        if len(values) < 2 or values[0] is None or values[1] is None or any(
+                v is not None and [int(a) for a in np.asarray(v).reshape(-1)] != want[k] for k, v in enumerate(values)):
+            return False
+        head, sliced = producer(head.inputs[0]), True
+    if head is None or head.op != "Shape" or head.inputs[0] is not src or int(head.attrs.get("start", 0)):
+        return False
+    return head.attrs.get("end") is None if sliced else head.attrs.get("end") == 3
 
 
 def concat_axis(node: Node, rank: int) -> Optional[int]:
@@ -246,21 +325,29 @@ def _angle_shape(t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
     shape = t.shape
     if shape is None or not 1 <= len(shape) <= 4:
         return "its rank is unknown or above 4"
-    if checks.last_dim(t) != width:
+    if _last_dim(t) != width:
         return f"its last dim {shape[-1]} is not {width}"
     pad = 4 - len(shape)
     dims = [1] * pad + list(shape)
-    if len(shape) >= 3 and dims[1] != 1:
+    if len(shape) >= 3 and dims[1] != 1 and not _same_dim(t, 1 - pad, 1):
         return "it is not broadcast over the heads (its heads dim is not 1)"
     same = []
     for axis, what in ((0, "batch"), (2, "positions")):
         if axis >= pad and _same_dim(t, axis - pad, dim_at(x, axis)):
             same.append(True)
-        elif dims[axis] == 1:
+        elif dims[axis] == 1 or (axis >= pad and _same_dim(t, axis - pad, 1)):
             same.append(dim_at(x, axis) == 1)
         else:
             return f"its {what} dim is neither 1 nor provably x's"
     return same[0], same[1]
+
+
+def _last_dim(t: Tensor) -> Optional[int]:
+    """The static last dim of ``t``, also of a ``flatten(-2)`` Reshape whose inferred shape lost it."""
+    node = producer(t)
+    if checks.last_dim(t) is None and node is not None and node.op == "Reshape" and flattens_last_pair(node):
+        return 2 * dim_at(node.inputs[0], 3)
+    return checks.last_dim(t)
 
 
 def _same_dim(t: Tensor, axis: int, want: Dim) -> bool:
@@ -298,6 +385,10 @@ def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
             return None
         varying = [(x, j) for x in inputs for j in [axis - (rank - len(x.shape))] if j >= 0 and x.shape[j] != 1]
         return varying[0] if len(varying) == 1 else None
+    if op == "Reshape" and axis < rank - 1 and flattens_last_pair(node):
+        return inputs[0], axis
+    if op in ("Tile", "Expand") and _repeats_last_axis_only(node) is not None and axis < rank - 1:
+        return inputs[0], axis
     if op == "Unsqueeze":
         axes = unsqueeze_axes(node, rank)
         if axes is None or axis in axes:
@@ -421,6 +512,53 @@ def _symmetric(chain: tuple[list[tuple[Node, int]], Tensor], d: int) -> bool:
     value = const_value(root) if is_const(root) else None
     return value is not None and value.ndim >= 1 and value.shape[-1] == d and \
         np.array_equal(value[..., :d // 2], value[..., d // 2:])
+
+
+def _paired_chain(t: Tensor, d: int) -> Optional[tuple[list[tuple[Node, int]], Tensor]]:
+    """The chain of a full-width angle tensor ``t`` whose pairs ``(2i, 2i+1)`` are proven equal: element-wise
+    steps along the last axis of ``repeat_interleave(f, 2)`` (then followed on into ``f``), or of a constant
+    with equal pairs; None otherwise."""
+    steps, root = _chain(t)
+    if not all(_spares_last_axis(node, d) for node, _ in steps):
+        return None
+    if is_const(root):
+        value = const_value(root)
+        paired = value is not None and value.ndim >= 1 and value.shape[-1] == d \
+            and np.array_equal(value[..., 0::2], value[..., 1::2])
+        return (steps, root) if paired else None
+    half = _repeated(root, d)
+    if half is None:
+        return None
+    below, base = _chain(half)
+    return steps + below, base
+
+
+def _repeated(t: Tensor, d: int) -> Optional[Tensor]:
+    """``f`` when ``t`` is ``repeat_interleave(f, 2)`` along its last axis (of ``d`` elements), as exporters
+    write it: ``Reshape(Tile|Expand(Unsqueeze(f, -1), [1, ..., 1, 2]))`` flattening the last two axes."""
+    node = producer(t)
+    if node is None or node.op != "Reshape" or _last_dim(t) != d or not flattens_last_pair(node):
+        return None
+    repeat = producer(node.inputs[0])
+    if repeat is None or repeat.op not in ("Tile", "Expand") or _repeats_last_axis_only(repeat) != 2:
+        return None
+    unsqueeze = producer(repeat.inputs[0])
+    if unsqueeze is None or unsqueeze.op != "Unsqueeze" or (unsqueeze_axes(unsqueeze, 5) or [])[-1:] != [4]:
+        return None
+    return unsqueeze.inputs[0]
+
+
+def _repeats_last_axis_only(node: Node) -> Optional[int]:
+    """How many times a Tile or Expand (of a known-rank input, same rank out) repeats its last axis, when its
+    constant repeats/shape are 1 on every other axis (an Expand's input then has a last dim of 1); else None."""
+    src = node.inputs[0]
+    value = const_value(node.inputs[1]) if len(node.inputs) == 2 and is_const(node.inputs[1]) else None
+    if value is None or src.shape is None or value.ndim != 1 or value.size != len(src.shape) \
+            or any(int(v) != 1 for v in value[:-1]):
+        return None
+    if node.op == "Expand" and dim_at(src, len(src.shape) - 1) != 1:
+        return None
+    return int(value[-1])
 
 
 def _spares_last_axis(node: Node, d: int) -> bool:

@@ -5,7 +5,9 @@ The fused op takes ``cos_cache``/``sin_cache`` of shape (batch, positions, D/2) 
 which the schema allows: the angles computed in the graph (at run time from the positions, or folded) are
 handed over as they are, so nothing depends on a bound of the position (an Expand to x's batch and
 positions fills in what broadcasts). DeepSeek-V3's even/odd form is ``RotaryEmbedding(Concat(x1, x2))``
-with ``interleaved=0``; GPT-NeoX's ``cat(rope(q[..., :r]), q[..., r:])`` becomes ``rotary_embedding_dim=r``
+with ``interleaved=0``; GPT-J's interleaved form (``rotate_every_two``) is ``RotaryEmbedding(x, ...,
+interleaved=1)`` with the even elements of its equal-paired angles as caches; GPT-NeoX's
+``cat(rope(q[..., :r]), q[..., r:])`` becomes ``rotary_embedding_dim=r``
 (rule ``rotary-partial``).
 
 Below opset 23, or for another target, the rotations stay decomposed: the pass rewrites nothing and
@@ -39,7 +41,8 @@ def to_rotary_embedding(op: RewriteBuilder, rm: RotaryMatch) -> Tensor:
         shape = op.Shape(_same_leading_dims(rm.x))
         size = op.Concat(op.Gather(shape, op.const([0], np.int64)), op.Gather(shape, op.const([2], np.int64)),
                          op.const([1], np.int64), axis=0)
-    return op.RotaryEmbedding(x, angle_cache(op, rm, rm.cos, size), angle_cache(op, rm, rm.sin, size), interleaved=0)
+    return op.RotaryEmbedding(x, angle_cache(op, rm, rm.cos, size), angle_cache(op, rm, rm.sin, size),
+                              interleaved=int(rm.interleaved))
 
 
 def _same_leading_dims(x: Tensor) -> Tensor:
@@ -56,7 +59,8 @@ def _same_leading_dims(x: Tensor) -> Tensor:
 
 def angle_cache(op: RewriteBuilder, rm: RotaryMatch, t: Tensor, size: Optional[Tensor]) -> Tensor:
     """``t`` (as multiplied with x) as the op's (batch, positions, D/2) cache: heads dim dropped, first half of
-    a full-width tensor, expanded to ``size`` (x's batch and positions) when given."""
+    a full-width tensor (its even elements in the interleaved form), expanded to ``size`` (x's batch and
+    positions) when given."""
     rank = len(t.shape)
     src = producer(t)
     if rank == 4 and src is not None and src.op == "Unsqueeze" and unsqueeze_axes(src, 4) == [1]:
@@ -67,7 +71,10 @@ def angle_cache(op: RewriteBuilder, rm: RotaryMatch, t: Tensor, size: Optional[T
         t3 = t  # (1, positions, width): its first dim is the (broadcast) heads dim, here taken as a batch of 1
     else:
         t3 = op.Unsqueeze(t, op.const(list(range(3 - rank)), np.int64))
-    if rm.full_width:
+    if rm.interleaved:
+        t3 = op.Slice(t3, op.const([0], np.int64), op.const([rm.head_dim], np.int64), op.const([-1], np.int64),
+                      op.const([2], np.int64))
+    elif rm.full_width:
         h = rm.head_dim // 2
         t3 = op.Slice(t3, op.const([0], np.int64), op.const([h], np.int64), op.const([-1], np.int64))
     return t3 if size is None else op.Expand(t3, size)
@@ -143,7 +150,8 @@ class FuseRotary(Pass):
     """Rotary embeddings -> RotaryEmbedding for --target onnx at opset >= 23; otherwise counted and kept."""
 
     name = "fuse-rotary"
-    description = ("rotary embeddings of q and k (rotate-half, explicit halves, DeepSeek's even/odd pairs) -> "
+    description = ("rotary embeddings of q and k (rotate-half, explicit halves, DeepSeek's even/odd pairs, "
+                   "GPT-J's interleaved form) -> "
                    "RotaryEmbedding (target onnx, opset >= 23); counted and kept decomposed otherwise")
     order = 515
     needs_shapes = True

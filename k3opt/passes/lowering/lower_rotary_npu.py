@@ -16,6 +16,10 @@ of 1 or provably x's, and full-width ones have equal halves. Every form becomes 
   (``x1*c - x2*s`` is ``x1*c + (-x2)*s`` exactly);
 - DeepSeek's even/odd halves: the same of ``Concat(x[..., 0::2], x[..., 1::2])`` (the result is in the
   half-split layout, as the graph's);
+- GPT-J's interleaved form (``rotate_every_two``): mode 1 ("interleave"), whose documented rotation
+  ``r[..., 2i] = -x[..., 2i+1]``, ``r[..., 2i+1] = x[..., 2i]`` is exactly ``rotate_every_two``, with cos/sin
+  as multiplied; mode 1 takes only 11SD angles for a BNSD x ([RoPE-doc]), so angles with x's batch (> 1 or
+  not known to be 1) are kept decomposed (never expanded);
 - cos/sin of rank < 4 get their leading 1s; a batch dim of 1 against x's batch is expanded to it, making the
   layout B1SD: the tiling refuses a BNSD x with 11SD angles when ``B * N > 8 * S`` ([RoPE-tiling],
   ``CheckBnsdBlockSkip``), so that path is never taken.
@@ -32,7 +36,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...cann_bridge.reference_ops import ROPE_HALF, ROPE_MAX_HEAD_DIM
+from ...cann_bridge.reference_ops import ROPE_HALF, ROPE_INTERLEAVE, ROPE_MAX_HEAD_DIM
 from ...cann_bridge.target_form import STAGING_DOMAIN
 from ...graph.ir import Graph, Tensor
 from ...patterns import RewriteBuilder
@@ -55,6 +59,8 @@ def refusal(rm: RotaryMatch) -> Optional[str]:
             return f"{what} {dim} is not < 1000"
     if not rm.same_positions:
         return "cos/sin are broadcast over x's positions (no documented layout)"
+    if rm.interleaved and rm.same_batch and dim_at(rm.x, 0) != 1:
+        return "cos/sin have x's batch: mode 1 (interleave) takes only 11SD cos/sin"
     return None
 
 
@@ -70,31 +76,44 @@ def _angles(op: RewriteBuilder, rm: RotaryMatch, t: Tensor, batch: Optional[Tens
 
 @register_pass
 class LowerRotaryNPU(NPULowering):
-    """Rotary embedding -> NPURotaryPositionEmbedding mode 0 (target cann) where the plugin's contract is met."""
+    """Rotary embedding -> NPURotaryPositionEmbedding mode 0 (mode 1 for GPT-J's interleaved form; target cann)
+    where the plugin's contract is met."""
 
     name = "lower-rotary-npu"
     description = "rotary embedding -> NPURotaryPositionEmbedding mode 0 (rotate-half) where exact (target cann)"
     order = 2020
-    npu_op, what, remark = "NPURotaryPositionEmbedding", "rotary embedding", "(mode 0)"
+    npu_op, what = "NPURotaryPositionEmbedding", "rotary embedding"
     recogniser = staticmethod(functools.partial(rotary_rules, name="lower-rotary"))  # kept: by root node
     #: Models without RoPE (BERT, ViT, the hand-made attentions) keep the lowering lines they had.
     note_none = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: set[int] = set()
+
+    @property
+    def remark(self) -> str:  # type: ignore[override]
+        """The count line's remark: the modes emitted (``(mode 0)`` when none was)."""
+        return "(mode " + " and ".join(map(str, sorted(self.modes or {ROPE_HALF}))) + ")"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         return apply_rules(graph, ctx, self.rules)
 
     def _rewrite(self, op: RewriteBuilder, rm: RotaryMatch) -> Optional[Tensor]:
-        """``NPURotaryPositionEmbedding(x, cos, sin, mode=0)``, or None: stays decomposed, reason kept."""
+        """``NPURotaryPositionEmbedding(x, cos, sin, mode=0 or 1)``, or None: stays decomposed, reason kept."""
         where = rm.root.name
         why = refusal(rm)
         if why is not None:
             self.kept.setdefault(where, f"rotary embedding at '{where}' kept decomposed: {why}")
             return None
         x = op.Concat(rm.lo, rm.hi, axis=-1) if rm.pairs else rm.x
+        mode = ROPE_INTERLEAVE if rm.interleaved else ROPE_HALF
         batch = None
-        if not rm.same_batch:  # cos/sin batch 1 against x's: B1SD, never the 11SD path the tiling may refuse
+        # cos/sin batch 1 against x's: B1SD, never the 11SD path the tiling may refuse (mode 1 takes only 11SD)
+        if not rm.same_batch and not rm.interleaved:
             batch = op.Concat(op.Shape(rm.x, start=0, end=1), op.const([1, 1, 1], np.int64), axis=0)
         y = op.NPURotaryPositionEmbedding(x, _angles(op, rm, rm.cos, batch), _angles(op, rm, rm.sin, batch),
-                                          mode=ROPE_HALF, _name="NPURotaryPositionEmbedding", _domain=STAGING_DOMAIN)
-        self.lowered.append(f"rotary embedding at '{where}' -> NPURotaryPositionEmbedding (mode 0)")
+                                          mode=mode, _name="NPURotaryPositionEmbedding", _domain=STAGING_DOMAIN)
+        self.modes.add(mode)
+        self.lowered.append(f"rotary embedding at '{where}' -> NPURotaryPositionEmbedding (mode {mode})")
         return y
