@@ -175,10 +175,13 @@ def test_matmul_dims_traced(a_shape, b_shape, want):
     assert [dim_at(y, i) for i in range(4)] == want
 
 
-def test_matmul_batch_dims_need_both_ranks():
-    """A 1-D operand changes the output's rank: its batch dims are not claimed."""
-    y = _traced_output(helper.make_node("MatMul", ["a", "b"], ["y"]), [("a", F, [8]), ("b", F, ["B", 4, 8, "T"])], 3)
-    assert dim_at(y, 0) is None
+@pytest.mark.parametrize("a_shape, b_shape, rank", [([8], ["B", 4, 8, "T"], 3), (["B", "M", 8], [8], 2)],
+                         ids=["1-D-first", "1-D-second"])
+def test_matmul_dims_need_both_ranks(a_shape, b_shape, rank):
+    """A 1-D operand drops an axis of the output: no dim is claimed (``(B, M, K) @ (K,)`` is ``(B, M)``: its
+    dim 0 is not the rows' M)."""
+    y = _traced_output(helper.make_node("MatMul", ["a", "b"], ["y"]), [("a", F, a_shape), ("b", F, b_shape)], rank)
+    assert [dim_at(y, i) for i in range(rank)] == [None] * rank
 
 
 def test_attention_output_dims_traced():

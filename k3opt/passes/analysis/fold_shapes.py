@@ -365,20 +365,17 @@ def _traced_dim(t: Tensor, i: int, rank: int, depth: int) -> Dim:
 
 
 def _matmul_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
-    """Dim ``i`` of ``[..., M, K] @ [..., K, N]``: the rows come from the first operand, the columns from the
-    second; the batch dims, when both operands are of rank >= 2 (the output of the larger rank), are the
-    operands' batch dims broadcast (aligned right, as numpy's matmul does)."""
+    """Dim ``i`` of ``[..., M, K] @ [..., K, N]`` with both operands of rank >= 2 (a 1-D one drops an axis):
+    the rows come from the first operand, the columns from the second, the batch dims are the operands'
+    batch dims broadcast (aligned right, as numpy's matmul does)."""
+    if any(x.shape is None or len(x.shape) < 2 for x in node.inputs) \
+            or rank != max(len(x.shape) for x in node.inputs):
+        for x in node.inputs:  # a 1-D operand drops an axis of the output: not claimed
+            _read(x)
+        return None
     if i < rank - 2:
-        if any(x.shape is None or len(x.shape) < 2 for x in node.inputs) \
-                or rank != max(len(x.shape) for x in node.inputs):
-            for x in node.inputs:
-                _read(x)
-            return None
         return _broadcast_dim(node.inputs, i, rank, depth)
     src = node.inputs[0] if i == rank - 2 else node.inputs[1]
-    if src.shape is None or len(src.shape) < 2:
-        _read(src)
-        return None
     return _dim_at(src, len(src.shape) - (rank - i), depth)
 
 
