@@ -175,3 +175,22 @@ def test_cann_target_takes_an_opset_18_pad() -> None:
     out = k3opt.optimize(_copy(model), target="cann")
     assert [(o.domain, o.version) for o in out.opset_import] == [("", 17)]
     np.testing.assert_array_equal(_run(out, {"x": X})[0], _run(model, {"x": X})[0])
+
+
+def test_a_name_two_sibling_bodies_define_is_not_read_as_one_constant():
+    """Both If branches define their own Constant 'ax' (ONNX allows it): taking one branch's value for the
+    other's ReduceMean would change its output, so the conversion is refused (found in review)."""
+    def branch(name: str, axis: int) -> onnx.GraphProto:
+        axes = helper.make_node("Constant", [], ["ax"], value=helper.make_tensor("v", TensorProto.INT64, [1], [axis]))
+        mean = helper.make_node("ReduceMean", ["x", "ax"], [f"{name}_y"], keepdims=0)
+        return helper.make_graph([axes, mean], name, [], [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT,
+                                                                                        [None])])
+
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=branch("then", 0), else_branch=branch("else", 1))
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                                            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model, full_check=True)
+    with pytest.raises(UsageError, match="cannot convert opset 18 to 17"):
+        opsets.convert(model, 17)

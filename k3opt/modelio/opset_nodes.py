@@ -124,7 +124,16 @@ class ModelScope:
         self.initializers: dict[str, onnx.TensorProto] = {}
         self.constant_nodes: dict[str, onnx.TensorProto] = {}  # Constant node output -> its value
         self._taken: Optional[set[str]] = None
+        #: Names defined in more than one graph (sibling bodies may each define ``ax``): which one a node
+        #: reads depends on where it stands, so they get no constant value and no type (the conversion
+        #: of a node reading one is refused rather than given another graph's value).
+        self.ambiguous: set[str] = set()
+        defined: set[str] = set()
         for graph in all_graphs(model.graph):
+            here = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+            here |= {o for n in graph.node for o in n.output if o}
+            self.ambiguous |= here & defined
+            defined |= here
             for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
                 if vi.type.WhichOneof("value") is not None:
                     self.types.setdefault(vi.name, vi.type)
@@ -161,7 +170,10 @@ class ModelScope:
                                       ir_version=self.model.ir_version)
 
     def constant(self, name: str) -> Optional[onnx.TensorProto]:
-        """The small constant (initializer or Constant node) named ``name``, else None."""
+        """The small constant (initializer or Constant node) named ``name``, else None (also for a name
+        several graphs define)."""
+        if name in self.ambiguous:
+            return None
         t = self.initializers.get(name)
         if t is not None:
             return t if not uses_external_data(t) and t.ByteSize() <= SMALL_CONSTANT_BYTES else None
@@ -187,14 +199,14 @@ class ModelScope:
 
     def rank(self, name: str) -> Optional[int]:
         """The rank of tensor ``name`` if known."""
-        t = self.types.get(name)
+        t = None if name in self.ambiguous else self.types.get(name)
         if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
             return None
         return len(t.tensor_type.shape.dim)
 
     def _value_info(self, name: str) -> onnx.ValueInfoProto:
         vi = onnx.ValueInfoProto(name=name)
-        if name in self.types:
+        if name in self.types and name not in self.ambiguous:
             vi.type.CopyFrom(self.types[name])
         return vi
 
