@@ -80,7 +80,7 @@ def to_attention(op: RewriteBuilder, am: AttentionMatch, presents: Optional[Pres
     cached = presents is not None and am.past_key is not None and why is None
     if am.mask is None:
         mask = None
-    elif am.causal_only and _square(am):  # is_causal aligns by past_key's length: 0 for square q and keys
+    elif am.causal_only and _square(am, cached):
         mask, attrs["is_causal"] = None, 1
     else:
         mask = _fitted_mask(op, am, _mask_value(op, am), cached)
@@ -137,9 +137,12 @@ def _leads_to(t: Tensor, node: Node) -> bool:
     return False
 
 
-def _square(am: AttentionMatch) -> bool:
+def _square(am: AttentionMatch, cached: bool) -> bool:
+    """q and the keys are of one static length, so the causal mask is the square lower triangle. With the
+    cache given as ``past_key``, where ``is_causal`` aligns (upper left in the spec's text, offset by the past
+    length in onnxruntime) matters unless the past is empty: q's length must also be the new keys'."""
     sq, skv = fold_shapes.dim_at(am.q, 2), fold_shapes.dim_at(am.k, 2)
-    return isinstance(sq, int) and sq == skv
+    return isinstance(sq, int) and sq == skv and (not cached or sq == fold_shapes.dim_at(am.new_key, 2))
 
 
 def _mask_value(op: RewriteBuilder, am: AttentionMatch) -> Tensor:
