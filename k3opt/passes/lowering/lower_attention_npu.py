@@ -79,7 +79,7 @@ def dim_refs(t: Tensor, depth: int = _DEPTH) -> Optional[list]:
         axis = int(n.attrs.get("axis", 0)) % len(own)
         src = dim_refs(n.inputs[0], depth - 1)
         inner = None if src is None else [r if i == axis else src[i] for i, r in enumerate(own)]
-    elif n.op in fold_shapes.UNARY_SAME_SHAPE:
+    elif n.op in fold_shapes.UNARY_SAME_SHAPE and t is n.outputs[0]:  # a norm's mean/inv-std outputs differ
         inner = dim_refs(n.inputs[0], depth - 1)
     elif n.op == "Reshape" and len(n.inputs) == 2:
         target = [_canonical(r, depth - 1) for r in (shape_refs(n.inputs[1]) or [])]
