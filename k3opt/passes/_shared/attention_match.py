@@ -517,13 +517,8 @@ def _no_escape(graph: Graph, chain: list[Node], pv: Node) -> None:
                                f"'{other.name}' ({other.op})")
 
 
-def elem_type(t: Tensor) -> Optional[int]:
-    """``t``'s ONNX element type (``TensorProto.FLOAT`` ...), None when unknown."""
-    return dtypes.onnx_type(t.dtype)
-
-
 def _dtype_of(*tensors: Tensor) -> int:
-    types = {elem_type(t) for t in tensors}
+    types = {dtypes.onnx_type(t.dtype) for t in tensors}
     if None in types:
         raise _Decline("a dtype of q, k, v or the scores is unknown")
     if len(types) != 1:
@@ -538,7 +533,7 @@ def _dtype_of(*tensors: Tensor) -> int:
 def _check_mask(mask: Tensor, scores: Tensor, dtype: int) -> None:
     """The mask has the scores' dtype, and no known dim of it broadcasts the scores to a larger shape
     (dims inference leaves unknown are checked by the fused op at run time against (B, Nq, Sq, Skv))."""
-    if elem_type(mask) != dtype:
+    if dtypes.onnx_type(mask.dtype) != dtype:
         raise _Decline("the mask's dtype is not the scores'")
     r = checks.rank(mask)
     if r is None or r > 4:
@@ -571,7 +566,7 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
         return (keep if masks_out(fill, dtype) else None), fill, _causal(keep_value, q, k_dims), \
             _rows_open(keep_value)
     n = producer(mask)
-    if n is None or n.op != "Where" or len(n.inputs) != 3 or elem_type(n.inputs[0]) != TensorProto.BOOL:
+    if n is None or n.op != "Where" or len(n.inputs) != 3 or dtypes.onnx_type(n.inputs[0].dtype) != TensorProto.BOOL:
         return None, None, False, False
     zero, fill = small_const(n.inputs[1]), small_const(n.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or zero.ndim > 4 or fill.ndim > 4 \

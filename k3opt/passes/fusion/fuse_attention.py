@@ -37,7 +37,7 @@ from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, producer, replace_uses
 from ...patterns import RewriteBuilder, checks
 from ..analysis import fold_shapes
-from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules, elem_type
+from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from ._left_decomposed import note_left_decomposed
 
@@ -93,7 +93,8 @@ def to_attention(op: RewriteBuilder, am: AttentionMatch, presents: Optional[Pres
 
 
 def cache_refusal(am: AttentionMatch) -> Optional[str]:
-    """Why a decode step's (``am.past_key`` set) ``Concat(past, new)`` keys/values cannot become Attention's ``past_key``/``past_value``
+    """Why a decode step's (``am.past_key`` set) ``Concat(past, new)`` keys/values cannot become Attention's
+    ``past_key``/``past_value``
     (the op then concatenates on the sequence axis of BNSD, as the graph does), or None.
 
     The recogniser gives the cache only for Concats of two inputs on axis 2 of BNSD keys, under GQA's
@@ -101,7 +102,7 @@ def cache_refusal(am: AttentionMatch) -> Optional[str]:
     the attention's (or a Shape): the op's present outputs then replace them.
     """
     parts = (am.past_key, am.new_key, am.past_value, am.new_value)
-    if any(checks.rank(t) != 4 for t in parts) or any(elem_type(t) != am.dtype for t in parts):
+    if any(checks.rank(t) != 4 for t in parts) or any(dtypes.onnx_type(t.dtype) != am.dtype for t in parts):
         return "the cache parts are not rank 4 of the attention's dtype"
     inside = {id(n) for n in am.match.nodes}
     for present in (am.present_key, am.present_value):
