@@ -8,7 +8,6 @@ Both run the pipeline of docs/design.md: load (weights stay on disk) ->
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from .modelio import opset as opsets
 from .pipeline import shapes
 from .pipeline import verify as verifier, verify_dims
 from .graph import gs_roundtrip, ir
+from .graph.lifetime import graph_scope
 from .errors import InputError, OutputError, UsageError, VerificationError
 from .pipeline.pass_base import PassContext, build_pipeline, check_pass_options
 from .pipeline.manager import PassManager
@@ -207,7 +207,7 @@ class _Run:
                           output_opset=opsets.wanted_opset(model, opset, target=target) if down else None)
         refresher = shapes.ShapeRefresher()
         manager = PassManager(pipeline, shape_inference=refresher, progress=self._pass_progress())
-        with self.step("running passes", "passes"), _fewer_collections():
+        with self.step("running passes", "passes"), graph_scope():
             graph = modelio.import_graph(model, known_external)
             if any(p.needs_shapes for p in pipeline):  # the manager then skips a first refresh
                 ctx.shapes_available = refresher.seed(graph, model)
@@ -250,7 +250,7 @@ class _Run:
         ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options))
         refresher = shapes.ShapeRefresher()
         manager = PassManager(lowering, shape_inference=refresher, progress=self._pass_progress())
-        with _fewer_collections():
+        with graph_scope():
             graph = modelio.import_graph(model)
             manager.run(graph, ctx)
             out = finish_target(export(graph, model), target)
@@ -395,13 +395,15 @@ class _Run:
 
         def diverges(k: int) -> bool:
             model = onnx.load_from_string(start)
-            graph = modelio.import_graph(model)
-            fresh = PassContext(opset=ctx.opset, target=ctx.target, options=dict(ctx.options),
-                                output_opset=ctx.output_opset)
-            PassManager([type(p)() for p in pipeline], shape_inference=shapes.ShapeRefresher()).run(
-                graph, fresh, max_steps=k)
+            with graph_scope():
+                graph = modelio.import_graph(model)
+                fresh = PassContext(opset=ctx.opset, target=ctx.target, options=dict(ctx.options),
+                                    output_opset=ctx.output_opset)
+                PassManager([type(p)() for p in pipeline], shape_inference=shapes.ShapeRefresher()).run(
+                    graph, fresh, max_steps=k)
+                candidate = export(graph, model)
             try:
-                return result_of(export(graph, model))["status"] != "passed"
+                return result_of(candidate)["status"] != "passed"
             except verifier.Unrunnable:
                 return True
 
@@ -414,27 +416,6 @@ class _Run:
         bad = manager.steps[step - 1]
         record["first_diverging_pass"] = bad.name
         return f"; first diverging pass: {bad.name} (round {bad.round})"
-
-
-#: Allocations between two young-generation collections while the passes run (CPython's default: 700).
-GC_YOUNG_THRESHOLD = 50_000
-
-
-@contextlib.contextmanager
-def _fewer_collections() -> Iterator[None]:
-    """Run with rarer garbage collections, then restore the caller's thresholds.
-
-    An imported graph is some 100k long-lived objects in reference cycles (gs
-    nodes and tensors point at each other); at CPython's default threshold the
-    collector runs so often, and walks them so many times, that it took a fifth
-    of a deep model's run. Garbage is still collected, later.
-    """
-    old = gc.get_threshold()
-    gc.set_threshold(max(old[0], GC_YOUNG_THRESHOLD), *old[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
 
 
 def export(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:

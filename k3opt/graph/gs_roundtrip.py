@@ -26,6 +26,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from . import dtypes, gs_export, gs_import
 from .ir import Graph, Tensor, all_graphs, set_input
+from .lifetime import note_graph
 
 #: Tensor kinds gs's exporter can write.
 _GS_TYPES = frozenset({"tensor_type", "sequence_type", "sparse_tensor_type"})
@@ -37,6 +38,7 @@ def import_onnx(model: onnx.ModelProto) -> Graph:
     """``gs.import_onnx(model)`` (built by :mod:`k3opt.graph.gs_import`), keeping graph inputs that
     have a default initializer and node attributes of the kinds gs skips."""
     graph, handed = gs_import.import_noting_handoffs(model)
+    note_graph(graph)
     restore_default_inputs(model, graph)
     if handed is None:
         restore_skipped_attributes(model.graph, graph)

@@ -24,6 +24,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from onnx_graphsurgeon.util.misc import SynchronizedList
 
 from ..errors import InputError
+from .lifetime import note_links
 
 Tensor = gs.Tensor
 Node = gs.Node
@@ -49,6 +50,7 @@ def gs_links(owner: object, field: str) -> SynchronizedList:
     d = links.__dict__
     d["parent_obj"] = owner
     d["field_name"] = field
+    note_links(links)
     return links
 
 

@@ -155,12 +155,15 @@ class RuleApplier:
             if why is None:
                 why = self._check(rule, m)
             if why is not None:
+                m.memo.clear()  # what a check kept may hold the match: a cycle only the collector frees
                 if closest is not None:
                     closest.record(node, n_patterns + 1, why)
                 if not self.dry_run:
                     self.ctx.site(describe(node), "declined", why, rule.name)
                 continue
-            if self.dry_run or self._rewrite(rule, m, node):
+            rewritten = self.dry_run or self._rewrite(rule, m, node)
+            m.memo.clear()
+            if rewritten:
                 self.matched[rule.name] += 1
                 if not self.dry_run:
                     self.ctx.site(describe(node), "applied", rule=rule.name)
