@@ -5,27 +5,8 @@ running it in onnx's reference evaluator with these ops (:func:`evaluator`),
 and a user with an NPU can compare the device with them. Each op implements
 what the ATC plugin hands to the kernel (attributes the plugin drops are
 ignored here too) and refuses, with an error, what its documentation does
-not define. Sources, by short name in the comments:
-
-- [PFA-plugin] cann/ops-transformer (mirror yuanfang-chen/ops-transformer)
-  ``attention/prompt_flash_attention/framework/npu_prompt_flash_attention_onnx_plugin.cpp``
-- [PFA-IR] same repository, ``attention/prompt_flash_attention/op_graph/prompt_flash_attention_proto.h``
-- [PFA-doc] same repository, ``attention/prompt_flash_attention/docs/aclnnPromptFlashAttentionV3.md``
-- [PFA-torch] torch_npu ``npu_prompt_flash_attention``:
-  https://hiascend.com/document/detail/zh/Pytorch/60RC1/apiref/apilist/ptaoplist_000453.html and
-  https://gitcode.com/Ascend/op-plugin/blob/7.3.0/docs/context/torch_npu-npu_prompt_flash_attention.md
-- [IFA-plugin] ``attention/incre_flash_attention/framework/npu_incre_flash_attention_onnx_plugin.cpp``
-- [IFA-IR] ``attention/incre_flash_attention/op_graph/incre_flash_attention_proto.h``
-- [IFA-torch] torch_npu ``npu_incre_flash_attention``:
-  https://hiascend.com/document/detail/zh/Pytorch/60RC1/apiref/apilist/ptaoplist_000451.html
-- [RMS-plugin] hicann/ops-nn ``norm/rms_norm/framework/npu_rms_norm_onnx_plugin.cpp`` and
-  ``norm/rms_norm/op_graph/rms_norm_proto.h`` (see docs/cann.md, "Lowerings")
-- [RoPE-plugin] cann/ops-transformer (mirror yuanfang-chen/ops-transformer)
-  ``posembedding/rotary_position_embedding/framework/npu_rotary_position_embedding_onnx_plugin.cpp``
-- [RoPE-IR] same repository, ``posembedding/rotary_position_embedding/op_graph/rotary_position_embedding_proto.h``
-- [RoPE-doc] same repository, ``posembedding/rotary_position_embedding/docs/aclnnRotaryPositionEmbedding.md``
-- [RoPE-tiling] same repository, ``posembedding/rotary_position_embedding/op_host/rope_rotate_half_tiling.cpp``
-  and the kernel ``op_kernel/rotate_half.h``
+not define. The ops' documented contracts, and the sources cited by short
+name in the comments, are in :mod:`.npu_contract`.
 """
 from __future__ import annotations
 
@@ -34,38 +15,12 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from onnx.reference.op_run import OpRun
 
+from .npu_contract import (MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, PFA_INPUT_COUNTS, RMS_EPSILON, ROPE_ANGLE_LAYOUTS,
+                           ROPE_HALF, ROPE_MAX_HEAD_DIM, SPARSE_TEMPLATE, template_mask)
 from .target_form import NPU_DOMAIN
-
-#: [RMS-plugin]: the plugin ignores the node's attributes and sets RmsNorm's epsilon to 1e-6.
-RMS_EPSILON = 1e-6
-#: [PFA-plugin]: the node has 3, 5, 7, 9 or 12 inputs (query, key, value; pse_shift, atten_mask;
-#: actual_seq_lengths, actual_seq_lengths_kv; deq_scale1, quant_scale1; deq_scale2, quant_scale2, quant_offset2).
-PFA_INPUT_COUNTS = (3, 5, 7, 9, 12)
-#: [PFA-IR] / [PFA-doc] "sparseMode": 0 defaultMask, 1 allMask, 2 leftUpCausal, 3 rightDownCausal, 4 band.
-#: 2..4 take the optimized 2048 x 2048 mask ``triu(ones, 1)`` instead of a full one.
-SPARSE_TEMPLATE = 2048
-#: [PFA-doc]: "preTokens ... 2147483647" (the documented "everything" value of pre/next tokens).
-ALL_TOKENS = 2147483647
-#: [PFA-doc] limits (Atlas A2/A3): D <= 512, N <= 256, numHeads / numKeyValueHeads <= 64.
-MAX_HEAD_DIM, MAX_HEADS, MAX_GROUP = 512, 256, 64
-#: [RoPE-IR] / [RoPE-doc] "mode": 0 half (rotate-half), 1 interleave; 2 and 3 are Ascend 910_95 only.
-ROPE_HALF, ROPE_INTERLEAVE = 0, 1
-#: [RoPE-doc] (Atlas A2/A3): "D<896" and a multiple of 2 ([RoPE-IR] and [RoPE-tiling] allow 896 itself).
-ROPE_MAX_HEAD_DIM = 895
-#: [RoPE-doc] cos/sin shapes per mode for a 4-D x, as which of x's three leading dims they keep ("f") or
-#: broadcast ("1"): half takes 11SD, B1SD, BNSD for a BNSD x, 1S1D, BS1D, BSND for BSND, S11D, SB1D, SBND
-#: for SBND; interleave only 11SD, 1S1D, S11D.
-ROPE_ANGLE_LAYOUTS = {ROPE_HALF: frozenset({"11f", "f1f", "fff", "1f1", "ff1", "f11"}),
-                      ROPE_INTERLEAVE: frozenset({"11f", "1f1", "f11"})}
-
 
 class ReferenceError(ValueError):
     """The node asks for something the documented contract does not define (or k3opt does not model)."""
-
-
-def template_mask() -> np.ndarray:
-    """The optimized causal mask sparse modes 2..4 take ([PFA-doc]): bool ``triu(ones(2048, 2048), 1)``."""
-    return np.triu(np.ones((SPARSE_TEMPLATE, SPARSE_TEMPLATE), dtype=bool), 1)
 
 
 def _bnsd(x: np.ndarray, layout: str, heads: int) -> np.ndarray:

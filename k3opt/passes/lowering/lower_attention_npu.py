@@ -3,7 +3,7 @@ step with a one-head cache, ``NPUIncreFlashAttention``) for ``--target cann``, t
 
 The recogniser (:mod:`.._shared.attention_match`) has proved the attention exact (softmax over the keys, constant
 scale, no dropout, nothing escaping, GQA's repeat absorbed); this pass checks the plugin's and kernel's
-contract (sources and facts in :mod:`k3opt.cann_bridge.reference_ops` and docs/cann.md):
+contract (sources and facts in :mod:`k3opt.cann_bridge.npu_contract` and docs/cann.md):
 
 - inputs by position in the plugin's groups: ``query, key, value`` or ``query, key, value, "", atten_mask``
   (BNSD, ``input_layout="BNSD"``); every attribute set explicitly, as the plugin reads it (``num_heads``,
@@ -37,7 +37,7 @@ from typing import Optional
 import numpy as np
 from onnx import TensorProto
 
-from ...cann_bridge.reference_ops import ALL_TOKENS, MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, template_mask
+from ...cann_bridge.npu_contract import ALL_TOKENS, MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, template_mask
 from ...cann_bridge.target_form import CANN_OPSET, FLASH_OPSET, NPU_DOMAIN, STAGING_DOMAIN, ops_changed_between
 from ...errors import UsageError
 from ...graph.ir import Graph, Node, Tensor, producer
