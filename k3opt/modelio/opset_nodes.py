@@ -117,14 +117,16 @@ def _changed(graph: onnx.GraphProto, current: int, wanted: int,
     graphs.append(graph)
     nodes = []
     for k, node in enumerate(graph.node):
-        if node.domain in _DEFAULT_DOMAINS and schema_changes(node.op_type, current, wanted):
+        if schema_changes(node.op_type, current, wanted) and node.domain in _DEFAULT_DOMAINS:
             nodes.append(k)
             if node.attribute:
                 graphs += [g for sub in _subgraphs(node) for g in all_graphs(sub)]
             continue
-        if node.attribute:
-            for sub in _subgraphs(node):
-                yield from _changed(sub, current, wanted, graphs)
+        for attr in node.attribute:  # most attributes hold no body: _subgraphs only for a node that has one
+            if attr.HasField("g") or attr.graphs:
+                for sub in _subgraphs(node):
+                    yield from _changed(sub, current, wanted, graphs)
+                break
     if nodes:
         yield graph, nodes
 
