@@ -93,3 +93,33 @@ def test_the_pattern_checks_read_constants_with_the_same_functions():
 
     assert checks.const_value is ir.const_value and checks.const_scalar is ir.const_scalar
     assert checks.static_shape is ir.const_shape and checks.rank is ir.rank
+
+
+def test_a_name_scope_holds_every_name_gs_knows():
+    """NameScope collects the names itself: exactly the keys of gs's ``tensors()`` of every graph, and the
+    node names, bodies and omitted optional tensors ("") included."""
+    import onnx
+    from k3opt import modelio
+    from tests.zoo import zoo_model
+
+    body = helper.make_graph([helper.make_node("Add", ["x", "k"], ["b"], name="inner")], "then", [],
+                             [helper.make_tensor_value_info("b", T.FLOAT, [2])])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["c"])], "else", [],
+                              [helper.make_tensor_value_info("c", T.FLOAT, [2])])
+    nodes = [helper.make_node("If", ["cond"], ["y0"], then_branch=body, else_branch=other, name="if"),
+             helper.make_node("Dropout", ["y0"], ["y", ""], name=""),
+             helper.make_node("Clip", ["y", "", "k"], ["z"], name="clip")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, [2]),
+                                           helper.make_tensor_value_info("cond", T.BOOL, []),
+                                           helper.make_tensor_value_info("unused", T.FLOAT, [1])],
+                              [helper.make_tensor_value_info("z", T.FLOAT, [2])],
+                              [helper.make_tensor("k", T.FLOAT, [], [1.0])])
+    models = [helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+              onnx.load(str(zoo_model("gpt2")), load_external_data=False)]
+    for model in models:
+        g = modelio.import_graph(model)
+        want = set()
+        for sub in ir.all_graphs(g):
+            want.update(sub.tensors().keys())
+            want.update(n.name for n in sub.nodes if n.name)
+        assert ir.NameScope(g)._used == want

@@ -1,4 +1,4 @@
-"""Shape refreshes: reusing the protos of unchanged nodes, seeding from the imported model."""
+"""Shape refreshes: the joined inference model, seeing every change, seeding from the imported model."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +11,6 @@ from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from k3opt import modelio
 from k3opt.pipeline import shapes
-from k3opt.graph.proto_cache import ProtoCache
 from k3opt.pipeline.shapes import ShapeRefresher, export_for_inference, model_for_inference
 from tests.helpers import make_model
 from tests.zoo import zoo_model
@@ -31,25 +30,25 @@ def shapes_of(graph: gs.Graph) -> dict:
     return {name: t.shape for name, t in graph.tensors().items() if isinstance(t, gs.Variable)}
 
 
-def test_a_refresh_exports_only_what_changed_and_sees_every_change():
+def test_a_refresh_sees_every_change():
     graph = modelio.import_graph(transpose_reshape())
     refresh = ShapeRefresher()
-    assert refresh(graph) and refresh.protos.exported == 5  # 4 nodes + the Reshape target
+    assert refresh(graph)
     assert shapes_of(graph)["t"] == [2, 4, 3] and shapes_of(graph)["q"] == [8, 3]
-    assert refresh(graph) and refresh.protos.exported == 0
+    assert refresh(graph) and shapes_of(graph)["q"] == [8, 3]
 
     nodes = {n.name: n for n in graph.nodes}
     nodes["tr"].attrs["perm"] = [1, 0, 2]  # an attribute
-    assert refresh(graph) and refresh.protos.exported == 1 and shapes_of(graph)["t"] == [3, 2, 4]
+    assert refresh(graph) and shapes_of(graph)["t"] == [3, 2, 4]
     to = nodes["rs"].inputs[1]
     to.values = np.array([4, 6], np.int64)  # a constant's values
-    assert refresh(graph) and refresh.protos.exported == 1 and shapes_of(graph)["q"] == [4, 6]
+    assert refresh(graph) and shapes_of(graph)["q"] == [4, 6]
     nodes["relu"].op = "Sigmoid"  # the op, and an input renamed
     nodes["rs"].outputs[0].name = "r2"
-    assert refresh(graph) and refresh.protos.exported == 2 and shapes_of(graph)["q"] == [4, 6]
+    assert refresh(graph) and shapes_of(graph)["q"] == [4, 6]
     nodes["relu"].inputs[0] = gs.Variable("x2", dtype=np.float32, shape=[5])  # a rewired input
     graph.inputs.append(nodes["relu"].inputs[0])
-    assert refresh(graph) and refresh.protos.exported == 1 and shapes_of(graph)["q"] == [5]
+    assert refresh(graph) and shapes_of(graph)["q"] == [5]
 
 
 def test_seeding_from_the_model_gives_the_shapes_a_refresh_gives():
@@ -105,14 +104,12 @@ def test_the_joined_bytes_parse_to_the_helper_built_model(which):
     else:
         model = onnx.load(zoo_model(which))
     graph = modelio.import_graph(model)
-    protos = ProtoCache()
-    first = export_for_inference(graph, protos=protos)
+    first = export_for_inference(graph)
     assert onnx.ModelProto.FromString(first.data) == helper_built(graph) and not first.long_io
-    graph.nodes[-1].name = "renamed"  # the second export reuses protos: still the same model
-    assert onnx.ModelProto.FromString(export_for_inference(graph, protos=protos).data) == helper_built(graph)
-    assert protos.exported == 1 + protos.uncached  # the If (a subgraph) is never cached
+    graph.nodes[-1].name = "renamed"
+    assert onnx.ModelProto.FromString(export_for_inference(graph).data) == helper_built(graph)
     graph.nodes[-1].domain = "com.other"  # a domain the model does not import yet
-    assert onnx.ModelProto.FromString(export_for_inference(graph, protos=protos).data) == helper_built(graph)
+    assert onnx.ModelProto.FromString(export_for_inference(graph).data) == helper_built(graph)
     assert "com.other" in {o.domain for o in onnx.ModelProto.FromString(export_for_inference(graph).data).opset_import}
 
 
@@ -122,17 +119,15 @@ def test_a_long_graph_input_is_reported_with_the_bytes():
     assert export_for_inference(modelio.import_graph(model)).long_io
 
 
-def test_a_long_weight_is_reported_with_the_bytes_even_when_its_input_is_reused():
+def test_a_long_weight_is_reported_with_the_bytes():
     """A big 1-D constant becomes a typed graph input: long, it rules out data propagation like a long input."""
     model = make_model([helper.make_node("Add", ["x", "w"], ["y"])], [("x", TensorProto.FLOAT, [1])],
                        [("y", TensorProto.FLOAT, ["n"])], {"w": np.zeros(70000, np.float32)})
     assert model_for_inference(model).long_io
     graph = modelio.import_graph(model)
-    protos = ProtoCache()
-    assert export_for_inference(graph, protos=protos).long_io and protos.exported == 2
-    assert export_for_inference(graph, protos=protos).long_io and protos.exported == 0
+    assert export_for_inference(graph).long_io
     graph.nodes[0].inputs[1].values = np.zeros(1000, np.float32)  # still big, no longer long
-    assert not export_for_inference(graph, protos=protos).long_io and protos.exported == 1
+    assert not export_for_inference(graph).long_io
 
 
 def with_everything() -> onnx.ModelProto:

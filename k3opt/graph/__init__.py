@@ -3,7 +3,7 @@
 Outside ``k3opt.graph`` code reaches graph objects through the names re-exported here (used as
 ``from k3opt import graph as gs``: ``gs.Constant``, ``gs.Variable``, ``gs.Node``...), and through the
 modules ``dtypes`` (the one ONNX element type <-> numpy dtype mapping), ``ir`` (reading constants,
-creating values, rewiring), ``gs_roundtrip`` (import/export), ``proto_cache`` and ``wire``.
+creating values, rewiring), ``gs_roundtrip`` (import/export) and ``wire``.
 """
 from onnx_graphsurgeon import Constant, Graph, Node, Tensor, Variable, export_onnx, import_onnx
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter

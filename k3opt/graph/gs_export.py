@@ -302,9 +302,9 @@ def _write_value_info(t: Tensor, entries) -> None:
 
 
 # --- gs's NodeProto as bytes -------------------------------------------------------------------------------------
-# Shape refreshes cache each node's serialized proto (k3opt.graph.proto_cache); the first refresh after folding builds
-# ~7,500 of them. Writing the protobuf wire format of plain nodes directly is ~1.5x faster than building the
-# NodeProto with onnx.helper and serializing it. Fields go in field-number order, as protobuf serializes them.
+# Shape refreshes serialize every node's proto (the refresh after folding ~7,500 of them). Writing the protobuf wire
+# format of plain nodes directly is ~1.5x faster than building the NodeProto with onnx.helper and serializing it.
+# Fields go in field-number order, as protobuf serializes them.
 
 _INT64 = 1 << 64
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1

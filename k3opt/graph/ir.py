@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
+from operator import attrgetter
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -210,6 +211,9 @@ def rank(t: Tensor) -> Optional[int]:
     return None if t.shape is None else len(t.shape)
 
 
+_name = attrgetter("name")
+
+
 class NameScope:
     """Deterministic fresh names: ``base``, ``base_1``, ``base_2``... never clashing.
 
@@ -218,10 +222,17 @@ class NameScope:
     """
 
     def __init__(self, graph: Graph):
-        self._used: set[str] = set()
-        for g in all_graphs(graph):
-            self._used.update(g.tensors().keys())
-            self._used.update(n.name for n in g.nodes if n.name)
+        used: set[str] = set()
+        for g in all_graphs(graph):  # the keys of each g.tensors() (named tensors), without gs's map building
+            used.update(map(_name, g.inputs))
+            for n in g.nodes:
+                used.update(map(_name, n.inputs))
+                used.update(map(_name, n.outputs))
+                if n.name:
+                    used.add(n.name)
+            used.update(map(_name, g.outputs))
+        used.discard("")  # gs leaves out the omitted optional tensors, named ""
+        self._used = used
         self._next: dict[str, int] = {}
 
     def fresh(self, base: str) -> str:

@@ -99,6 +99,7 @@ def _check_span(t: TensorProto, info: dict[str, str], size: int, path: Path, sou
 def claimed_bytes(t: TensorProto) -> Optional[int]:
     """The bytes ``t``'s dims and type take in raw form (exact: no int64 overflow); None for a negative dim,
     0 for strings (they have no fixed size)."""
-    if any(d < 0 for d in t.dims):
+    dims = t.dims[:]  # one list from upb, read once
+    if dims and min(dims) < 0:
         return None
-    return -(-math.prod(t.dims) * dtypes.bits(t.data_type) // 8)
+    return -(-math.prod(dims) * dtypes.bits(t.data_type) // 8)

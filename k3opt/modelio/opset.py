@@ -7,7 +7,7 @@ it is and the opset import is bumped.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Iterable, Optional
 
 import onnx
 from onnx import version_converter
@@ -144,29 +144,39 @@ def _convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int) ->
     rewrites of :func:`.opset_down.rewrite_for_17` going below 18 (same values, valid at either opset)."""
     def convert_sub(sub: onnx.ModelProto, version: int) -> onnx.ModelProto:
         converted = _convert_hiding_unadapted(sub, version)
-        _check_nodes(converted.graph, converted)
+        _check_nodes(converted.graph.node, _checker(converted.ir_version, converted.opset_import))
         reason = _interface_change(sub, converted)
         if reason is not None:
             raise _InexactConversion(reason)
         return converted
 
-    scope = ModelScope(model)
+    def check_kept(nodes: list[onnx.NodeProto]) -> None:  # as convert_sub checks them, had they been converted
+        if nodes:
+            others = [o for o in model.opset_import if o.domain not in _DEFAULT_DOMAINS]
+            _check_nodes(nodes, _checker(model.ir_version, [onnx.helper.make_opsetid("", wanted)] + others))
+
+    scope = None
     if current >= 18 > wanted:
+        scope = ModelScope(model)
         rewrite_for_17(model, scope)
-    convert_changed_nodes(model, current, wanted, convert_sub, scope)
+    convert_changed_nodes(model, current, wanted, convert_sub, scope, check_kept)
     imports = [o for o in model.opset_import if o.domain not in _DEFAULT_DOMAINS]
     del model.opset_import[:]
     model.opset_import.extend([onnx.helper.make_opsetid("", wanted)] + imports)
     return model
 
 
-def _check_nodes(graph: onnx.GraphProto, model: onnx.ModelProto) -> None:
-    """onnx's checker on every node of ``graph`` and its bodies, each against its schema (a sub-model's
-    inputs may be untyped, which the whole-model check refuses)."""
+def _checker(ir_version: int, imports: Iterable[onnx.OperatorSetIdProto]) -> onnx.checker.C.CheckerContext:
     ctx = onnx.checker.C.CheckerContext()
-    ctx.ir_version = model.ir_version
-    ctx.opset_imports = {o.domain: o.version for o in model.opset_import}
-    for node in graph.node:
+    ctx.ir_version = ir_version
+    ctx.opset_imports = {o.domain: o.version for o in imports}
+    return ctx
+
+
+def _check_nodes(nodes: Iterable[onnx.NodeProto], ctx: onnx.checker.C.CheckerContext) -> None:
+    """onnx's checker on each of ``nodes`` and the nodes of their bodies, each against its schema (a
+    sub-model's inputs may be untyped, which the whole-model check refuses)."""
+    for node in nodes:
         bodies = [a for a in node.attribute if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)]
         if bodies:  # the bodies read outer names the checker would not find: check their nodes one by one
             bare = onnx.NodeProto()
@@ -178,7 +188,7 @@ def _check_nodes(graph: onnx.GraphProto, model: onnx.ModelProto) -> None:
             node = bare
             for attr in bodies:
                 for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                    _check_nodes(sub, model)
+                    _check_nodes(sub.node, ctx)
         onnx.checker.check_node(node, ctx)
 
 

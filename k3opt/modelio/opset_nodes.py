@@ -7,7 +7,8 @@ copied into a small sub-model (their inputs typed where the model knows the type
 included, so adapters that move an input into an attribute see its value), converted there, and the
 result is spliced back in place of the originals. A node with subgraphs whose own schema changes goes
 into the sub-model whole (the converter converts its bodies too); otherwise its bodies are converted the
-same way, graph by graph.
+same way, graph by graph. A graph whose changed nodes the converter would all give back unchanged
+(:func:`.opset_compatible.passes_through`) makes no sub-model: its nodes stay as they are.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from .external import weights_as_inputs
+from .opset_compatible import passes_through
 
 #: Constant inputs up to this size are copied into the sub-model (adapters read axes, pads, scales...).
 SMALL_CONSTANT_BYTES = 4096
@@ -47,43 +49,84 @@ class _Splice:
 
 def convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int,
                           convert: Callable[[onnx.ModelProto, int], onnx.ModelProto],
-                          scope: Optional["ModelScope"] = None) -> int:
+                          scope: Optional["ModelScope"] = None,
+                          check_kept: Callable[[list[onnx.NodeProto]], None] = lambda nodes: None) -> int:
     """Convert the nodes of ``model`` whose schema changes from opset ``current`` to ``wanted`` with
     ``convert`` (a sub-model at ``current`` -> at ``wanted``), in place; returns how many were converted.
 
     ``model`` is changed only when every sub-model converted: an exception leaves it as it was. The
     caller sets the opset import. A sub-model that fails is tried once more with the types onnx's
-    shape inference finds for its inputs.
+    shape inference finds for its inputs. The changed nodes of a graph that :func:`kept_as_they_are`
+    makes no sub-model of; ``check_kept`` gets them (what ``convert`` checks of a converted node).
+    ``scope``: made when first needed unless given.
     """
-    scope = scope or ModelScope(model)
     splices = []
+    kept: list[onnx.NodeProto] = []
     others = [o for o in model.opset_import if o.domain not in _DEFAULT_DOMAINS]
-    for graph, nodes in _changed(model.graph, current, wanted):
+    graphs: list[onnx.GraphProto] = []
+    changed = list(_changed(model.graph, current, wanted, graphs))
+    untyped = _untyped(graphs) if changed else set()
+    for graph, nodes in changed:
+        if kept_as_they_are(graph, nodes, current, wanted, untyped):
+            kept += [graph.node[k] for k in nodes]
+            continue
+        scope = scope or ModelScope(model)
         try:
             converted = convert(scope.sub_model(graph, nodes, current, others), wanted)
         except Exception:  # an adapter may need its inputs' types (OptionalHasElement 18 -> 17): once more with them
             scope.infer_types()
             converted = convert(scope.sub_model(graph, nodes, current, others), wanted)
         splices.append(_Splice(graph, nodes, converted.graph))
+    check_kept(kept)
     plans = [_plan(splice, scope) for splice in splices]  # may raise: nothing is changed yet
     for splice, (groups, initializers) in zip(splices, plans):
         splice.graph.initializer.extend(initializers)
         _splice(splice, groups)
-    scope.drop_unused_constants({i for s in splices for n in s.converted.node for i in _used_names(n)})
-    return sum(len(s.nodes) for s in splices)
+    if scope is not None:
+        scope.drop_unused_constants({i for s in splices for n in s.converted.node for i in _used_names(n)})
+    return sum(len(s.nodes) for s in splices) + len(kept)
 
 
-def _changed(graph: onnx.GraphProto, current: int, wanted: int) -> Iterator[tuple[onnx.GraphProto, list[int]]]:
+def kept_as_they_are(graph: onnx.GraphProto, positions: list[int], current: int, wanted: int,
+                     untyped: set[str]) -> bool:
+    """Would the sub-model of these nodes of ``graph`` come back from onnx's converter as it went in, and
+    pass the checks of its interface? True when the converter gives each node back unchanged
+    (:func:`.opset_compatible.passes_through`) and no node computes a name of ``untyped``: the converter's
+    inference would give such an output the element type it lacks, which counts as a changed interface.
+
+    Then the sub-model is not made: the conversion would leave the graph as it is, and the names an adapter
+    makes up (counted over the sub-model's values) are never needed; a graph with any other changed node
+    goes to the converter whole, as before.
+    """
+    nodes = [graph.node[k] for k in positions]
+    return (all(passes_through(n, current, wanted) for n in nodes)
+            and not any(o in untyped for n in nodes for o in n.output))
+
+
+def _untyped(graphs: list[onnx.GraphProto]) -> set[str]:
+    """Names ``graphs`` declare (input, output, value_info) with a tensor type that has no element type."""
+    return {vi.name for g in graphs for vi in (*g.input, *g.output, *g.value_info)
+            if vi.type.HasField("tensor_type") and not vi.type.tensor_type.elem_type}
+
+
+def _changed(graph: onnx.GraphProto, current: int, wanted: int,
+             graphs: list[onnx.GraphProto]) -> Iterator[tuple[onnx.GraphProto, list[int]]]:
     """(graph, positions of its nodes whose schema changes) for the bodies of ``graph``'s unchanged
-    nodes, then for ``graph`` (a body is spliced before the graph holding it is rebuilt)."""
+    nodes, then for ``graph`` (a body is spliced before the graph holding it is rebuilt); every graph of
+    the model (``graph`` and all its bodies) is appended to ``graphs``."""
+    graphs.append(graph)
     nodes = []
     for k, node in enumerate(graph.node):
-        if node.domain in _DEFAULT_DOMAINS and schema_changes(node.op_type, current, wanted):
+        if schema_changes(node.op_type, current, wanted) and node.domain in _DEFAULT_DOMAINS:
             nodes.append(k)
+            if node.attribute:
+                graphs += [g for sub in _subgraphs(node) for g in all_graphs(sub)]
             continue
-        if node.attribute:
-            for sub in _subgraphs(node):
-                yield from _changed(sub, current, wanted)
+        for attr in node.attribute:  # most attributes hold no body: _subgraphs only for a node that has one
+            if attr.HasField("g") or attr.graphs:
+                for sub in _subgraphs(node):
+                    yield from _changed(sub, current, wanted, graphs)
+                break
     if nodes:
         yield graph, nodes
 

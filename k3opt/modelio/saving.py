@@ -81,8 +81,7 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
     default, as in onnx.save and every peer.
     """
     out = Path(dst)
-    _inline_small(model)
-    has_external = any(uses_external_data(t) for t in all_tensors(model))
+    has_external = _inline_small(model)
     serialized = None  # the inline model's pieces, when sizing it already produced them
     if external_data is None and has_external:
         external_data = True
@@ -258,12 +257,18 @@ def _write_external(model: onnx.ModelProto, f, location: str) -> None:
         set_external(t, location, offset, size)
 
 
-def _inline_small(model: onnx.ModelProto) -> None:
+def _inline_small(model: onnx.ModelProto) -> bool:
     """Read external tensors under :data:`EXTERNAL_THRESHOLD` back into the proto: onnxruntime's shape
-    inference reads no data file, so a model with, say, Unsqueeze axes stored outside it does not load."""
+    inference reads no data file, so a model with, say, Unsqueeze axes stored outside it does not load.
+    Returns whether a tensor still uses external data (one walk for both)."""
+    external = False
     for t in all_tensors(model):
-        if uses_external_data(t) and t.data_type != TensorProto.STRING and tensor_nbytes(t) < EXTERNAL_THRESHOLD:
-            t.CopyFrom(inline_copy(t))
+        if uses_external_data(t):
+            if t.data_type != TensorProto.STRING and tensor_nbytes(t) < EXTERNAL_THRESHOLD:
+                t.CopyFrom(inline_copy(t))
+            else:
+                external = True
+    return external
 
 
 def _external_candidates(model: onnx.ModelProto) -> Iterator[tuple[TensorProto, int]]:

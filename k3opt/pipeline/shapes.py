@@ -23,7 +23,6 @@ from ..graph.gs_export import import_domains, node_bytes, tensor_map
 from ..graph.wire import field, varint
 from ..modelio import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
 from ..graph.ir import declared_symbols
-from ..graph.proto_cache import ProtoCache
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
 
@@ -76,8 +75,8 @@ class Light(NamedTuple):
     """A model serialized for shape inference, big weights left out; and whether it holds a long 1-D tensor
     data propagation could read: a graph input or output, a weight, or (seed only) a Constant node's value.
 
-    Serialized because onnx takes bytes: a refresh joins the cached bytes of
-    unchanged nodes instead of building (copying) a ModelProto.
+    Serialized because onnx takes bytes: a refresh joins the bytes of each
+    node and constant instead of building (copying) a ModelProto.
     """
 
     data: bytes
@@ -163,8 +162,6 @@ class ShapeRefresher:
     def __init__(self) -> None:
         self.notes: list[str] = []
         self.calls = 0
-        #: Unchanged nodes and constants are not exported again at the next refresh.
-        self.protos = ProtoCache()
         #: The last inference propagated data (no long 1-D tensor): it is tried first next time.
         self._short = False
         #: Inferred types converted for gs, reused by the next refreshes (see apply_shapes).
@@ -172,7 +169,7 @@ class ShapeRefresher:
 
     def __call__(self, graph: gs.Graph) -> bool:
         tensors = tensor_map(graph)  # one walk of the graph for export and update
-        return self._refresh(graph, tensors, lambda: export_for_inference(graph, tensors, self.protos))
+        return self._refresh(graph, tensors, lambda: export_for_inference(graph, tensors))
 
     def seed(self, graph: gs.Graph, model: onnx.ModelProto) -> bool:
         """Refresh ``graph`` freshly imported from ``model`` by inferring ``model`` itself.
@@ -201,19 +198,16 @@ class ShapeRefresher:
         return True
 
 
-def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]] = None,
-                         protos: Optional[ProtoCache] = None) -> Light:
+def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]] = None) -> Light:
     """The graph as a model for onnx shape inference, built without reading any big weight.
 
     No value_info (stale after rewrites: everything is re-inferred), and
     constants of 1 KB or more are typed graph inputs instead of initializers.
-    ``protos`` reuses what the previous export of this graph encoded. The
-    bytes are the graph's fields serialized one by one and joined (protobuf
-    merges repeated fields in order), which parses as the model onnx.helper
-    would build.
+    The bytes are the graph's fields serialized one by one and joined
+    (protobuf merges repeated fields in order), which parses as the model
+    onnx.helper would build. Nothing is kept for the next refresh: reusing
+    an unchanged node's bytes cost about as much as writing them again.
     """
-    protos = protos if protos is not None else ProtoCache()
-    protos.start()
     io = onnx.GraphProto(name=graph.name or "k3opt",
                          input=[OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs],
                          output=[OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs])
@@ -223,13 +217,18 @@ def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]
         if not isinstance(t, gs.Constant) or isinstance(t._values, SparseValues):
             continue
         if getattr(t._values, "nbytes", 0) >= EXTERNAL_THRESHOLD:
-            fields.append(protos.constant(t, _weight_input_field))
+            fields.append(_weight_input_field(t))
             shape = t._values.shape
             long_io = long_io or (len(shape) == 1 and shape[0] > DATA_PROP_MAX_LEN)
         else:  # small: shape constants, axes... inference reads their values
-            fields.append(protos.constant(t, _initializer_field))
-    fields += [protos.node(n, _node_field) for n in graph.nodes]
-    head = onnx.helper.make_model(onnx.GraphProto(), opset_imports=_import_domains(graph, protos),
+            fields.append(_initializer_field(t))
+    nodes = list(map(node_bytes, graph.nodes))
+    plain = None not in nodes  # then no node holds a subgraph (see _import_domains)
+    if not plain:  # gs's own export (which raises where gs does)
+        nodes = [OnnxExporter.export_node(n).SerializeToString() if data is None else data
+                 for n, data in zip(graph.nodes, nodes)]
+    fields += _repeated_field(_GRAPH_NODE, nodes)
+    head = onnx.helper.make_model(onnx.GraphProto(), opset_imports=_import_domains(graph, plain),
                                   functions=[OnnxExporter.export_function(f) for f in graph.functions])
     if graph.ir_version is not None:
         head.ir_version = graph.ir_version
@@ -320,13 +319,6 @@ def _inline_bytes(t: TensorProto) -> bytes:
 _MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_INPUT = 7, 1, 5, 11
 
 
-def _node_field(node: gs.Node) -> bytes:
-    data = node_bytes(node)
-    if data is None:  # not plain: gs's own export (which raises where gs does)
-        data = OnnxExporter.export_node(node).SerializeToString()
-    return field(_GRAPH_NODE, data)
-
-
 def _initializer_field(t: gs.Constant) -> bytes:
     return field(_GRAPH_INITIALIZER, _inline_bytes(OnnxExporter.export_tensor_proto(t)))
 
@@ -338,10 +330,10 @@ def _weight_input_field(t: gs.Constant) -> bytes:
     return field(_GRAPH_INPUT, vi.SerializeToString())
 
 
-def _import_domains(graph: gs.Graph, protos: ProtoCache) -> list[onnx.OperatorSetIdProto]:
-    """:func:`~k3opt.graph.gs_export.import_domains`; ``protos.uncached == 0`` (every node had plain or
-    constant attributes) means no subgraph, so the walk for them is saved too."""
-    return import_domains(graph, [graph] if protos.uncached == 0 else None)
+def _import_domains(graph: gs.Graph, plain: bool) -> list[onnx.OperatorSetIdProto]:
+    """:func:`~k3opt.graph.gs_export.import_domains`; ``plain`` (every node written by ``node_bytes``: plain
+    or constant attributes) means no subgraph, so the walk for them is saved too."""
+    return import_domains(graph, [graph] if plain else None)
 
 
 _Converted = dict[bytes, Optional[tuple[np.dtype, Optional[tuple]]]]

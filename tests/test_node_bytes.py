@@ -1,8 +1,7 @@
-"""The node protos a shape refresh hands onnx: written directly (gs_export.node_bytes) and reused (ProtoCache).
+"""The node protos a shape refresh hands onnx, written directly (gs_export.node_bytes).
 
 ``node_bytes`` must give exactly the bytes of gs's ``export_node`` or decline
-(None) so that gs exports the node, or raises as it did; the cache must
-notice every change that alters a node's proto.
+(None) so that gs exports the node, or raises as it did.
 """
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from k3opt import modelio
 from k3opt.graph.gs_export import node_bytes
-from k3opt.graph.proto_cache import ProtoCache
 from tests.zoo import needs_torch, zoo_model
 
 
@@ -81,39 +79,3 @@ def test_every_zoo_node_is_written_as_gs_writes_it(name):
     written = [node_bytes(n) for n in graph.nodes]
     assert all(w is not None for w in written)
     assert written == [gs_bytes(n) for n in graph.nodes]
-
-
-def test_the_cache_reexports_a_node_whenever_its_proto_would_change():
-    node = one_node({"axis": 1, "perm": [0, 1]})
-    cache = ProtoCache()
-
-    def export() -> bytes:
-        cache.start()
-        got = cache.node(node, node_bytes)
-        assert got == gs_bytes(node)
-        return got
-
-    first = export()
-    assert export() is first and cache.exported == 0
-    for change in (lambda: node.attrs.update(axis=1.0), lambda: node.attrs.update(axis=True),  # 1 == 1.0 == True
-                   lambda: node.attrs["perm"].reverse(), lambda: node.attrs.update(perm=[1.0, 0.0]),
-                   lambda: node.attrs.update(perm=(1.0, 0.0)), lambda: node.attrs.update(perm=(1.0, -0.0)),
-                   lambda: node.attrs.update(alpha=0.0), lambda: node.attrs.update(alpha=-0.0),  # equal, not the same
-                   lambda: node.attrs.update(alpha=float("nan")),  # reused below although nan != nan
-                   lambda: node.attrs.update(t=lazy_constant()),
-                   lambda: setattr(node.attrs["t"], "values", np.zeros(2, np.int64)),
-                   lambda: setattr(node.inputs[0], "name", "x2"), lambda: node.outputs.append(gs.Variable("z")),
-                   lambda: setattr(node, "domain", "")):
-        change()
-        export()
-        assert cache.exported == 1
-        export()
-        assert cache.exported == 0
-
-
-def test_nodes_the_cache_cannot_describe_are_exported_every_time():
-    node = one_node({"dtype": np.float32})
-    cache = ProtoCache()
-    for _ in range(2):
-        cache.start()
-        assert cache.node(node, gs_bytes) == gs_bytes(node) and cache.exported == cache.uncached == 1
