@@ -528,14 +528,21 @@ def _gathered_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
 
 
 def _broadcast_dim(operands: Sequence[Tensor], i: int, rank: int, depth: int) -> Dim:
-    """Dim ``i`` of a broadcast of ``operands`` (:func:`_broadcast_of` of their dims, aligned right)."""
+    """Dim ``i`` of a broadcast of ``operands`` (:func:`_broadcast_of` of their dims, aligned right).
+
+    The dims are traced in order up to the first number other than 1, which is the broadcast's (the later
+    operands' dims are not needed)."""
+    unknown = next((x for x in operands if x.shape is None), None)
+    if unknown is not None:
+        _read(unknown)
+        return None
     dims = []
     for x in operands:
-        if x.shape is None:
-            _read(x)
-            return None
         j = i - (rank - len(x.shape))
-        dims.append(1 if j < 0 else _dim_at(x, j, depth))
+        d = 1 if j < 0 else _dim_at(x, j, depth)
+        if isinstance(d, int) and d != 1:
+            return d
+        dims.append(d)
     return _broadcast_of(dims)
 
 
