@@ -116,6 +116,22 @@ def test_broadcast_stops_at_the_first_number(shapes):
             assert dim_at(y, i) == every, (i, every)
 
 
+@pytest.mark.parametrize("shape", [[None, 6], [-4, None, 2], ["S", -3], [-2, 1], [], None], ids=str)
+def test_all_dims_stop_at_the_first_unknown(shape, monkeypatch):
+    """The dims a Reshape's -1 is divided from (``_all_dims``) are :func:`tensor_dims`, or None as soon as one is
+    None (the later ones are not traced). A negative number is traced (the inferred shape does not know it)."""
+    x = gs.Variable("x", np.float32, None if shape is None else [abs(d) if isinstance(d, int) else d for d in shape])
+    t = gs.Variable("t", np.float32, None if shape is None else [None if isinstance(d, int) and d < 0 else d
+                                                                  for d in shape])
+    gs.Graph([gs.Node("Identity", inputs=[x], outputs=[t])], [x], [t])
+    plain = fold_shapes.tensor_dims(t)
+    traced = []
+    real = fold_shapes._dim_at
+    monkeypatch.setattr(fold_shapes, "_dim_at", lambda u, i, depth: (u is t and traced.append(i)) or real(u, i, depth))
+    assert fold_shapes._all_dims(t, fold_shapes.MAX_SHAPE_DEPTH) == (None if plain is None or None in plain else plain)
+    assert traced == ([] if plain is None else list(range(plain.index(None) + 1 if None in plain else len(plain))))
+
+
 @pytest.mark.parametrize("b_dim,folds", [("N", True), ("M", False)], ids=["same-symbol", "different-symbols"])
 def test_equal_of_shapes_with_symbols(b_dim, folds):
     nodes = [

@@ -574,9 +574,11 @@ def _reshaped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
     k = element(i)
     if k != -1:
         return k if k is None or isinstance(k, str) or k >= 0 else None
-    numerator = tensor_dims(x, depth)
     others = [element(j) for j in range(rank) if j != i]
-    if numerator is None or None in numerator or None in others or -1 in others:
+    if None in others or -1 in others:
+        return None
+    numerator = _all_dims(x, depth)
+    if numerator is None:
         return None
     num, den = _factors(numerator), _factors(others)
     for d in den[1]:
@@ -584,6 +586,20 @@ def _reshaped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
             return None
         num[1].remove(d)
     return dim_product(num[0] // den[0], num[1]) if den[0] > 0 and num[0] % den[0] == 0 else None
+
+
+def _all_dims(t: Tensor, depth: int) -> Optional[list[Dim]]:
+    """:func:`tensor_dims` of ``t`` when no dim is None, else None: traced only up to the first None."""
+    if t.shape is None:
+        _read(t)
+        return None
+    dims = []
+    for i in range(len(t.shape)):
+        d = _dim_at(t, i, depth)
+        if d is None:
+            return None
+        dims.append(d)
+    return dims
 
 
 def _factors(dims: Sequence[Dim]) -> tuple[int, list[str]]:
