@@ -145,7 +145,7 @@ def test_the_editing_helpers_tell_the_watcher():
         replace_uses(graph, tensors["n"], _seven())
         shape = tensors["s"].inputs[0]
         set_output(shape, 0, gs.Variable("s2"))
-    assert heard == [["n", "seven"], ["n1"], ["s", "s2"]]
+    assert heard == [["n", "n1", "seven"], ["s", "s2"]]  # a replaced value's readers are told with it
 
 
 def test_manager_keeps_gets_and_drops():

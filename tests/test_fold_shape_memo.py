@@ -128,6 +128,34 @@ def test_depth_limited_results_are_kept_per_depth():
         assert dim_at(y, 0, depth=0) == "unk__1"
 
 
+def relu_chain(length: int) -> gs.Graph:
+    """x: [N, 6] through ``length`` Relus to y, every dim 0 after x unknown to inference (traced to N)."""
+    nodes = [helper.make_node("Relu", [f"t{i}"], [f"t{i + 1}"]) for i in range(length)]
+    graph = gs.import_onnx(make_model(nodes, [("t0", F, ["N", 6])], [(f"t{length}", F, [None, 6])]))
+    for t in graph.tensors().values():
+        if t.name != "t0":
+            t.shape = [None, 6]
+    return graph
+
+
+def test_complete_results_are_reused_at_the_depths_their_walk_needed(monkeypatch):
+    """A trace that was not cut short holds at every depth its walk still passes, shallower ones included,
+    and answers there without walking again; below that it is traced again. Every answer is a fresh trace's."""
+    graph = relu_chain(5)
+    y = graph.outputs[0]
+    fresh = {depth: dim_at(y, 0, depth) for depth in range(10)}  # no memo active: plain traces
+    assert fresh[9] == fresh[5] == "N" and fresh[4] is None
+    walks = []  # the depths y is walked at
+    real = fold_shapes._traced_or
+    monkeypatch.setattr(fold_shapes, "_traced_or", lambda d, t, *a: (t is y and walks.append(a[-1])) or real(d, t, *a))
+    # Walked at 9, y's trace reaches x at depth 4: it holds down to depth 6; at 5 and below x is cut off.
+    for order, walked in ((range(9, -1, -1), [9, 5, 4, 3, 2, 1]), (range(10), [1, 2, 3, 4, 5, 6])):
+        with remembered(graph, declared=False):
+            walks.clear()
+            assert [dim_at(y, 0, depth) for depth in order] == [fresh[depth] for depth in order]
+            assert walks == walked
+
+
 def test_small_constants_are_decoded_once(monkeypatch):
     """Shape tracing decodes a small constant once per process, not once per memo (pass run); a big one is
     decoded at every read, so weights are never held."""

@@ -7,6 +7,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper
 
+from k3opt.passes.analysis import fold_shapes
 from k3opt.passes.analysis.fold_shapes import DimAnalysis, dim_at, naming_unknown_dims
 from tests.helpers import assert_equivalent, assert_optimizes_within, make_model, op_counts
 from tests.test_fold_constants import fold
@@ -86,6 +87,49 @@ def test_broadcast_dim(a_shape, b_shape, folds):
     size = {"N": 3, "K": 4, "M": 4}
     feeds = {k: np.zeros([size.get(d, d) for d in shape], np.float32) for k, shape in (("a", a_shape), ("b", b_shape))}
     assert_equivalent(model, out, feeds=feeds)
+
+
+@pytest.mark.parametrize("shapes", [
+    ([None, 6], [None, 1], [5]), ([1, "S"], [-3, 3], ["N", None]), (["S"], [1], [None]), ([-2], [None], [3]),
+    ([None], [4], None), (None, [4], [4]), ([None, 1], ["S", 1], [1, None]), ([-7, 1], [1, 2], [7, -2]),
+    ([-1, "S"], ["S", -1], [1, 1]),
+], ids=str)
+def test_broadcast_stops_at_the_first_number(shapes):
+    """A broadcast's dims are traced up to the first number other than 1 (the broadcast's): the answer is
+    :func:`_broadcast_of` of every operand's dim, an unknown rank anywhere still None. An operand is an
+    Identity of an input of that shape (None: of unknown rank); a negative number is the input's size, which
+    the Identity's own inferred shape does not know (traced)."""
+    x = {n: gs.Variable(f"x_{n}", np.float32, None if shape is None else [abs(d) if isinstance(d, int) else d
+                                                                          for d in shape])
+         for n, shape in zip("abc", shapes)}
+    ops = {n: gs.Variable(n, np.float32, None if shape is None else [None if isinstance(d, int) and d < 0 else d
+                                                                      for d in shape])
+           for n, shape in zip("abc", shapes)}
+    rank = max(len(shape or ()) for shape in shapes)
+    y = gs.Variable("y", np.float32, [None] * rank)
+    nodes = [gs.Node("Identity", inputs=[x[n]], outputs=[ops[n]]) for n in "abc"]
+    graph = gs.Graph(nodes + [gs.Node("Where", inputs=list(ops.values()), outputs=[y])], list(x.values()), [y])
+    for i in range(rank):
+        every = None if any(t.shape is None for t in ops.values()) else fold_shapes._broadcast_of(
+            [1 if i < rank - len(t.shape) else dim_at(t, i - rank + len(t.shape)) for t in ops.values()])
+        with DimAnalysis(graph):
+            assert dim_at(y, i) == every, (i, every)
+
+
+@pytest.mark.parametrize("shape", [[None, 6], [-4, None, 2], ["S", -3], [-2, 1], [], None], ids=str)
+def test_all_dims_stop_at_the_first_unknown(shape, monkeypatch):
+    """The dims a Reshape's -1 is divided from (``_all_dims``) are :func:`tensor_dims`, or None as soon as one is
+    None (the later ones are not traced). A negative number is traced (the inferred shape does not know it)."""
+    x = gs.Variable("x", np.float32, None if shape is None else [abs(d) if isinstance(d, int) else d for d in shape])
+    t = gs.Variable("t", np.float32, None if shape is None else [None if isinstance(d, int) and d < 0 else d
+                                                                  for d in shape])
+    gs.Graph([gs.Node("Identity", inputs=[x], outputs=[t])], [x], [t])
+    plain = fold_shapes.tensor_dims(t)
+    traced = []
+    real = fold_shapes._dim_at
+    monkeypatch.setattr(fold_shapes, "_dim_at", lambda u, i, depth: (u is t and traced.append(i)) or real(u, i, depth))
+    assert fold_shapes._all_dims(t, fold_shapes.MAX_SHAPE_DEPTH) == (None if plain is None or None in plain else plain)
+    assert traced == ([] if plain is None else list(range(plain.index(None) + 1 if None in plain else len(plain))))
 
 
 @pytest.mark.parametrize("b_dim,folds", [("N", True), ("M", False)], ids=["same-symbol", "different-symbols"])

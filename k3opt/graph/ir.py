@@ -317,6 +317,11 @@ def set_input(node: Node, i: int, new: Tensor) -> None:
     if old is new:
         return
     edited(node.outputs)
+    _relink_input(node, i, old, new)
+
+
+def _relink_input(node: Node, i: int, old: Tensor, new: Tensor) -> None:
+    """:func:`set_input` once the edit was told: ``node.inputs[i]`` is ``old``, to become ``new``."""
     list.__setitem__(node.inputs, i, new)
     _unlink(old.outputs, node)
     list.append(new.outputs, node)
@@ -350,11 +355,13 @@ def replace_uses(graph: Graph, old: Tensor, new: Tensor) -> None:
     When ``old`` is a graph output, ``new`` takes over its name so the model's
     interface is unchanged.
     """
-    edited([old, new])  # new may take old's name and shape; old's readers are told by set_input
-    for node in list(old.outputs):
+    readers = [] if old is new else list(old.outputs)
+    # new may take old's name and shape, old's readers read another tensor: told at once (each telling costs)
+    edited([old, new, *(t for node in readers for t in node.outputs)])
+    for node in readers:
         for i, inp in enumerate(node.inputs):
             if inp is old:
-                set_input(node, i, new)
+                _relink_input(node, i, old, new)
     for i, out in enumerate(graph.outputs):
         if out is old:
             name = old.name

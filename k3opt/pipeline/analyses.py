@@ -62,8 +62,8 @@ class AnalysisManager:
 
     def __init__(self) -> None:
         self._cache: dict[tuple[type, int], Analysis] = {}
-        #: Whether an analysis kept is not :attr:`Analysis.edit_proof` (edits must be told to it).
-        self._told = False
+        #: The analyses kept that are not :attr:`Analysis.edit_proof` (edits must be told to them).
+        self._told: list[Analysis] = []
 
     def get(self, cls: type[A], graph: Graph) -> A:
         """The ``cls`` analysis of ``graph``: the one kept, else a new one (kept)."""
@@ -81,7 +81,7 @@ class AnalysisManager:
     def put(self, analysis: Analysis) -> None:
         """Keep ``analysis`` (one computed outside the manager: shape inference)."""
         self._cache[type(analysis), id(analysis.graph)] = analysis
-        self._told = self._told or not analysis.edit_proof
+        self._listen()
 
     def sharpen_shapes(self, graph: Graph) -> None:
         """Mark the kept :class:`Shapes` of ``graph`` :attr:`~Shapes.sharpened` (nothing when none is kept)."""
@@ -92,10 +92,15 @@ class AnalysisManager:
     def invalidate(self, preserved: Collection[type] = ()) -> None:
         """Drop every analysis whose class is not in ``preserved``."""
         self._cache = {key: a for key, a in self._cache.items() if key[0] in preserved}
-        self._told = not all(a.edit_proof for a in self._cache.values())
+        self._listen()
+
+    def _listen(self) -> None:
+        """Note which kept analyses :meth:`edited` tells (the cache changed)."""
+        self._told = [a for a in self._cache.values() if not a.edit_proof]
 
     def edited(self, tensors: Sequence[Tensor]) -> None:
         """A graph-editing helper changed ``tensors`` (see :func:`k3opt.graph.ir.watching_edits`)."""
-        if self._told:  # the common case, no analysis to tell, costs this test only
-            for key in [key for key, a in self._cache.items() if not a.edit_proof and not a.edited(tensors)]:
-                del self._cache[key]
+        for a in self._told:  # called for every edit a pass makes: no analysis to tell costs the loop's test only
+            if not a.edited(tensors):
+                self._cache = {key: kept for key, kept in self._cache.items() if kept is not a}
+                self._listen()

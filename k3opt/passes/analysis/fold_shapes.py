@@ -42,6 +42,8 @@ from .._rewire import unsqueeze_axes
 MAX_SHAPE_ELEMENTS = 64
 #: How many producers deep :func:`shape_elements` and :func:`tensor_dims` look.
 MAX_SHAPE_DEPTH = 8
+#: A slack no walk reaches (:attr:`DimMemo.slack`: a walk that tests no depth holds at every depth).
+_UNBOUNDED = 1 << 30
 
 
 #: A dim as far as it is known: a number, a symbol (a ``dim_param``: equal names are equal sizes), or None.
@@ -86,10 +88,12 @@ class DimMemo:
 
     Tracing re-walks the same producers for every Shape of a deep model. A
     result is remembered per tensor and slot (slot: the dim, -1 for shape
-    elements, -2 for a constant's value) for every depth at or above the one
-    it was computed at, when no branch was cut short by the depth limit (more
-    depth then walks the same path); a result that was cut short is valid at
-    its own depth only. Results read other tensors' results, producers,
+    elements, -2 for a constant's value). When no branch was cut short by the
+    depth limit it holds at every depth from the least one its walk needed
+    (its depth less its :attr:`slack`) up: more depth walks the same path, and
+    so does less as long as every depth test the walk made still passes. A
+    result that was cut short is valid at its own depth only (any less depth
+    cuts the walk elsewhere). Results read other tensors' results, producers,
     constant values or unknown shapes (a known shape changes only when shapes
     are inferred again, which drops the analysis); :meth:`forget` drops the
     results of changed tensors and, transitively, of the tensors whose results
@@ -100,7 +104,7 @@ class DimMemo:
         #: Symbols the graph's inputs declare (see :func:`_dim_at`): never traced.
         self.declared = declared
         #: ``id(t) -> (t, results)``; results: ``slot -> (value, depth)`` when complete (valid at ``depth`` and
-        #: deeper), ``(slot, depth) -> value`` when cut short by the depth limit.
+        #: deeper: the least depth its walk needed), ``(slot, depth) -> value`` when cut short by the depth limit.
         self._results: dict[int, tuple[Tensor, dict]] = {}
         #: ``id(tensor) -> ids of the tensors whose results read it`` (a defaultdict: ``setdefault(k, set())``
         #: would build a set on every read, the memo's hottest path).
@@ -109,9 +113,15 @@ class DimMemo:
         self._computing: list[int] = []
         #: True once the result being computed depends on a cut-short branch.
         self.cut = False
+        #: How much less depth the result being computed could have been asked at and still walk the same path
+        #: (every depth test it made, and every remembered result it read, holding at that depth too).
+        self.slack = _UNBOUNDED
 
     def get(self, t: Tensor, slot: int, depth: int, compute: Callable[[], object]) -> object:
-        """``compute()`` for ``(t, slot)`` at ``depth``, remembered."""
+        """``compute()`` for ``(t, slot)`` at ``depth``, remembered.
+
+        A dim (``slot >= 0``) is asked for only once :func:`_dim_at`'s depth test passed (``depth > 0``): the
+        asking walk's path holds down to depth 1 there."""
         tid = id(t)
         computing = self._computing
         if computing and computing[-1] != tid:  # self.read(t), inlined: the memo's hottest path
@@ -120,25 +130,37 @@ class DimMemo:
         if own is None or own[0] is not t:
             own = self._results[tid] = (t, {})
         results = own[1]
+        if slot >= 0 and depth <= self.slack:  # self.tested(depth), inlined
+            self.slack = depth - 1
         hit = results.get(slot)
         if hit is not None and hit[1] <= depth:
+            if depth - hit[1] < self.slack:
+                self.slack = depth - hit[1]
             return hit[0]
         key = (slot, depth)
         if key in results:
             self.cut = True
             return results[key]
-        outer, self.cut = self.cut, False
-        self._computing.append(tid)
+        outer, outer_slack = self.cut, self.slack
+        self.cut, self.slack = False, _UNBOUNDED
+        computing.append(tid)
         try:
             value = compute()
         finally:
-            self._computing.pop()
+            computing.pop()
         if self.cut:
             results[key] = value
         else:
-            results[slot] = (value, depth)
+            results[slot] = (value, depth - self.slack)
         self.cut = self.cut or outer
+        if outer_slack < self.slack:
+            self.slack = outer_slack
         return value
+
+    def tested(self, depth: int) -> None:
+        """Note a depth test the walk passed at ``depth`` (``depth > 0``): it passes down to depth 1."""
+        if depth <= self.slack:
+            self.slack = depth - 1
 
     def read(self, t: Tensor) -> None:
         """Note that the result being computed read ``t``'s result, producer, value or unknown shape."""
@@ -208,6 +230,16 @@ def _cut() -> None:
     memo = _active.get()
     if memo is not None:
         memo.cut = True
+
+
+def _depth_test(depth: int) -> None:
+    """Note a test of the depth limit at ``depth``: a cut when ``depth <= 0``, else a test passed."""
+    memo = _active.get()
+    if memo is not None:
+        if depth <= 0:
+            memo.cut = True
+        else:
+            memo.tested(depth)
 
 
 def _const(t: Tensor) -> object:
@@ -496,14 +528,21 @@ def _gathered_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
 
 
 def _broadcast_dim(operands: Sequence[Tensor], i: int, rank: int, depth: int) -> Dim:
-    """Dim ``i`` of a broadcast of ``operands`` (:func:`_broadcast_of` of their dims, aligned right)."""
+    """Dim ``i`` of a broadcast of ``operands`` (:func:`_broadcast_of` of their dims, aligned right).
+
+    The dims are traced in order up to the first number other than 1, which is the broadcast's (the later
+    operands' dims are not needed)."""
+    unknown = next((x for x in operands if x.shape is None), None)
+    if unknown is not None:
+        _read(unknown)
+        return None
     dims = []
     for x in operands:
-        if x.shape is None:
-            _read(x)
-            return None
         j = i - (rank - len(x.shape))
-        dims.append(1 if j < 0 else _dim_at(x, j, depth))
+        d = 1 if j < 0 else _dim_at(x, j, depth)
+        if isinstance(d, int) and d != 1:
+            return d
+        dims.append(d)
     return _broadcast_of(dims)
 
 
@@ -535,9 +574,11 @@ def _reshaped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
     k = element(i)
     if k != -1:
         return k if k is None or isinstance(k, str) or k >= 0 else None
-    numerator = tensor_dims(x, depth)
     others = [element(j) for j in range(rank) if j != i]
-    if numerator is None or None in numerator or None in others or -1 in others:
+    if None in others or -1 in others:
+        return None
+    numerator = _all_dims(x, depth)
+    if numerator is None:
         return None
     num, den = _factors(numerator), _factors(others)
     for d in den[1]:
@@ -545,6 +586,20 @@ def _reshaped_dim(node: Node, i: int, rank: int, depth: int) -> Dim:
             return None
         num[1].remove(d)
     return dim_product(num[0] // den[0], num[1]) if den[0] > 0 and num[0] % den[0] == 0 else None
+
+
+def _all_dims(t: Tensor, depth: int) -> Optional[list[Dim]]:
+    """:func:`tensor_dims` of ``t`` when no dim is None, else None: traced only up to the first None."""
+    if t.shape is None:
+        _read(t)
+        return None
+    dims = []
+    for i in range(len(t.shape)):
+        d = _dim_at(t, i, depth)
+        if d is None:
+            return None
+        dims.append(d)
+    return dims
 
 
 def _factors(dims: Sequence[Dim]) -> tuple[int, list[str]]:
@@ -692,8 +747,8 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
             return None
         return [int(x) for x in v.ravel()], v.shape
     node = producer(t)
-    if node is not None and depth <= 0:
-        _cut()
+    if node is not None:
+        _depth_test(depth)
     if node is None or depth <= 0 or (node.domain or "") not in ("", "ai.onnx") or not node.inputs:
         return None
     if node.op == "Shape":
