@@ -123,3 +123,45 @@ def test_a_name_scope_holds_every_name_gs_knows():
             want.update(sub.tensors().keys())
             want.update(n.name for n in sub.nodes if n.name)
         assert ir.NameScope(g)._used == want
+
+
+def _constant_nodes_model():
+    """Each form of Constant node, each read twice (one reader reads it at two positions)."""
+    forms = {"t": {"value": helper.make_tensor("v", F, [2], [1.5, -2.0])}, "f": {"value_float": 0.25},
+             "fs": {"value_floats": [1.0, 2.0]}, "i": {"value_int": 3}, "is": {"value_ints": [4, 5]},
+             "s": {"value_string": "a"}, "ss": {"value_strings": ["a", "b"]}}
+    nodes = [helper.make_node("Constant", [], [name], **attrs) for name, attrs in forms.items()]
+    nodes += [helper.make_node("Concat", [name, name], [f"{name}2"], axis=0) for name in ("t", "fs", "is", "ss")]
+    nodes += [helper.make_node("Identity", [name], [f"{name}_id"]) for name in forms]
+    outputs = [helper.make_tensor_value_info(n.output[0], T.UNDEFINED, None) for n in nodes[len(forms):]]
+    graph = helper.make_graph(nodes, "t", [], outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_constant_in_place_equals_replacing_the_output():
+    """The in-place form of a Constant node's value (fold-constants' first sweep) exports exactly as
+    replacing the output with constant_node_value's constant; readers keep their positions."""
+    from k3opt.graph.gs_roundtrip import export_onnx, import_onnx
+
+    plain, fast = import_onnx(_constant_nodes_model()), import_onnx(_constant_nodes_model())
+    for node in [n for n in plain.nodes if n.op == "Constant"]:
+        out, value = node.outputs[0], ir.constant_node_value(node)
+        ir.replace_uses(plain, out, value)
+        value.name = out.name
+        ir.disconnect(node)
+    plain.nodes = [n for n in plain.nodes if n.op != "Constant"]
+    for node in [n for n in fast.nodes if n.op == "Constant"]:
+        out = node.outputs[0]
+        readers = list(out.outputs)
+        assert ir.constant_in_place(node) and isinstance(out, gs.Constant)
+        assert not node.outputs and not out.inputs and readers and out.outputs == readers
+        assert all(out in r.inputs for r in readers)
+    fast.nodes = [n for n in fast.nodes if n.op != "Constant"]
+    assert export_onnx(fast).SerializeToString() == export_onnx(plain).SerializeToString()
+    concat = next(n for n in fast.nodes if n.op == "Concat")
+    assert concat.inputs[0] is concat.inputs[1] and concat.inputs[0].outputs.count(concat) == 2
+
+
+def test_constant_in_place_declines_a_value_it_cannot_read():
+    node = gs.Node("Constant", "c", attrs={"sparse_value": object()}, outputs=[gs.Variable("c_out")])
+    assert not ir.constant_in_place(node) and isinstance(node.outputs[0], gs.Variable)

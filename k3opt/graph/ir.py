@@ -145,6 +145,30 @@ def constant_node_value(node: Node) -> Optional[gs.Constant]:
     return None
 
 
+def constant_in_place(node: Node) -> bool:
+    """Make a ``Constant`` node's output the constant it holds, in place, and disconnect the node (the
+    caller removes it); False, nothing changed, where :func:`constant_node_value` gives None.
+
+    The same tensor object becomes what ``constant_node_value`` builds, keeping its name, its readers and
+    its place among their inputs: what ``replace_uses`` with that constant (and its name) does, without
+    relinking every reader of each of the thousands of Constant nodes a TorchScript export holds.
+    """
+    value = constant_node_value(node)
+    if value is None:
+        return False
+    out = node.outputs[0]
+    edited([out])
+    list.clear(node.outputs)
+    list.clear(out.inputs)
+    d = out.__dict__
+    kept = {key: d[key] for key in ("name", "inputs", "outputs")}
+    d.clear()
+    d.update(value.__dict__)
+    d.update(kept)
+    out.__class__ = type(value)
+    return True
+
+
 def const_tensor(t: Optional[Tensor]) -> Optional[gs.Constant]:
     """The gs constant behind ``t`` (``t`` itself, or a ``Constant`` node's value), else None.
 

@@ -26,7 +26,7 @@ import numpy as np
 from ... import graph as gs
 
 from ...graph.ir import (
-    Graph, Node, Tensor, as_constant, const_value, constant_node_value, is_graph_output, node_subgraphs, outer_refs,
+    Graph, Node, Tensor, as_constant, const_value, constant_in_place, is_graph_output, node_subgraphs, outer_refs,
     producer, replace_uses, set_output,
 )
 from ...pipeline.pass_base import Pass, PassContext, register_pass
@@ -102,23 +102,15 @@ class FoldConstants(Pass):
     # -- sweep 1 -----------------------------------------------------------
     def _constant_nodes(self, graph: Graph, ctx: PassContext) -> int:
         """Turn ``Constant`` nodes into initializers (their output names are kept)."""
-        done: list[Node] = []
+        dead: list[Node] = []
         for node in ctx.nodes_of(graph, ("Constant",)):
             if (node.domain or "") not in FOLDABLE_DOMAINS or len(node.outputs) != 1:
                 continue
             out = node.outputs[0]
             if is_graph_output(graph, out) or not out.outputs:
                 continue
-            value = constant_node_value(node)
-            if value is None:
-                continue
-            name = out.name
-            replace_uses(graph, out, value)
-            value.name = name
-            done.append(node)
-        dead: list[Node] = []
-        for node in done:  # no inputs: unlinking from its one output is all (detach_all's batching buys nothing)
-            detach(node, dead)
+            if constant_in_place(node):  # no inputs, its output now the constant: nothing else to unlink
+                dead.append(node)
         remove(graph, dead)
         return len(dead)
 
