@@ -28,6 +28,7 @@ rm)`` receives a :class:`RotaryMatch` and returns the replacement of the rotated
 from __future__ import annotations
 
 import dataclasses
+from contextvars import ContextVar
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -186,7 +187,7 @@ def analyze(m: Match, full_width: bool, interleaved: bool = False) -> Optional[R
     width = d if full_width else d // 2
     shapes = {}
     for role in ("cos", "sin"):
-        why = _angle_shape(m[role], x, width)
+        why = _known_angle_shape(m[role], x, width)
         if isinstance(why, str):
             return _fail(m, f"{role}: {why}")
         shapes[role] = why
@@ -347,6 +348,24 @@ def _angle_shape(t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
         else:
             return f"its {what} dim is neither 1 nor provably x's"
     return same[0], same[1]
+
+
+#: :func:`_angle_shape` verdicts kept for one :func:`apply_rules` call whose rules rewrite nothing (each angle
+#: tensor is usually shared by q and k of every layer): (id(angles), width, x's batch dim, x's positions dim)
+#: -> (the angle tensor, the verdict). None while rules may rewrite.
+_ANGLE_SHAPES: ContextVar[Optional[dict[tuple, tuple]]] = ContextVar("k3opt_rotary_angle_shapes", default=None)
+
+
+def _known_angle_shape(t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
+    """:func:`_angle_shape`, remembered while :data:`_ANGLE_SHAPES` is set (it reads x only through these dims)."""
+    memo = _ANGLE_SHAPES.get()
+    if memo is None:
+        return _angle_shape(t, x, width)
+    key = (id(t), width, dim_at(x, 0), dim_at(x, 2))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not t:
+        hit = memo[key] = (t, _angle_shape(t, x, width))
+    return hit[1]
 
 
 def _last_dim(t: Tensor) -> Optional[int]:
@@ -600,11 +619,16 @@ def _slice_spares(node: Node, rank: int, axis: int) -> bool:
 
 # -- the rewrite -----------------------------------------------------------------------------------------------------
 
-def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
+def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule], counting: bool = False) -> int:
     """One sweep per rule, in order. Dims are traced with the run's dims analysis (declared symbols such as
-    ``batch`` are not traced at all)."""
+    ``batch`` are not traced at all). ``counting``: the rules' rewrites change nothing (they return None), so
+    the graph stays as it is and what the checks find about an angle tensor holds for the whole call."""
     done = 0
-    with ctx.analysis(DimAnalysis, graph):
-        for rule in rules:
-            done += sweep(graph, ctx, [rule])
+    token = _ANGLE_SHAPES.set({} if counting else None)
+    try:
+        with ctx.analysis(DimAnalysis, graph):
+            for rule in rules:
+                done += sweep(graph, ctx, [rule])
+    finally:
+        _ANGLE_SHAPES.reset(token)
     return done
