@@ -18,7 +18,7 @@ from k3opt.passes.fusion.fuse_layernorm import RULES as LAYERNORM_RULES
 from k3opt.pipeline.manager import PassManager
 from k3opt.patterns import Rule
 from k3opt.patterns.rule import RuleApplier
-from k3opt.patterns.rule_pass import possible, required_ops
+from k3opt.patterns.rule_pass import possible, required_links, required_ops, sweep
 from tests.helpers import make_model
 from tests.zoo import zoo_model
 
@@ -190,6 +190,45 @@ def test_required_ops_follow_alternatives_and_ignore_constants():
     assert possible(rule, set())
 
 
+def test_required_links_follow_alternatives():
+    """Each pattern edge is a required (producer op, consumer op) link; an ``op.Or`` operand gives what all its
+    alternatives give (here none: Neg vs Mul), a variable or constant operand none."""
+    def pattern(op, x, w):
+        y = op.Or(op.Neg(op.Sqrt(x)), op.Mul(op.Sqrt(x), 2.0))
+        return op.Add(op.MatMul(y, w), op.Constant(1.0))
+
+    rule = Rule("t", pattern, lambda op, m: None)
+    assert required_links(rule.pattern.outputs) == {("MatMul", "Add")}
+    nested = Rule("n", lambda op, x: op.Relu(op.Or(op.Neg(op.Sqrt(x)), op.Abs(op.Sqrt(x)))), lambda op, m: None)
+    assert required_links(nested.pattern.outputs) == set()
+    chain = Rule("c", lambda op, x: op.Relu(op.Sqrt(op.Abs(x))), lambda op, m: None)
+    assert required_links(chain.pattern.outputs) == {("Sqrt", "Relu"), ("Abs", "Sqrt")}
+    ops = {"Relu", "Sqrt", "Abs"}
+    assert possible(chain, ops, lambda a, b: True) and not possible(chain, ops, lambda a, b: (a, b) != ("Abs", "Sqrt"))
+    chain.debug = True
+    assert possible(chain, ops, lambda a, b: False)
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_a_sweep_skipped_for_a_missing_link_finds_what_a_full_sweep_finds(monkeypatch, linked):
+    """Relu(Sqrt(x)) where the graph holds both ops: linked, the sweep rewrites it; not linked (Relu and Sqrt
+    apart), it tries no anchor, and a sweep over every node (the plain path) finds nothing either."""
+    rule = Rule("relu-sqrt", lambda op, x: op.Relu(op.Sqrt(x)), lambda op, m: op.Sqrt(m["x"]))
+    nodes = [helper.make_node("Sqrt", ["x"], ["s"]), helper.make_node("Relu", ["s" if linked else "x"], ["y"]),
+             helper.make_node("Add", ["s" if not linked else "x", "y"], ["z"])]
+    model = make_model(nodes, [("x", F, [4])], [("z", F, [4])])
+    plain = RuleApplier(gs.import_onnx(model), PassContext(opset=17), [rule], dry_run=True)
+    plain.run()
+    tried = []
+    real = RuleApplier._try
+    monkeypatch.setattr(RuleApplier, "_try", lambda self, *a: tried.append(a[-1].op) or real(self, *a))
+    graph = gs.import_onnx(model)
+    ctx = PassContext(opset=17, census=OpCensus())
+    ctx.names = ir.NameScope(graph)
+    assert sweep(graph, ctx, [rule]) == plain.matched[rule.name] == int(linked)
+    assert tried == (["Relu"] if linked else []) and ctx.counters == {"rule:relu-sqrt": int(linked)}
+
+
 @pytest.mark.parametrize("name,exporter", [("bert", "torchscript"), ("llama", "dynamo"), ("gpt2", "dynamo")])
 def test_a_rule_judged_impossible_matches_nowhere(name, exporter):
     from k3opt.pipeline.pass_base import registered_passes
@@ -198,8 +237,9 @@ def test_a_rule_judged_impossible_matches_nowhere(name, exporter):
     present = {n.op for n in graph.nodes}
     rules = [r for cls in registered_passes().values() for r in getattr(cls, "rules", ())]
     assert rules
+    edges = {(ir.producer(t).op, n.op) for n in graph.nodes for t in n.inputs if ir.producer(t) is not None}
     for rule in rules:
-        if not possible(rule, present):
+        if not possible(rule, present, lambda a, b: (a, b) in edges):
             applier = RuleApplier(graph, PassContext(opset=18), [rule], dry_run=True)
             applier.run()
             assert applier.matched[rule.name] == 0

@@ -357,3 +357,25 @@ def test_every_rotary_of_decode_steps(name, exporter):
     model = onnx.load(str(zoo_decode_model(name, exporter)))
     assert_equivalent(model, out, feeds=zoo_decode_inputs(name, past=4, new=3), rtol=1e-4, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_counting_remembers_angle_shapes_with_the_same_report(monkeypatch, name):
+    """Counting (opset < 23) keeps each angle tensor's shape verdict for the call: q and k of every layer share
+    cos and sin, so it is worked out once per tensor, and the report is the one of working it out every time."""
+    from k3opt.passes._shared import rotary_match
+
+    model = onnx.load(str(zoo_model(name)))
+    calls = []
+    real = rotary_match._angle_shape
+    monkeypatch.setattr(rotary_match, "_angle_shape", lambda *a: calls.append(a) or real(*a))
+    remembered, plain = Report(), Report()
+    k3opt.api.optimize(model, report=remembered)
+    once = len(calls)
+    monkeypatch.setattr(rotary_match, "_known_angle_shape", rotary_match._angle_shape)
+    k3opt.api.optimize(model, report=plain)
+    remembered, plain = remembered.as_dict(), plain.as_dict()
+    assert remembered["counters"]["rotary_found"] == plain["counters"]["rotary_found"] > 0
+    assert (remembered["counters"], remembered["notes"], remembered["sites"]) == \
+        (plain["counters"], plain["notes"], plain["sites"])
+    assert 0 < once < len(calls) - once

@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar, Collection, Iterator, Optional, Sequ
 import onnx
 
 from ..errors import PluginError
-from ..graph.ir import Graph, NameScope
+from ..graph.ir import Graph, NameScope, producer
 from ..pipeline.pass_base import Pass, PassContext, register_pass, registered_passes
 from .builder import NodeOutput, OrPattern, ValuePattern
 from .rule import Rule, RuleApplier, RuleError
@@ -59,19 +59,32 @@ def sweep(graph: Graph, ctx: PassContext, rules: Sequence[Rule], explain: bool =
     the graph.
     """
     present = ctx.ops_in(graph)
-    ops = {op for r in rules for op in r.pattern.anchors} if any(possible(r, present) for r in rules) else ()
+    edges: dict[tuple[str, str], bool] = {}
+
+    def linked(a: str, b: str) -> bool:
+        if (a, b) not in edges:
+            edges[a, b] = any(n is not None and n.op == a
+                              for c in ctx.nodes_of(graph, (b,)) for n in map(producer, c.inputs))
+        return edges[a, b]
+
+    ops = {op for r in rules for op in r.pattern.anchors} if any(possible(r, present, linked) for r in rules) else ()
     done = RuleApplier(graph, ctx, rules, explain=explain, nodes=ctx.nodes_of(graph, ops) if ops else []).run()
     if done:
         ctx.changed()
     return done
 
 
-def possible(rule: Rule, present: Collection[str]) -> bool:
+def possible(rule: Rule, present: Collection[str], linked: Optional[Callable[[str, str], bool]] = None) -> bool:
     """Whether ``rule`` may match in a graph whose nodes have the op types ``present``: each op every match
-    holds is there. (A match reaching a node outside the graph is refused anyway.) A rule being debugged
-    always tries, so that it can explain itself at its closest candidate.
+    holds is there, and (given ``linked(a, b)``: does an ``a`` node feed a ``b`` node here?) each producer to
+    consumer link every match holds (:func:`required_links`). (A match reaching a node outside the graph is
+    refused anyway.) A rule being debugged always tries, so that it can explain itself at its closest candidate.
     """
-    return rule.debugging() or required_ops(rule.pattern.outputs) <= set(present)
+    if rule.debugging():
+        return True
+    if not required_ops(rule.pattern.outputs) <= set(present):
+        return False
+    return linked is None or all(linked(a, b) for a, b in sorted(required_links(rule.pattern.outputs)))
 
 
 def required_ops(patterns: Sequence[Optional[ValuePattern]]) -> frozenset[str]:
@@ -91,6 +104,27 @@ def required_ops(patterns: Sequence[Optional[ValuePattern]]) -> frozenset[str]:
         return memo[id(p)]
 
     return frozenset().union(*map(need, patterns))
+
+
+def required_links(patterns: Sequence[Optional[ValuePattern]]) -> frozenset[tuple[str, str]]:
+    """The (producer op, consumer op) pairs every match of all of ``patterns`` holds an edge of: a node pattern
+    reading another's output (an ``op.Or`` operand gives what each alternative gives)."""
+    memo: dict[tuple[int, str], frozenset[tuple[str, str]]] = {}
+
+    def need(p: Optional[ValuePattern], consumer: str) -> frozenset[tuple[str, str]]:
+        key = (id(p), consumer)
+        if key not in memo:
+            if isinstance(p, NodeOutput):
+                op = p.node.op_type
+                own = frozenset(((op, consumer),)) if consumer else frozenset()
+                memo[key] = own.union(*(need(q, op) for q in p.node.inputs))
+            elif isinstance(p, OrPattern):
+                memo[key] = frozenset.intersection(*(need(a, consumer) for a in p.alternatives))
+            else:
+                memo[key] = frozenset()
+        return memo[key]
+
+    return frozenset().union(*(need(p, "") for p in patterns))
 
 
 def bodies(graph: Graph) -> Iterator[Graph]:

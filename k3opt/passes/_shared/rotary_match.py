@@ -28,13 +28,15 @@ rm)`` receives a :class:`RotaryMatch` and returns the replacement of the rotated
 from __future__ import annotations
 
 import dataclasses
+from contextvars import ContextVar
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from onnx import TensorProto
 
 from ...graph import dtypes
-from ...graph.ir import Graph, Node, Tensor, const_value, is_const, producer
+from ...graph.ir import Graph, Node, Tensor, is_const, producer
+from ...graph.small_constants import small_const_value
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.matcher import is_empty
 from ...patterns.rule_pass import sweep
@@ -185,7 +187,7 @@ def analyze(m: Match, full_width: bool, interleaved: bool = False) -> Optional[R
     width = d if full_width else d // 2
     shapes = {}
     for role in ("cos", "sin"):
-        why = _angle_shape(m[role], x, width)
+        why = _known_angle_shape(m[role], x, width)
         if isinstance(why, str):
             return _fail(m, f"{role}: {why}")
         shapes[role] = why
@@ -209,6 +211,12 @@ def analyze(m: Match, full_width: bool, interleaved: bool = False) -> Optional[R
     return RotaryMatch(x, lo, hi, pairs, m["cos"], m["sin"], full_width, d, same_batch, same_positions,
                        m.node("root"), m, interleaved)
 
+
+
+def _const_scalar(t: Tensor) -> Optional[float]:
+    """:func:`~k3opt.graph.ir.const_scalar` of ``t``, read as a small constant (decoded once per process)."""
+    v = small_const_value(t)
+    return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
 
 
 def _fail(m: Match, reason: str) -> None:
@@ -255,7 +263,7 @@ def _leading_three_of(shape: Tensor, src: Tensor) -> bool:
         return False
     head, sliced = producer(concat.inputs[0]), False
     if head is not None and head.op == "Slice":
-        values = [None if is_empty(t) else checks.const_value(t) for t in head.inputs[1:]]
+        values = [None if is_empty(t) else small_const_value(t) for t in head.inputs[1:]]
         want = ([0], [3], [0], [1])  # starts, ends, axes (or none), steps (or none)
         if len(values) < 2 or values[0] is None or values[1] is None or any(
                 v is not None and [int(a) for a in np.asarray(v).reshape(-1)] != want[k] for k, v in enumerate(values)):
@@ -293,7 +301,7 @@ def _halves_kind(m: Match, d: int) -> "bool | str":
 def slice_last(node: Node, d: int) -> Optional[tuple[int, int, int]]:
     """(start, stop, step) of a Slice over the last axis only of a rank-4 tensor, normalized; None otherwise."""
     inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
-    values = [None if t is None or is_empty(t) else const_value(t) if is_const(t) else False for t in inputs[1:5]]
+    values = [None if t is None or is_empty(t) else small_const_value(t) if is_const(t) else False for t in inputs[1:5]]
     if any(v is False for v in values) or values[0] is None or values[1] is None:
         return None
     starts, ends, axes, steps = (None if v is None else [int(a) for a in np.asarray(v).reshape(-1)] for v in values)
@@ -308,7 +316,7 @@ def slice_last(node: Node, d: int) -> Optional[tuple[int, int, int]]:
 def _split_sizes(node: Node, d: int) -> Optional[list[int]]:
     sizes = node.inputs[1] if len(node.inputs) > 1 and not is_empty(node.inputs[1]) else None
     if sizes is not None:
-        value = checks.const_value(sizes)
+        value = small_const_value(sizes)
         return None if value is None else [int(s) for s in value.reshape(-1)]
     if "split" in node.attrs:
         return [int(s) for s in node.attrs["split"]]
@@ -340,6 +348,24 @@ def _angle_shape(t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
         else:
             return f"its {what} dim is neither 1 nor provably x's"
     return same[0], same[1]
+
+
+#: :func:`_angle_shape` verdicts kept for one :func:`apply_rules` call whose rules rewrite nothing (each angle
+#: tensor is usually shared by q and k of every layer): (id(angles), width, x's batch dim, x's positions dim)
+#: -> (the angle tensor, the verdict). None while rules may rewrite.
+_ANGLE_SHAPES: ContextVar[Optional[dict[tuple, tuple]]] = ContextVar("k3opt_rotary_angle_shapes", default=None)
+
+
+def _known_angle_shape(t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
+    """:func:`_angle_shape`, remembered while :data:`_ANGLE_SHAPES` is set (it reads x only through these dims)."""
+    memo = _ANGLE_SHAPES.get()
+    if memo is None:
+        return _angle_shape(t, x, width)
+    key = (id(t), width, dim_at(x, 0), dim_at(x, 2))
+    hit = memo.get(key)
+    if hit is None or hit[0] is not t:
+        hit = memo[key] = (t, _angle_shape(t, x, width))
+    return hit[1]
 
 
 def _last_dim(t: Tensor) -> Optional[int]:
@@ -404,8 +430,8 @@ def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
         if axis < g + k:
             return inputs[1], axis - g
         return inputs[0], axis - k + 1
-    if op == "Range" and axis == 0 and checks.const_scalar(inputs[2]) == 1:
-        if checks.const_scalar(inputs[0]) == 0:
+    if op == "Range" and axis == 0 and _const_scalar(inputs[2]) == 1:
+        if _const_scalar(inputs[0]) == 0:
             return None, _scalar_dim(inputs[1])
         limit = producer(inputs[1])
         if limit is not None and limit.op == "Add" and len(limit.inputs) == 2 \
@@ -419,7 +445,7 @@ def _raw_axes(node: Node) -> Optional[list[int]]:
     if "axes" in node.attrs:
         return [int(a) for a in node.attrs["axes"]]
     if len(node.inputs) > 1 and is_const(node.inputs[1]):
-        return [int(a) for a in const_value(node.inputs[1]).reshape(-1)]
+        return [int(a) for a in small_const_value(node.inputs[1]).reshape(-1)]
     return None
 
 
@@ -454,9 +480,9 @@ def _chain(t: Tensor) -> tuple[list[tuple[Node, int]], Tensor]:
             break
         if node.op in _ANGLE_UNARY:
             i = 0
-        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and checks.const_scalar(node.inputs[1]) is not None:
+        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and _const_scalar(node.inputs[1]) is not None:
             i = 0
-        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and checks.const_scalar(node.inputs[0]) is not None:
+        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and _const_scalar(node.inputs[0]) is not None:
             i = 1
         else:
             break
@@ -492,7 +518,7 @@ def _same_operand(a: Tensor, b: Tensor) -> bool:
     if a is b:
         return True
     if is_const(a) and is_const(b):
-        va, vb = const_value(a), const_value(b)
+        va, vb = small_const_value(a), small_const_value(b)
         return va is not None and vb is not None and va.dtype == vb.dtype and np.array_equal(va, vb)
     return False
 
@@ -509,7 +535,7 @@ def _symmetric(chain: tuple[list[tuple[Node, int]], Tensor], d: int) -> bool:
             and concat.inputs[0] is concat.inputs[1] and root.shape is not None \
             and concat_axis(concat, len(root.shape)) == len(root.shape) - 1:
         return True
-    value = const_value(root) if is_const(root) else None
+    value = small_const_value(root) if is_const(root) else None
     return value is not None and value.ndim >= 1 and value.shape[-1] == d and \
         np.array_equal(value[..., :d // 2], value[..., d // 2:])
 
@@ -522,7 +548,7 @@ def _paired_chain(t: Tensor, d: int) -> Optional[tuple[list[tuple[Node, int]], T
     if not all(_spares_last_axis(node, d) for node, _ in steps):
         return None
     if is_const(root):
-        value = const_value(root)
+        value = small_const_value(root)
         paired = value is not None and value.ndim >= 1 and value.shape[-1] == d \
             and np.array_equal(value[..., 0::2], value[..., 1::2])
         return (steps, root) if paired else None
@@ -552,7 +578,7 @@ def _repeats_last_axis_only(node: Node) -> Optional[int]:
     """How many times a Tile or Expand (of a known-rank input, same rank out) repeats its last axis, when its
     constant repeats/shape are 1 on every other axis (an Expand's input then has a last dim of 1); else None."""
     src = node.inputs[0]
-    value = const_value(node.inputs[1]) if len(node.inputs) == 2 and is_const(node.inputs[1]) else None
+    value = small_const_value(node.inputs[1]) if len(node.inputs) == 2 and is_const(node.inputs[1]) else None
     if value is None or src.shape is None or value.ndim != 1 or value.size != len(src.shape) \
             or any(int(v) != 1 for v in value[:-1]):
         return None
@@ -585,19 +611,24 @@ def _spares_last_axis(node: Node, d: int) -> bool:
 def _slice_spares(node: Node, rank: int, axis: int) -> bool:
     """The Slice (of a rank-``rank`` tensor) leaves axis ``axis`` whole: its constant axes do not include it."""
     if len(node.inputs) < 4 or is_empty(node.inputs[3]):
-        starts = const_value(node.inputs[1]) if is_const(node.inputs[1]) else None
+        starts = small_const_value(node.inputs[1]) if is_const(node.inputs[1]) else None
         return starts is not None and starts.size <= axis
-    axes = const_value(node.inputs[3]) if is_const(node.inputs[3]) else None
+    axes = small_const_value(node.inputs[3]) if is_const(node.inputs[3]) else None
     return axes is not None and all((int(a) + rank if a < 0 else int(a)) != axis for a in axes.reshape(-1))
 
 
 # -- the rewrite -----------------------------------------------------------------------------------------------------
 
-def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
+def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule], counting: bool = False) -> int:
     """One sweep per rule, in order. Dims are traced with the run's dims analysis (declared symbols such as
-    ``batch`` are not traced at all)."""
+    ``batch`` are not traced at all). ``counting``: the rules' rewrites change nothing (they return None), so
+    the graph stays as it is and what the checks find about an angle tensor holds for the whole call."""
     done = 0
-    with ctx.analysis(DimAnalysis, graph):
-        for rule in rules:
-            done += sweep(graph, ctx, [rule])
+    token = _ANGLE_SHAPES.set({} if counting else None)
+    try:
+        with ctx.analysis(DimAnalysis, graph):
+            for rule in rules:
+                done += sweep(graph, ctx, [rule])
+    finally:
+        _ANGLE_SHAPES.reset(token)
     return done

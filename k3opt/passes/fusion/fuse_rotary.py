@@ -138,7 +138,7 @@ def find_rotaries(graph: Graph, ctx: PassContext) -> list[Node]:
     found: dict[int, Node] = {}
     token = _found.set(found)
     try:
-        apply_rules(graph, ctx, _COUNTING)
+        apply_rules(graph, ctx, _COUNTING, counting=True)
     finally:
         _found.reset(token)
     return list(found.values())
