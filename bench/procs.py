@@ -123,9 +123,14 @@ def _wait(pid: int, deadline: float, max_rss_mb: Optional[float]) -> tuple[int, 
 
 
 def write_result(payload: dict) -> None:
-    """Child side: hand ``payload`` back to :func:`run_measured`."""
+    """Child side: hand ``payload`` back to :func:`run_measured`; run by hand (no ``BENCH_RESULT``), a worker
+    prints it instead (a worker is also how to time one optimizer as a whole process with outside tools)."""
+    result = {**payload, "vmhwm_mb": memory_mb()[1]}
+    if "BENCH_RESULT" not in os.environ:
+        print(json.dumps(result))
+        return
     with open(os.environ["BENCH_RESULT"], "w") as f:
-        json.dump({**payload, "vmhwm_mb": memory_mb()[1]}, f)
+        json.dump(result, f)
 
 
 def ram_gib() -> float:
