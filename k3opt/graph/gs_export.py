@@ -303,8 +303,8 @@ def _write_value_info(t: Tensor, entries) -> None:
 
 # --- gs's NodeProto as bytes -------------------------------------------------------------------------------------
 # Shape refreshes serialize every node's proto (the refresh after folding ~7,500 of them). Writing the protobuf wire
-# format of plain nodes directly is ~1.5x faster than building the NodeProto with onnx.helper and serializing it.
-# Fields go in field-number order, as protobuf serializes them.
+# format of plain nodes directly costs less than building each NodeProto with onnx.helper and serializing it (the
+# figures are in docs/benchmarks.md's speed diary). Fields go in field-number order, as protobuf serializes them.
 
 _INT64 = 1 << 64
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
