@@ -410,8 +410,8 @@ def _local_names(graph: Graph) -> set[str]:
     """gs's ``Graph._local_tensors`` names: produced here, graph inputs, and the names whose tensor in
     ``graph.tensors()`` (the last one of that name) is a constant.
 
-    One walk of the graph for both kinds (each walk of a big graph's scattered objects costs: at 64
-    layers a walk is ~4x slower per node than at 8).
+    One walk of the graph for both kinds (each walk of a big graph's scattered objects costs more per node
+    the bigger the graph: see the speed diary in docs/benchmarks.md).
     """
     own = {t.name for t in graph.inputs}
     last: dict[str, Tensor] = {}

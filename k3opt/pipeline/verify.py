@@ -70,7 +70,7 @@ def session(model: Union[bytes, onnx.ModelProto, Path], load_only: bool = False)
 
     A Path is loaded by onnxruntime from the file (external data from its folder, so over 2 GB too).
     ``load_only``: the session will not run, so skip what only speeds runs up (thread pool, spinning,
-    memory arena and patterns, weight prepacking): 0.13 s instead of 0.5 s on the 64-layer Llama.
+    memory arena and patterns, weight prepacking): a fraction of a full session's cost on a deep model.
     """
     import onnxruntime as ort
 

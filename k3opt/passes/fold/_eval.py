@@ -109,7 +109,7 @@ def _external_inputs(nodes: Iterable[Node]) -> Iterable[Tensor]:
 
 
 def _session(data: bytes) -> "onnxruntime.InferenceSession":
-    import onnxruntime as ort  # here: a model whose constants numpy computes never needs it (~40 ms to import)
+    import onnxruntime as ort  # here: a model whose constants numpy computes never needs it (a costly import)
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
