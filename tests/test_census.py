@@ -258,3 +258,21 @@ def test_layernorm_sweeps_skip_a_graph_without_sub(monkeypatch):
     ctx = PassContext(opset=17)
     assert FuseLayerNorm().run(gs.import_onnx(model), ctx) == 0
     assert tried == [] and {k: v for k, v in ctx.counters.items()} == {f"rule:{r.name}": 0 for r in LAYERNORM_RULES}
+
+
+@pytest.mark.parametrize("with_census", [True, False])
+def test_owns_answers_for_the_graph_as_it_is_now(with_census):
+    """ctx.owns: a node of the graph, not of an enclosing one; a node added to the list is seen at once
+    (the census keys its ids to the node list as it was)."""
+    x = gs.Variable("x", dtype=np.float32, shape=[2])
+    a, b = gs.Variable("a"), gs.Variable("b")
+    outer = gs.Node("Relu", "outer", inputs=[x], outputs=[a])
+    body = gs.Graph(nodes=[gs.Node("Neg", "inner", inputs=[a], outputs=[b])], inputs=[], outputs=[b])
+    graph = gs.Graph(nodes=[outer], inputs=[x], outputs=[a])
+    ctx = PassContext(opset=17)
+    if with_census:
+        ctx.census = OpCensus()
+    assert ctx.owns(graph, outer) and not ctx.owns(body, outer) and ctx.owns(body, body.nodes[0])
+    late = gs.Node("Identity", "late", inputs=[a], outputs=[gs.Variable("c")])
+    graph.nodes.append(late)
+    assert ctx.owns(graph, late)

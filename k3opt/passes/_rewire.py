@@ -95,30 +95,12 @@ def single_use(graph: Graph, t: Tensor) -> bool:
     return len(t.outputs) == 1 and not is_graph_output(graph, t)
 
 
-#: id(graph) -> (its node list, that list's length, the ids of its nodes): see :func:`holds`. Emptied at
-#: the end of every :meth:`NodeRewritePass.run` (it must not keep a graph's nodes alive).
-_HELD: dict[int, tuple[list, int, set[int]]] = {}
-
-
-def holds(graph: Graph, node: Node) -> bool:
-    """``node`` is one of ``graph``'s own nodes (not of an enclosing graph, whose values a body reads).
-
-    A rewrite that merges a producer into its reader must not reach into the enclosing graph: the
-    producer would be detached there but stay in that graph's node list. The ids are cached while
-    the node list is the same list of the same length.
-    """
-    entry = _HELD.get(id(graph))
-    if entry is None or entry[0] is not graph.nodes or entry[1] != len(graph.nodes):
-        entry = _HELD[id(graph)] = (graph.nodes, len(graph.nodes), {id(n) for n in graph.nodes})
-    return id(node) in entry[2]
-
-
-def chain_producer(graph: Graph, node: Node, op: str) -> Optional[Node]:
+def chain_producer(graph: Graph, node: Node, op: str, ctx: PassContext) -> Optional[Node]:
     """The ``op`` node of ``graph`` computing ``node``'s first input, if ``node`` is that value's only reader."""
     first = producer(node.inputs[0])
     if first is None or first.op != op or (first.domain or "") not in ("", "ai.onnx"):
         return None
-    return first if single_use(graph, node.inputs[0]) and holds(graph, first) else None
+    return first if single_use(graph, node.inputs[0]) and ctx.owns(graph, first) else None
 
 
 def unsqueeze_axes(node: Node) -> Optional[list[int]]:
@@ -145,15 +127,12 @@ class NodeRewritePass(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         total = 0
-        try:
-            for g, candidates in self._candidates(graph, ctx):
-                dead: list[Node] = []
-                for node in candidates:  # re-checked: an earlier rewrite may have detached or changed it
-                    if node.op in self.ops and (node.domain or "") in ("", "ai.onnx") and node.outputs:
-                        total += bool(self.rewrite(g, node, ctx, dead))
-                remove(g, dead)
-        finally:
-            _HELD.clear()
+        for g, candidates in self._candidates(graph, ctx):
+            dead: list[Node] = []
+            for node in candidates:  # re-checked: an earlier rewrite may have detached or changed it
+                if node.op in self.ops and (node.domain or "") in ("", "ai.onnx") and node.outputs:
+                    total += bool(self.rewrite(g, node, ctx, dead))
+            remove(g, dead)
         return total
 
     def _candidates(self, graph: Graph, ctx: PassContext) -> list[tuple[Graph, list[Node]]]:
@@ -170,7 +149,7 @@ class ChainPass(NodeRewritePass):
     """Merges ``op(op(x))`` pairs: :meth:`merge` sees both nodes when the inner result has no other reader."""
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        first = chain_producer(graph, node, node.op)
+        first = chain_producer(graph, node, node.op, ctx)
         return first is not None and self.merge(graph, first, node, dead)
 
     def merge(self, graph: Graph, first: Node, second: Node, dead: list[Node]) -> bool:  # pragma: no cover

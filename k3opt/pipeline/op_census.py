@@ -24,11 +24,21 @@ class OpCensus:
         self._stamps: list[tuple[list, int]] = []
         # id(graph) -> (graph, its node list, its length, op type -> positions in the list)
         self._index: dict[int, tuple[Graph, list[Node], int, dict[str, list[int]]]] = {}
+        # id(graph) -> (its node list, its length, the ids of its nodes)
+        self._members: dict[int, tuple[list[Node], int, set[int]]] = {}
 
     def clear(self) -> None:
         """Forget everything: the graph changed."""
         self._graphs, self._stamps = None, []
         self._index.clear()
+        self._members.clear()
+
+    def owns(self, graph: Graph, node: Node) -> bool:
+        """``node`` is one of ``graph``'s own nodes; the ids are kept while its node list is the one seen."""
+        members = self._members.get(id(graph))
+        if members is None or members[0] is not graph.nodes or members[1] != len(graph.nodes):
+            members = self._members[id(graph)] = (graph.nodes, len(graph.nodes), {id(n) for n in graph.nodes})
+        return id(node) in members[2]
 
     def graphs(self, graph: Graph) -> list[Graph]:
         """``list(all_graphs(graph))``: the graph and its bodies, outermost first."""

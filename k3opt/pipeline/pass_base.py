@@ -99,6 +99,16 @@ class PassContext:
         """The op types of the nodes of ``graph`` (not of its bodies): a pass may skip work needing one absent."""
         return {n.op for n in graph.nodes} if self.census is None else self.census.ops_in(graph)
 
+    def owns(self, graph: Graph, node: Node) -> bool:
+        """``node`` is one of ``graph``'s own nodes, not of an enclosing graph (whose values a body reads).
+
+        A rewrite that merges a producer into its reader must not reach into the enclosing graph: the
+        producer would be detached there but stay in that graph's node list.
+        """
+        if self.census is None:
+            return any(n is node for n in graph.nodes)
+        return self.census.owns(graph, node)
+
     def graphs(self, graph: Graph) -> list[Graph]:
         """``graph`` and every body nested in it, outermost first (``list(ir.all_graphs(graph))``)."""
         return list(all_graphs(graph)) if self.census is None else self.census.graphs(graph)

@@ -36,7 +36,7 @@ class CancelSqueezePairs(NodeRewritePass):
     ops = frozenset(PAIRS)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        first = chain_producer(graph, node, PAIRS[node.op])
+        first = chain_producer(graph, node, PAIRS[node.op], ctx)
         if first is None:
             return False
         x = first.inputs[0]

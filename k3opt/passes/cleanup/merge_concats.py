@@ -11,7 +11,7 @@ from typing import Optional
 from ...graph.ir import Graph, Node, producer, rank
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
-from .._rewire import NodeRewritePass, detach, holds, single_use
+from .._rewire import NodeRewritePass, detach, single_use
 
 
 def concat_axis(node: Node) -> Optional[int]:
@@ -37,7 +37,7 @@ class MergeConcats(NodeRewritePass):
         for i, t in enumerate(node.inputs):
             p = producer(t)
             if p is not None and p.op == "Concat" and (p.domain or "") in ("", "ai.onnx") and \
-                    p is not node and single_use(graph, t) and concat_axis(p) == axis and holds(graph, p):
+                    p is not node and single_use(graph, t) and concat_axis(p) == axis and ctx.owns(graph, p):
                 inner.append(p)
         if not inner:
             return False

@@ -57,7 +57,7 @@ class MergeReshapes(NodeRewritePass):
             return super().run(graph, ctx)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        first = chain_producer(graph, node, "Reshape")
+        first = chain_producer(graph, node, "Reshape", ctx)
         if first is None or len(node.inputs) < 2 or len(first.inputs) < 2:  # opset < 5: shape attribute
             return False
         target = int_list(node.inputs[1])

@@ -77,7 +77,7 @@ class MergeSlices(NodeRewritePass):
     ops = frozenset({"Slice"})
 
     def rewrite(self, graph: Graph, second: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        first = chain_producer(graph, second, "Slice")
+        first = chain_producer(graph, second, "Slice", ctx)
         if first is None:
             return False
         x = first.inputs[0]

@@ -37,7 +37,7 @@ class MergeUnsqueezes(NodeRewritePass):
     ops = frozenset({"Unsqueeze"})
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        first = chain_producer(graph, node, "Unsqueeze")
+        first = chain_producer(graph, node, "Unsqueeze", ctx)
         if first is None:
             return False
         x: Tensor = first.inputs[0]

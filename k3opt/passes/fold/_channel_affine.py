@@ -15,7 +15,7 @@ import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, as_constant, const_tensor, const_value, is_graph_output, producer, rank, set_input
 from ...pipeline.pass_base import PassContext
-from .._rewire import bypass, can_replace, holds, is_used
+from .._rewire import bypass, can_replace, is_used
 
 #: Weight dtypes the fold computes for (bfloat16 keeps 8 significant bits: a folded weight could lose
 #: more than the decomposed form's rounding of one product).
@@ -29,13 +29,13 @@ Refuse = Callable[[Node, str], bool]
 MAX_CHANNEL_ELEMENTS = 1 << 20
 
 
-def channel_producer(graph: Graph, t: Tensor) -> Optional[Node]:
+def channel_producer(graph: Graph, t: Tensor, ctx: PassContext) -> Optional[Node]:
     """The Conv/ConvTranspose/Gemm/MatMul (default domain) of ``graph`` computing ``t``, when ``t`` has no
     other reader."""
     p = producer(t)
     if p is None or p.op not in PRODUCERS or (p.domain or "") not in ("", "ai.onnx"):
         return None
-    if len(t.outputs) != 1 or is_graph_output(graph, t) or p.outputs[0] is not t or not holds(graph, p):
+    if len(t.outputs) != 1 or is_graph_output(graph, t) or p.outputs[0] is not t or not ctx.owns(graph, p):
         return None
     return p
 
@@ -155,11 +155,12 @@ def _scaled_weight(p: Node, w: np.ndarray, s: np.ndarray) -> np.ndarray:
     return w * s[None, :]
 
 
-def channel_operand(graph: Graph, node: Node, ops: frozenset[str], refuse: Refuse) -> Optional[tuple[Node, np.ndarray]]:
+def channel_operand(graph: Graph, node: Node, ops: frozenset[str], refuse: Refuse,
+                    ctx: PassContext) -> Optional[tuple[Node, np.ndarray]]:
     """For a binary elementwise ``node`` reading one of ``ops``'s output and a constant: that producer and the
     constant as a per-channel float64 vector (None when there is none, or the constant does not fit, noted)."""
     for i in (0, 1):
-        p = channel_producer(graph, node.inputs[i])
+        p = channel_producer(graph, node.inputs[i], ctx)
         if p is None or p.op not in ops:
             continue
         c = const_tensor(node.inputs[1 - i])

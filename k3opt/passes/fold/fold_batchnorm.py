@@ -63,7 +63,7 @@ class FoldBatchNorm(RefusalNotes, NodeRewritePass):
         return self._mul(graph, node, ctx, dead)
 
     def _batchnorm(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        p = channel_producer(graph, node.inputs[0])
+        p = channel_producer(graph, node.inputs[0], ctx)
         if p is None:
             return False
         if any(t.outputs or is_graph_output(graph, t) for t in node.outputs[1:]):
@@ -79,5 +79,5 @@ class FoldBatchNorm(RefusalNotes, NodeRewritePass):
         return fold_into(graph, node, p, affine[0], affine[1], ctx, dead, self.refuse)
 
     def _mul(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        found = channel_operand(graph, node, CONVOLUTIONS, self.refuse)
+        found = channel_operand(graph, node, CONVOLUTIONS, self.refuse, ctx)
         return found is not None and fold_into(graph, node, found[0], found[1], None, ctx, dead, self.refuse)

@@ -25,7 +25,7 @@ from ...graph.ir import Graph, Node, const_tensor, const_value, int_list, produc
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from ..fold._channel_affine import RefusalNotes
-from .._rewire import NodeRewritePass, detach, holds, is_used, single_use
+from .._rewire import NodeRewritePass, detach, is_used, single_use
 
 READERS = frozenset({"Conv", "AveragePool", "MaxPool"})
 
@@ -82,7 +82,7 @@ class FoldPad(RefusalNotes, NodeRewritePass):
         pad = producer(node.inputs[0])
         if pad is None or pad.op != "Pad" or (pad.domain or "") not in ("", "ai.onnx"):
             return False
-        if not single_use(graph, node.inputs[0]) or not holds(graph, pad):
+        if not single_use(graph, node.inputs[0]) or not ctx.owns(graph, pad):
             return False
         why = self._refusal(graph, node, pad)
         if why is not None:

@@ -27,5 +27,5 @@ class MergeConvBias(RefusalNotes, NodeRewritePass):
     ops = frozenset({"Add"})
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        found = channel_operand(graph, node, BIASED, self.refuse)
+        found = channel_operand(graph, node, BIASED, self.refuse, ctx)
         return found is not None and fold_into(graph, node, found[0], None, found[1], ctx, dead, self.refuse)
