@@ -5,6 +5,7 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto as T, helper
 
 from k3opt.graph import ir
+from k3opt.graph.small_constants import small_const_scalar
 
 F = T.FLOAT
 
@@ -85,6 +86,8 @@ def test_scalar_and_int_list_readers():
     t = graph.tensors()
     assert ir.int_list(t["w"]) == [1, -2, 3, -8] and ir.int_list(t["x"]) is None
     assert ir.const_scalar(t["scale"]) == 0.5 and ir.const_scalar(t["w"]) is None and ir.const_scalar(t["x"]) is None
+    for name in ("scale", "w", "x"):  # the cached readers answer as the plain ones
+        assert small_const_scalar(t[name]) == ir.const_scalar(t[name])
 
 
 def test_the_pattern_checks_read_constants_with_the_same_functions():

@@ -198,8 +198,12 @@ def const_value(t: Optional[Tensor]) -> Optional[np.ndarray]:
 
 def const_scalar(t: Optional[Tensor]) -> Optional[float]:
     """The single value of a size-1 constant as a float, else None."""
-    v = const_value(t)
-    return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
+    return as_scalar(const_value(t))
+
+
+def as_scalar(value: Optional[np.ndarray]) -> Optional[float]:
+    """The single element of a size-1 array as a float; None for None or any other size."""
+    return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
 
 
 def int_list(t: Optional[Tensor]) -> Optional[list[int]]:

@@ -18,7 +18,7 @@ from onnx import TensorProto
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from . import dtypes
-from .ir import Tensor, as_int_list, bad_data, const_tensor, peek
+from .ir import Tensor, as_int_list, as_scalar, bad_data, const_tensor, peek
 
 #: The largest constant remembered: 64 int64s, the longest shape a shape computation is traced for.
 MAX_DECODED_BYTES = 8 * 64
@@ -40,6 +40,11 @@ def small_const_value(t: Tensor) -> Optional[np.ndarray]:
 def small_int_list(t: Tensor) -> Optional[list[int]]:
     """:func:`~k3opt.graph.ir.int_list` of ``t``, a small constant decoded once per process."""
     return as_int_list(small_const_value(t))
+
+
+def small_const_scalar(t: Tensor) -> Optional[float]:
+    """:func:`~k3opt.graph.ir.const_scalar` of ``t``, a small constant decoded once per process."""
+    return as_scalar(small_const_value(t))
 
 
 def constant_value(c: Optional[gs.Constant]) -> Optional[np.ndarray]:

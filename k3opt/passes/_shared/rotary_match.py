@@ -36,7 +36,7 @@ from onnx import TensorProto
 
 from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, is_const, producer
-from ...graph.small_constants import small_const_value
+from ...graph.small_constants import small_const_scalar, small_const_value
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.matcher import is_empty
 from ...patterns.rule_pass import sweep
@@ -210,13 +210,6 @@ def analyze(m: Match, full_width: bool, interleaved: bool = False) -> Optional[R
     lo, hi = (m["lo"], m["hi"]) if "lo" in m else (m.node("lo").outputs[0], m.node("hi").outputs[0])
     return RotaryMatch(x, lo, hi, pairs, m["cos"], m["sin"], full_width, d, same_batch, same_positions,
                        m.node("root"), m, interleaved)
-
-
-
-def _const_scalar(t: Tensor) -> Optional[float]:
-    """:func:`~k3opt.graph.ir.const_scalar` of ``t``, read as a small constant (decoded once per process)."""
-    v = small_const_value(t)
-    return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
 
 
 def _fail(m: Match, reason: str) -> None:
@@ -430,8 +423,8 @@ def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
         if axis < g + k:
             return inputs[1], axis - g
         return inputs[0], axis - k + 1
-    if op == "Range" and axis == 0 and _const_scalar(inputs[2]) == 1:
-        if _const_scalar(inputs[0]) == 0:
+    if op == "Range" and axis == 0 and small_const_scalar(inputs[2]) == 1:
+        if small_const_scalar(inputs[0]) == 0:
             return None, _scalar_dim(inputs[1])
         limit = producer(inputs[1])
         if limit is not None and limit.op == "Add" and len(limit.inputs) == 2 \
@@ -480,9 +473,9 @@ def _chain(t: Tensor) -> tuple[list[tuple[Node, int]], Tensor]:
             break
         if node.op in _ANGLE_UNARY:
             i = 0
-        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and _const_scalar(node.inputs[1]) is not None:
+        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and small_const_scalar(node.inputs[1]) is not None:
             i = 0
-        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and _const_scalar(node.inputs[0]) is not None:
+        elif node.op in _ANGLE_SCALAR and len(node.inputs) == 2 and small_const_scalar(node.inputs[0]) is not None:
             i = 1
         else:
             break
