@@ -276,3 +276,18 @@ def test_owns_answers_for_the_graph_as_it_is_now(with_census):
     late = gs.Node("Identity", "late", inputs=[a], outputs=[gs.Variable("c")])
     graph.nodes.append(late)
     assert ctx.owns(graph, late)
+
+
+def test_all_graphs_is_gs_own_walk_of_the_bodies():
+    """ir.all_graphs (one comprehension per graph) yields what gs's per-node ``subgraphs()`` walk yields."""
+    def plain(g: gs.Graph):
+        yield g
+        for node in g.nodes:
+            for sub in node.subgraphs():
+                yield from plain(sub)
+
+    graph = nested_graph()
+    graph.nodes[0].attrs["note"] = "not a graph"  # attributes of other kinds are passed over
+    assert [id(g) for g in ir.all_graphs(graph)] == [id(g) for g in plain(graph)]
+    # else before then (attributes by name), a nested body right after the body holding it
+    assert [g.name for g in ir.all_graphs(graph)][1:] == ["e1", "t1", "e2", "t2"]

@@ -287,11 +287,14 @@ def node_subgraphs(node: Node) -> list[Graph]:
 
 
 def all_graphs(graph: Graph) -> Iterator[Graph]:
-    """``graph`` and every body nested in it, outermost first."""
+    """``graph`` and every body nested in it, outermost first.
+
+    A graph's bodies are found by one comprehension over its nodes, not a call per node: most nodes hold
+    no body, and this runs over every node of the graph several times a run.
+    """
     yield graph
-    for node in graph.nodes:
-        for sub in node_subgraphs(node):
-            yield from all_graphs(sub)
+    for sub in [a for n in graph.nodes if n.attrs for a in n.attrs.values() if isinstance(a, gs.Graph)]:
+        yield from all_graphs(sub)
 
 
 def _unlink(items: list, obj: object) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 from typing import Collection, Optional
 
-from ..graph.ir import Graph, Node
+from ..graph.ir import Graph, Node, all_graphs
 
 
 class OpCensus:
@@ -44,17 +44,9 @@ class OpCensus:
         """``list(all_graphs(graph))``: the graph and its bodies, outermost first."""
         if self._graphs is None or self._graphs[0] is not graph or \
                 any(g.nodes is not nodes or len(nodes) != n for g, (nodes, n) in zip(self._graphs, self._stamps)):
-            self._graphs = []
-            self._walk(graph)
+            self._graphs = list(all_graphs(graph))
             self._stamps = [(g.nodes, len(g.nodes)) for g in self._graphs]
         return list(self._graphs)
-
-    def _walk(self, graph: Graph) -> None:
-        """``all_graphs`` with one comprehension per graph (no call per node) to find the bodies."""
-        assert self._graphs is not None
-        self._graphs.append(graph)
-        for body in [a for n in graph.nodes if n.attrs for a in n.attrs.values() if isinstance(a, Graph)]:
-            self._walk(body)
 
     def nodes_of(self, graph: Graph, ops: Collection[str]) -> list[Node]:
         """The nodes of ``graph`` (not of its bodies) whose op type is in ``ops``, in graph order."""
