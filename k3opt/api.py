@@ -4,8 +4,6 @@ Both run the pipeline of docs/design.md: load (weights stay on disk) ->
 --input-shape -> opset conversion -> gs import -> passes to a fixed point
 -> cleanup/toposort -> export -> verification against the model as given
 -> [target lowering passes -> export -> the target's form and invariants] -> save.
-Where nothing follows the passes, optimize_file saves at the fixed point and
-the written file's check runs beside the passes' report-only finishes.
 """
 from __future__ import annotations
 
@@ -60,7 +58,6 @@ def optimize(
             model, passes=passes, skip=skip, target=target, opset=opset, input_shapes=input_shapes,
             plugins=plugins, verify=verify,
         )
-    assert out is not None  # no deliver: the output is returned
     modelio.materialize_all()  # the returned proto may point into the spill file: its bytes must be there
     return out
 
@@ -88,29 +85,16 @@ def optimize_file(
     run = _Run(report, **kwargs)
     run.measure_output = False
     deferred = modelio.deferred_regions()
-    with contextlib.ExitStack() as files:
-        staged: list[modelio.Staged] = []
-
-        def deliver(model: onnx.ModelProto) -> None:
-            """Write the output beside its destination and start its check (commit below waits for it)."""
-            if not overwrite:
-                for path in (out, modelio.data_path(out)):
-                    if os.path.abspath(path) in run.source_files:
-                        raise OutputError(f"{path}: is an external-data file of the input; "
-                                          "pass --overwrite to replace it")
-            with run.step("saving", "save"):
-                # merged weights are written straight into the output's data file, never spilled first
-                staged.append(files.enter_context(modelio.staged(model, out, external_data=external_data,
-                                                                 fsync=fsync)))
-                staged[0].check_in_background(written_check(report.target, report))
-
-        with _gs_quiet():
-            model = run.optimize(src, deliver=deliver, **pipeline_args)
-            if model is not None:  # the output was final only at the end (converted, verified or lowered)
-                deliver(model)
-                del model
-        with run.step("saving", "save"):
-            written = staged[0].commit()
+    with _gs_quiet():
+        model = run.optimize(src, **pipeline_args)
+    if not overwrite:
+        for path in (out, modelio.data_path(out)):
+            if os.path.abspath(path) in run.source_files:
+                raise OutputError(f"{path}: is an external-data file of the input; pass --overwrite to replace it")
+    with run.step("saving", "save"):
+        # merged weights are written straight into the output's data file, never spilled first
+        written = modelio.save(model, out, external_data=external_data, fsync=fsync,
+                               check=written_check(report.target, report))
     modelio.forget_deferred(modelio.deferred_regions() - deferred)  # this run's graph and protos are gone
     report.output = str(out)
     report.files = [str(p) for p in written]
@@ -162,8 +146,6 @@ class _Run:
         self.measure_output = True
         #: (feeds, onnxruntime's outputs of the original, output names), once verification ran them.
         self._expected: Optional[tuple[dict, list, list[str]]] = None
-        #: Time spent in the steps inside the running step (see :meth:`step`).
-        self._inner = 0.0
 
     @contextlib.contextmanager
     def step(self, message: str, key: str) -> Iterator[None]:
@@ -171,27 +153,16 @@ class _Run:
         if self.progress is not None:
             self.progress(message)
         t0 = time.perf_counter()
-        outer, self._inner = self._inner, 0.0
         try:
             yield
         finally:
-            spent = time.perf_counter() - t0  # a step run inside this one is timed as its own, not this one's
-            self.report.timings[key] = self.report.timings.get(key, 0.0) + spent - self._inner
-            self._inner = outer + spent
+            self.report.timings[key] = self.report.timings.get(key, 0.0) + time.perf_counter() - t0
 
     def optimize(
         self, model: ModelLike, *, passes: Optional[Sequence[str]] = None, skip: Sequence[str] = (),
         target: str = "onnx", opset: Optional[int] = None, input_shapes: Optional[shapes.InputShapes] = None,
         plugins: Sequence[Any] = (), verify: bool = False,
-        deliver: Optional[Callable[[onnx.ModelProto], None]] = None,
-    ) -> Optional[onnx.ModelProto]:
-        """The pipeline on ``model``; returns the output, or None when it went to ``deliver``.
-
-        ``deliver(output)`` gets the output as soon as it is final where that is at the passes' fixed
-        point (no opset conversion down, verification or lowering after them): its write, and the
-        written file's check, then go on beside the passes' report-only finishes and the graph's
-        release (see :func:`optimize_file`). Elsewhere the output is returned.
-        """
+    ) -> onnx.ModelProto:
         report = self.report
         if target not in TARGETS:
             raise UsageError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
@@ -236,26 +207,12 @@ class _Run:
                           output_opset=opsets.wanted_opset(model, opset, target=target) if down else None)
         refresher = shapes.ShapeRefresher()
         manager = PassManager(pipeline, shape_inference=refresher, progress=self._pass_progress())
-        final = deliver is not None and not down and original is None and not lowering and target != "cann"
-        exported: list[onnx.ModelProto] = []
-
-        def at_fixed_point() -> None:
-            out = export(graph, model)
-            if not final:
-                exported.append(out)
-                return
-            report.after = self._summary(out)
-            deliver(out)  # not kept: its memory is freed before the written file's check grows its own
-
         with self.step("running passes", "passes"), graph_scope():
             graph = modelio.import_graph(model, known_external)
             if any(p.needs_shapes for p in pipeline):  # the manager then skips a first refresh
                 ctx.shapes_available = refresher.seed(graph, model)
-            manager.run(graph, ctx, at_fixed_point=at_fixed_point)
-        if final:
-            self._report_passes(manager, pipeline, ctx, refresher)
-            return None
-        out = exported[0]
+            manager.run(graph, ctx)
+            out = export(graph, model)
         before_down = None
         if down:
             with self.step("converting opset", "opset"):
@@ -265,7 +222,11 @@ class _Run:
                     before_down.CopyFrom(out)
                 out, notes = opsets.convert(out, opset, target=target)
                 report.notes.extend(notes)
-        self._report_passes(manager, pipeline, ctx, refresher)
+        report.passes = [manager.stats[p.name].as_dict() for p in pipeline]
+        report.rounds = manager.rounds
+        report.counters = {k: v for k, v in sorted(ctx.counters.items()) if v}
+        report.sites = ctx.site_records()
+        report.notes.extend(refresher.notes + [n for n in ctx.notes if n not in report.notes])
         if original is not None:
             with self.step("verifying", "verify"):
                 self._verify(original, start, out, manager, pipeline, ctx, before_down)
@@ -275,23 +236,10 @@ class _Run:
             if original is not None and lowering:
                 with self.step("verifying the lowering", "verify_lowering"):
                     self._verify_lowering(out, *lowered_by)
-        report.after = self._summary(out)
+        # optimize_file measures the files it writes instead (sizing the proto costs a pass over it)
+        size = modelio.proto_size(out) if self.measure_output else 0
+        report.after = ModelSummary.of(out, size, opsets.model_opset(out))
         return out
-
-    def _summary(self, out: onnx.ModelProto) -> ModelSummary:
-        """The output's summary for the report; unsized in optimize_file, which measures the files it writes
-        instead (sizing the proto costs a pass over it)."""
-        return ModelSummary.of(out, modelio.proto_size(out) if self.measure_output else 0, opsets.model_opset(out))
-
-    def _report_passes(self, manager: PassManager, pipeline: list, ctx: PassContext,
-                       refresher: shapes.ShapeRefresher) -> None:
-        """The passes' statistics, counters, sites and notes into the report."""
-        report = self.report
-        report.passes = [manager.stats[p.name].as_dict() for p in pipeline]
-        report.rounds = manager.rounds
-        report.counters = {k: v for k, v in sorted(ctx.counters.items()) if v}
-        report.sites = ctx.site_records()
-        report.notes.extend(refresher.notes + [n for n in ctx.notes if n not in report.notes])
 
     def _lower(self, model: onnx.ModelProto, lowering: list, target: str) -> tuple[onnx.ModelProto, tuple]:
         """Run the target's lowering passes on the verified ``model`` (its notes are the report's lowering

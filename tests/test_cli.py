@@ -38,10 +38,10 @@ def test_optimize_tiny_transformer_prints_table_and_writes_default_output(tiny_t
 
 
 @pytest.mark.parametrize("flag", [[], ["--fsync"]])
-def test_fsync_option_reaches_the_staged_save(tiny_transformer, tmp_path, monkeypatch, flag):
+def test_fsync_option_reaches_save(tiny_transformer, tmp_path, monkeypatch, flag):
     seen = []
-    real = k3opt.modelio.staged
-    monkeypatch.setattr(k3opt.modelio, "staged", lambda *a, **kw: (seen.append(kw["fsync"]), real(*a, **kw))[1])
+    real = k3opt.modelio.save
+    monkeypatch.setattr(k3opt.modelio, "save", lambda *a, **kw: (seen.append(kw["fsync"]), real(*a, **kw))[1])
     code, _, err = invoke(["optimize", tiny_transformer, "-o", tmp_path / "o.onnx", "-q", "--no-verify", *flag])
     assert code == 0, err
     assert seen == [bool(flag)]

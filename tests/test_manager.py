@@ -290,19 +290,3 @@ def test_a_failing_finish_names_the_plugin_pass():
 
     with pytest.raises(PluginError, match="plugin 'myplugin', pass 'test-broken-finish' failed: ValueError: boom"):
         run(identity_chain(1), [Broken()])
-
-
-def test_at_fixed_point_runs_once_on_the_final_graph_before_the_finishes():
-    graph = gs.import_onnx(identity_chain(3))
-    ctx = PassContext(opset=17)
-    seen = []
-    PassManager([CountsRelus()]).run(graph, ctx, at_fixed_point=lambda: seen.append(
-        ([n.op for n in graph.nodes], getattr(ctx, "finished", 0))))
-    assert seen == [(["Relu"], 0)] and ctx.finished == 1
-
-
-def test_at_fixed_point_is_not_called_when_the_run_is_cut_short():
-    graph = gs.import_onnx(identity_chain(3))
-    seen = []
-    PassManager([CountsRelus()]).run(graph, PassContext(opset=17), max_steps=2, at_fixed_point=lambda: seen.append(1))
-    assert seen == []

@@ -10,19 +10,19 @@ streams it into the output's data file chunk by chunk.
 Modules by job: ``loading`` (read and import), ``validation`` (well-formed
 input), ``external`` (external-data tensors), ``spill`` and ``spill_regions``
 (weights created during the run), ``concat_values`` (merged weights, written
-only when saved), ``saving`` (atomic save, staged for a check), ``data_location`` and
+only when saved), ``saving`` (atomic save), ``data_location`` and
 ``direct_io`` (their file-system helpers).
 """
 from .external import (EXTERNAL_THRESHOLD, ExternalValues, PathLike, all_tensors, external_info,
                        external_tensor, inline_copy, read_external_bytes, tensor_nbytes, weights_as_inputs)
 from .loading import Loaded, import_graph, load, read_model
-from .saving import PROTO_LIMIT, Staged, check_output_path, data_path, inline_size, proto_size, save, staged
+from .saving import PROTO_LIMIT, check_output_path, data_path, inline_size, proto_size, save
 from .spill import SPILL_PREFIX, spill_constant
 from .spill_regions import defer_spill, deferred_regions, forget_deferred, materialize, materialize_all
 from .validation import MAX_GRAPH_DEPTH, check_graph, validate
 
 __all__ = ["EXTERNAL_THRESHOLD", "MAX_GRAPH_DEPTH", "PROTO_LIMIT", "SPILL_PREFIX", "ExternalValues", "Loaded",
-           "PathLike", "Staged", "all_tensors", "check_graph", "check_output_path", "data_path", "defer_spill",
+           "PathLike", "all_tensors", "check_graph", "check_output_path", "data_path", "defer_spill",
            "deferred_regions", "external_info", "external_tensor", "forget_deferred", "import_graph", "inline_copy",
            "inline_size", "load", "materialize", "materialize_all", "proto_size", "read_external_bytes",
-           "read_model", "save", "spill_constant", "staged", "tensor_nbytes", "validate", "weights_as_inputs"]
+           "read_model", "save", "spill_constant", "tensor_nbytes", "validate", "weights_as_inputs"]

@@ -4,8 +4,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, NamedTuple, Optional, Union
 
@@ -73,81 +71,15 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
     to ``DST.data`` (tensors under EXTERNAL_THRESHOLD always go inline).
     Weights in source files are streamed, never loaded at once. ``model``'s
     tensors are rewritten to point at the new file.
-    Atomic means a temporary folder next to ``dst`` and renames (see
-    :func:`staged`): a failing or interrupted run never leaves a partial
-    output. ``check`` gets the written model's path in that folder (its data
-    file beside it, under its final name) before the renames; an exception
-    from it leaves nothing written. ``fsync`` also makes the files and the
-    renames durable against a power loss, at the cost of writing out what is
-    still in the page cache (data files of DIRECT_THRESHOLD or more bypass it
-    anyway); off by default, as in onnx.save and every peer.
+    Atomic means a temporary folder next to ``dst`` and renames: a failing
+    or interrupted run never leaves a partial output. ``check`` gets the
+    written model's path in that folder (its data file beside it, under its
+    final name) before the renames; an exception from it leaves nothing
+    written. ``fsync`` also makes the files and the renames durable against
+    a power loss, at the cost of writing out what is still in the page cache
+    (data files of DIRECT_THRESHOLD or more bypass it anyway); off by
+    default, as in onnx.save and every peer.
     """
-    with staged(model, dst, external_data=external_data, fsync=fsync) as files:
-        if check is not None:
-            with _writing(files.out):
-                check(files.path)
-        return files.commit()
-
-
-class Staged:
-    """A model written into a private folder next to its destination, not yet in place.
-
-    :meth:`commit` renames its files into place. A check of the written file
-    may run in a background thread meanwhile (:meth:`check_in_background`):
-    onnxruntime loads a model without holding the GIL, so the caller's own
-    work goes on beside it; commit waits for it and raises what it raised.
-    """
-
-    def __init__(self, folder: Path, out: Path, written: list[Path], fsync: bool) -> None:
-        self.folder, self.out, self.written, self.fsync = folder, out, written, fsync
-        #: The written model file, in the private folder.
-        self.path = folder / out.name
-        self._check: Optional[threading.Thread] = None
-        self._failure: Optional[BaseException] = None
-
-    def check_in_background(self, check: Callable[[Path], None]) -> None:
-        """Start ``check(self.path)`` in a thread; :meth:`commit` waits for it."""
-        def run() -> None:
-            try:
-                check(self.path)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by commit, in the caller's thread
-                self._failure = exc
-
-        self._check = threading.Thread(target=run, name="k3opt-written-check", daemon=True)
-        self._check.start()
-
-    def wait(self) -> None:
-        """Wait for the background check, if one runs; raise what it raised."""
-        self.join()
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
-
-    def join(self) -> None:
-        """Wait for the background check, if one runs (what it raised is kept for :meth:`wait`)."""
-        if self._check is not None:
-            self._check.join()
-            self._check = None
-
-    def commit(self) -> list[Path]:
-        """Wait for the check, then rename the files into place (the data file first: the new model never
-        points at an old one); returns them."""
-        with _writing(self.out):
-            self.wait()
-            for path in reversed(self.written):
-                os.replace(self.folder / path.name, path)
-            if self.fsync:
-                _sync_folder(self.out.parent)
-        return self.written
-
-
-@contextmanager
-def staged(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool] = None,
-           fsync: bool = False) -> Iterator[Staged]:
-    """Write ``model`` for ``dst`` (as :func:`save` does) into a private folder next to it; yields the
-    :class:`Staged` files. The folder is removed on leaving the block, after any background check ended:
-    what :meth:`Staged.commit` did not rename is never left behind. An OSError of the writing (or of the
-    commit) becomes an OutputError."""
     out = Path(dst)
     has_external = _inline_small(model)
     serialized = None  # the inline model's pieces, when sizing it already produced them
@@ -164,48 +96,36 @@ def staged(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[boo
         elif too_big:
             raise OutputError(f"{out}: model exceeds 2 GB; it must be saved with external data")
     folder: Optional[Path] = None
-    files: Optional[Staged] = None
     try:
-        with _writing(out):
-            folder = _temp_folder(out)
-            files = Staged(folder, out, [out] + [data_path(out)] * bool(external_data), fsync)
-            _write_files(model, files, external_data, serialized)
-        del model, serialized  # written: the caller may free the model while the block runs
-        yield files
-    finally:
-        if files is not None:
-            files.join()  # never remove the folder under a running check
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-@contextmanager
-def _writing(out: Path) -> Iterator[None]:
-    """An OSError in the block: the output cannot be written, an OutputError."""
-    try:
-        yield
+        folder = _temp_folder(out)
+        written = [out] + [data_path(out)] * bool(external_data)
+        if external_data:
+            data_tmp = folder / data_path(out).name
+            direct = sum(size for _, size in _external_candidates(model)) >= DIRECT_THRESHOLD
+            with direct_writer_or_file(data_tmp, direct) as f:
+                _write_external(model, f, data_path(out).name)
+                if fsync:
+                    _sync(f)
+        else:
+            for t in all_tensors(model):
+                if uses_external_data(t):
+                    t.CopyFrom(inline_copy(t))
+        with open(folder / out.name, "wb") as f:
+            _write_serialized(serialized or _serialized(model), f)
+            if fsync:
+                _sync(f)
+        if check is not None:
+            check(folder / out.name)
+        for path in reversed(written):  # the data file first: the new model never points at an old one
+            os.replace(folder / path.name, path)
+        if fsync:
+            _sync_folder(out.parent)
+        return written
     except OSError as exc:
         raise OutputError(f"{out}: cannot write ({exc.strerror or exc})") from None
-
-
-def _write_files(model: onnx.ModelProto, files: Staged, external_data: bool,
-                 serialized: Optional[_Serialized]) -> None:
-    """Write the staged model file (and its data file when ``external_data``) into ``files.folder``."""
-    if external_data:
-        name = data_path(files.out).name
-        direct = sum(size for _, size in _external_candidates(model)) >= DIRECT_THRESHOLD
-        with direct_writer_or_file(files.folder / name, direct) as f:
-            _write_external(model, f, name)
-            if files.fsync:
-                _sync(f)
-    else:
-        for t in all_tensors(model):
-            if uses_external_data(t):
-                t.CopyFrom(inline_copy(t))
-    with open(files.path, "wb") as f:
-        _write_serialized(serialized or _serialized(model), f)
-        if files.fsync:
-            _sync(f)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 # Serializing a whole model at once (upb) encodes it into a buffer that doubles as it grows, then copies

@@ -84,15 +84,8 @@ class PassManager:
         self.steps: list[Step] = []
         self.rounds = 0
 
-    def run(self, graph: Graph, ctx: PassContext, max_steps: Optional[int] = None,
-            at_fixed_point: Optional[Callable[[], None]] = None) -> int:
-        """Run to a fixed point (or ``max_steps`` pass executions); returns total rewrites.
-
-        ``at_fixed_point()`` is called once the graph is final, before the passes' report-only
-        :meth:`~k3opt.pipeline.pass_base.Pass.finish` (which must not change it): the caller can export
-        and write the graph while they run (api: the written file's check runs beside them). It may
-        clean up and sort the graph, as the export does: the finishes count what is exported.
-        """
+    def run(self, graph: Graph, ctx: PassContext, max_steps: Optional[int] = None) -> int:
+        """Run to a fixed point (or ``max_steps`` pass executions); returns total rewrites."""
         if ctx.names is None:
             ctx.names = NameScope(graph)
         runnable = [p for p in self.passes if self._applicable(p, ctx)]
@@ -103,9 +96,6 @@ class PassManager:
         try:
             total = self._rounds(runnable, graph, ctx, max_steps)
             if max_steps is None:  # a run cut short (bisection) has no final graph to report on
-                if at_fixed_point is not None:
-                    at_fixed_point()
-                    ctx.changed()
                 for p in runnable:
                     self._guarded(p, lambda: p.finish(graph, ctx), ctx)
             return total
