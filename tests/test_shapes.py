@@ -211,6 +211,33 @@ def test_a_long_constant_node_makes_the_seed_infer_without_propagation_first(mon
     assert shapes_of(graph)["y"] == [70002]
 
 
+def _long_value_node(kind: str) -> onnx.NodeProto:
+    """A Constant node holding a 70,001-element 1-D value in the fewest bytes each storage allows."""
+    n = 70001
+    if kind == "int4":
+        value = helper.make_tensor("v", TensorProto.INT4, [n], np.zeros(n, dtype=np.int8).tolist())
+    elif kind == "external":
+        value = TensorProto(name="v", data_type=TensorProto.INT8, dims=[n], data_location=TensorProto.EXTERNAL)
+        value.external_data.add(key="location", value="w.bin")
+    elif kind == "sparse":
+        return helper.make_node("Constant", [], ["c"], sparse_value=helper.make_sparse_tensor(
+            helper.make_tensor("v", TensorProto.INT64, [1], [5]), helper.make_tensor("i", TensorProto.INT64, [1], [3]),
+            [n]))
+    else:
+        value = onnx.numpy_helper.from_array(np.zeros(n, dtype=np.uint8))
+    return helper.make_node("Constant", [], ["c"], value=value)
+
+
+@pytest.mark.parametrize("kind", ["uint8", "int4", "external", "sparse"])
+def test_the_byte_screen_passes_every_long_constant_node_to_the_exact_test(kind):
+    """model_for_inference reads a Constant node's value only when its bytes may hold a long one: each
+    storage's smallest long value gets through the screen, and the exact test finds it long."""
+    node = _long_value_node(kind)
+    assert shapes._may_be_long(node.SerializeToString()) and shapes._long_constant(node)
+    short = helper.make_node("Constant", [], ["c"], value=onnx.numpy_helper.from_array(np.arange(4, dtype=np.int64)))
+    assert not shapes._may_be_long(short.SerializeToString())
+
+
 def test_repeated_fields_join_like_one_field_at_a_time():
     payloads = [b"", b"a" * 127, b"b" * 128, b"c" * 300, b"d" * 128, b"e" * 2**14]
     assert b"".join(shapes._repeated_field(1, payloads)) == b"".join(shapes.field(1, p) for p in payloads)

@@ -171,7 +171,7 @@ class ShapeRefresher:
         tensors = tensor_map(graph)  # one walk of the graph for export and update
         return self._refresh(graph, tensors, lambda: export_for_inference(graph, tensors))
 
-    def seed(self, graph: gs.Graph, model: onnx.ModelProto) -> bool:
+    def seed(self, graph: gs.Graph, model: onnx.ModelProto, tensors: Optional[dict[str, gs.Tensor]] = None) -> bool:
         """Refresh ``graph`` freshly imported from ``model`` by inferring ``model`` itself.
 
         Same result as calling the refresher, without exporting the graph
@@ -180,8 +180,10 @@ class ShapeRefresher:
         tensor (see :func:`model_for_inference`): only such a tensor's data
         can grow long as it propagates (Shape, Concat, Gather... of short
         vectors stay short), and a long result still falls back as usual.
+        ``tensors``: ``tensor_map(graph)`` when the caller has it.
         """
-        return self._refresh(graph, tensor_map(graph), lambda: model_for_inference(model), True)
+        tensors = tensor_map(graph) if tensors is None else tensors
+        return self._refresh(graph, tensors, lambda: model_for_inference(model), True)
 
     def _refresh(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], model: Callable[[], Light],
                  propagate_first: bool = False) -> bool:
@@ -257,7 +259,7 @@ def model_for_inference(model: onnx.ModelProto) -> Light:
     nodes = list(map(onnx.NodeProto.SerializeToString, g.node))
     fields += _repeated_field(_GRAPH_NODE, nodes)
     long_data = _has_long_vector(rest) or any(_long_constant(n) for n, data in zip(g.node, nodes)
-                                              if _CONSTANT_OP in data and n.op_type == "Constant")
+                                              if _CONSTANT_OP in data and _may_be_long(data) and n.op_type == "Constant")
     return Light(_model_bytes(head, fields), long_data)
 
 
@@ -283,6 +285,17 @@ def _repeated_field(number: int, payloads: list[bytes]) -> list[bytes]:
     parts[::2] = [keys.get(n) or keys.setdefault(n, tag + varint(n)) for n in map(len, payloads)]
     parts[1::2] = payloads
     return parts
+
+
+#: Fewest bytes a node holding a long inline 1-D value takes: its elements at 2 bits each (int2, the
+#: narrowest ONNX type; value_ints take a byte each).
+_LONG_VALUE_BYTES = DATA_PROP_MAX_LEN // 4
+
+
+def _may_be_long(data: bytes) -> bool:
+    """Whether a node's bytes may hold a long 1-D value (:func:`_long_constant`): bytes enough for one
+    inline, or a value whose elements are not all in the node (external data, a sparse tensor)."""
+    return len(data) > _LONG_VALUE_BYTES or b"location" in data or b"sparse_value" in data
 
 
 def _long_constant(node: onnx.NodeProto) -> bool:
