@@ -103,6 +103,7 @@ def test_a_name_scope_holds_every_name_gs_knows():
     node names, bodies and omitted optional tensors ("") included."""
     import onnx
     from k3opt import modelio
+    from k3opt.graph.gs_export import tensor_map
     from tests.zoo import zoo_model
 
     body = helper.make_graph([helper.make_node("Add", ["x", "k"], ["b"], name="inner")], "then", [],
@@ -126,6 +127,7 @@ def test_a_name_scope_holds_every_name_gs_knows():
             want.update(sub.tensors().keys())
             want.update(n.name for n in sub.nodes if n.name)
         assert ir.NameScope(g)._used == want
+        assert ir.NameScope(g, tensor_map(g))._used == want  # the main graph's names read from its tensor map
 
 
 def _constant_nodes_model():

@@ -15,7 +15,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from operator import attrgetter
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -249,16 +249,20 @@ class NameScope:
     name in the graph, so the same input always yields the same names.
     """
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, tensors: Optional[Mapping[str, Tensor]] = None):
+        """``tensors``: ``gs_export.tensor_map(graph)`` when the caller has it (the main graph's tensor
+        names, read without a walk)."""
         used: set[str] = set()
         for g in all_graphs(graph):  # the keys of each g.tensors() (named tensors), without gs's map building
-            used.update(map(_name, g.inputs))
-            for n in g.nodes:
-                used.update(map(_name, n.inputs))
-                used.update(map(_name, n.outputs))
-                if n.name:
-                    used.add(n.name)
-            used.update(map(_name, g.outputs))
+            if g is graph and tensors is not None:
+                used.update(tensors)
+            else:
+                used.update(map(_name, g.inputs))
+                for n in g.nodes:
+                    used.update(map(_name, n.inputs))
+                    used.update(map(_name, n.outputs))
+                used.update(map(_name, g.outputs))
+            used.update([n.name for n in g.nodes if n.name])
         used.discard("")  # gs leaves out the omitted optional tensors, named ""
         self._used = used
         self._next: dict[str, int] = {}
