@@ -1,6 +1,8 @@
 """k3opt.graph.dtypes: the one ONNX element type <-> numpy dtype mapping, over every element type."""
 import ml_dtypes
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T
 from onnx import helper
@@ -8,6 +10,8 @@ from onnx import helper
 import k3opt
 from k3opt.graph import dtypes
 from k3opt.passes.fold._eval import run_model
+from k3opt.pipeline.shapes import export_for_inference
+from k3opt.report import Report
 
 ELEM_TYPES = [v for v in T.DataType.values() if v != T.UNDEFINED]
 
@@ -80,3 +84,26 @@ def test_float8e4m3fnuz_keeps_its_type_through_gs_own_export():
     assert [vi.type.tensor_type.elem_type for vi in out.graph.value_info if vi.name == "c"] == [T.FLOAT8E4M3FNUZ]
     x = np.float32([[0.5, -1.25, 3], [100, -0.001, 7]])
     assert np.array_equal(run_model(out, {"x": x})[0], run_model(model, {"x": x})[0])
+
+
+def test_a_float8e4m3fnuz_graph_input_keeps_its_type_in_the_shape_refresh():
+    """The refresh after folding exports the graph for onnx's inference: its inputs and outputs are typed
+    by k3opt's mapping (gs's typed this input FLOAT8E4M3FN, inference then refused the graph and every pass
+    needing shapes was declined)."""
+    nodes = [helper.make_node("Cast", ["x"], ["xf"], to=T.FLOAT), helper.make_node("Identity", ["x"], ["x2"]),
+             helper.make_node("Constant", [], ["one"], value=helper.make_tensor("v", T.FLOAT, [1], [1.0])),
+             helper.make_node("Add", ["xf", "one"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT8E4M3FNUZ, [2])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [2]),
+                               helper.make_tensor_value_info("x2", T.FLOAT8E4M3FNUZ, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    report = Report()
+    out = k3opt.optimize(model, opset=19, report=report)
+    assert not [n for n in report.notes if "shape inference failed" in n]
+    assert [vi.type.tensor_type.elem_type for vi in out.graph.input] == [T.FLOAT8E4M3FNUZ]
+    light = onnx.load_from_string(export_for_inference(k3opt.modelio.import_graph(model)).data)
+    assert [vi.type.tensor_type.elem_type for vi in [*light.graph.input, *light.graph.output]] == \
+        [T.FLOAT8E4M3FNUZ, T.FLOAT, T.FLOAT8E4M3FNUZ]
+    ort.InferenceSession(  # it takes no float8 array as a feed: the output's types are checked by loading it
+        out.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -95,9 +95,9 @@ def _write_graph(graph: Graph, out: onnx.GraphProto, tensors: dict[str, Tensor])
                 used = None
     out.name = graph.name
     for t in graph.inputs:
-        _write_value_info(t, out.input)
+        write_value_info(t, out.input)
     for t in graph.outputs:
-        _write_value_info(t, out.output)
+        write_value_info(t, out.output)
     constants = [t for t in tensors.values() if isinstance(t, gs.Constant)]
     # Protos first, copies after, as gs: Constants sharing one lazy TensorProto all get the last name.
     dense = [(t, None if _array_type(t) else OnnxExporter.export_tensor_proto(t))
@@ -191,12 +191,12 @@ def _elem_type(dtype) -> int:
 
 
 def _write_value_infos(tensors: list[Tensor], out: onnx.GraphProto) -> None:
-    """:func:`_write_value_info` for each of ``tensors`` into ``out.value_info``.
+    """:func:`write_value_info` for each of ``tensors`` into ``out.value_info``.
 
     Plain entries (a str name, a tensor type whose dims are None, ints or
     strs) are written as wire-format bytes and parsed in one go: a graph's
     tensors share a few dozen types, whose bytes are made once. The bytes
-    parse to the entries :func:`_write_value_info` builds (same fields, same
+    parse to the entries :func:`write_value_info` builds (same fields, same
     order); any other entry is built by it, in its place.
     """
     types: dict[tuple, Optional[bytes]] = {}
@@ -207,7 +207,7 @@ def _write_value_infos(tensors: list[Tensor], out: onnx.GraphProto) -> None:
             if parts:
                 out.MergeFromString(b"".join(parts))
                 parts = []
-            _write_value_info(t, out.value_info)
+            write_value_info(t, out.value_info)
         else:
             parts.append(entry)
     if parts:
@@ -216,7 +216,7 @@ def _write_value_infos(tensors: list[Tensor], out: onnx.GraphProto) -> None:
 
 #: An empty TensorShapeProto.Dimension (an unknown dim) as a ``dim`` field.
 _NO_DIM = b"\x0a\x00"
-#: The dim values written as bytes; a shape holding anything else is built by :func:`_write_value_info`.
+#: The dim values written as bytes; a shape holding anything else is built by :func:`write_value_info`.
 _PLAIN_DIMS = frozenset((type(None), int, str))
 
 
@@ -273,8 +273,9 @@ def _type_bytes(elem: int, shape: Optional[tuple]) -> Optional[bytes]:
     return field(2, field(1, body))
 
 
-def _write_value_info(t: Tensor, entries) -> None:
-    """Append ``OnnxExporter.export_value_info_proto(t, False)`` to ``entries``."""
+def write_value_info(t: Tensor, entries) -> None:
+    """Append ``OnnxExporter.export_value_info_proto(t, False)`` to ``entries`` (a repeated ValueInfoProto
+    field), the element type from :mod:`.dtypes` (gs's types float8e4m3fnuz as float8e4m3fn)."""
     dtype = t.dtype
     if dtype is None or not (isinstance(t, gs.Constant) or t.type == "tensor_type"):
         entries.append(OnnxExporter.export_value_info_proto(t, False))

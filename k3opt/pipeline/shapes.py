@@ -19,7 +19,7 @@ from ..graph import OnnxExporter, dtypes
 from ..graph import SparseValues
 
 from ..errors import UsageError
-from ..graph.gs_export import import_domains, node_bytes, tensor_map
+from ..graph.gs_export import import_domains, node_bytes, tensor_map, write_value_info
 from ..graph.wire import field, varint
 from ..modelio import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
 from ..graph.ir import declared_symbols
@@ -210,9 +210,11 @@ def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]
     onnx.helper would build. Nothing is kept for the next refresh: reusing
     an unchanged node's bytes cost about as much as writing them again.
     """
-    io = onnx.GraphProto(name=graph.name or "k3opt",
-                         input=[OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs],
-                         output=[OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs])
+    io = onnx.GraphProto(name=graph.name or "k3opt")
+    for t in graph.inputs:
+        write_value_info(t, io.input)
+    for t in graph.outputs:
+        write_value_info(t, io.output)
     fields = [io.SerializeToString()]  # first: the weights' inputs follow the graph's own
     long_io = _has_long_vector(io)
     for t in (tensors if tensors is not None else tensor_map(graph)).values():
