@@ -218,6 +218,19 @@ def test_folded_results_are_not_decoded_again(monkeypatch):
     assert small_constants.small_const_value(folded).tolist() == [3, 3]
 
 
+def test_a_remembered_value_is_read_only_and_not_the_callers_array():
+    """Every later reader shares a remembered answer: none can change it, nor can the array it was built from."""
+    small = as_constant("small", np.array([4, 5], np.int64))
+    built = np.array([4, 5], np.int64)
+    small_constants.remember_value(small, built)
+    built[0] = 99
+    for c in (small, as_constant("decoded", np.array([6, 7], np.int64))):
+        value = small_constants.small_const_value(c)
+        with pytest.raises(ValueError, match="read-only"):
+            value[0] = 0
+    assert small_constants.small_const_value(small).tolist() == [4, 5]
+
+
 @pytest.mark.parametrize("value", [
     np.array(7, np.int64), np.array([-1, 0, 5], np.int64), np.arange(6, dtype=np.int32).reshape(2, 3),
     np.array([1.5, -0.0, np.inf], np.float32), np.array([np.nan, 1e300], np.float64), np.array([True, False]),

@@ -32,8 +32,8 @@ _RAW_DTYPES = {elem: dtypes.numpy_dtype(elem) for elem in (
 
 
 def small_const_value(t: Tensor) -> Optional[np.ndarray]:
-    """The value of constant ``t`` (None when it is none), a small one decoded once per process; never
-    modify it."""
+    """The value of constant ``t`` (None when it is none), a small one decoded once per process and
+    read-only (a bigger one is read afresh)."""
     return constant_value(const_tensor(t))
 
 
@@ -55,7 +55,7 @@ def constant_value(c: Optional[gs.Constant]) -> Optional[np.ndarray]:
         return peek(c)
     value = _decoded.get(c._values)
     if value is None:
-        value = _decoded[c._values] = _decode(c)
+        value = _decoded[c._values] = _read_only(_decode(c))
     return value
 
 
@@ -70,7 +70,14 @@ def remember_value(c: gs.Constant, value: np.ndarray) -> None:
     decoding gives back exactly), :func:`small_const_value` answers it without decoding, so a folded result
     is not decoded again by every later pass that reads it."""
     if is_small(c) and value.dtype.kind in "biuf" and value.dtype.isnative:
-        _decoded[c._values] = value
+        _decoded[c._values] = _read_only(value.copy())  # the caller's array may change: the answer may not
+
+
+def _read_only(value: np.ndarray) -> np.ndarray:
+    """``value``, made read-only: an answer is shared by every later reader of the constant, so a reader
+    changing it in place would change what the others read (it raises instead)."""
+    value.flags.writeable = False
+    return value
 
 
 def _decode(c: gs.Constant) -> np.ndarray:
