@@ -178,7 +178,7 @@ class _Run:
         pipeline = [p for p in pipeline if p not in lowering]
         with self.step("loading", "load"):
             on_disk = None if isinstance(model, onnx.ModelProto) else model
-            model, external = _load(model, report)
+            model, external, bodies = _load(model, report)
             self.source_files = {modelio.external_info(t)["location"] for t in external}
             opset_before = opsets.model_opset(model)
             size = modelio.proto_size(model, None if on_disk is None else os.path.getsize(on_disk), external)
@@ -193,7 +193,7 @@ class _Run:
         down = opsets.converts_down(model, opset, target=target)
         if not down:
             with self.step("converting opset", "opset"):
-                converted, notes = opsets.convert(model, opset, target=target)
+                converted, notes = opsets.convert(model, opset, target=target, bodies=bodies)
                 report.notes.extend(notes)
         else:
             converted = model
@@ -485,7 +485,7 @@ def _load(model: ModelLike, report: Report) -> modelio.Loaded:
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
-        return modelio.Loaded(copy, modelio.validate(copy, os.getcwd()))
+        return modelio.Loaded(copy, *modelio.validate(copy, os.getcwd()))
     if isinstance(model, (str, os.PathLike)):
         report.input = str(model)
         return modelio.read_model(model)

@@ -420,12 +420,12 @@ def _random_graph(rng: np.random.Generator, depth: int = 0) -> onnx.GraphProto:
 
 
 def _checked(graph: onnx.GraphProto):
-    external: list[TensorProto] = []
+    found = modelio.validation._Found([])
     try:
-        modelio.validation._check_graph(graph, "m", frozenset(), external)
+        modelio.validation._check_graph(graph, "m", frozenset(), found)
     except InputError as exc:
         return "error", str(exc)
-    return "ok", [t.SerializeToString() for t in external]
+    return "ok", [t.SerializeToString() for t in found.external], found.bodies
 
 
 def test_ordered_walk_checks_exactly_like_the_general_check(monkeypatch):

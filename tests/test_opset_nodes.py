@@ -162,3 +162,23 @@ def test_up_from_17_adapters_that_add_nodes_match_onnx(target: int):
     feeds = {"x": np.arange(12, dtype=np.float32).reshape(3, 4), "x4": np.arange(9, dtype=np.float32).reshape(1, 1, 3, 3)}
     for got, want in zip(_run(out, feeds), _run(model, feeds)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_validation_says_whether_there_are_bodies_and_a_body_free_model_converts_the_same_unsearched(tmp_path):
+    """modelio.validate reports bodies (a Scan's, nested or not); convert(bodies=False), which reads no
+    node's attributes, converts a body-free model exactly as the full search does."""
+    from k3opt import modelio
+
+    plain = reduce_relu_sin()
+    body = helper.make_graph([helper.make_node("Identity", ["row"], ["r"])], "body",
+                             [helper.make_tensor_value_info("row", F, [3])], [helper.make_tensor_value_info("r", F, [3])])
+    scan = make_model([helper.make_node("Scan", ["x"], ["y"], body=body, num_scan_inputs=1)], [("x", F, [2, 3])],
+                      [("y", F, [2, 3])], opset=11)
+    assert modelio.validate(_copy(plain), tmp_path).bodies is False
+    assert modelio.validate(_copy(scan), tmp_path).bodies is True
+    onnx.save(plain, tmp_path / "m.onnx")
+    loaded = modelio.read_model(tmp_path / "m.onnx")
+    assert loaded.bodies is False
+    searched, _ = opsets.convert(_copy(plain))
+    unsearched, _ = opsets.convert(loaded.model, bodies=loaded.bodies)
+    assert unsearched.SerializeToString() == searched.SerializeToString()

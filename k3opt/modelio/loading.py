@@ -49,11 +49,13 @@ def import_graph(model: onnx.ModelProto, external: Optional[list[TensorProto]] =
 
 
 class Loaded(NamedTuple):
-    """A model read by :func:`read_model` and the tensors in it that use external data."""
+    """A model read by :func:`read_model`, the tensors in it that use external data, and whether it has bodies."""
 
     model: onnx.ModelProto
     #: Its external-data tensors (locations made absolute), in :func:`all_tensors` order.
     external: list[TensorProto]
+    #: Whether a node of it holds a body (If/Loop/Scan...); True when not known.
+    bodies: bool = True
 
 
 def load(path: PathLike) -> onnx.ModelProto:
@@ -85,7 +87,7 @@ def read_model(path: PathLike) -> Loaded:
             raise InputError(f"{p}: not a readable ONNX model: it nests deeper than protobuf can parse (k3opt "
                              f"reads subgraphs at most {MAX_GRAPH_DEPTH} levels deep)") from None
         raise InputError(f"{p}: not a readable ONNX model (truncated or corrupt: {exc})") from None
-    return Loaded(model, validate(model, p.parent, source=str(p), absolute_ok=False))
+    return Loaded(model, *validate(model, p.parent, source=str(p), absolute_ok=False))
 
 
 def _parse(p: Path) -> onnx.ModelProto:

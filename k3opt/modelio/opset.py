@@ -48,14 +48,15 @@ def converts_down(model: onnx.ModelProto, opset: Optional[int] = None, *, target
 
 
 def convert(
-    model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx"
+    model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx", bodies: bool = True
 ) -> tuple[onnx.ModelProto, list[str]]:
     """Return (model at the wanted opset, report notes): ``model`` itself, converted in place.
 
     No ``opset``: below 17 is raised to 17, otherwise kept; if raising fails
     the model keeps its opset (and its nodes) and a note says so. An explicit ``opset`` or
     the cann target (exactly 17) must succeed, else UsageError naming the
-    blocking op.
+    blocking op. ``bodies=False``: no node of the model holds a body (its
+    validation saw none), so none is looked for.
     """
     current = model_opset(model)
     strict = opset is not None or target == "cann"
@@ -66,7 +67,7 @@ def convert(
     converted = None
     if reason is None:
         try:
-            converted = _convert_changed_nodes(model, current, wanted)
+            converted = _convert_changed_nodes(model, current, wanted, bodies)
         except (_InexactConversion, NoOpset17Form) as exc:
             reason = str(exc)
         except Exception as exc:  # onnx's converter raises RuntimeError/ValueError/IndexError...
@@ -137,7 +138,7 @@ def _single_default_import(model: onnx.ModelProto, version: int) -> onnx.ModelPr
     return model
 
 
-def _convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int) -> onnx.ModelProto:
+def _convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int, bodies: bool = True) -> onnx.ModelProto:
     """``model`` at opset ``wanted``, converted in place: only the nodes whose schema changes in between
     go through onnx's converter (on a sub-model of them, see :mod:`.opset_nodes`), each sub-model checked
     and its interface compared; the model is left as it was when any of that fails, but for the
@@ -159,7 +160,7 @@ def _convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int) ->
     if current >= 18 > wanted:
         scope = ModelScope(model)
         rewrite_for_17(model, scope)
-    convert_changed_nodes(model, current, wanted, convert_sub, scope, check_kept)
+    convert_changed_nodes(model, current, wanted, convert_sub, scope, check_kept, bodies)
     imports = [o for o in model.opset_import if o.domain not in _DEFAULT_DOMAINS]
     del model.opset_import[:]
     model.opset_import.extend([onnx.helper.make_opsetid("", wanted)] + imports)

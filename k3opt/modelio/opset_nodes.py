@@ -50,7 +50,8 @@ class _Splice:
 def convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int,
                           convert: Callable[[onnx.ModelProto, int], onnx.ModelProto],
                           scope: Optional["ModelScope"] = None,
-                          check_kept: Callable[[list[onnx.NodeProto]], None] = lambda nodes: None) -> int:
+                          check_kept: Callable[[list[onnx.NodeProto]], None] = lambda nodes: None,
+                          bodies: bool = True) -> int:
     """Convert the nodes of ``model`` whose schema changes from opset ``current`` to ``wanted`` with
     ``convert`` (a sub-model at ``current`` -> at ``wanted``), in place; returns how many were converted.
 
@@ -58,13 +59,14 @@ def convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int,
     caller sets the opset import. A sub-model that fails is tried once more with the types onnx's
     shape inference finds for its inputs. The changed nodes of a graph that :func:`kept_as_they_are`
     makes no sub-model of; ``check_kept`` gets them (what ``convert`` checks of a converted node).
-    ``scope``: made when first needed unless given.
+    ``scope``: made when first needed unless given. ``bodies=False``: no node holds a body (the caller
+    knows), so no node's attributes are searched for one.
     """
     splices = []
     kept: list[onnx.NodeProto] = []
     others = [o for o in model.opset_import if o.domain not in _DEFAULT_DOMAINS]
     graphs: list[onnx.GraphProto] = []
-    changed = list(_changed(model.graph, current, wanted, graphs))
+    changed = list(_changed(model.graph, current, wanted, graphs, bodies))
     untyped = _untyped(graphs) if changed else set()
     for graph, nodes in changed:
         if kept_as_they_are(graph, nodes, current, wanted, untyped):
@@ -109,18 +111,21 @@ def _untyped(graphs: list[onnx.GraphProto]) -> set[str]:
             if vi.type.HasField("tensor_type") and not vi.type.tensor_type.elem_type}
 
 
-def _changed(graph: onnx.GraphProto, current: int, wanted: int,
-             graphs: list[onnx.GraphProto]) -> Iterator[tuple[onnx.GraphProto, list[int]]]:
+def _changed(graph: onnx.GraphProto, current: int, wanted: int, graphs: list[onnx.GraphProto],
+             bodies: bool = True) -> Iterator[tuple[onnx.GraphProto, list[int]]]:
     """(graph, positions of its nodes whose schema changes) for the bodies of ``graph``'s unchanged
     nodes, then for ``graph`` (a body is spliced before the graph holding it is rebuilt); every graph of
-    the model (``graph`` and all its bodies) is appended to ``graphs``."""
+    the model (``graph`` and all its bodies) is appended to ``graphs``. ``bodies=False``: there are none
+    (no node's attributes are read)."""
     graphs.append(graph)
     nodes = []
     for k, node in enumerate(graph.node):
         if schema_changes(node.op_type, current, wanted) and node.domain in _DEFAULT_DOMAINS:
             nodes.append(k)
-            if node.attribute:
+            if bodies and node.attribute:
                 graphs += [g for sub in _subgraphs(node) for g in all_graphs(sub)]
+            continue
+        if not bodies:
             continue
         for attr in node.attribute:  # most attributes hold no body: _subgraphs only for a node that has one
             if attr.HasField("g") or attr.graphs:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import AbstractSet, Optional
+from dataclasses import dataclass
+from typing import AbstractSet, NamedTuple, Optional
 
 import onnx
 from onnx import TensorProto
@@ -16,8 +17,16 @@ from .external import MAY_HOLD_TENSORS, PathLike, external_info
 from .spill import is_spill_file
 
 
+class Validated(NamedTuple):
+    """What :func:`validate` found: the tensors that use external data (in :func:`all_tensors` order), and
+    whether any node holds a body (If/Loop/Scan...): without one, a caller need not look for bodies again."""
+
+    external: list[TensorProto]
+    bodies: bool
+
+
 def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model",
-             absolute_ok: bool = True) -> list[TensorProto]:
+             absolute_ok: bool = True) -> Validated:
     """Check the model's structure and make its external-data locations absolute.
 
     Relative locations are resolved against ``base_dir`` and must name regular
@@ -25,12 +34,13 @@ def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model",
     only for k3opt spill files, and only when ``absolute_ok`` (a proto built
     in this process; a model read from a file never has them). Subgraphs may
     nest at most :data:`MAX_GRAPH_DEPTH` deep. Returns the tensors that use
-    external data, in :func:`all_tensors` order.
+    external data, in :func:`all_tensors` order, and whether there are bodies.
     """
     if not model.HasField("graph") or not model.opset_import or not model.graph.output:
         raise InputError(f"{source}: not an ONNX model (no graph, outputs or opset import)")
-    external: list[TensorProto] = []
-    _check_graph(model.graph, source, frozenset(), external)
+    found = _Found([])
+    _check_graph(model.graph, source, frozenset(), found)
+    external = found.external
     base = Path(os.path.abspath(base_dir))
     for t in external:
         spill = absolute_ok and is_spill_file(external_info(t).get("location", ""))
@@ -38,12 +48,20 @@ def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model",
         for entry in t.external_data:
             if entry.key == "location":
                 entry.value = str(path)
-    return external
+    return Validated(external, found.bodies)
 
 
 def check_graph(graph: onnx.GraphProto, source: str = "model", outer: frozenset = frozenset()) -> None:
     """Every node input is produced somewhere and the nodes form no cycle."""
-    _check_graph(graph, source, outer, [])
+    _check_graph(graph, source, outer, _Found([]))
+
+
+@dataclass
+class _Found:
+    """What the checks collect: the tensors that use external data, and whether a node holds a body."""
+
+    external: list[TensorProto]
+    bodies: bool = False
 
 
 _EXTERNAL = TensorProto.EXTERNAL
@@ -54,10 +72,9 @@ MAX_GRAPH_DEPTH = 16
 _TYPES = frozenset(v for v in TensorProto.DataType.values() if v != TensorProto.UNDEFINED)
 
 
-def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], external: list[TensorProto],
+def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], found: _Found,
                  depth: int = 0) -> None:
-    """:func:`check_graph`, appending the tensors that use external data to ``external``; ``depth``: how
-    many bodies ``graph`` is nested in.
+    """:func:`check_graph`, collecting into ``found``; ``depth``: how many bodies ``graph`` is nested in.
 
     One walk in node order suffices for what exporters write (each node after
     the producers of its inputs, each name defined once); anything else takes
@@ -70,13 +87,13 @@ def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], e
     if graph.sparse_initializer:
         _check_sparse(graph, source)
         known |= {t.values.name for t in graph.sparse_initializer}
-    external.extend(t for t in graph.initializer if t.data_location == _EXTERNAL)
+    found.external.extend(t for t in graph.initializer if t.data_location == _EXTERNAL)
     ordered = _walk_in_order(graph, known)
     if ordered is None:
-        return _check_any_order(graph, source, known, external, depth)
+        return _check_any_order(graph, source, known, found, depth)
     visible, holders = ordered
     for attr in holders:
-        _check_attribute(attr, source, visible, external, depth)
+        _check_attribute(attr, source, visible, found, depth)
     _check_outputs(graph, source, visible)
 
 
@@ -108,8 +125,7 @@ def _walk_in_order(graph: onnx.GraphProto, known: set) -> Optional[tuple[set, li
     return available, holders
 
 
-def _check_any_order(graph: onnx.GraphProto, source: str, known: set, external: list[TensorProto],
-                     depth: int) -> None:
+def _check_any_order(graph: onnx.GraphProto, source: str, known: set, found: _Found, depth: int) -> None:
     # (inputs, outputs, node) read once: proto field access is the cost on a big graph
     nodes = [(n.input[:], n.output[:], n) for n in graph.node]
     produced: dict[str, onnx.NodeProto] = {}
@@ -127,23 +143,25 @@ def _check_any_order(graph: onnx.GraphProto, source: str, known: set, external: 
                 )
         for attr in node.attribute:
             if attr.type in MAY_HOLD_TENSORS:
-                _check_attribute(attr, source, visible, external, depth)
+                _check_attribute(attr, source, visible, found, depth)
     _check_outputs(graph, source, visible)
     _check_acyclic(nodes, known, source)
 
 
-def _check_attribute(attr: onnx.AttributeProto, source: str, visible: AbstractSet[str],
-                     external: list[TensorProto], depth: int) -> None:
+def _check_attribute(attr: onnx.AttributeProto, source: str, visible: AbstractSet[str], found: _Found,
+                     depth: int) -> None:
     """Check the attribute's tensors (collecting the external ones) and the bodies it holds (seeing
     ``visible``, one level deeper than ``depth``)."""
     if attr.HasField("t"):
-        _check_attribute_tensor(attr.t, source, external)
+        _check_attribute_tensor(attr.t, source, found.external)
     for t in attr.tensors:
-        _check_attribute_tensor(t, source, external)
+        _check_attribute_tensor(t, source, found.external)
     if attr.HasField("g"):
-        _check_graph(attr.g, source, visible, external, depth + 1)
+        found.bodies = True
+        _check_graph(attr.g, source, visible, found, depth + 1)
     for sub in attr.graphs:
-        _check_graph(sub, source, visible, external, depth + 1)
+        found.bodies = True
+        _check_graph(sub, source, visible, found, depth + 1)
 
 
 def _check_attribute_tensor(t: TensorProto, source: str, external: list[TensorProto]) -> None:
