@@ -171,7 +171,8 @@ def test_validation_says_whether_there_are_bodies_and_a_body_free_model_converts
 
     plain = reduce_relu_sin()
     body = helper.make_graph([helper.make_node("Identity", ["row"], ["r"])], "body",
-                             [helper.make_tensor_value_info("row", F, [3])], [helper.make_tensor_value_info("r", F, [3])])
+                             [helper.make_tensor_value_info("row", F, [3])],
+                             [helper.make_tensor_value_info("r", F, [3])])
     scan = make_model([helper.make_node("Scan", ["x"], ["y"], body=body, num_scan_inputs=1)], [("x", F, [2, 3])],
                       [("y", F, [2, 3])], opset=11)
     assert modelio.validate(_copy(plain), tmp_path).bodies is False

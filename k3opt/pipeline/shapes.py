@@ -260,8 +260,9 @@ def model_for_inference(model: onnx.ModelProto) -> Light:
     fields += [field(_GRAPH_INITIALIZER, _inline_bytes(t)) for t in g.initializer if t.name not in big]
     nodes = list(map(onnx.NodeProto.SerializeToString, g.node))
     fields += _repeated_field(_GRAPH_NODE, nodes)
-    long_data = _has_long_vector(rest) or any(_long_constant(n) for n, data in zip(g.node, nodes)
-                                              if _CONSTANT_OP in data and _may_be_long(data) and n.op_type == "Constant")
+    long_data = _has_long_vector(rest) or any(
+        _long_constant(n) for n, data in zip(g.node, nodes)
+        if _CONSTANT_OP in data and _may_be_long(data) and n.op_type == "Constant")
     return Light(_model_bytes(head, fields), long_data)
 
 
