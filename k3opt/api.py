@@ -22,7 +22,6 @@ from .modelio import opset as opsets
 from .pipeline import shapes
 from .pipeline import verify as verifier, verify_dims
 from .graph import gs_roundtrip, ir
-from .graph.gs_export import tensor_map
 from .graph.lifetime import graph_scope
 from .errors import InputError, OutputError, UsageError, VerificationError
 from .pipeline.pass_base import PassContext, build_pipeline, check_pass_options
@@ -210,7 +209,7 @@ class _Run:
         manager = PassManager(pipeline, shape_inference=refresher, progress=self._pass_progress())
         with self.step("running passes", "passes"), graph_scope():
             graph = modelio.import_graph(model, known_external)
-            tensors = tensor_map(graph)  # one walk for the run's fresh names and the seed's shapes
+            tensors = ir.tensor_map(graph)  # one walk for the run's fresh names and the seed's shapes
             ctx.names = ir.NameScope(graph, tensors)
             if any(p.needs_shapes for p in pipeline):  # the manager then skips a first refresh
                 ctx.shapes_available = refresher.seed(graph, model, tensors)

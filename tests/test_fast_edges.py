@@ -481,11 +481,11 @@ def test_fast_export_leaves_functions_to_gs():
 
 
 def test_tensor_map_is_gs_tensors_without_warnings():
-    from k3opt.graph import gs_export
+    from k3opt.graph.ir import tensor_map
 
     graph = gs.import_onnx(_kitchen_sink())
     graph.nodes[0].outputs.append(gs.Variable("x"))  # a distinct tensor reusing a name: the last one wins
-    got = gs_export.tensor_map(graph)
+    got = tensor_map(graph)
     want = graph.tensors()
     assert list(got) == list(want) and all(got[k] is want[k] for k in want)
 

@@ -103,7 +103,7 @@ def test_a_name_scope_holds_every_name_gs_knows():
     node names, bodies and omitted optional tensors ("") included."""
     import onnx
     from k3opt import modelio
-    from k3opt.graph.gs_export import tensor_map
+    from k3opt.graph.ir import tensor_map
     from tests.zoo import zoo_model
 
     body = helper.make_graph([helper.make_node("Add", ["x", "k"], ["b"], name="inner")], "then", [],

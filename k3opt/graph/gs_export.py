@@ -23,7 +23,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, update_impor
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from . import dtypes
-from .ir import Graph, Tensor, all_graphs, gs_fast_paths, node_subgraphs
+from .ir import Graph, Tensor, all_graphs, gs_fast_paths, node_subgraphs, tensor_map
 from .wire import field, varint
 
 
@@ -41,26 +41,6 @@ def export_onnx(graph: Graph, tensors: Optional[dict[str, Tensor]] = None) -> on
     if graph.ir_version is not None:
         model.ir_version = graph.ir_version
     return model
-
-
-def tensor_map(graph: Graph) -> dict[str, Tensor]:
-    """``graph.tensors()``: named tensors in gs's order (a repeated name keeps its first place, its last
-    tensor), without gs's warnings about distinct tensors sharing a name."""
-    found: dict[str, Tensor] = {}
-    for t in graph.inputs:
-        if t.name:
-            found[t.name] = t
-    for node in graph.nodes:
-        for t in node.inputs:
-            if t.name:
-                found[t.name] = t
-        for t in node.outputs:
-            if t.name:
-                found[t.name] = t
-    for t in graph.outputs:
-        if t.name:
-            found[t.name] = t
-    return found
 
 
 def import_domains(graph: Graph, graphs: Optional[Sequence[Graph]] = None,

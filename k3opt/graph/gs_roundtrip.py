@@ -25,7 +25,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from . import dtypes, gs_export, gs_import
-from .ir import Graph, Tensor, all_graphs, set_input
+from .ir import Graph, Tensor, all_graphs, set_input, tensor_map
 from .lifetime import note_graph
 
 #: Tensor kinds gs's exporter can write.
@@ -123,7 +123,7 @@ def export_onnx(graph: Graph) -> onnx.ModelProto:
     """``gs.export_onnx(graph, do_type_check=False)`` (built by :mod:`k3opt.graph.gs_export`) that writes
     optional types and input defaults."""
     _unique_node_names(graph)
-    maps = [gs_export.tensor_map(g) for g in all_graphs(graph)]
+    maps = [tensor_map(g) for g in all_graphs(graph)]
     odd = [t for tensors in maps for t in tensors.values()
            if getattr(t, "type", "tensor_type") not in _GS_TYPES and t.dtype is not None]
     saved = [(t, t.dtype) for t in odd]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from operator import attrgetter
 from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
@@ -239,7 +238,24 @@ def rank(t: Tensor) -> Optional[int]:
     return None if t.shape is None else len(t.shape)
 
 
-_name = attrgetter("name")
+def tensor_map(graph: Graph) -> dict[str, Tensor]:
+    """``graph.tensors()``: named tensors in gs's order (a repeated name keeps its first place, its last
+    tensor), without gs's warnings about distinct tensors sharing a name."""
+    found: dict[str, Tensor] = {}
+    for t in graph.inputs:
+        if t.name:
+            found[t.name] = t
+    for node in graph.nodes:
+        for t in node.inputs:
+            if t.name:
+                found[t.name] = t
+        for t in node.outputs:
+            if t.name:
+                found[t.name] = t
+    for t in graph.outputs:
+        if t.name:
+            found[t.name] = t
+    return found
 
 
 class NameScope:
@@ -250,20 +266,11 @@ class NameScope:
     """
 
     def __init__(self, graph: Graph, tensors: Optional[Mapping[str, Tensor]] = None):
-        """``tensors``: ``gs_export.tensor_map(graph)`` when the caller has it (the main graph's tensor
-        names, read without a walk)."""
+        """``tensors``: :func:`tensor_map` of ``graph`` when the caller has it (not walked again)."""
         used: set[str] = set()
-        for g in all_graphs(graph):  # the keys of each g.tensors() (named tensors), without gs's map building
-            if g is graph and tensors is not None:
-                used.update(tensors)
-            else:
-                used.update(map(_name, g.inputs))
-                for n in g.nodes:
-                    used.update(map(_name, n.inputs))
-                    used.update(map(_name, n.outputs))
-                used.update(map(_name, g.outputs))
+        for g in all_graphs(graph):  # the keys of each g.tensors() (named tensors), and the node names
+            used.update(tensors if g is graph and tensors is not None else tensor_map(g))
             used.update([n.name for n in g.nodes if n.name])
-        used.discard("")  # gs leaves out the omitted optional tensors, named ""
         self._used = used
         self._next: dict[str, int] = {}
 

@@ -19,10 +19,10 @@ from ..graph import OnnxExporter, dtypes
 from ..graph import SparseValues
 
 from ..errors import UsageError
-from ..graph.gs_export import import_domains, node_bytes, tensor_map, write_value_info
+from ..graph.gs_export import import_domains, node_bytes, write_value_info
 from ..graph.wire import field, varint
 from ..modelio import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
-from ..graph.ir import declared_symbols
+from ..graph.ir import declared_symbols, tensor_map
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
 
