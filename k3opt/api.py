@@ -484,7 +484,8 @@ def _load(model: ModelLike, report: Report) -> modelio.Loaded:
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
-        return modelio.Loaded(copy, *modelio.validate(copy, os.getcwd()))
+        found = modelio.validate(copy, os.getcwd())
+        return modelio.Loaded(copy, found.external, found.bodies)
     if isinstance(model, (str, os.PathLike)):
         report.input = str(model)
         return modelio.read_model(model)

@@ -420,7 +420,7 @@ def _random_graph(rng: np.random.Generator, depth: int = 0) -> onnx.GraphProto:
 
 
 def _checked(graph: onnx.GraphProto):
-    found = modelio.validation._Found([])
+    found = modelio.validation.Validated()
     try:
         modelio.validation._check_graph(graph, "m", frozenset(), found)
     except InputError as exc:

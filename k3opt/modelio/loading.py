@@ -87,7 +87,8 @@ def read_model(path: PathLike) -> Loaded:
             raise InputError(f"{p}: not a readable ONNX model: it nests deeper than protobuf can parse (k3opt "
                              f"reads subgraphs at most {MAX_GRAPH_DEPTH} levels deep)") from None
         raise InputError(f"{p}: not a readable ONNX model (truncated or corrupt: {exc})") from None
-    return Loaded(model, *validate(model, p.parent, source=str(p), absolute_ok=False))
+    found = validate(model, p.parent, source=str(p), absolute_ok=False)
+    return Loaded(model, found.external, found.bodies)
 
 
 def _parse(p: Path) -> onnx.ModelProto:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from dataclasses import dataclass
-from typing import AbstractSet, NamedTuple, Optional
+from dataclasses import dataclass, field
+from typing import AbstractSet, Optional
 
 import onnx
 from onnx import TensorProto
@@ -17,12 +17,14 @@ from .external import MAY_HOLD_TENSORS, PathLike, external_info
 from .spill import is_spill_file
 
 
-class Validated(NamedTuple):
-    """What :func:`validate` found: the tensors that use external data (in :func:`all_tensors` order), and
-    whether any node holds a body (If/Loop/Scan...): without one, a caller need not look for bodies again."""
+@dataclass
+class Validated:
+    """What :func:`validate` found, collected by the checks as they go: the tensors that use external data
+    (in :func:`all_tensors` order), and whether any node holds a body (If/Loop/Scan...): without one, a
+    caller need not look for bodies again."""
 
-    external: list[TensorProto]
-    bodies: bool
+    external: list[TensorProto] = field(default_factory=list)
+    bodies: bool = False
 
 
 def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model",
@@ -38,30 +40,21 @@ def validate(model: onnx.ModelProto, base_dir: PathLike, source: str = "model",
     """
     if not model.HasField("graph") or not model.opset_import or not model.graph.output:
         raise InputError(f"{source}: not an ONNX model (no graph, outputs or opset import)")
-    found = _Found([])
+    found = Validated()
     _check_graph(model.graph, source, frozenset(), found)
-    external = found.external
     base = Path(os.path.abspath(base_dir))
-    for t in external:
+    for t in found.external:
         spill = absolute_ok and is_spill_file(external_info(t).get("location", ""))
         path = data_location.resolve(t, base, source, absolute_ok=spill)
         for entry in t.external_data:
             if entry.key == "location":
                 entry.value = str(path)
-    return Validated(external, found.bodies)
+    return found
 
 
 def check_graph(graph: onnx.GraphProto, source: str = "model", outer: frozenset = frozenset()) -> None:
     """Every node input is produced somewhere and the nodes form no cycle."""
-    _check_graph(graph, source, outer, _Found([]))
-
-
-@dataclass
-class _Found:
-    """What the checks collect: the tensors that use external data, and whether a node holds a body."""
-
-    external: list[TensorProto]
-    bodies: bool = False
+    _check_graph(graph, source, outer, Validated())
 
 
 _EXTERNAL = TensorProto.EXTERNAL
@@ -72,7 +65,7 @@ MAX_GRAPH_DEPTH = 16
 _TYPES = frozenset(v for v in TensorProto.DataType.values() if v != TensorProto.UNDEFINED)
 
 
-def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], found: _Found,
+def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], found: Validated,
                  depth: int = 0) -> None:
     """:func:`check_graph`, collecting into ``found``; ``depth``: how many bodies ``graph`` is nested in.
 
@@ -125,7 +118,7 @@ def _walk_in_order(graph: onnx.GraphProto, known: set) -> Optional[tuple[set, li
     return available, holders
 
 
-def _check_any_order(graph: onnx.GraphProto, source: str, known: set, found: _Found, depth: int) -> None:
+def _check_any_order(graph: onnx.GraphProto, source: str, known: set, found: Validated, depth: int) -> None:
     # (inputs, outputs, node) read once: proto field access is the cost on a big graph
     nodes = [(n.input[:], n.output[:], n) for n in graph.node]
     produced: dict[str, onnx.NodeProto] = {}
@@ -148,7 +141,7 @@ def _check_any_order(graph: onnx.GraphProto, source: str, known: set, found: _Fo
     _check_acyclic(nodes, known, source)
 
 
-def _check_attribute(attr: onnx.AttributeProto, source: str, visible: AbstractSet[str], found: _Found,
+def _check_attribute(attr: onnx.AttributeProto, source: str, visible: AbstractSet[str], found: Validated,
                      depth: int) -> None:
     """Check the attribute's tensors (collecting the external ones) and the bodies it holds (seeing
     ``visible``, one level deeper than ``depth``)."""
