@@ -210,10 +210,11 @@ class _Run:
         with self.step("running passes", "passes"), graph_scope():
             graph = modelio.import_graph(model, known_external)
             tensors = ir.tensor_map(graph)  # one walk for the run's fresh names and the seed's shapes
-            ctx.names = ir.NameScope(graph, tensors)
+            graphs = None if bodies else [graph]  # validation saw no body: none to walk for
+            ctx.names = ir.NameScope(graph, tensors, graphs)
             if any(p.needs_shapes for p in pipeline):  # the manager then skips a first refresh
                 ctx.shapes_available = refresher.seed(graph, model, tensors)
-            manager.run(graph, ctx)
+            manager.run(graph, ctx, graphs=graphs)
             out = export(graph, model)
         before_down = None
         if down:

@@ -161,18 +161,97 @@ class CheckedCensus(OpCensus):
         return got
 
 
-WHOLE_RUNS = [("bert", "torchscript"), ("llama", "dynamo"), ("deepseek_v3", "torchscript")]
+WHOLE_RUNS = [("bert", "torchscript", "onnx"), ("llama", "dynamo", "onnx"), ("deepseek_v3", "torchscript", "onnx"),
+              ("llama", "torchscript", "cann")]
 
 
-@pytest.mark.parametrize("name,exporter", WHOLE_RUNS)
-def test_every_census_answer_in_a_whole_run_equals_a_scan(monkeypatch, name, exporter):
+@pytest.mark.parametrize("name,exporter,target", WHOLE_RUNS)
+def test_every_census_answer_in_a_whole_run_equals_a_scan(monkeypatch, name, exporter, target):
     """No built-in pass changes the graph in place and then reports no rewrite (or asks again without
-    changed()); merge-equal-dims' toposort, which may reorder and return 0, gives a new node list."""
+    changed()); merge-equal-dims' toposort, which may reorder and return 0, gives a new node list.
+    Nor does one give a body-free graph a body (``adds_bodies = False``): the census's kept "no body"
+    answer is checked against a walk after every rewrite, the cann lowerings' included."""
     model = onnx.load(str(zoo_model(name, exporter)))
     monkeypatch.setattr(manager, "OpCensus", CheckedCensus)
-    checked = k3opt.optimize(model)
+    checked = k3opt.optimize(model, target=target)
     monkeypatch.undo()
-    assert checked.SerializeToString() == k3opt.optimize(model).SerializeToString()
+    assert checked.SerializeToString() == k3opt.optimize(model, target=target).SerializeToString()
+
+
+def _body_free_graph() -> gs.Graph:
+    nodes = [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("Identity", ["a"], ["b"]),
+             helper.make_node("Relu", ["b"], ["y"])]
+    return gs.import_onnx(make_model(nodes, [("x", F, [2])], [("y", F, [2])]))
+
+
+class BodyCounter(Pass):
+    """Records how many graphs ``ctx.graphs`` names at each run; rewrites nothing."""
+
+    name = "test-body-counter"
+    adds_bodies = False
+
+    def __init__(self):
+        self.seen = []
+
+    def run(self, graph, ctx) -> int:
+        self.seen.append(len(ctx.graphs(graph)))
+        return 0
+
+
+class IfAdder(Pass):
+    """Puts an If with two one-node bodies after the graph's last node, once (a plugin-like pass: it
+    declares nothing, so it may add bodies)."""
+
+    name = "test-if-adder"
+
+    def run(self, graph, ctx) -> int:
+        if any(n.op == "If" for n in graph.nodes):
+            return 0
+        cond = gs.Constant("k3_cond", np.array(True))
+        branches = []
+        for side in ("then", "else"):
+            out = gs.Variable(f"{side}_y", dtype=np.float32, shape=[2])
+            branches.append(gs.Graph(nodes=[gs.Node("Neg", f"{side}_neg", inputs=[graph.outputs[0]], outputs=[out])],
+                                     outputs=[out], name=side))
+        graph.nodes.append(gs.Node("If", "k3_if", {"then_branch": branches[0], "else_branch": branches[1]},
+                                   inputs=[cond], outputs=[gs.Variable("if_y")]))
+        return 1
+
+
+def test_a_body_free_graph_is_walked_for_bodies_once(monkeypatch):
+    """Rewrites by passes that add no body keep the census's "no body" answer: no walk after them."""
+    from k3opt.pipeline import op_census
+
+    walks = []
+    monkeypatch.setattr(op_census, "all_graphs", lambda g: walks.append(g) or ir.all_graphs(g))
+    counter = BodyCounter()
+    graph = _body_free_graph()
+    PassManager([RemoveIdentity(), counter]).run(graph, PassContext(opset=17))
+    assert counter.seen == [1] and len(walks) == 1 and [n.op for n in graph.nodes] == ["Relu"]
+    walks.clear()  # told by the caller (loading saw no body): no walk at all
+    graph = _body_free_graph()
+    PassManager([RemoveIdentity(), BodyCounter()]).run(graph, PassContext(opset=17), graphs=[graph])
+    assert walks == []
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_bodies_a_pass_may_add_are_found(declared):
+    """A pass that may add bodies (the default, a plugin's) gets the graph walked again after it rewrote:
+    the next pass sees the If's two bodies. One that wrongly declares it adds none leaves the census
+    answering "no body": the declaration is what the census trusts."""
+    adder, counter = IfAdder(), BodyCounter()
+    adder.adds_bodies = declared
+    graph = _body_free_graph()
+    PassManager([counter, adder, BodyCounter()]).run(graph, PassContext(opset=17), graphs=[graph])
+    assert counter.seen == ([1, 3] if declared else [1, 1])
+    assert len(list(ir.all_graphs(graph))) == 3
+
+
+def test_name_scope_takes_the_graphs_it_is_given():
+    """NameScope(graph, tensors, graphs): the names of the graphs given, not walked for."""
+    graph = nested_graph()
+    assert ir.NameScope(graph, graphs=[graph]).fresh("t1_y") == "t1_y"  # a body's name: not seen
+    assert ir.NameScope(graph).fresh("t1_y") == "t1_y_1"
 
 
 # -- rules skipped where they cannot match ---------------------------------------------------------------------

@@ -265,10 +265,12 @@ class NameScope:
     name in the graph, so the same input always yields the same names.
     """
 
-    def __init__(self, graph: Graph, tensors: Optional[Mapping[str, Tensor]] = None):
-        """``tensors``: :func:`tensor_map` of ``graph`` when the caller has it (not walked again)."""
+    def __init__(self, graph: Graph, tensors: Optional[Mapping[str, Tensor]] = None,
+                 graphs: Optional[list[Graph]] = None):
+        """``tensors``: :func:`tensor_map` of ``graph``, ``graphs``: ``list(all_graphs(graph))``, when the
+        caller has them (not walked again)."""
         used: set[str] = set()
-        for g in all_graphs(graph):  # the keys of each g.tensors() (named tensors), and the node names
+        for g in all_graphs(graph) if graphs is None else graphs:  # each g.tensors()'s keys, and the node names
             used.update(tensors if g is graph and tensors is not None else tensor_map(g))
             used.update([n.name for n in g.nodes if n.name])
         self._used = used

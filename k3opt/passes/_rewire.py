@@ -124,6 +124,7 @@ class NodeRewritePass(Pass):
     """
 
     ops: ClassVar[frozenset[str]] = frozenset()
+    adds_bodies = False  # rewrites build no graph attribute
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         total = 0

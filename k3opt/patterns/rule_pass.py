@@ -151,9 +151,10 @@ def rules_pass(
     """A :class:`RuleSetPass` subclass named ``name`` (registered unless ``register=False``).
 
     ``attrs`` set other :class:`~k3opt.pipeline.pass_base.Pass` class attributes
-    (``needs_shapes``, ``preserves``, ``min_opset``, ``targets``, ``default``, ``options``).
+    (``needs_shapes``, ``preserves``, ``adds_bodies``, ``min_opset``, ``targets``, ``default``, ``options``).
     """
-    unknown = set(attrs) - {"needs_shapes", "preserves", "min_opset", "targets", "default", "options"}
+    unknown = set(attrs) - {"needs_shapes", "preserves", "adds_bodies", "min_opset", "targets", "default",
+                            "options"}
     if unknown:
         raise TypeError(f"rules_pass got unknown pass attribute(s): {sorted(unknown)}")
     body = dict(attrs, name=name, rules=list(rules),

@@ -84,12 +84,16 @@ class PassManager:
         self.steps: list[Step] = []
         self.rounds = 0
 
-    def run(self, graph: Graph, ctx: PassContext, max_steps: Optional[int] = None) -> int:
-        """Run to a fixed point (or ``max_steps`` pass executions); returns total rewrites."""
+    def run(self, graph: Graph, ctx: PassContext, max_steps: Optional[int] = None,
+            graphs: Optional[list[Graph]] = None) -> int:
+        """Run to a fixed point (or ``max_steps`` pass executions); returns total rewrites.
+
+        ``graphs``: ``list(all_graphs(graph))`` when the caller knows it (``[graph]``: no body), not walked again.
+        """
         if ctx.names is None:
-            ctx.names = NameScope(graph)
+            ctx.names = NameScope(graph, graphs=graphs)
         runnable = [p for p in self.passes if self._applicable(p, ctx)]
-        outer, ctx.census = ctx.census, OpCensus()  # shared by the passes of one graph version
+        outer, ctx.census = ctx.census, OpCensus(graphs)  # shared by the passes of one graph version
         ctx.analyses.invalidate()  # what an earlier run kept is of another graph, or another version
         if ctx.shapes_available:  # the caller inferred them (api: ShapeRefresher.seed)
             ctx.analyses.put(Shapes(graph))
@@ -130,7 +134,7 @@ class PassManager:
                 if n:
                     analyses.invalidate(p.preserves)
                     version += 1
-                    ctx.changed()
+                    ctx.changed(p.adds_bodies)
                 else:
                     idle_at[id(p)] = version
                 round_rewrites += n
@@ -184,6 +188,7 @@ class PassManager:
         st = self.stats[p.name]
         counted = dict(ctx.counters)
         outer, ctx.current_pass = ctx.current_pass, p.name
+        outer_adds, ctx.pass_adds_bodies = ctx.pass_adds_bodies, p.adds_bodies
         t0 = time.perf_counter()
         try:
             with watching_edits(ctx.analyses.edited):
@@ -198,7 +203,7 @@ class PassManager:
             raise
         finally:
             st.time_s += time.perf_counter() - t0
-            ctx.current_pass = outer
+            ctx.current_pass, ctx.pass_adds_bodies = outer, outer_adds
         for key, value in ctx.counters.items():
             if value != counted.get(key, 0):
                 st.counters[key] = st.counters.get(key, 0) + value - counted.get(key, 0)

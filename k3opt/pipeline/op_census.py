@@ -17,21 +17,31 @@ class OpCensus:
     list (the same list object, the same length), so a pass that replaced or resized one gets a fresh
     census even if it wrongly reported no rewrite. What no check sees is an in-place change (an op
     renamed, a list entry replaced) by a pass that then returns 0: that breaks the pass contract.
+
+    Finding a graph's bodies is a walk of every node's attributes. A graph that holds none keeps holding
+    none through the rewrites of a pass that declares it adds none (``Pass.adds_bodies``): the census
+    keeps that answer across such changes, so the passes of a body-free model walk for bodies once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, graphs: Optional[list[Graph]] = None) -> None:
+        """``graphs``: ``list(all_graphs(graph))`` when the caller knows it (loading saw no body: ``[graph]``)."""
         self._graphs: Optional[list[Graph]] = None  # all_graphs order, with the stamps of their node lists
         self._stamps: list[tuple[list, int]] = []
+        #: A graph known to hold no body (kept by :meth:`clear` when the change added none).
+        self._bodiless: Optional[Graph] = graphs[0] if graphs is not None and len(graphs) == 1 else None
         # id(graph) -> (graph, its node list, its length, op type -> positions in the list)
         self._index: dict[int, tuple[Graph, list[Node], int, dict[str, list[int]]]] = {}
         # id(graph) -> (its node list, its length, the ids of its nodes)
         self._members: dict[int, tuple[list[Node], int, set[int]]] = {}
 
-    def clear(self) -> None:
-        """Forget everything: the graph changed."""
+    def clear(self, bodies_added: bool = True) -> None:
+        """Forget everything: the graph changed. ``bodies_added``: the change may have given a graph a body
+        it did not hold (False keeps knowing that a body-free graph holds none)."""
         self._graphs, self._stamps = None, []
         self._index.clear()
         self._members.clear()
+        if bodies_added:
+            self._bodiless = None
 
     def owns(self, graph: Graph, node: Node) -> bool:
         """``node`` is one of ``graph``'s own nodes; the ids are kept while its node list is the one seen."""
@@ -42,10 +52,14 @@ class OpCensus:
 
     def graphs(self, graph: Graph) -> list[Graph]:
         """``list(all_graphs(graph))``: the graph and its bodies, outermost first."""
+        if graph is self._bodiless:
+            return [graph]
         if self._graphs is None or self._graphs[0] is not graph or \
                 any(g.nodes is not nodes or len(nodes) != n for g, (nodes, n) in zip(self._graphs, self._stamps)):
             self._graphs = list(all_graphs(graph))
             self._stamps = [(g.nodes, len(g.nodes)) for g in self._graphs]
+            if len(self._graphs) == 1:
+                self._bodiless = graph
         return list(self._graphs)
 
     def nodes_of(self, graph: Graph, ops: Collection[str]) -> list[Node]:

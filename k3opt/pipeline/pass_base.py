@@ -40,6 +40,8 @@ class PassContext:
     census: Optional[OpCensus] = dataclasses.field(default=None, repr=False, compare=False)
     #: The pass running now (set by the pass manager): :meth:`site` and :meth:`note` records name it.
     current_pass: Optional[str] = None
+    #: The running pass's :attr:`Pass.adds_bodies` (set by the pass manager; True outside a pass).
+    pass_adds_bodies: bool = dataclasses.field(default=True, repr=False, compare=False)
     #: What happened at each fusion candidate, keyed (pass, rule, site): see :meth:`site`.
     sites: dict[tuple[str, str, str], dict[str, str]] = dataclasses.field(default_factory=dict)
     #: The pass that recorded each note (notes recorded outside a pass are absent).
@@ -118,10 +120,12 @@ class PassContext:
         the graph without declaring it preserved (:attr:`Pass.preserves`)."""
         return self.analyses.get(cls, graph)
 
-    def changed(self) -> None:
-        """The graph was rewritten: later :meth:`nodes_of`/:meth:`graphs` answers look at it afresh."""
+    def changed(self, bodies_added: Optional[bool] = None) -> None:
+        """The graph was rewritten: later :meth:`nodes_of`/:meth:`graphs` answers look at it afresh.
+        ``bodies_added``: whether the rewrites may have given a graph bodies (default: what the running
+        pass declares, :attr:`Pass.adds_bodies`)."""
         if self.census is not None:
-            self.census.clear()
+            self.census.clear(self.pass_adds_bodies if bodies_added is None else bodies_added)
 
 
 class Pass:
@@ -138,6 +142,10 @@ class Pass:
     order: ClassVar[float] = 1000.0
     #: Run shape inference before this pass if the graph changed since the last one.
     needs_shapes: ClassVar[bool] = False
+    #: The pass may give a graph an If/Loop/Scan body it did not hold (it builds a graph attribute). False
+    #: lets the run go on knowing that a body-free graph holds none, instead of walking every node's
+    #: attributes again after each rewrite. True, the safe default, for plugins; k3opt's passes never do.
+    adds_bodies: ClassVar[bool] = True
     #: The analyses (:mod:`k3opt.pipeline.analyses` classes) the pass's rewrites leave true, as MLIR's
     #: preserved set: the manager drops every other one after a run that rewrote. With ``Shapes``, the
     #: next pass that needs shapes does not get them re-inferred. Empty (drop all) is always safe.

@@ -146,6 +146,8 @@ def apply_in_order(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int
 class OrderedRulesPass(RuleSetPass):
     """A :class:`RuleSetPass` whose rules get one sweep each, in order (see :func:`apply_in_order`)."""
 
+    adds_bodies = False  # k3opt's norm rules build no graph attribute
+
     def run(self, graph: Graph, ctx: PassContext) -> int:
         return apply_in_order(graph, ctx, self.rules)
 

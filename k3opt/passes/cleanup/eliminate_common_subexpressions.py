@@ -160,6 +160,7 @@ class EliminateCommonSubexpressions(Pass):
     name = "eliminate-common-subexpressions"
     description = "Merge nodes with the same op, attributes and inputs, and equal constants."
     order = 300
+    adds_bodies = False
     preserves = frozenset({Shapes})
     options = {"cse_max_const_bytes": "largest constant compared by value, in bytes (default 1 MiB)"}
 

@@ -37,6 +37,7 @@ class MergeEqualDims(Pass):
     name = "merge-equal-dims"
     description = "Gathers of Shapes that read the same symbolic dim become one value."
     order = 290
+    adds_bodies = False
     needs_shapes = True
     #: Readers of one symbolic dim read one tensor instead of equal ones: every value, so every shape, stays.
     preserves = frozenset({Shapes})

@@ -36,6 +36,7 @@ class RemoveDeadNodes(Pass):
     name = "remove-dead-nodes"
     description = "Remove nodes (and with them initializers and value_info) that reach no graph output."
     order = 390
+    adds_bodies = False
     preserves = frozenset({Shapes})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:

@@ -48,6 +48,7 @@ class FoldConstants(Pass):
     name = "fold-constants"
     description = "Evaluate constant subgraphs and statically known shape computations at compile time."
     order = 100
+    adds_bodies = False
     options = {
         "fold_max_bytes": "largest Expand/Tile/ConstantOfShape/Range result folded, in bytes (default 1 MiB)",
         "fold_max_elements": "largest such result folded, in elements (default 1Mi)",

@@ -64,6 +64,7 @@ class InlineConstantIf(Pass):
     name = "inline-constant-if"
     description = "Replace an If whose condition is a constant by the nodes of the branch it takes."
     order = 110
+    adds_bodies = False
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         total = 0

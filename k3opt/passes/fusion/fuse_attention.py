@@ -181,6 +181,7 @@ class FuseAttention(Pass):
     description = ("scaled dot-product attention (sdpa and eager exports, GQA, MLA, KV cache) -> Attention "
                    "(target onnx, opset >= 23); counted and kept decomposed otherwise")
     order = 520
+    adds_bodies = False
     needs_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:

@@ -76,6 +76,7 @@ class FuseRMSNorm(Pass):
     name = "fuse-rmsnorm"
     description = "RMSNorm -> RMSNormalization (target onnx, opset >= 23); counted and kept decomposed otherwise"
     order = 510
+    adds_bodies = False
     preserves = frozenset({Shapes})
     needs_shapes = True
 

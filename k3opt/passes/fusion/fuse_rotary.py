@@ -154,6 +154,7 @@ class FuseRotary(Pass):
                    "GPT-J's interleaved form) -> "
                    "RotaryEmbedding (target onnx, opset >= 23); counted and kept decomposed otherwise")
     order = 515
+    adds_bodies = False
     needs_shapes = True
     preserves = frozenset({Shapes})
 

@@ -117,7 +117,7 @@ RULE = Rule("matmul-add", pattern, rewrite, check=check,
             description="MatMul(x, W) + b (constant 2-D W, bias over the last axis) -> Gemm")
 
 FuseMatMulAdd = rules_pass(
-    "fuse-matmul-add", [RULE], order=700, needs_shapes=True, min_opset=11,
+    "fuse-matmul-add", [RULE], order=700, needs_shapes=True, adds_bodies=False, min_opset=11,
     options={"matmul_add_nd": "rank > 2 pairs: auto (flatten for --target cann, keep for onnx), flatten, keep"},
     description="MatMul + per-column bias -> Gemm (rank > 2: flatten-Gemm-restore, option matmul_add_nd)",
 )

@@ -155,6 +155,7 @@ class MergeSiblingMatMuls(Pass):
     name = "merge-sibling-matmuls"
     description = "MatMuls with constant weights reading one activation -> one MatMul (+ bias Add) and a Split"
     order = 600
+    adds_bodies = False
     preserves = frozenset({Shapes})
     min_opset = 11  # Split with a negative axis
 

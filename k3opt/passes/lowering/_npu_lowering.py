@@ -20,6 +20,7 @@ class NPULowering(Pass):
     #: The replaced value keeps its dtype and shape; re-inferring would lose shapes: onnx's inference does not
     #: know NPU ops.
     preserves = frozenset({Shapes})
+    adds_bodies = False
     #: The NPU op the lines name, e.g. ``NPURmsNorm``.
     npu_op: ClassVar[str] = ""
     #: What is lowered, singular (the count line adds "(s)").

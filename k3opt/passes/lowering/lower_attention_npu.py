@@ -163,6 +163,7 @@ class LowerAttentionNPU(Pass):
     description = ("attention -> NPUPromptFlashAttention (prefill, MHA/GQA decode) or NPUIncreFlashAttention "
                    "(one-head-cache decode) where exact (target cann)")
     order = 2010
+    adds_bodies = False
     targets = ("cann",)
     lowering = True
     needs_shapes = True
