@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -103,23 +104,39 @@ def memory_mb(pid: "int | str" = "self") -> tuple[float, float]:
 def _wait(pid: int, deadline: float, max_rss_mb: Optional[float]) -> tuple[int, float, str]:
     """Reap ``pid`` polling its memory; kill its process group at ``deadline`` or above ``max_rss_mb``.
 
+    Between polls (every 0.1 s once the child has run a while) the wait wakes as soon as the child
+    exits: through a pidfd where Linux has one, so the wall time is the child's own, not rounded up
+    to the next poll (a sleep between polls added 0-100 ms to every sample, 50 ms on average: a
+    2.5 % bias on a 2 s run, and wall medians that moved in 0.1 s steps).
+
     Returns (wait status, peak RSS seen, "" or "timeout" or "memory-limit").
     """
+    try:
+        exited: Optional[int] = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): sleep between polls
+        exited = None
     delay, peak = 0.005, 0.0
-    while True:
-        rss, hwm = memory_mb(pid)
-        peak = max(peak, hwm)
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status, peak, ""
-        killed = "timeout" if time.perf_counter() >= deadline else ""
-        killed = "memory-limit" if max_rss_mb and rss > max_rss_mb else killed
-        if killed:
-            os.killpg(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
-            return status, peak, killed
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
+    try:
+        while True:
+            rss, hwm = memory_mb(pid)
+            peak = max(peak, hwm)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status, peak, ""
+            killed = "timeout" if time.perf_counter() >= deadline else ""
+            killed = "memory-limit" if max_rss_mb and rss > max_rss_mb else killed
+            if killed:
+                os.killpg(pid, signal.SIGKILL)
+                _, status = os.waitpid(pid, 0)
+                return status, peak, killed
+            if exited is None:
+                time.sleep(delay)
+            else:
+                select.select([exited], [], [], delay)  # readable once the child has exited
+            delay = min(delay * 2, 0.1)
+    finally:
+        if exited is not None:
+            os.close(exited)
 
 
 def write_result(payload: dict) -> None:

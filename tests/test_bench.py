@@ -99,6 +99,13 @@ def test_crashes_and_timeouts_are_results():
     assert hog.status == "memory-limit" and 250 < hog.peak_rss_mb < 600
 
 
+def test_wall_time_is_the_childs_not_the_next_poll():
+    """A child ending at 0.17 s (after polls at 0.005, 0.015, 0.035, 0.075, 0.155 s, the next one 0.1 s
+    later) measures about 0.17 s: the wait wakes when the child exits, not at the next poll."""
+    walls = sorted(run_measured(["sleep", "0.17"], 30).wall_s for _ in range(3))
+    assert 0.17 <= walls[1] < 0.23, walls
+
+
 def _row(optimizer: str, nodes: int, median_ms: float, checker: str = "ok", max_abs: float = 0.0) -> dict:
     lat = {"median_ms": median_ms, "p25_ms": median_ms, "p75_ms": median_ms}
     return {"optimizer": optimizer, "status": "ok",
