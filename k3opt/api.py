@@ -208,13 +208,16 @@ class _Run:
         refresher = shapes.ShapeRefresher()
         manager = PassManager(pipeline, shape_inference=refresher, progress=self._pass_progress())
         with self.step("running passes", "passes"), graph_scope():
+            # fold-constants' first step, done on the proto: the lifted literals are never inferred or imported
+            lifted = modelio.lift_constant_nodes(model) if not bodies and manager.lifts_constants_first(ctx) else []
             graph = modelio.import_graph(model, known_external)
             tensors = ir.tensor_map(graph)  # one walk for the run's fresh names and the seed's shapes
             graphs = None if bodies else [graph]  # validation saw no body: none to walk for
             ctx.names = ir.NameScope(graph, tensors, graphs)
+            ctx.names.reserve(lifted)
             if any(p.needs_shapes for p in pipeline):  # the manager then skips a first refresh
                 ctx.shapes_available = refresher.seed(graph, model, tensors)
-            manager.run(graph, ctx, graphs=graphs)
+            manager.run(graph, ctx, graphs=graphs, lifted=len(lifted))
             out = export(graph, model)
         before_down = None
         if down:

@@ -276,6 +276,10 @@ class NameScope:
         self._used = used
         self._next: dict[str, int] = {}
 
+    def reserve(self, names: Iterable[str]) -> None:
+        """Never hand out ``names`` (those of nodes the run removed before it began: lifted Constant nodes)."""
+        self._used.update(names)
+
     def fresh(self, base: str) -> str:
         base = base or "k3opt"
         if base not in self._used:

@@ -55,6 +55,16 @@ def _typed(graph: Graph) -> list[tuple[object, Optional[tuple]]]:
             for g in all_graphs(graph) for n in g.nodes for t in n.outputs]
 
 
+def _skip_reason(p: Pass, ctx: PassContext) -> Optional[str]:
+    """Why ``p`` does not run in ``ctx`` (opset, target), else None."""
+    if ctx.emit_opset < p.min_opset:
+        has = "model has" if ctx.emit_opset == ctx.opset else "output gets"
+        return f"needs opset {p.min_opset}, {has} {ctx.emit_opset}"
+    if p.targets is not None and ctx.target not in p.targets:
+        return f"applies to target(s) {', '.join(p.targets)} only"
+    return None
+
+
 class PassManager:
     """Runs passes over a graph to a fixed point.
 
@@ -85,14 +95,19 @@ class PassManager:
         self.rounds = 0
 
     def run(self, graph: Graph, ctx: PassContext, max_steps: Optional[int] = None,
-            graphs: Optional[list[Graph]] = None) -> int:
+            graphs: Optional[list[Graph]] = None, lifted: int = 0) -> int:
         """Run to a fixed point (or ``max_steps`` pass executions); returns total rewrites.
 
         ``graphs``: ``list(all_graphs(graph))`` when the caller knows it (``[graph]``: no body), not walked again.
+        ``lifted``: Constant nodes the caller lifted into initializers for the first pass (see
+        :meth:`lifts_constants_first`), counted as its rewrites and among the nodes it started from.
         """
         if ctx.names is None:
             ctx.names = NameScope(graph, graphs=graphs)
         runnable = [p for p in self.passes if self._applicable(p, ctx)]
+        if lifted:
+            st = self.stats[runnable[0].name]
+            st.rewrites, st.nodes_before = st.rewrites + lifted, len(graph.nodes) + lifted
         outer, ctx.census = ctx.census, OpCensus(graphs)  # shared by the passes of one graph version
         ctx.analyses.invalidate()  # what an earlier run kept is of another graph, or another version
         if ctx.shapes_available:  # the caller inferred them (api: ShapeRefresher.seed)
@@ -158,13 +173,14 @@ class PassManager:
         analyses.put(Shapes(graph))
         return _typed(graph) != before
 
+    def lifts_constants_first(self, ctx: PassContext) -> bool:
+        """Whether the first pass to run declares :attr:`Pass.lifts_constant_nodes`: the caller may then lift
+        the model's Constant nodes before the import (``modelio.lift_constant_nodes``) and pass ``lifted``."""
+        first = next((p for p in self.passes if _skip_reason(p, ctx) is None), None)
+        return first is not None and first.lifts_constant_nodes
+
     def _applicable(self, p: Pass, ctx: PassContext) -> bool:
-        reason = None
-        if ctx.emit_opset < p.min_opset:
-            has = "model has" if ctx.emit_opset == ctx.opset else "output gets"
-            reason = f"needs opset {p.min_opset}, {has} {ctx.emit_opset}"
-        elif p.targets is not None and ctx.target not in p.targets:
-            reason = f"applies to target(s) {', '.join(p.targets)} only"
+        reason = _skip_reason(p, ctx)
         if reason:
             self.stats[p.name].skipped = reason
             ctx.note(f"pass {p.name} skipped: {reason}")

@@ -146,6 +146,10 @@ class Pass:
     #: lets the run go on knowing that a body-free graph holds none, instead of walking every node's
     #: attributes again after each rewrite. True, the safe default, for plugins; k3opt's passes never do.
     adds_bodies: ClassVar[bool] = True
+    #: The pass's run starts by turning the graph's Constant nodes into initializers of the same name
+    #: (fold-constants): when it runs first, the run lifts the ones it can on the model before the import
+    #: (:func:`k3opt.modelio.lift_constant_nodes`) and credits them to the pass's statistics.
+    lifts_constant_nodes: ClassVar[bool] = False
     #: The analyses (:mod:`k3opt.pipeline.analyses` classes) the pass's rewrites leave true, as MLIR's
     #: preserved set: the manager drops every other one after a run that rewrote. With ``Shapes``, the
     #: next pass that needs shapes does not get them re-inferred. Empty (drop all) is always safe.

@@ -3,7 +3,9 @@
 One run repeats three sweeps until nothing changes:
 
 1. ``Constant`` nodes become initializers (except those feeding a graph
-   output directly, which must stay nodes to keep the output a node output);
+   output directly, which must stay nodes to keep the output a node output;
+   when this pass runs first, the run has lifted the small ones already, on
+   the model before its import: :mod:`k3opt.modelio.constant_nodes`);
 2. shape computations fold from inferred shapes (:mod:`.fold_shapes`), so a
    model exported with static input shapes loses its shape subgraphs;
 3. nodes whose inputs are all constant are grouped into connected subgraphs
@@ -49,6 +51,7 @@ class FoldConstants(Pass):
     description = "Evaluate constant subgraphs and statically known shape computations at compile time."
     order = 100
     adds_bodies = False
+    lifts_constant_nodes = True  # _constant_nodes, the first step of a run
     options = {
         "fold_max_bytes": "largest Expand/Tile/ConstantOfShape/Range result folded, in bytes (default 1 MiB)",
         "fold_max_elements": "largest such result folded, in elements (default 1Mi)",
