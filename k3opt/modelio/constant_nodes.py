@@ -15,6 +15,8 @@ node's). Anything else is left to fold-constants, which lifts the rest in place 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import onnx
 from onnx import AttributeProto, TensorProto
 
@@ -29,35 +31,41 @@ def lift_constant_nodes(model: onnx.ModelProto) -> list[str]:
     not looked for.
     """
     g = model.graph
-    nodes = list(g.node)
     read: set[str] = set()
-    candidates: list[int] = []
-    for i, node in enumerate(nodes):
+    candidates: list[tuple[str, str, TensorProto]] = []  # (node name, output, value) in node order
+    for node in g.node:
         read.update(node.input[:])
-        if node.op_type == "Constant" and _liftable(node):
-            candidates.append(i)
+        if node.op_type == "Constant":
+            value = _liftable_value(node)
+            if value is not None:
+                candidates.append((node.name, node.output[0], value))
     outputs = {vi.name for vi in g.output}
-    lifted = [i for i in candidates if nodes[i].output[0] in read and nodes[i].output[0] not in outputs]
+    lifted = [c for c in candidates if c[1] in read and c[1] not in outputs]
     if not lifted:
         return []
-    for i in lifted:
-        node = nodes[i]
+    for _, name, value in lifted:
         t = g.initializer.add()
-        t.CopyFrom(node.attribute[0].t)
-        t.name = node.output[0]
-    gone = set(lifted)
-    del g.node[:]
-    g.node.extend(n for i, n in enumerate(nodes) if i not in gone)
-    return [nodes[i].name for i in lifted]
+        t.CopyFrom(value)
+        t.name = name
+    gone = {name for _, name, _ in lifted}
+    # A stable sort moves the lifted nodes last, in place: cheaper than rebuilding the field without them.
+    # An output name is defined once, so a Constant defining a lifted name is a lifted node.
+    g.node.sort(key=lambda n: n.op_type == "Constant" and n.output[0] in gone)
+    del g.node[len(g.node) - len(lifted):]
+    return [node_name for node_name, _, _ in lifted]
 
 
-def _liftable(node: onnx.NodeProto) -> bool:
+def _liftable_value(node: onnx.NodeProto) -> Optional[TensorProto]:
+    """The Constant node's value tensor when the node can be lifted, else None."""
     if node.domain not in ("", "ai.onnx") or len(node.output) != 1 or not node.output[0] or \
             len(node.attribute) != 1:
-        return False
+        return None
     attr = node.attribute[0]
     if attr.name != "value" or attr.type != AttributeProto.TENSOR or attr.ref_attr_name:
-        return False
+        return None
     t = attr.t
-    return not t.HasField("data_location") and \
-        (t.data_type == TensorProto.STRING or tensor_nbytes(t) < EXTERNAL_THRESHOLD)
+    if t.HasField("data_location"):
+        return None
+    if t.HasField("raw_data"):  # the usual form, sized without tensor_nbytes' look for external data
+        return t if len(t.raw_data) < EXTERNAL_THRESHOLD else None
+    return t if t.data_type == TensorProto.STRING or tensor_nbytes(t) < EXTERNAL_THRESHOLD else None
