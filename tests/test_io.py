@@ -56,6 +56,29 @@ def test_load_keeps_external_data_on_disk_with_absolute_locations(tmp_path):
     np.testing.assert_array_equal(w.values, onnx.numpy_helper.to_array(weighted_model().graph.initializer[0]))
 
 
+@pytest.mark.parametrize("skip", [(), ("fold-constants",)], ids=["folded", "kept"])
+@pytest.mark.parametrize("external_data", [True, False])
+def test_a_constant_nodes_external_value_is_read_from_its_file(tmp_path, skip, external_data):
+    """A Constant node may keep its value outside the proto (onnx.save's convert_attribute): the import reads it
+    through k3opt's own reader like an initializer's (onnx's refuses the absolute locations k3opt keeps), for
+    the passes that look at it and for the save, whether fold-constants lifts it or leaves the node."""
+    rng = np.random.default_rng(0)
+    w, c = (rng.standard_normal((4, 256)).astype(np.float32) for _ in range(2))
+    nodes = [helper.make_node("Constant", [], ["c"], value=onnx.numpy_helper.from_array(c)),
+             helper.make_node("Add", ["x", "w"], ["b"]), helper.make_node("Add", ["b", "c"], ["y"])]
+    src = tmp_path / "model.onnx"
+    onnx.save(make_model(nodes, [("x", TensorProto.FLOAT, [4, 256])], [("y", TensorProto.FLOAT, [4, 256])],
+                         {"w": w}), str(src), save_as_external_data=True, location="model.bin", size_threshold=1024,
+              convert_attribute=True)
+    constant = [n for n in onnx.load(str(src), load_external_data=False).graph.node if n.op_type == "Constant"]
+    assert uses_external_data(constant[0].attribute[0].t)
+    out = tmp_path / "out.onnx"
+    k3opt.optimize_file(src, out, skip=skip, external_data=external_data)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    np.testing.assert_allclose(run_ort(onnx.load(str(out)), {"x": x})[0], x + w + c, rtol=1e-6)
+    assert ("Constant" in [n.op_type for n in onnx.load(str(out), load_external_data=False).graph.node]) == bool(skip)
+
+
 def test_external_round_trip_streams_into_data_file_named_after_output(tmp_path):
     src, out_dir = tmp_path / "src", tmp_path / "out"
     src.mkdir(), out_dir.mkdir()

@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..graph import LazyValues
 from ..graph import gs_roundtrip
 from ..graph.ir import all_graphs
-from .external import ExternalValues, PathLike
+from .external import ExternalValues, PathLike, all_tensors
 from .validation import MAX_GRAPH_DEPTH, validate
 
 
@@ -34,18 +34,26 @@ def import_graph(model: onnx.ModelProto, external: Optional[list[TensorProto]] =
         raise InputError(f"the graph cannot be imported ({type(exc).__name__}: {exc})") from exc
     if external is not None and not external:
         return graph
-    graphs = list(all_graphs(graph))
-    if len(graphs) == 1 and not any(uses_external_data(t) for t in model.graph.initializer):
+    if external is None and not any(uses_external_data(t) for t in all_tensors(model)):
         return graph  # nothing to make lazy: skip walking every tensor
-    for g in graphs:
+    for g in all_graphs(graph):
         for t in g.tensors().values():
-            if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues):
-                if uses_external_data(t._values.tensor):
-                    t._values = ExternalValues(t._values.tensor)
-                    # Once a pass loads the values, gs must export them inline (save()
-                    # moves big ones out again), not as "external" without a location.
-                    t.data_location = None
+            _read_lazily(t)
+        for node in g.nodes:  # a Constant node's value (an attribute tensor) may keep its data outside too
+            for value in node.attrs.values():
+                for t in value if isinstance(value, list) else (value,):
+                    _read_lazily(t)
     return graph
+
+
+def _read_lazily(t: object) -> None:
+    """Make a gs constant whose TensorProto keeps its data in a file read it through :class:`ExternalValues`
+    (the location is absolute inside k3opt, which onnx's own reader refuses)."""
+    if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues) and uses_external_data(t._values.tensor):
+        t._values = ExternalValues(t._values.tensor)
+        # Once a pass loads the values, gs must export them inline (save()
+        # moves big ones out again), not as "external" without a location.
+        t.data_location = None
 
 
 class Loaded(NamedTuple):
