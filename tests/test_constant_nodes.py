@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
@@ -143,3 +144,32 @@ def test_no_lifting_in_a_model_with_bodies(monkeypatch):
              helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)]
     k3opt.optimize(make_model(nodes, [("x", F, [4])], [("y", F, [4])]))
     assert calls == []
+
+
+def test_a_file_with_external_data_is_the_same_with_and_without_lifting(tmp_path, monkeypatch):
+    """External weights (an initializer, and a Constant node's value: never lifted) are found by the import
+    after the lift reorders the node field; the written files are those of a run without the lift."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 256)).astype(np.float32)  # 4 KB
+    nodes = [_const("big", "cb", rng.standard_normal((4, 256)).astype(np.float32)),
+             _const("s1", "c1", np.ones((4, 1), np.float32)), _const("s2", "c2", np.full((4, 1), 2, np.float32)),
+             helper.make_node("Add", ["x", "c1"], ["a"]), helper.make_node("Mul", ["a", "c2"], ["m"]),
+             helper.make_node("Add", ["m", "cb"], ["b"]), helper.make_node("Add", ["b", "w"], ["y"])]
+    src = tmp_path / "model.onnx"
+    onnx.save(make_model(nodes, [("x", F, [4, 256])], [("y", F, [4, 256])], {"w": w}), str(src),
+              save_as_external_data=True, all_tensors_to_one_file=True, location="model.bin", size_threshold=1024,
+              convert_attribute=True)
+    stored = onnx.load(str(src), load_external_data=False).graph
+    tensors = [*stored.initializer, *[n.attribute[0].t for n in stored.node if n.op_type == "Constant"]]
+    assert [t.data_location == T.EXTERNAL for t in tensors] == [True, True, False, False]
+    written = []
+    for name in ("lifted", "plain"):
+        out = tmp_path / name / "out.onnx"
+        out.parent.mkdir()
+        k3opt.optimize_file(src, out, external_data=True)
+        written.append(sorted((p.name, p.read_bytes()) for p in out.parent.iterdir()))
+        _without_lifting(monkeypatch)
+    assert written[0] == written[1]
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    got = ort.InferenceSession(str(tmp_path / "lifted" / "out.onnx")).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, (x + 1) * 2 + numpy_helper.to_array(nodes[0].attribute[0].t) + w, rtol=1e-6)
