@@ -99,6 +99,23 @@ def test_crashes_and_timeouts_are_results():
     assert hog.status == "memory-limit" and 250 < hog.peak_rss_mb < 600
 
 
+def test_structure_counts_the_nodes_of_bodies_too(tmp_path):
+    """An If's branches hold nodes of the model: one optimizer inlining a constant If (its nodes moved to the
+    main graph) has not grown it against one that kept the If."""
+    from bench.evaluate import structure
+
+    def branch(name: str) -> onnx.GraphProto:
+        return helper.make_graph([helper.make_node("Neg", ["x"], [f"{name}_n"]),
+                                  helper.make_node("Relu", [f"{name}_n"], [f"{name}_y"])], name, [],
+                                 [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, [2])])
+
+    nodes = [helper.make_node("If", ["c"], ["y"], then_branch=branch("t"), else_branch=branch("e"))]
+    path = tmp_path / "if.onnx"
+    onnx.save(make_model(nodes, [("x", TensorProto.FLOAT, [2]), ("c", TensorProto.BOOL, [])],
+                         [("y", TensorProto.FLOAT, [2])]), str(path))
+    assert structure(path) == {"nodes": 5, "ops": {"If": 1, "Neg": 2, "Relu": 2}}
+
+
 def test_wall_time_is_the_childs_not_the_next_poll():
     """A child ending at 0.17 s (after polls at 0.005, 0.015, 0.035, 0.075, 0.155 s, the next one 0.1 s
     later) measures about 0.17 s: the wait wakes when the child exits, not at the next poll."""
