@@ -8,14 +8,16 @@ pipeline (and through temporary spill files) without a base directory.
 streams it into the output's data file chunk by chunk.
 
 Modules by job: ``loading`` (read and import), ``validation`` (well-formed
-input), ``constant_nodes`` (literals lifted into initializers before the import), ``external`` (external-data tensors), ``spill`` and ``spill_regions``
+input), ``constant_nodes`` (literals lifted into initializers before the
+import), ``external`` (external-data tensors), ``spill`` and ``spill_regions``
 (weights created during the run), ``concat_values`` (merged weights, written
 only when saved), ``saving`` (atomic save), ``data_location`` and
 ``direct_io`` (their file-system helpers).
 """
 from .constant_nodes import lift_constant_nodes
 from .external import (EXTERNAL_THRESHOLD, ExternalValues, PathLike, all_tensors, external_info,
-                       external_tensor, inline_copy, read_external_bytes, tensor_nbytes, weights_as_inputs)
+                       external_tensor, inline_copy, is_weight, read_external_bytes, tensor_nbytes,
+                       weights_as_inputs)
 from .loading import Loaded, import_graph, load, read_model
 from .saving import PROTO_LIMIT, check_output_path, data_path, inline_size, proto_size, save
 from .spill import SPILL_PREFIX, spill_constant
@@ -25,5 +27,6 @@ from .validation import MAX_GRAPH_DEPTH, check_graph, validate
 __all__ = ["EXTERNAL_THRESHOLD", "MAX_GRAPH_DEPTH", "PROTO_LIMIT", "SPILL_PREFIX", "ExternalValues", "Loaded",
            "PathLike", "all_tensors", "check_graph", "check_output_path", "data_path", "defer_spill",
            "deferred_regions", "external_info", "external_tensor", "forget_deferred", "import_graph", "inline_copy",
-           "inline_size", "lift_constant_nodes", "load", "materialize", "materialize_all", "proto_size", "read_external_bytes",
-           "read_model", "save", "spill_constant", "tensor_nbytes", "validate", "weights_as_inputs"]
+           "inline_size", "is_weight", "lift_constant_nodes", "load", "materialize", "materialize_all", "proto_size",
+           "read_external_bytes", "read_model", "save", "spill_constant", "tensor_nbytes", "validate",
+           "weights_as_inputs"]

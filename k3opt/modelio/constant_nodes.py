@@ -20,7 +20,7 @@ from typing import Optional
 import onnx
 from onnx import AttributeProto, TensorProto
 
-from .external import EXTERNAL_THRESHOLD, tensor_nbytes
+from .external import is_weight
 
 
 def lift_constant_nodes(model: onnx.ModelProto) -> list[str]:
@@ -66,6 +66,4 @@ def _liftable_value(node: onnx.NodeProto) -> Optional[TensorProto]:
     t = attr.t
     if t.HasField("data_location"):
         return None
-    if t.HasField("raw_data"):  # the usual form, sized without tensor_nbytes' look for external data
-        return t if len(t.raw_data) < EXTERNAL_THRESHOLD else None
-    return t if t.data_type == TensorProto.STRING or tensor_nbytes(t) < EXTERNAL_THRESHOLD else None
+    return None if is_weight(t) else t  # the seed's inference model keeps exactly these inline

@@ -66,14 +66,22 @@ def external_tensor(name: str, data_type: int, dims, location: str, offset: int,
 
 def tensor_nbytes(t: TensorProto) -> int:
     """Bytes of the tensor's data as stored in raw/external form."""
-    info = external_info(t)
-    if "length" in info:
-        return int(info["length"])
+    if t.external_data:  # most tensors keep their data inline: no entries to read
+        info = external_info(t)
+        if "length" in info:
+            return int(info["length"])
     if t.HasField("raw_data"):
         return len(t.raw_data)
     if t.data_type == TensorProto.STRING:
         return sum(len(s) for s in t.string_data)
     return data_location.claimed_bytes(t) or 0
+
+
+def is_weight(t: TensorProto) -> bool:
+    """A weight-sized tensor (not strings, at least :data:`EXTERNAL_THRESHOLD` bytes): shape inference and
+    the version converter get it as a typed graph input, not its value (:func:`weights_as_inputs`); a
+    smaller one they read as it is."""
+    return t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD
 
 
 def external_span(t: TensorProto) -> tuple[str, int, int]:
@@ -113,8 +121,7 @@ def weights_as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str
     stay, with any external data read in. Returns the copy and the original
     initializers taken out, by name.
     """
-    big = {t.name: t for t in model.graph.initializer
-           if t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD}
+    big = {t.name: t for t in model.graph.initializer if is_weight(t)}
     light = onnx.ModelProto()
     light.CopyFrom(model)
     g = light.graph

@@ -21,7 +21,7 @@ from ..graph import SparseValues
 from ..errors import UsageError
 from ..graph.gs_export import import_domains, node_bytes, write_value_info
 from ..graph.wire import field, varint
-from ..modelio import EXTERNAL_THRESHOLD, inline_copy, tensor_nbytes
+from ..modelio import EXTERNAL_THRESHOLD, inline_copy, is_weight
 from ..graph.ir import declared_symbols, tensor_map
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
@@ -251,8 +251,7 @@ def model_for_inference(model: onnx.ModelProto) -> Light:
     head, rest = onnx.ModelProto(), onnx.GraphProto()
     _copy_fields(model, head, skip=("graph",))
     _copy_fields(g, rest, skip=("node", "initializer", "value_info"))
-    big = {t.name: t for t in g.initializer
-           if t.data_type != TensorProto.STRING and tensor_nbytes(t) >= EXTERNAL_THRESHOLD}
+    big = {t.name: t for t in g.initializer if is_weight(t)}
     declared = {vi.name for vi in g.input}
     rest.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                       for t in big.values() if t.name not in declared)
