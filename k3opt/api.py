@@ -23,7 +23,7 @@ from .pipeline import shapes
 from .pipeline import verify as verifier, verify_dims
 from .graph import gs_roundtrip, ir
 from .graph.lifetime import graph_scope
-from .errors import InputError, OutputError, UsageError, VerificationError
+from .errors import InputError, InvalidOutputError, OutputError, UsageError, VerificationError
 from .pipeline.pass_base import PassContext, build_pipeline, check_pass_options
 from .pipeline.manager import PassManager
 from .report import ModelSummary, Report
@@ -93,8 +93,14 @@ def optimize_file(
                 raise OutputError(f"{path}: is an external-data file of the input; pass --overwrite to replace it")
     with run.step("saving", "save"):
         # merged weights are written straight into the output's data file, never spilled first
-        written = modelio.save(model, out, external_data=external_data, fsync=fsync,
-                               check=written_check(report.target, report))
+        try:
+            written = modelio.save(model, out, external_data=external_data, fsync=fsync,
+                                   check=written_check(report.target, report))
+        except InvalidOutputError:
+            fault = modelio.input_checker_fault(src)  # a fault k3opt could not repair is the input's, not the output's
+            if fault is not None:
+                raise InputError(f"the input fails onnx's checker: {fault}; nothing was written") from None
+            raise
     modelio.forget_deferred(modelio.deferred_regions() - deferred)  # this run's graph and protos are gone
     report.output = str(out)
     report.files = [str(p) for p in written]
@@ -178,6 +184,7 @@ class _Run:
         with self.step("loading", "load"):
             on_disk = None if isinstance(model, onnx.ModelProto) else model
             model, external, bodies = _load(model, report)
+            report.notes.extend(modelio.repair(model, bodies))
             self.source_files = {modelio.external_info(t)["location"] for t in external}
             opset_before = opsets.model_opset(model)
             size = modelio.proto_size(model, None if on_disk is None else os.path.getsize(on_disk), external)

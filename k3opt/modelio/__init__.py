@@ -19,6 +19,7 @@ from .external import (EXTERNAL_THRESHOLD, ExternalValues, PathLike, all_tensors
                        external_tensor, inline_copy, is_weight, read_external_bytes, tensor_nbytes,
                        weights_as_inputs)
 from .loading import Loaded, import_graph, load, read_model
+from .repair import input_checker_fault, repair
 from .saving import PROTO_LIMIT, check_output_path, data_path, inline_size, proto_size, save
 from .spill import SPILL_PREFIX, spill_constant
 from .spill_regions import defer_spill, deferred_regions, forget_deferred, materialize, materialize_all
@@ -26,7 +27,7 @@ from .validation import MAX_GRAPH_DEPTH, check_graph, validate
 
 __all__ = ["EXTERNAL_THRESHOLD", "MAX_GRAPH_DEPTH", "PROTO_LIMIT", "SPILL_PREFIX", "ExternalValues", "Loaded",
            "PathLike", "all_tensors", "check_graph", "check_output_path", "data_path", "defer_spill",
-           "deferred_regions", "external_info", "external_tensor", "forget_deferred", "import_graph", "inline_copy",
+           "deferred_regions", "external_info", "external_tensor", "forget_deferred", "import_graph", "inline_copy", "input_checker_fault",
            "inline_size", "is_weight", "lift_constant_nodes", "load", "materialize", "materialize_all", "proto_size",
-           "read_external_bytes", "read_model", "save", "spill_constant", "tensor_nbytes", "validate",
+           "read_external_bytes", "repair", "read_model", "save", "spill_constant", "tensor_nbytes", "validate",
            "weights_as_inputs"]
