@@ -83,7 +83,7 @@ class Light(NamedTuple):
     long_io: bool
 
 
-def _infer(light: Light, propagate_first: bool = False) -> tuple[Inferred, bool]:
+def _infer(light: Light, propagate_first: bool = False, strict: bool = True) -> tuple[Inferred, bool]:
     """Inference with data propagation unless a 1-D tensor is long (then without); and whether it propagated.
 
     ``propagate_first`` (the caller knows of no long vector: the last inference
@@ -94,21 +94,21 @@ def _infer(light: Light, propagate_first: bool = False) -> tuple[Inferred, bool]
     propagated = None
     if propagate_first and not light.long_io:
         try:
-            propagated = _run(light, data_prop=True)
+            propagated = _run(light, data_prop=True, strict=strict)
         except Exception:  # noqa: BLE001 -- the usual order below reports the error as before
             propagated = None
         if propagated is not None and not propagated.long:
             return propagated, True
-    plain = _run(light)
+    plain = _run(light, strict=strict)
     if plain.long:
         return plain, False
     if propagated is not None:
         return propagated, True
-    return _run(light, data_prop=True), True
+    return _run(light, data_prop=True, strict=strict), True
 
 
-def _run(light: Light, data_prop: bool = False) -> Inferred:
-    return inferred_types(onnx.shape_inference.infer_shapes(light.data, strict_mode=True, data_prop=data_prop).graph)
+def _run(light: Light, data_prop: bool = False, strict: bool = True) -> Inferred:
+    return inferred_types(onnx.shape_inference.infer_shapes(light.data, strict_mode=strict, data_prop=data_prop).graph)
 
 
 #: onnx's data propagation materializes 1-D tensors; past this length it costs gigabytes.
@@ -191,13 +191,53 @@ class ShapeRefresher:
         try:
             inferred, self._short = _infer(model(), propagate_first or self._short)
         except Exception as exc:  # onnx raises many types here; a failure only loses shapes
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            note = f"shape inference failed ({type(exc).__name__}: {first}); passes that need shapes declined"
-            if note not in self.notes:
-                self.notes.append(note)
-            return False
+            inferred = self._tolerant(graph, tensors, exc)
+            if inferred is None:
+                return False
         apply_shapes(graph, inferred, tensors, self._types)
         return True
+
+    def _tolerant(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], exc: Exception) -> Optional[Inferred]:
+        """Inference after strict inference failed with ``exc``.
+
+        Declared output dims that cannot be sizes (a ``-1`` written as a dim) are dropped and strict
+        inference runs again. If it still fails, every shape the graph holds but its inputs' is dropped
+        (declared or stale: a contradiction cannot say which side is wrong) and inference runs without
+        strict mode: a node it cannot type keeps no shape, the others get theirs, so a pass that needs a
+        shape declines only where the shape is missing.
+        """
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        dropped = [t.name for t in graph.outputs if t.shape is not None
+                   and any(isinstance(d, (int, np.integer)) and d < 0 for d in t.shape)]
+        if dropped:
+            for t in graph.outputs:
+                if t.name in dropped:
+                    t.shape = [None if isinstance(d, (int, np.integer)) and d < 0 else d for d in t.shape]
+            self._note(f"declared output shape(s) of {', '.join(dropped)} held negative dims: dropped")
+            try:
+                return self._infer_graph(graph, tensors, True)
+            except Exception:  # noqa: BLE001 -- inferred without strict mode below
+                pass
+        inputs = {id(t) for t in graph.inputs}
+        for t in tensors.values():
+            if not isinstance(t, gs.Constant) and id(t) not in inputs:
+                t.shape = None
+        try:
+            inferred = self._infer_graph(graph, tensors, False)
+        except Exception:  # noqa: BLE001 -- the note says what the first failure was
+            self._note(f"shape inference failed ({type(exc).__name__}: {first}); passes that need shapes declined")
+            return None
+        self._note(f"strict shape inference failed ({type(exc).__name__}: {first}); declared shapes dropped and "
+                   "shapes inferred without strict mode")
+        return inferred
+
+    def _infer_graph(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], strict: bool) -> Inferred:
+        inferred, self._short = _infer(export_for_inference(graph, tensors), False, strict)
+        return inferred
+
+    def _note(self, note: str) -> None:
+        if note not in self.notes:
+            self.notes.append(note)
 
 
 def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]] = None) -> Light:

@@ -755,7 +755,7 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         dims = shape_dims(node, depth - 1)
         return None if dims is None else (dims, (len(dims),))
     if node.op in ("Gather", "Slice"):
-        return _picked_dims(node, depth - 1)
+        return _picked_dims(node, depth - 1) or _picked_elements(node, depth - 1)
     if node.op == "Unsqueeze":
         inner = shape_elements(node.inputs[0], depth - 1)
         for x in node.inputs[1:]:
@@ -767,8 +767,15 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         return inner[0], (1,)
     if node.op == "Reshape" and len(node.inputs) == 2:
         return _reshaped_elements(node, depth)
-    if node.op == "Add" and len(node.inputs) == 2:
-        return _added_elements(node, depth)
+    if node.op in _ARITHMETIC and len(node.inputs) == 2:
+        return _arithmetic_elements(node, depth)
+    if node.op == "Cast" and node.attrs.get("to") in _INTEGER_TYPES:
+        return shape_elements(node.inputs[0], depth - 1)
+    if node.op == "Squeeze":
+        inner = shape_elements(node.inputs[0], depth - 1)
+        return (inner[0], ()) if inner is not None and inner[1] == (1,) else None
+    if node.op == "ReduceProd":
+        return _product_elements(node, depth)
     if node.op == "Concat" and int(node.attrs.get("axis", 0)) in (0, -1):
         parts = [shape_elements(x, depth - 1) for x in node.inputs]
         if any(p is None or len(p[1]) != 1 for p in parts):
@@ -797,9 +804,52 @@ def _reshaped_elements(node: Node, depth: int) -> Optional[Elements]:
     return None
 
 
-def _added_elements(node: Node, depth: int) -> Optional[Elements]:
-    """``Add`` of two shape computations (a scalar or one element broadcast): numbers add, and a dim plus a
-    number of at least 0 is their sum (:func:`dim_sum`): never negative, as elements must be."""
+#: ONNX integer element types (TensorProto codes): a Cast of a shape computation to one keeps its elements.
+_INTEGER_TYPES = frozenset({2, 3, 4, 5, 6, 7, 12, 13})
+
+
+def _picked_elements(node: Node, depth: int) -> Optional[Elements]:
+    """A Gather/Slice of any 1-D shape computation (a ``Cast`` of a ``Shape``, a ``Concat``...): the picked
+    elements. tf2onnx computes shapes in int32 and picks from the cast."""
+    src = shape_elements(node.inputs[0], depth)
+    if src is None or len(src[1]) != 1:
+        return None
+    picked = _gather(node, len(src[0])) if node.op == "Gather" else _slice(node, len(src[0]))
+    return None if picked is None else ([src[0][i] for i in picked[0]], picked[1])
+
+
+def _product_elements(node: Node, depth: int) -> Optional[Elements]:
+    """``ReduceProd`` of a 1-D shape computation over its only axis: the product of the dims
+    (:func:`dim_product`), when none is unknown or negative."""
+    inner = shape_elements(node.inputs[0], depth - 1)
+    if len(node.inputs) > 1 and node.inputs[1].name:
+        axes = as_int_list(_const(node.inputs[1]))
+    else:
+        axes = node.attrs.get("axes")
+        if axes is None and node.attrs.get("noop_with_empty_axes", 0):
+            return None
+    if inner is None or len(inner[1]) != 1 or (axes is not None and list(axes) not in ([0], [-1])):
+        return None
+    if any(d is None or (isinstance(d, int) and d < 0) for d in inner[0]):
+        return None
+    number, symbols = _factors(inner[0])
+    product = dim_product(number, symbols)
+    if product is None:
+        return None
+    return [product], ((1,) if node.attrs.get("keepdims", 1) else ())
+
+
+#: Integer arithmetic on shape computations, element by element.
+_ARITHMETIC = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+def _arithmetic_elements(node: Node, depth: int) -> Optional[Elements]:
+    """``Add``/``Sub``/``Mul``/``Div`` of two shape computations (a scalar or one element broadcast).
+
+    Numbers compute (``Div`` only when exact and non-negative); with a dim (never negative): a dim plus a
+    number of at least 0 is their sum (:func:`dim_sum`), a dim times a number of at least 0 or times a
+    dim their product (:func:`dim_product`), a product divided by one of its factors the rest, a dim
+    less itself 0. Anything else is not known."""
     a, b = (shape_elements(x, depth - 1) for x in node.inputs)
     if a is None or b is None:
         return None
@@ -811,13 +861,58 @@ def _added_elements(node: Node, depth: int) -> Optional[Elements]:
         return None
     out: list[Dim] = []
     for x, y in zip(a[0], b[0]):
-        if isinstance(x, int) and isinstance(y, int):
-            out.append(x + y)
-        elif any(isinstance(d, int) and d < 0 for d in (x, y)):
-            return None  # a dim minus something may be negative: not an element
-        else:
-            out.append(dim_sum([x, y]))
+        d = _ELEMENT_OPS[node.op](x, y)
+        if d is _NOT_KNOWN:
+            return None
+        out.append(d)
     return out, a[1]
+
+
+#: What an element op returns when the element is not known (None is an element: an unknown dim).
+_NOT_KNOWN = object()
+
+
+def _add(x: Dim, y: Dim) -> object:
+    if isinstance(x, int) and isinstance(y, int):
+        return x + y
+    if any(isinstance(d, int) and d < 0 for d in (x, y)):
+        return _NOT_KNOWN  # a dim minus something may be negative: not an element
+    return dim_sum([x, y])
+
+
+def _sub(x: Dim, y: Dim) -> object:
+    if isinstance(x, int) and isinstance(y, int):
+        return x - y
+    return 0 if isinstance(x, str) and x == y else _NOT_KNOWN
+
+
+def _mul(x: Dim, y: Dim) -> object:
+    if isinstance(x, int) and isinstance(y, int):
+        return x * y
+    if x is None or y is None or any(isinstance(d, int) and d < 0 for d in (x, y)):
+        return _NOT_KNOWN
+    number, symbols = _factors([x, y])
+    d = dim_product(number, symbols)
+    return _NOT_KNOWN if d is None else d
+
+
+def _div(x: Dim, y: Dim) -> object:
+    if isinstance(x, int) and isinstance(y, int):
+        return x // y if x >= 0 and y > 0 and x % y == 0 else _NOT_KNOWN
+    if not isinstance(x, str) or y is None or (isinstance(y, int) and y <= 0) or (isinstance(x, str) and " + " in x):
+        return _NOT_KNOWN
+    num, den = _factors([x]), _factors([y])
+    for f in den[1]:
+        if f not in num[1]:
+            return _NOT_KNOWN
+        num[1].remove(f)
+    if num[0] % den[0]:
+        return _NOT_KNOWN
+    d = dim_product(num[0] // den[0], num[1])
+    return _NOT_KNOWN if d is None else d
+
+
+_ELEMENT_OPS: dict[str, Callable[[Dim, Dim], object]] = {"Add": _add, "Sub": _sub, "Mul": _mul, "Div": _div}
 
 
 def _fold_equal(node: Node) -> Optional[np.ndarray]:
