@@ -198,8 +198,30 @@ def test_decode_with_a_gqa_cache_is_prompt_flash_attention():
     assert "(decode step, 4/2 heads, mask, sparse_mode 0)" in report.lowering[-1]
 
 
+@pytest.mark.parametrize("dv, options", [(4, {}), (12, {}), (4, {"fill": float(np.finfo(np.float32).min),
+                                                                      "guard": False})])
+def test_mla_head_dims_pad_the_smaller_side_and_slice_the_output(dv, options):
+    """MLA (q/k dim 8, v dim 4 or 12): one head dim for the kernel by zero columns, exact; a fully masked row keeps
+    the graph's mean of v (the unpadded v)."""
+    out, report = lower(attention_model(dv=dv, **options), dead_row=True)
+    (pfa,) = flash_nodes(out)
+    producers = {o: n.op_type for n in out.graph.node for o in n.output}
+    padded = [producers.get(pfa.input[i]) for i in range(3)]
+    assert padded == (["Pad", "Pad", None] if dv > D else [None, None, "Pad"])
+    assert ("Slice" in {n.op_type for n in out.graph.node}) == (dv < D)
+    assert report.lowering_verification["status"] == "passed"
+    assert f"MLA: q/k dim {D}, v dim {dv} padded" in report.lowering[-1]
+
+
+def test_mla_decode_with_a_one_head_cache_is_incre_flash_attention_on_padded_values():
+    out, report = lower(attention_model(n_kv=1, dv=4, mask=None, guard=False, decode=True, sq=1, skv=6))
+    (ifa,) = flash_nodes(out)
+    assert ifa.op_type == "NPUIncreFlashAttention" and report.lowering_verification["status"] == "passed"
+
+
 @pytest.mark.parametrize("model, why", [
-    (lambda: attention_model(dv=4), "q/k head dim 8 and v head dim 4 differ (MLA)"),
+    (lambda: attention_model(dv=520, mask=None, guard=False),
+     "head dim 520 (q/k 8, v 520: MLA pads to the larger) is over the kernel's 512"),
     (lambda: attention_model(mask="float", guard=False), "the mask is of unknown form"),
     (lambda: attention_model(guard=False), "fills -inf without the IsNaN guard"),
     (lambda: attention_model(dtype=T.FLOAT16, fill=float(np.finfo(np.float16).min), guard=False),

@@ -11,6 +11,7 @@ from k3opt.cann_bridge import AtcOptions, check_model, compile_model, invariant_
 from k3opt.report import Report
 from tests.fake_atc import recorded_argv, write_fake_atc
 from tests.helpers import op_counts
+from tests.moe_models import moe_decode_inputs, moe_decode_model
 from tests.zoo import (EXPORTERS, NAMES, family, zoo_config, zoo_decode_inputs, zoo_decode_model,
                        zoo_decode_params, zoo_inputs, zoo_model)
 
@@ -82,10 +83,26 @@ def test_one_prompt_flash_attention_per_layer_in_prefill(name, exporter):
                                                                       else [("", 16)])
 
 
-def test_deepseek_mla_attention_stays_decomposed_with_the_reason():
-    out, report = lowered(zoo_model("deepseek_v3", "torchscript"))
-    assert flash_attentions(out) == 0
-    assert sum("q/k head dim 12 and v head dim 8 differ (MLA)" in line for line in report.lowering) == 2
+def _mla_cases():
+    return [pytest.param(step, e, id=f"{step}-{e}", marks=[pytest.mark.slow] if e == "dynamo" else [])
+            for step in ("prefill", "decode") for e in EXPORTERS]
+
+
+@pytest.mark.parametrize("step, exporter", _mla_cases())
+def test_deepseek_mla_is_one_prompt_flash_attention_per_layer(step, exporter):
+    """MLA's q/k dim 12 and v dim 8: v zero-padded to 12, the output sliced back (lower-attention-npu's doc).
+    The decode step caches MLA's compressed latents (its keys are expanded from them), and is labelled so."""
+    if step == "prefill":
+        path, feeds = zoo_model("deepseek_v3", exporter), zoo_inputs("deepseek_v3")
+    else:
+        path, feeds = moe_decode_model("deepseek_v3", exporter), moe_decode_inputs("deepseek_v3")
+    out, report = lowered(path, feeds)
+    assert flash_attentions(out) == zoo_config("deepseek_v3").num_hidden_layers, report.lowering
+    assert "Softmax" not in op_counts(out)
+    label = "decode step" if step == "decode" else "prefill"
+    lines = [line for line in report.lowering if "-> NPUPromptFlashAttention" in line]
+    assert len(lines) == 2 and all(f"({label}, 4/4 heads" in line and "MLA: q/k dim 12, v dim 8 padded" in line
+                                   for line in lines), lines
 
 
 @pytest.mark.parametrize("name, exporter", zoo_decode_params())

@@ -22,9 +22,8 @@ def test_dynamo_exports_go_down_to_17_after_the_passes(name):
     report = Report()
     cann = k3opt.optimize(str(path), target="cann", verify=True, input_data=zoo_inputs(name), report=report)
     # lower-attention-npu's auto form writes an RMSNorm LLM at opset 16 (NPUPromptFlashAttention has no 17/18
-    # parser); DeepSeek-V3's MLA attention stays decomposed, so it keeps 17
-    cann_opset = 17 if name == "deepseek_v3" else 16
-    assert [(o.domain, o.version) for o in cann.opset_import] == [("", cann_opset)]
+    # parser), DeepSeek-V3's MLA included (v padded to the q/k head dim)
+    assert [(o.domain, o.version) for o in cann.opset_import] == [("", 16)]
     assert report.verification["status"] == "passed" and "opset converted from 18 to 17" in report.notes
     out = k3opt.optimize(str(path), opset=17)
     assert opsets.model_opset(out) == 17

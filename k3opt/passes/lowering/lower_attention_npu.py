@@ -18,8 +18,13 @@ contract (sources and facts in :mod:`k3opt.cann_bridge.npu_contract` and docs/ca
   the dtype's lowest, float32/bfloat16); -inf without the guard (NaN) and float16's lowest (the value
   depends on the scores) are kept decomposed. The kernel's
   invalid-row correction (``inner_precise`` bit 1, recommended with a mask) is asked for too;
-- one head dim (MLA's qk/v pair is TND-only and bf16-only), D <= 512, N <= 256, N / N_kv <= 64; a mask of
-  unknown form, or one whose head axis is not provably 1, is kept decomposed.
+- one head dim D <= 512, N <= 256, N / N_kv <= 64 ([PFA-doc]); a mask of unknown form, or one whose head
+  axis is not provably 1, is kept decomposed;
+- MLA (DeepSeek-V3/Kimi: q/k head dim nope + rope, e.g. 192, v head dim 128): the kernel's BNSD layout takes
+  one D (the 192/128 pair is documented for TND in bf16 only), so v is zero-padded to the q/k dim and the
+  output sliced back to v's: ``softmax(s) @ [v | 0] = [softmax(s) @ v | 0]``, exact in any dtype (the padded
+  columns are sums of zeros). A v dim above the q/k dim pads q and k instead (``q . k`` is unchanged by zero
+  columns). The padded D must be within the kernel's 512.
 
 Decode: IncreFlashAttention's plugin never passes ``num_key_value_heads`` on, so the kernel keeps its
 default 1: it is exact only for a one-head (MQA) cache, a static one-token query and no mask; every other
@@ -40,7 +45,7 @@ from onnx import TensorProto
 from ...cann_bridge.npu_contract import ALL_TOKENS, MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, template_mask
 from ...cann_bridge.target_form import CANN_OPSET, FLASH_OPSET, NPU_DOMAIN, STAGING_DOMAIN, ops_changed_between
 from ...errors import UsageError
-from ...graph.ir import Graph, Node, Tensor, producer
+from ...graph.ir import Graph, Node, Tensor, is_const, producer
 from ...patterns import RewriteBuilder, checks
 from ..analysis import fold_shapes
 from ..analysis.input_dims import input_dims_written
@@ -155,6 +160,49 @@ def _masked_rows_refusal(am: AttentionMatch, causal: bool) -> Optional[str]:
     return None
 
 
+def _zero_padded(op: RewriteBuilder, x: Tensor, width: int) -> Tensor:
+    """``x`` with ``width`` zero columns appended on its last (head-dim) axis (rank 4, BNSD)."""
+    return op.Pad(x, op.const(np.array([0, 0, 0, 0, 0, 0, 0, width], np.int64)))
+
+
+def _one_head_dim(op: RewriteBuilder, am: AttentionMatch) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v with one head dim: MLA's smaller side zero-padded to the larger (module doc)."""
+    gap = am.head_dim_qk - am.head_dim_v
+    if gap > 0:
+        return am.q, am.k, _zero_padded(op, am.v, gap)
+    if gap < 0:
+        return _zero_padded(op, am.q, -gap), _zero_padded(op, am.k, -gap), am.v
+    return am.q, am.k, am.v
+
+
+def _v_dims(op: RewriteBuilder, am: AttentionMatch, out: Tensor) -> Tensor:
+    """The flash attention's output cut back to v's head dim where v was zero-padded (MLA)."""
+    if am.head_dim_qk <= am.head_dim_v:
+        return out
+    return op.Slice(out, op.const(np.array([0], np.int64)), op.const(np.array([am.head_dim_v], np.int64)),
+                    op.const(np.array([3], np.int64)))
+
+
+#: How many producers :func:`reads_cache` visits.
+_CACHE_SEARCH = 64
+
+
+def reads_cache(k: Tensor) -> bool:
+    """Whether the keys are built from a graph input joined along a sequence by a Concat: a decode step whose cache
+    is not the keys themselves (MLA caches its compressed latents, which ``kv_b_proj`` expands into the keys)."""
+    seen: set[int] = set()
+    todo = [k]
+    while todo and len(seen) < _CACHE_SEARCH:
+        n = producer(todo.pop())
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op == "Concat" and any(producer(t) is None and not is_const(t) for t in n.inputs):
+            return True
+        todo.extend(t for t in n.inputs if t is not None)
+    return False
+
+
 @register_pass
 class LowerAttentionNPU(Pass):
     """Attention -> NPUPromptFlashAttention / NPUIncreFlashAttention (target cann) where the plugin makes it exact."""
@@ -204,11 +252,11 @@ class LowerAttentionNPU(Pass):
         if self.form == "opset16" and self.why_not_16:
             return (f"the opset-16 form was asked for, but {', '.join(self.why_not_16)} differ(s) from opset 17 "
                     "(use npu_attention_form=npu)")
-        if am.head_dim_qk != am.head_dim_v:
-            return (f"q/k head dim {am.head_dim_qk} and v head dim {am.head_dim_v} differ (MLA): the BNSD kernel "
-                    "takes one D (the 192/128 pair is documented for the TND layout in bf16 only)")
-        if am.head_dim_qk > MAX_HEAD_DIM:
-            return f"head dim {am.head_dim_qk} is over the kernel's {MAX_HEAD_DIM}"
+        d = max(am.head_dim_qk, am.head_dim_v)
+        if d > MAX_HEAD_DIM:
+            mla = f" (q/k {am.head_dim_qk}, v {am.head_dim_v}: MLA pads to the larger)" \
+                if am.head_dim_qk != am.head_dim_v else ""
+            return f"head dim {d}{mla} is over the kernel's {MAX_HEAD_DIM} ([PFA-doc] D <= 512)"
         if heads is None or kv_heads is None:
             return "the number of query or key/value heads is not static (num_heads is a required attribute)"
         if heads > MAX_HEADS or heads % kv_heads or heads // kv_heads > MAX_GROUP:
@@ -236,14 +284,16 @@ class LowerAttentionNPU(Pass):
         assert heads is not None and kv_heads is not None
         domain = NPU_DOMAIN if self.form == "npu" else STAGING_DOMAIN
         where = am.softmax.name
+        q, k, v = _one_head_dim(op, am)
+        mla = f", MLA: q/k dim {am.head_dim_qk}, v dim {am.head_dim_v} padded" if q is not am.q or v is not am.v else ""
         if am.past_key is not None and kv_heads == 1 and sq == 1 and mask is None:
-            self.lowered.append(f"attention at '{where}' -> NPUIncreFlashAttention (one-head cache, one query)")
-            return op.NPUIncreFlashAttention(am.q, am.k, am.v, None, None, None, _domain=domain,
-                                             _name="NPUIncreFlashAttention", num_heads=heads, input_layout="BNSD",
-                                             scale_value=float(am.scale))
+            self.lowered.append(f"attention at '{where}' -> NPUIncreFlashAttention (one-head cache, one query{mla})")
+            return _v_dims(op, am, op.NPUIncreFlashAttention(
+                q, k, v, None, None, None, _domain=domain, _name="NPUIncreFlashAttention", num_heads=heads,
+                input_layout="BNSD", scale_value=float(am.scale)))
         attrs = dict(num_heads=heads, input_layout="BNSD", scale_value=float(am.scale), num_key_value_heads=kv_heads,
                      pre_tokens=ALL_TOKENS, next_tokens=ALL_TOKENS, sparse_mode=0, inner_precise=HIGH_PRECISION)
-        inputs: list = [am.q, am.k, am.v]
+        inputs: list = [q, k, v]
         if causal:
             if self.template is None:
                 self.template = op.const(template_mask(), np.bool_)
@@ -256,10 +306,11 @@ class LowerAttentionNPU(Pass):
             kind = "mask, sparse_mode 0"
         else:
             kind = "no mask"
-        step = "decode step" if am.past_key is not None else "prefill"
+        step = "decode step" if am.past_key is not None or reads_cache(am.k) else "prefill"
         self.lowered.append(f"attention at '{where}' -> NPUPromptFlashAttention ({step}, {heads}/{kv_heads} heads, "
-                            f"{kind})")
-        out = op.NPUPromptFlashAttention(*inputs, _domain=domain, _name="NPUPromptFlashAttention", **attrs)
+                            f"{kind}{mla})")
+        out = _v_dims(op, am, op.NPUPromptFlashAttention(*inputs, _domain=domain, _name="NPUPromptFlashAttention",
+                                                         **attrs))
         if mask is not None and isinstance(keep, Tensor):
             out = self._dead_rows(op, am, keep, out, heads, kv_heads)
         return out
