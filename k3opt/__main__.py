@@ -1,4 +1,4 @@
 """``python -m k3opt`` runs the ``k3opt`` command line."""
-from .cli import main
+from .entry import main
 
-main(prog_name="k3opt")
+main()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import click
 
@@ -17,6 +17,7 @@ from . import __version__
 from .api import default_output, optimize_file
 from .cli_options import (
     RunState,
+    check_outputs,
     optimize_kwargs,
     output_options,
     pipeline_options,
@@ -25,6 +26,7 @@ from .cli_options import (
     verify_options,
 )
 from .errors import InputError, K3optError, UsageError, VerificationError
+from .interrupts import Interrupted, install as install_signal_handlers
 from .report import Report
 
 EXIT_USAGE = 2
@@ -38,6 +40,7 @@ class _Group(click.Group):
     def main(self, args: Any = None, prog_name: Optional[str] = None, **extra: Any) -> Any:
         extra.pop("standalone_mode", None)
         extra.pop("obj", None)
+        install_signal_handlers()  # SIGTERM and SIGHUP too: one line, exit 2, the save's temporary files removed
         state = RunState()  # this run's: handed to click as the context object, read back here on failure
         try:
             code = super().main(args, prog_name, standalone_mode=False, obj=state, **extra)
@@ -50,8 +53,8 @@ class _Group(click.Group):
             _fail(state, exc.format_message(), EXIT_USAGE)
         except K3optError as exc:
             _fail(state, str(exc), exc.exit_code)
-        except (KeyboardInterrupt, click.exceptions.Abort):
-            _fail(state, "interrupted; nothing was written", EXIT_USAGE)
+        except (_Stopped, KeyboardInterrupt, click.exceptions.Abort) as exc:
+            _fail(state, _interrupted(state, exc), EXIT_USAGE)
         except MemoryError:
             _fail(state, f"out of memory{_during(state)}", EXIT_USAGE)
         except Exception as exc:  # a bug: say where, keep the traceback for --debug
@@ -62,10 +65,35 @@ class _Group(click.Group):
                 state.progress.close()
         sys.exit(code if isinstance(code, int) else 0)
 
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:  # past click, which would print a blank line and lose the signal
+            raise _Stopped(exc) from None
+
+
+class _Stopped(Exception):
+    """A KeyboardInterrupt (SIGINT, or SIGTERM/SIGHUP as :class:`Interrupted`) carried past click."""
+
+    def __init__(self, interrupt: KeyboardInterrupt):
+        super().__init__(str(interrupt))
+        self.interrupt = interrupt
+
 
 def _during(state: RunState) -> str:
     step = state.progress.current if state.progress is not None else None
     return f" while {step}" if step else ""
+
+
+def _interrupted(state: RunState, exc: BaseException) -> str:
+    """The line for a stopped run: which signal, and whether an output was already in place."""
+    if isinstance(exc, _Stopped):
+        exc = exc.interrupt
+    name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
+    written = state.changed()
+    if written:
+        return f"interrupted ({name}) after writing {', '.join(written)}; the run did not finish"
+    return f"interrupted ({name}); nothing was written"
 
 
 def _fail(state: RunState, message: str, code: int) -> None:
@@ -92,9 +120,11 @@ def optimize_cmd(model: str, positional_output: Optional[str], output: Optional[
                  fsync: bool, overwrite: bool, report_path: Optional[str], quiet: bool, debug: bool,
                  **params: Any) -> None:
     """Optimize MODEL (an .onnx file) and write OUT (default MODEL.k3opt.onnx); OUT or -o OUT, as onnxsim does."""
+    out = _output_of(model, positional_output, output)
+    check_outputs([out], [report_path], [model], overwrite=overwrite)
     report = Report()
     try:
-        optimize_file(model, _output_of(model, positional_output, output), overwrite=overwrite,
+        optimize_file(model, out, overwrite=overwrite,
                       external_data=external_data, fsync=fsync, report=report,
                       progress=progress_for({"quiet": quiet}), **optimize_kwargs(params))
     except VerificationError:
@@ -115,12 +145,12 @@ def optimize_cmd(model: str, positional_output: Optional[str], output: Optional[
         click.echo(report.table())
 
 
-def _output_of(model: str, positional: Optional[str], option: Optional[str]) -> Path:
+def _output_of(model: str, positional: Optional[str], option: Optional[str]) -> Union[str, Path]:
     """The output path: ``OUT`` or ``-o OUT`` (not both), else ``MODEL.k3opt.onnx`` next to a model file."""
     if positional and option:
         raise UsageError(f"two outputs given ({positional} and -o {option}): give OUT or -o OUT, not both")
     if positional or option:
-        return Path(positional or option)
+        return positional or option  # as spelled: a trailing / is refused (check_outputs), never dropped
     if Path(model).is_dir():  # default_output would name a file after the folder
         raise InputError(f"{model}: is a directory, not an ONNX model file")
     return default_output(model)

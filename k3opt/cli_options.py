@@ -17,7 +17,8 @@ group prints it as one line with its exit code (see k3opt/cli.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, TypeVar
+import os
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import click
 
@@ -25,6 +26,7 @@ from .api import TARGETS
 from .pipeline.progress import Progress
 
 F = TypeVar("F", bound=Callable[..., Any])
+PathLike = Union[str, "os.PathLike[str]"]
 
 
 @dataclasses.dataclass
@@ -38,6 +40,39 @@ class RunState:
     debug: bool = False
     quiet: bool = False
     progress: Optional[Progress] = None
+    #: The files this run may write, each with its identity before the run (None: absent): see :func:`changed`.
+    outputs: list[tuple[str, Optional[tuple[int, int, int]]]] = dataclasses.field(default_factory=list)
+
+    def changed(self) -> list[str]:
+        """The outputs written (replaced, created) since :func:`check_outputs` saw them."""
+        return [path for path, before in self.outputs if _identity(path) != before]
+
+
+def _identity(path: str) -> Optional[tuple[int, int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def check_outputs(models: Sequence[Optional[PathLike]] = (), others: Sequence[Optional[PathLike]] = (),
+                  inputs: Sequence[Optional[PathLike]] = (), *, overwrite: bool = False,
+                  make_folders: bool = False) -> None:
+    """Every command's first step: refuse outputs that cannot or must not be written, before any work.
+
+    :func:`k3opt.modelio.check_outputs` (a device, FIFO, socket or folder is never replaced; no output
+    is an input or another output, or the ``.data`` of one), then remember the outputs as they are, so
+    an interrupted run says which of them it had written (docs/cli.md, "Guarantees").
+    """
+    from .modelio.output_paths import check_outputs as check, data_path
+
+    check(models, others, inputs, overwrite=overwrite, make_folders=make_folders)
+    state = run_state()
+    if state is not None:
+        paths = [str(p) for m in models if m is not None for p in (m, data_path(m))]
+        paths += [str(p) for p in others if p is not None]
+        state.outputs += [(p, _identity(p)) for p in paths]
 
 
 def run_state() -> Optional[RunState]:

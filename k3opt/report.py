@@ -123,8 +123,10 @@ class Report:
 
 
 def _write(path: str | Path, text: str) -> None:
+    from .modelio.output_paths import write_text
+
     try:
-        Path(path).write_text(text, encoding="utf-8")
+        write_text(path, text)
     except OSError as exc:
         raise OutputError(f"{path}: cannot write report ({exc.strerror or exc})") from None
 

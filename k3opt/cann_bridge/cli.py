@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import click
 import onnx
 
-from ..cli_options import optimize_kwargs, progress_for, run_options, verify_options
+from ..cli_options import check_outputs, optimize_kwargs, progress_for, run_options, verify_options
 from ..errors import InputError
 from ..report import Report
 from .atc_command import AtcOptions, parse_input_shape
@@ -82,6 +82,7 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
                       dynamic_image_size=dynamic_image_size, fusion_switch_file=fusion_switch_file, log=log,
                       extra_args=extra_args)
     say = None if kw["quiet"] else click.echo
+    check_outputs([output + ".onnx"], [output + ".om", report_path], [model], make_folders=True)
     report = Report()
     try:
         result = compile_model(model, output, opts, atc=atc, dry_run=dry_run, echo=say, progress=progress_for(kw),

@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 import click
 
-from ..cli_options import optimize_kwargs, output_options, pipeline_options, progress_for, run_options, verify_options
+from ..cli_options import (check_outputs, optimize_kwargs, output_options, pipeline_options, progress_for, run_options,
+                           verify_options)
 from ..errors import K3optError, VerificationError
 from ..report import Report
 from .exporters import EXPORTERS, INSTALL_HINT
@@ -47,11 +48,13 @@ def export_cmd(source: str, task: Optional[str], exporter: str, export_opset: Op
     """
     if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
         raise K3optError(INSTALL_HINT)
+    out = output or default_export_output(source)
+    check_outputs([out], [report_path], [source], overwrite=overwrite)
     kwargs = optimize_kwargs(params)
     kwargs["output_opset"] = kwargs.pop("opset", None)
     report = Report()
     try:
-        from_transformers(source, output or default_export_output(source), task=task, seq_len=seq_len, batch=batch,
+        from_transformers(source, out, task=task, seq_len=seq_len, batch=batch,
                           use_cache=use_cache, exporter=exporter, opset=export_opset, optimize=not no_optimize,
                           external_data=external_data, fsync=fsync, report=report,
                           progress=progress_for({"quiet": quiet}), **kwargs)

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, NamedTuple, Optional, Union
 
@@ -14,10 +12,13 @@ from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
 
 from ..errors import InputError, OutputError
+from ..interrupts import deferred_signals
 from ..graph.wire import varint
 from .direct_io import DirectWriter, direct_writer_or_file
 from .external import (EXTERNAL_THRESHOLD, PathLike, all_tensors, external_span, inline_copy, set_external,
                        tensor_nbytes)
+from .output_paths import data_path, refuse_non_regular
+from .temp_folders import TempFolder
 from .spill_regions import PENDING
 
 #: Protobuf refuses messages of 2 GiB; stay clear of it.
@@ -25,27 +26,6 @@ PROTO_LIMIT = 2**31 - 64 * 2**20
 #: Data files at least this big are written around the page cache (k3opt/modelio/direct_io.py).
 DIRECT_THRESHOLD = 512 * 2**20
 _CHUNK = 16 * 2**20
-
-
-def check_output_path(dst: PathLike, src: Optional[PathLike] = None, overwrite: bool = False) -> Path:
-    """Refuse an output that is the input (unless ``overwrite``) or in an unwritable folder."""
-    out = Path(dst)
-    if src is not None and Path(src).exists() and not overwrite:
-        if os.path.abspath(src) == os.path.abspath(out) or (out.exists() and out.samefile(src)):
-            raise OutputError(f"{out}: output is the input model; pass --overwrite to replace it")
-    if out.is_dir():
-        raise OutputError(f"{out}: is a directory")
-    folder = out.parent if str(out.parent) else Path(".")
-    if not folder.is_dir():
-        raise OutputError(f"{out}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise OutputError(f"{out}: folder {folder} is not writable")
-    return out
-
-
-def data_path(dst: PathLike) -> Path:
-    """Where the external data of output ``dst`` goes: ``DST.data`` next to it."""
-    return Path(str(dst) + ".data")
 
 
 def proto_size(model: onnx.ModelProto, serialized: Optional[int] = None,
@@ -95,9 +75,10 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
             external_data = True
         elif too_big:
             raise OutputError(f"{out}: model exceeds 2 GB; it must be saved with external data")
-    folder: Optional[Path] = None
+    temp: Optional[TempFolder] = None
     try:
-        folder = _temp_folder(out)
+        temp = TempFolder.next_to(out)
+        folder = temp.path
         written = [out] + [data_path(out)] * bool(external_data)
         if external_data:
             data_tmp = folder / data_path(out).name
@@ -116,16 +97,19 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
                 _sync(f)
         if check is not None:
             check(folder / out.name)
-        for path in reversed(written):  # the data file first: the new model never points at an old one
-            os.replace(folder / path.name, path)
+        for path in written:  # checked again: the path may have changed since the run began
+            refuse_non_regular(path, follow=False)
+        with deferred_signals():  # a signal waits for the pair of renames: never a new data file under an old model
+            for path in reversed(written):  # the data file first: the new model never points at an old one
+                os.replace(folder / path.name, path)
         if fsync:
             _sync_folder(out.parent)
         return written
     except OSError as exc:
         raise OutputError(f"{out}: cannot write ({exc.strerror or exc})") from None
     finally:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+        if temp is not None:
+            temp.remove()
 
 
 # Serializing a whole model at once (upb) encodes it into a buffer that doubles as it grows, then copies
@@ -212,12 +196,6 @@ def _split(message, number: int) -> tuple[bytes, bytes]:
 def _tag(number: int) -> bytes:
     """The key of length-delimited field ``number``."""
     return varint(number << 3 | 2)
-
-
-def _temp_folder(out: Path) -> Path:
-    """A new private folder next to ``out`` (same file system, so its files rename into place)."""
-    parent = out.parent if str(out.parent) else Path(".")
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent))
 
 
 def _sync_folder(folder: Path) -> None:
