@@ -177,8 +177,9 @@ def passes_cmd(plugins: tuple[str, ...], quiet: bool, debug: bool) -> None:
 def _add_package_commands() -> None:
     from .cann_bridge.cli import commands as cann_commands
     from .export.cli import commands as export_commands
+    from .llm.cli import commands as llm_commands
 
-    for command in list(cann_commands) + list(export_commands):
+    for command in list(cann_commands) + list(export_commands) + list(llm_commands):
         main.add_command(command)
 
 

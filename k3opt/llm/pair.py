@@ -1,0 +1,228 @@
+"""``build_pair``: write a serving pair (prefill + static decode graphs, one weights file, a manifest) and verify it.
+
+The source is a decode-step ONNX export (Concat-grown KV cache) or a
+transformers checkpoint folder / config JSON, exported first with
+``k3opt.export.from_transformers(use_cache=True)``. Each graph is rewritten
+(:mod:`k3opt.llm.rewrite`), then optimized by k3opt's pipeline for the
+target (verified against the rewrite on real feeds), and the pair as a whole
+must generate the same greedy tokens as the original step run in its own loop
+(:func:`k3opt.llm.generate.original_greedy`): batch 1 and a left-padded batch
+2, before anything is written. The output folder appears whole or not at all.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..errors import InputError, OutputError, UsageError, VerificationError
+from .cache_form import CacheLayout, recognise
+from .manifest import Manifest, Entry, batch_sizes
+from .rewrite import POSITION, decode_graph, position_table, prefill_graph
+
+WEIGHTS = "weights.bin"
+#: Tensors at least this big go to the shared weights file (smaller ones stay in each graph).
+_SHARED_MIN_BYTES = 1024
+#: The generation check's size: prompt tokens and new tokens (kept small: it runs on every write).
+CHECK_PROMPT, CHECK_STEPS = 5, 8
+
+
+def load_source(source: Any, exporter: str = "torchscript", progress: Optional[Callable[[str], None]] = None
+                ) -> onnx.ModelProto:
+    """The decode-step model of ``source``: a ModelProto, an .onnx path, or a checkpoint folder / config JSON."""
+    if isinstance(source, onnx.ModelProto):
+        return source
+    path = Path(source)
+    if not path.exists():
+        raise InputError(f"{source}: no such file or folder")
+    if path.is_dir() or path.suffix == ".json":
+        from ..export import from_transformers
+
+        if progress:
+            progress("exporting the decode step")
+        with tempfile.TemporaryDirectory(prefix=".k3opt-llm-") as tmp:
+            out = Path(tmp) / "step.onnx"
+            from_transformers(str(path), out, task="text-generation", use_cache=True, exporter=exporter,
+                              optimize=False, seq_len=3)
+            return onnx.load(str(out))
+    try:
+        return onnx.load(str(path))
+    except Exception as exc:  # onnx raises DecodeError, OSError...: one line either way
+        raise InputError(f"{source}: not a readable ONNX model ({type(exc).__name__})") from None
+
+
+def build_pair(source: Any, out_dir: Any, *, max_seq: int, max_batch: int = 1, target: str = "onnx",
+               exporter: str = "torchscript", overwrite: bool = False, verify: bool = True,
+               progress: Optional[Callable[[str], None]] = None) -> Manifest:
+    """Write the pair of ``source`` into ``out_dir`` (see the module doc); returns its manifest."""
+    if max_seq < 2:
+        raise UsageError(f"--max-seq must be at least 2, not {max_seq}")
+    if max_batch < 1:
+        raise UsageError(f"--max-batch must be at least 1, not {max_batch}")
+    out = Path(out_dir)
+    _check_out_dir(out, overwrite)
+    model = load_source(source, exporter, progress)
+    layout = recognise(model)
+    limit = position_table(decode_graph(model, 2, 1))
+    if limit is not None and max_seq > limit:
+        raise UsageError(f"--max-seq {max_seq} is beyond the model's position table ({limit} positions)")
+    import k3opt
+
+    say = progress or (lambda _: None)
+    vocab = _vocab(model)
+    say("writing the prefill graph")
+    prefill = k3opt.optimize(prefill_graph(model), target=target, verify=verify,
+                             input_data=_prefill_feeds(layout, vocab))
+    decodes = {}
+    for b in batch_sizes(max_batch):
+        say(f"writing the decode graph for batch {b}")
+        decodes[b] = k3opt.optimize(decode_graph(model, max_seq, b), target=target, verify=verify,
+                                    input_data=_decode_feeds(layout, model, max_seq, b, vocab))
+    logits = next(o.name for o in model.graph.output if o.name not in {e.present for e in layout.entries})
+    manifest = Manifest(
+        target=target, max_seq=max_seq, max_batch=max_batch,
+        dtype=str(onnx.helper.tensor_dtype_to_np_dtype(layout.dtype)), vocab=vocab,
+        names={"ids": layout.ids, "mask": layout.mask, "position": POSITION, "logits": logits},
+        entries=[Entry(e.past, e.present, e.heads, e.dim) for e in layout.entries],
+        prefill="prefill.onnx", decode={b: f"decode_b{b}.onnx" for b in decodes}, weights=WEIGHTS)
+    graphs = {manifest.prefill: prefill, **{manifest.decode[b]: g for b, g in decodes.items()}}
+    _write_atomically(out, graphs, manifest, overwrite,
+                      check=(lambda folder: check_tokens(model, folder, target, say)) if verify else None)
+    manifest.folder = out
+    return manifest
+
+
+def check_tokens(model: onnx.ModelProto, folder: Path, target: str, say: Callable[[str], None]) -> None:
+    """The pair in ``folder`` generates the original's greedy tokens (batch 1, and batch 2 left-padded)."""
+    from .generate import PairRunner, left_pad, original_greedy
+
+    evaluator = None
+    if target == "cann":
+        from ..api import reference_evaluator
+
+        evaluator = reference_evaluator(target)
+    say("checking generated tokens against the original decode step")
+    runner = PairRunner(folder, evaluator=evaluator)
+    m = runner.manifest
+    steps = max(1, min(CHECK_STEPS, m.max_seq - CHECK_PROMPT + 1))
+    prompt = min(CHECK_PROMPT, m.max_seq - 1)
+    rng = np.random.default_rng(0)
+    vocab = m.vocab or 2
+    cases = [[rng.integers(1, vocab, prompt).tolist()]]
+    if m.max_batch >= 2:
+        cases.append([rng.integers(1, vocab, prompt).tolist(), rng.integers(1, vocab, max(1, prompt - 2)).tolist()])
+    for prompts in cases:
+        ids, mask = left_pad(prompts)
+        want = original_greedy(model, ids, mask, steps)
+        got = runner.generate(ids, mask, steps)
+        if not np.array_equal(want, got):
+            row, step = map(int, np.argwhere(want != got)[0])
+            raise VerificationError(f"the pair's tokens differ from the original decode step's (batch {len(prompts)}, "
+                                    f"row {row}, step {step}: {int(got[row, step])} instead of {int(want[row, step])})")
+
+
+def _vocab(model: onnx.ModelProto) -> Optional[int]:
+    """The vocabulary size: the logits' last dim, else the rows of the embedding table ``input_ids`` indexes."""
+    for o in model.graph.output:
+        dims = o.type.tensor_type.shape.dim
+        if len(dims) == 3 and dims[2].dim_value:
+            return int(dims[2].dim_value)
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and node.input[1] == "input_ids" and node.input[0] in inits:
+            return int(inits[node.input[0]].dims[0])
+    return None
+
+
+def _prefill_feeds(layout: CacheLayout, vocab: Optional[int], batch: int = 2, length: int = 5) -> dict:
+    rng = np.random.default_rng(1)
+    mask = np.ones((batch, length), dtype=np.int64)
+    mask[1:, :2] = 0
+    return {layout.ids: rng.integers(0, vocab or 2, (batch, length)).astype(np.int64), layout.mask: mask}
+
+
+def _decode_feeds(layout: CacheLayout, model: onnx.ModelProto, max_seq: int, batch: int,
+                  vocab: Optional[int]) -> dict:
+    rng = np.random.default_rng(2)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(layout.dtype)
+    mask = np.ones((batch, max_seq), dtype=np.int64)
+    mask[1:, :1] = 0
+    feeds = {layout.ids: rng.integers(0, vocab or 2, (batch, 1)).astype(np.int64), layout.mask: mask,
+             POSITION: np.array([max_seq // 2], dtype=np.int64)}
+    feeds.update({e.past: rng.standard_normal((batch, e.heads, max_seq, e.dim)).astype(dtype)
+                  for e in layout.entries})
+    return feeds
+
+
+def _check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse a file, a non-empty folder (unless ``overwrite``), or a missing or unwritable parent folder."""
+    from ..modelio.saving import check_output_path
+
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OutputError(f"{out}: folder is not empty; pass --overwrite to replace it")
+    check_output_path(out.with_name(out.name + ".new"))  # its parent: there and writable
+
+
+def share_weights(graphs: dict[str, onnx.ModelProto], folder: Path) -> None:
+    """Move every big initializer of ``graphs`` into ``folder/weights.bin``, each distinct tensor once."""
+    offsets: dict[bytes, tuple[int, int]] = {}
+    with open(folder / WEIGHTS, "wb") as f:
+        for model in graphs.values():
+            for t in model.graph.initializer:
+                raw = numpy_helper.to_array(t).tobytes() if not t.raw_data else t.raw_data
+                if len(raw) < _SHARED_MIN_BYTES:
+                    continue
+                key = hashlib.sha256(raw).digest() + bytes([t.data_type])
+                if key not in offsets:
+                    pad = -f.tell() % 64
+                    f.write(b"\0" * pad)
+                    offsets[key] = (f.tell(), len(raw))
+                    f.write(raw)
+                offset, length = offsets[key]
+                dims, dtype, name = list(t.dims), t.data_type, t.name
+                t.Clear()
+                t.name, t.data_type = name, dtype
+                t.dims.extend(dims)
+                t.data_location = onnx.TensorProto.EXTERNAL
+                for k, v in (("location", WEIGHTS), ("offset", str(offset)), ("length", str(length))):
+                    entry = t.external_data.add()
+                    entry.key, entry.value = k, v
+
+
+def _write_atomically(out: Path, graphs: dict[str, onnx.ModelProto], manifest: Manifest, overwrite: bool,
+                      check: Optional[Callable[[Path], None]]) -> None:
+    """Write into a private folder next to ``out``, check it there, then rename it into place."""
+    from ..modelio.saving import _temp_folder
+
+    folder = _temp_folder(out)
+    try:
+        share_weights(graphs, folder)
+        for name, model in graphs.items():
+            onnx.save(model, str(folder / name))
+        manifest.write(folder)
+        if check is not None:
+            check(folder)
+        os.chmod(folder, 0o755)  # mkdtemp makes it private
+        if out.exists():
+            if not overwrite:
+                raise OutputError(f"{out}: appeared while the pair was written")
+            old = _temp_folder(out)
+            os.replace(out, old / out.name)
+            os.replace(folder, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(folder, out)
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        if folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,61 @@
+"""``k3opt llm`` and ``k3opt generate`` on the command line: what they write and print, and their one-line errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from k3opt.cli import main
+from k3opt.llm import left_pad, original_greedy
+from tests.llm_models import llm_decode_model
+from tests.zoo import needs_torch, zoo_model
+
+pytestmark = needs_torch
+
+
+def invoke(*args: object) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_llm_then_generate_prints_the_original_tokens(tmp_path: Path) -> None:
+    step = llm_decode_model("qwen2")
+    code, out, err = invoke("llm", step, "--max-seq", 40, "--max-batch", 2, "-o", tmp_path / "pair")
+    assert code == 0, err
+    assert "wrote" in out and "tokens verified" in out
+    assert json.loads((tmp_path / "pair" / "manifest.json").read_text())["max_batch"] == 2
+    code, out, err = invoke("generate", tmp_path / "pair", "--prompt", "5,17,23,4", "--prompt", "9,2", "--steps", 12)
+    assert code == 0, err
+    rows = [[int(t) for t in line.split(",")] for line in out.split()]
+    ids, mask = left_pad([[5, 17, 23, 4], [9, 2]])
+    assert rows == original_greedy(step, ids, mask, 12).tolist()
+    assert "ms/step" in err and "prefill" in err
+
+
+def test_generate_with_top_k_is_seeded(tmp_path: Path) -> None:
+    assert invoke("llm", llm_decode_model("llama"), "--max-seq", 24, "-o", tmp_path / "pair")[0] == 0
+    args = ("generate", tmp_path / "pair", "--prompt", "3,4,5", "--steps", 10, "--top-k", 5, "-q")
+    first, again = invoke(*args, "--seed", 1), invoke(*args, "--seed", 1)
+    assert first[0] == 0 and first[1] == again[1] and first[2] == ""
+    assert len(first[1].split(",")) == 10
+
+
+def test_one_line_errors(tmp_path: Path) -> None:
+    invoke("llm", llm_decode_model("gpt2"), "--max-seq", 16, "-o", tmp_path / "pair")
+    cases = [
+        (("generate", tmp_path / "pair", "--prompt", "1,2,3", "--steps", 15), "--max-seq 16"),
+        (("generate", tmp_path / "pair", "--prompt", "1,2", "--prompt", "3", "--steps", 2), "--max-batch 1"),
+        (("generate", tmp_path / "pair", "--prompt", "1,x"), "token ids separated by commas"),
+        (("generate", tmp_path / "pair", "--prompt", "1,100"), "token ids must be in [0, 100)"),
+        (("generate", tmp_path, "--prompt", "1"), "not a k3opt llm pair"),
+        (("llm", llm_decode_model("gpt2"), "--max-seq", 100, "-o", tmp_path / "big"), "position table (64 positions)"),
+        (("llm", zoo_model("bert"), "--max-seq", 16, "-o", tmp_path / "enc"), "no past key/value inputs"),
+        (("llm", tmp_path / "missing.onnx", "--max-seq", 16, "-o", tmp_path / "m"), "no such file"),
+        (("llm", llm_decode_model("gpt2"), "--max-seq", 16, "-o", tmp_path / "pair"), "--overwrite"),
+    ]
+    for args, message in cases:
+        code, out, err = invoke(*args)
+        assert code == 2, (args, out, err)
+        assert message in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pair"]
