@@ -199,7 +199,9 @@ class _Run:
         down = opsets.converts_down(model, opset, target=target)
         if not down:
             with self.step("converting opset", "opset"):
-                converted, notes = opsets.convert(model, opset, target=target, bodies=bodies)
+                converted, notes = opsets.convert(
+                    model, opset, target=target, bodies=bodies,
+                    needs_newer=lambda ops, v: any(p.min_opset > v and p.could_apply(ops) for p in pipeline))
                 report.notes.extend(notes)
         else:
             converted = model

@@ -27,6 +27,11 @@ PEERS_BEST = {
 K3OPT_NODES = {
     "tf-bert-reshape": 13,
     "distilbert-stale-shape": 5,
+    "tf-cnn-pad": 5,
+    "expand-broadcast": 2,
+    "clip-slice": 2,
+    "gemm-scale-where": 5,
+    "softmax-op12": 2,
 }
 
 

@@ -7,7 +7,7 @@ it is and the opset import is bumped.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import onnx
 from onnx import version_converter
@@ -15,6 +15,7 @@ from onnx import version_converter
 from ..errors import UsageError
 from .opset_down import NoOpset17Form, rewrite_for_17
 from .opset_nodes import ModelScope, all_graphs, convert_changed_nodes
+from .opset_softmax import upgrade_cost
 
 #: Models below this are raised to it by default; the CANN target needs exactly it.
 DEFAULT_OPSET = 17
@@ -48,7 +49,8 @@ def converts_down(model: onnx.ModelProto, opset: Optional[int] = None, *, target
 
 
 def convert(
-    model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx", bodies: bool = True
+    model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx", bodies: bool = True,
+    needs_newer: Optional[Callable[[set[str], int], bool]] = None,
 ) -> tuple[onnx.ModelProto, list[str]]:
     """Return (model at the wanted opset, report notes): ``model`` itself, converted in place.
 
@@ -57,12 +59,22 @@ def convert(
     the cann target (exactly 17) must succeed, else UsageError naming the
     blocking op. ``bodies=False``: no node of the model holds a body (its
     validation saw none), so none is looked for.
+
+    ``needs_newer(ops, opset)``: whether a pass of the run needs an opset above ``opset`` for a model
+    holding the op types ``ops``. Given, and answering no, a raise that would add nodes no pass removes
+    (:func:`.opset_softmax.upgrade_cost`) is not made: the model keeps its opset, and a note says why.
     """
     current = model_opset(model)
     strict = opset is not None or target == "cann"
     wanted = wanted_opset(model, opset, target=target)
     if wanted == current:
         return _single_default_import(model, current), []
+    if not strict and needs_newer is not None and wanted > current:
+        cost = upgrade_cost(model, current, wanted)
+        if cost and not needs_newer(model_ops(model), current):
+            return _single_default_import(model, current), [
+                f"opset kept at {current}: converting to {wanted} would add {cost} node(s) (Softmax-like ops over "
+                f"several axes change meaning at opset 13) and no pass needs a newer opset"]
     reason = inexact_conversion(model, current, wanted)
     converted = None
     if reason is None:
@@ -83,6 +95,11 @@ def convert(
 #: has a batch axis that Scan 9 lacks, and onnx's adapter (either way) only rewrites the declared shapes, so
 #: the converted Scan reads the batch axis as its sequence axis (onnx's test_scan_sum then fails to run).
 INEXACT_ADAPTERS = {("Scan", 8, 9): "onnx's converter changes its batch axis into the sequence axis"}
+
+
+def model_ops(model: onnx.ModelProto) -> set[str]:
+    """The op types of the model's nodes, bodies included."""
+    return {n.op_type for g in all_graphs(model.graph) for n in g.node}
 
 
 def inexact_conversion(model: onnx.ModelProto, current: int, wanted: int) -> Optional[str]:

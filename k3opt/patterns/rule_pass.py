@@ -151,10 +151,11 @@ def rules_pass(
     """A :class:`RuleSetPass` subclass named ``name`` (registered unless ``register=False``).
 
     ``attrs`` set other :class:`~k3opt.pipeline.pass_base.Pass` class attributes
-    (``needs_shapes``, ``preserves``, ``adds_bodies``, ``min_opset``, ``targets``, ``default``, ``options``).
+    (``needs_shapes``, ``preserves``, ``adds_bodies``, ``min_opset``, ``targets``, ``default``, ``options``,
+    ``anchor_ops``).
     """
     unknown = set(attrs) - {"needs_shapes", "preserves", "adds_bodies", "min_opset", "targets", "default",
-                            "options"}
+                            "options", "anchor_ops"}
     if unknown:
         raise TypeError(f"rules_pass got unknown pass attribute(s): {sorted(unknown)}")
     body = dict(attrs, name=name, rules=list(rules),

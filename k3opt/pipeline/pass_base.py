@@ -156,6 +156,9 @@ class Pass:
     preserves: ClassVar[frozenset[type]] = frozenset()
     #: The pass is skipped (with a note) when the graph's or the output's default-domain opset is below this.
     min_opset: ClassVar[int] = 1
+    #: Op types every rewrite of the pass starts from: when a model holds none, the pass cannot apply
+    #: (:meth:`could_apply`). None: any graph may be rewritten.
+    anchor_ops: ClassVar[Optional[frozenset[str]]] = None
     #: Targets the pass applies to; None means every target.
     targets: ClassVar[Optional[tuple[str, ...]]] = None
     #: A target lowering (e.g. to NPU ops for cann): runs in a second pass-manager run, after the other
@@ -171,6 +174,12 @@ class Pass:
 
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - interface
         raise NotImplementedError
+
+    @classmethod
+    def could_apply(cls, ops: Collection[str]) -> bool:
+        """Whether the pass may rewrite a model holding the op types ``ops`` (from :attr:`anchor_ops`): the run
+        raises a model's opset for a pass with a higher :attr:`min_opset` only when it could apply."""
+        return cls.anchor_ops is None or not cls.anchor_ops.isdisjoint(ops)
 
     def finish(self, graph: Graph, ctx: PassContext) -> None:
         """Called once on the final graph, after the fixed point: analysis that only the final graph's

@@ -1,7 +1,8 @@
 """eliminate-common-subexpressions: compute each value once.
 
 Two nodes with the same op, domain, attributes and inputs (the same tensor
-objects, in order) compute the same outputs; the later one's readers read
+objects, in order; an empty optional input is absent, as are trailing ones, so ``Clip(x, lo)`` and
+``Clip(x, lo, "")`` are equal) compute the same outputs; the later one's readers read
 the earlier one's outputs. Equal constants are merged first, so nodes that
 read equal weights become equal too; constants are grouped by dtype and
 shape so that only candidates are read, then compared by their first bytes
@@ -130,7 +131,13 @@ def _node_head(node: Node) -> Optional[Hashable]:
     count); None for a node never merged."""
     if (node.domain or "") not in _DOMAINS or node.op in RANDOM_OPS or not node.outputs:
         return None
-    return (node.op, node.domain or "", tuple(map(id, node.inputs)), len(node.outputs))
+    ins = node.inputs
+    if ins and not all(t.name for t in ins):  # an empty optional input is absent: one key, none trailing
+        key = [id(t) if t.name else 0 for t in ins]
+        while key and not key[-1]:
+            key.pop()
+        return (node.op, node.domain or "", tuple(key), len(node.outputs))
+    return (node.op, node.domain or "", tuple(map(id, ins)), len(node.outputs))
 
 
 def _attrs_key(node: Node) -> Optional[Hashable]:

@@ -11,8 +11,10 @@ Each check proves the output has the input's shape, dtype and values:
 - ``Expand`` whose shape broadcasts to the input's own shape;
 - ``Transpose`` with the identity permutation;
 - ``Cast``/``CastLike`` to the type the input already has;
-- ``Slice`` taking everything (step 1, start 0, end past the known dim or the
-  INT64 max sentinel);
+- ``Slice`` taking everything: on a dim of known size, the indices it takes are
+  the dim's, in order (a step of -1 over a dim of size 1 included); on another
+  dim, step 1, start 0 and the INT64 max sentinel as end;
+- ``Clip`` with neither bound (no min/max, or empty optional inputs);
 - ``Concat`` of a single input;
 - ``Flatten`` of a 2-D input at axis 1 (the opset-13 Softmax conversion wraps one);
 - ``Add``/``Sub`` of 0, ``Mul``/``Div`` by 1 (``Sub``/``Div``: constant on the
@@ -142,9 +144,30 @@ def _whole_slice(node: Node) -> Optional[Tensor]:
         if not -r <= a < r:
             return None
         d = x.shape[a]
-        if st != 1 or s != 0 or not (e >= INT64_MAX // 2 or (_known(d) and e >= d)):
+        if _known(d) and st != 0:
+            if _taken(int(s), int(e), int(st), int(d)) != range(int(d)):
+                return None
+        elif st != 1 or s != 0 or not e >= INT64_MAX // 2:
             return None
     return x
+
+
+def _taken(start: int, end: int, step: int, n: int) -> range:
+    """The indices a Slice takes of a dim of size ``n`` (ONNX clamping; a step of -1 over a dim of 1 takes
+    all of it, in the one order there is)."""
+    start, end = start + n if start < 0 else start, end + n if end < 0 else end
+    if step > 0:
+        start, end = min(max(start, 0), n), min(max(end, 0), n)
+    else:
+        start, end = min(max(start, -1), n - 1), min(max(end, -1), n - 1)
+    taken = range(start, end, step)
+    return range(n) if step < 0 and len(taken) == n == 1 else taken
+
+
+def _unbounded_clip(node: Node) -> Optional[Tensor]:
+    """A Clip with neither bound (no min/max inputs, or empty ones; no attributes before opset 11)."""
+    bounded = any(k in node.attrs for k in ("min", "max")) or any(t.name for t in node.inputs[1:])
+    return None if bounded else node.inputs[0]
 
 
 def _same_flatten(node: Node) -> Optional[Tensor]:
@@ -181,6 +204,7 @@ CHECKS: dict[str, Callable[[Node], Optional[Tensor]]] = {
     "Cast": _same_cast,
     "CastLike": _same_cast,
     "Slice": _whole_slice,
+    "Clip": _unbounded_clip,
     "Concat": _single_concat,
     "Flatten": _same_flatten,
     **{op: _neutral_arith for op in _NEUTRAL},

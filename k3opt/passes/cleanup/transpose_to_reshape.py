@@ -56,6 +56,7 @@ class TransposeToReshape(NodeRewritePass):
     order = 245
     ops = frozenset({"Transpose"})
     min_opset = 5
+    anchor_ops = frozenset({"Transpose"})
     preserves = frozenset({Shapes})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:

@@ -6,7 +6,10 @@ MaxPool), so ``Pad`` then the op is the op with the two paddings summed. Exact o
 
 * the Pad is constant mode with constant, non-negative pads on the spatial axes only (axes 0 and 1
   unpadded; the opset-18 ``axes`` input is honoured);
-* its value is 0 for Conv and AveragePool, -inf for MaxPool;
+* its value is 0 for Conv and AveragePool, -inf for MaxPool, or 0 for a MaxPool (``ceil_mode=0``) of a
+  tensor that is never negative (a Relu, Sigmoid, Softmax, Exp, Abs, Softplus or a Clip with a min of at
+  least 0: TensorFlow pads before its pools so): a window that holds a real cell then has a max of at least
+  0, which a zero padding cell never exceeds;
 * AveragePool counts its pads (``count_include_pad=1``, or becomes so when it has no pads of its
   own) and has ``ceil_mode=0``;
 * MaxPool's Indices output is unused (indices would be those of the unpadded tensor), and every
@@ -70,6 +73,26 @@ def pad_value(pad: Node) -> Optional[float]:
     return None if v is None or v.size != 1 else float(np.asarray(v).ravel()[0])
 
 
+#: Ops whose output is never negative (nor NaN from a non-NaN input).
+NON_NEGATIVE = frozenset({"Relu", "Sigmoid", "Softmax", "Exp", "Abs", "Softplus"})
+
+
+def non_negative(t) -> bool:
+    """``t`` is the output of an op that never gives a negative value (a Relu, a Clip with a constant
+    min of at least 0...): a MaxPool window over it that holds a real cell has a max of at least 0, so zero
+    padding cells never win."""
+    p = producer(t)
+    if p is None or (p.domain or "") not in ("", "ai.onnx"):
+        return False
+    if p.op in NON_NEGATIVE:
+        return True
+    if p.op == "Clip":
+        low = p.attrs.get("min") if "min" in p.attrs else (const_value(p.inputs[1]) if len(p.inputs) > 1
+                                                             and p.inputs[1].name else None)
+        return low is not None and np.asarray(low).size == 1 and float(np.asarray(low).ravel()[0]) >= 0
+    return False
+
+
 @register_pass
 class FoldPad(RefusalNotes, NodeRewritePass):
     name = "fold-pad"
@@ -119,7 +142,10 @@ class FoldPad(RefusalNotes, NodeRewritePass):
             return "pads are negative or touch the batch/channel axes"
         value = pad_value(pad)
         want = -np.inf if node.op == "MaxPool" else 0.0
-        if value is None or value != want:
+        if node.op == "MaxPool" and value == 0.0 and non_negative(pad.inputs[0]):
+            if int(node.attrs.get("ceil_mode", 0)):
+                return "MaxPool with ceil_mode=1 over zero padding"
+        elif value is None or value != want:
             return f"pad value {value} is not {want} for {node.op}"
         if node.op == "AveragePool":
             if int(node.attrs.get("ceil_mode", 0)):

@@ -45,5 +45,6 @@ class FuseLayerNorm(OrderedRulesPass):
     order = 500
     preserves = frozenset({Shapes})
     min_opset = 17
+    anchor_ops = frozenset({"ReduceMean"})
     needs_shapes = True
     rules = RULES

@@ -12,7 +12,11 @@ last dim. The choice is the pass option ``matmul_add_nd``:
 * ``"flatten"``: the flatten form for every rank;
 * ``"keep"``: rank > 2 pairs stay as they are.
 
-Refused (left as is): W not a constant 2-D tensor, a bias that is not
+A rank-2 pair whose W or bias is computed (not a constant) becomes a Gemm too, except for ``--target
+cann`` (ATC's fusion wants constants), when W is 2-D and the bias broadcasts one way to the ``(M, N)``
+result (Gemm's ``C``: any such shape of rank <= 2, not only a bias over the last axis).
+
+Refused (left as is): W not a constant 2-D tensor (at rank > 2 or for cann), a bias that is not
 constant or broadcasts in any way other than over the last axis ((S,N),
 (M,1), batch-broadcasting or rank-widening biases), dtypes that differ or are
 not floating point, and an intermediate MatMul output used elsewhere or
@@ -57,6 +61,8 @@ def _bias_shape_ok(shape: tuple, n: int, out_rank: int) -> bool:
 
 def check(m: Match) -> bool:
     w_shape, b_shape, x_rank = m.shape("w"), m.shape("b"), m.rank("x")
+    if not (m.is_const("w") and m.is_const("b")) and m.ctx.target != "cann" and x_rank == 2:
+        return _check_computed(m)
     if not m.is_const("w") or w_shape is None or len(w_shape) != 2:
         return m.fail("weight is not a constant 2-D tensor")
     if not m.is_const("b") or b_shape is None:
@@ -76,6 +82,22 @@ def check(m: Match) -> bool:
             return m.fail("a static leading dim is 0 (a -1 in the restore shape would be ambiguous)")
         if _restore_dims(m["x"]) is None and m.ctx.opset < 14:
             return m.fail("two or more dynamic leading dims need Reshape allowzero (opset 14)")
+    return True
+
+
+def _check_computed(m: Match) -> bool:
+    """A rank-2 pair with a computed weight or bias (not for cann: ATC fuses constant operands only): Gemm
+    takes any ``C`` that broadcasts one way to the ``(M, N)`` result, which the Add's output must then be."""
+    w_shape, b_shape, x_shape = m["w"].shape, m["b"].shape, m["x"].shape
+    if w_shape is None or len(w_shape) != 2 or b_shape is None or len(b_shape) > 2:
+        return m.fail("computed operands: weight not of rank 2, or bias of unknown shape or rank above 2")
+    types = {onnx_type(m[k].dtype) for k in ("x", "w", "b")}
+    if len(types) != 1 or not types <= GEMM_TYPES:
+        return m.fail("dtypes differ, are unknown or are not floating point")
+    out = (x_shape[0], w_shape[1])
+    for d, o in zip(reversed(list(b_shape)), reversed(out)):
+        if d != 1 and not (d == o and isinstance(d, (int, str)) and not (isinstance(d, int) and d < 0)):
+            return m.fail(f"bias of shape {tuple(b_shape)} may not broadcast one way to the result {out}")
     return True
 
 
@@ -100,7 +122,7 @@ def rewrite(op, m: Match):
     x, w = m["x"], m["w"]
     k, n = m.shape("w")
     b = m["b"]
-    if len(m.shape("b")) > 2:  # (1,..,1,N) -> (N,): Gemm's C broadcasts to (M, N) from rank <= 2
+    if m.is_const("b") and len(m.shape("b")) > 2:  # (1,..,1,N) -> (N,): Gemm's C broadcasts to (M, N) from rank <= 2
         value = np.asarray(m.const("b"))
         b = op.const(value.reshape(-1), value.dtype, name=f"{b.name}_flat")  # own dtype (op.const makes float64 float32)
     if m.rank("x") == 2:
@@ -118,6 +140,7 @@ RULE = Rule("matmul-add", pattern, rewrite, check=check,
 
 FuseMatMulAdd = rules_pass(
     "fuse-matmul-add", [RULE], order=700, needs_shapes=True, adds_bodies=False, min_opset=11,
+    anchor_ops=frozenset({"MatMul"}),
     options={"matmul_add_nd": "rank > 2 pairs: auto (flatten for --target cann, keep for onnx), flatten, keep"},
     description="MatMul + per-column bias -> Gemm (rank > 2: flatten-Gemm-restore, option matmul_add_nd)",
 )

@@ -158,6 +158,7 @@ class MergeSiblingMatMuls(Pass):
     adds_bodies = False
     preserves = frozenset({Shapes})
     min_opset = 11  # Split with a negative axis
+    anchor_ops = frozenset({"MatMul", "Gemm"})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         """Merge in the graph and in every If/Loop/Scan body (a body's siblings may read an outer activation)."""
