@@ -19,6 +19,7 @@ from .graph import G_LOGGER
 
 from . import modelio
 from .modelio import opset as opsets
+from .modelio.opset23_down import decompose_opset23
 from .pipeline import shapes
 from .pipeline import verify as verifier, verify_dims
 from .graph import gs_roundtrip, ir
@@ -133,6 +134,10 @@ def _pipeline_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: kwargs.pop(k) for k in _PIPELINE_KEYS if k in kwargs}
 
 
+#: Passes of the pipeline that run again after a target's lowering (a second run then finds nothing to do).
+_AFTER_LOWERING = ("fold-constants", "eliminate-common-subexpressions", "remove-dead-nodes")
+
+
 class _Run:
     """One optimization run: its report, progress sink and verification settings."""
 
@@ -181,10 +186,13 @@ class _Run:
         # Target lowerings run after the verified passes; one for another target stays, to be skipped with a note.
         lowering = [p for p in pipeline if p.lowering and (p.targets is None or target in p.targets)]
         pipeline = [p for p in pipeline if p not in lowering]
+        if lowering:  # what lowering several layers repeats (one mask per layer...) is merged in the verified lowering
+            lowering += [type(p)() for p in pipeline if p.name in _AFTER_LOWERING]
         with self.step("loading", "load"):
             on_disk = None if isinstance(model, onnx.ModelProto) else model
             model, external, bodies = _load(model, report)
             report.notes.extend(modelio.repair(model, bodies))
+            _keep_npu_nodes(model, target, report)
             self.source_files = {modelio.external_info(t)["location"] for t in external}
             opset_before = opsets.model_opset(model)
             size = modelio.proto_size(model, None if on_disk is None else os.path.getsize(on_disk), external)
@@ -197,6 +205,7 @@ class _Run:
                 original = self._runnable_original(model)
         # Up before the passes (fusions may need the newer opset), down after them (see opset.converts_down).
         down = opsets.converts_down(model, opset, target=target)
+        decomposed = self._decompose_opset23(model, opsets.wanted_opset(model, opset, target=target)) if down else 0
         if not down:
             with self.step("converting opset", "opset"):
                 converted, notes = opsets.convert(
@@ -207,7 +216,7 @@ class _Run:
             converted = model
         # Verification compares with the model as given; bisection restarts from the converted one.
         start = original
-        if original is not None and opsets.model_opset(converted) != opset_before:  # converted in place
+        if original is not None and (opsets.model_opset(converted) != opset_before or decomposed):  # in place
             start = verifier.runnable_bytes(converted)
         known_external = external  # the conversion touches no external tensor
         model = converted
@@ -255,6 +264,18 @@ class _Run:
         size = modelio.proto_size(out) if self.measure_output else 0
         report.after = ModelSummary.of(out, size, opsets.model_opset(out))
         return out
+
+    def _decompose_opset23(self, model: onnx.ModelProto, wanted: int) -> int:
+        """Below opset 23, write its Attention/RMSNormalization/RotaryEmbedding nodes decomposed (in place), for
+        the passes to lower or re-fuse; returns how many."""
+        if wanted >= 23:
+            return 0
+        done, kept = decompose_opset23(model)
+        if done:
+            self.report.notes.append(f"{done} opset-23 node(s) (Attention, RMSNormalization, RotaryEmbedding) "
+                                     f"written in their decomposed form for opset {wanted}")
+        self.report.notes.extend(kept)
+        return done
 
     def _lower(self, model: onnx.ModelProto, lowering: list, target: str) -> tuple[onnx.ModelProto, tuple]:
         """Run the target's lowering passes on the verified ``model`` (its notes are the report's lowering
@@ -490,6 +511,23 @@ def written_check(target: str, report: Report) -> Callable[[Path], None]:
             report.warnings.append(warning)
 
     return loads
+
+
+def _keep_npu_nodes(model: onnx.ModelProto, target: str, report: Report) -> None:
+    """A cann-target output read back in keeps its NPU nodes (staged out of the default domain for the run);
+    any other target cannot take them (onnxruntime has no such ops)."""
+    from .cann_bridge.atc_ops import NPU_OPS
+    from .cann_bridge.target_form import stage_npu_nodes
+    from .modelio.opset_nodes import all_graphs
+
+    ops = sorted({n.op_type for g in all_graphs(model.graph) for n in g.node if n.op_type in NPU_OPS})
+    if not ops:
+        return
+    if target != "cann":
+        raise UsageError(f"the model holds NPU ops ({', '.join(ops)}): it is a --target cann output; optimize it "
+                         f"again with --target cann")
+    stage_npu_nodes(model)
+    report.notes.append(f"NPU nodes of the input kept as they are ({', '.join(ops)})")
 
 
 def _load(model: ModelLike, report: Report) -> modelio.Loaded:

@@ -69,6 +69,18 @@ def finish_model(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def stage_npu_nodes(model: onnx.ModelProto) -> list[str]:
+    """Move the default-domain NPU nodes of a cann-target output read back in to :data:`STAGING_DOMAIN`, in
+    place, so opset conversion and schema checks pass them by and :func:`finish_model` puts them back;
+    returns their op types (empty: none, nothing changed)."""
+    staged = [n for n in all_nodes(model.graph) if n.domain in _DEFAULT and n.op_type in NPU_OPS]
+    for node in staged:
+        node.domain = STAGING_DOMAIN
+    if staged and not any(o.domain == STAGING_DOMAIN for o in model.opset_import):
+        model.opset_import.add(domain=STAGING_DOMAIN, version=1)
+    return sorted({n.op_type for n in staged})
+
+
 def invariant_violations(model: onnx.ModelProto) -> list[str]:
     """What breaks the cann target's contract: one default-domain import (17, or 16 for the flash-attention
     form) and at most ``npu:1``; standard ops of that opset, NPU ops ATC registers there, and NPU ops in

@@ -1,0 +1,224 @@
+"""Opset 23's ``Attention``, ``RMSNormalization`` and ``RotaryEmbedding`` written in the ops of any opset.
+
+A model that holds them (k3opt's own ``--opset 23`` output, or an exporter that emits them) must reach an
+output opset below 23 (``--target cann`` is 17), where they do not exist. Before the passes run, each is
+written as the decomposed form the exporters emit and k3opt's recognisers read (fuse-rmsnorm, fuse-rotary,
+fuse-attention and the cann lowerings): the run then lowers or re-fuses them exactly as it would the
+export they came from. onnx's own function bodies are not used: they write the heads axis through
+Reshapes of 3-D layouts the recognisers do not follow.
+
+What has no such form here is left as it is (the opset conversion then names it): ``RotaryEmbedding``
+interleaved, over part of the head, or on 3-D inputs; ``Attention`` on 3-D inputs, ``is_causal``,
+``softcap``, or its fourth output.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .opset_nodes import ModelScope, all_graphs
+
+_DEFAULT = ("", "ai.onnx")
+OPSET23_OPS = ("Attention", "RMSNormalization", "RotaryEmbedding")
+
+
+def decompose_opset23(model: onnx.ModelProto) -> tuple[int, list[str]]:
+    """Rewrite, in place, the opset-23 nodes of ``model`` that have a decomposed form; returns how many
+    were rewritten and a note for each one left (why)."""
+    if not any(n.op_type in OPSET23_OPS and n.domain in _DEFAULT for g in all_graphs(model.graph) for n in g.node):
+        return 0, []
+    scope = ModelScope(model)
+    done, kept = 0, []
+    for graph in all_graphs(model.graph):
+        nodes: list[onnx.NodeProto] = []
+        for node in graph.node:
+            rule = _RULES.get(node.op_type) if node.domain in _DEFAULT else None
+            if rule is None:
+                nodes.append(node)
+                continue
+            form = _Form(graph, scope, node)
+            why = rule(node, form)
+            if why is None:
+                nodes.extend(form.nodes)
+                done += 1
+            else:
+                nodes.append(node)
+                kept.append(f"{node.op_type} '{node.name}' kept: {why}")
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return done, kept
+
+
+class _Form:
+    """The nodes written for one opset-23 node, with fresh names and constants."""
+
+    def __init__(self, graph: onnx.GraphProto, scope: ModelScope, node: onnx.NodeProto):
+        self.graph, self.scope = graph, scope
+        self.tag = node.name or node.op_type
+        self.nodes: list[onnx.NodeProto] = []
+
+    def add(self, op: str, inputs: list[str], out: Optional[str] = None, **attrs) -> str:
+        out = out or self.scope.fresh(f"{self.tag}/{op}")
+        self.nodes.append(helper.make_node(op, inputs, [out], name=self.scope.fresh(f"{self.tag}/{op}_node"), **attrs))
+        return out
+
+    def const(self, value: np.ndarray, what: str) -> str:
+        name = self.scope.fresh(f"{self.tag}/{what}")
+        self.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def dtype(self, name: str) -> Optional[int]:
+        t = self.scope.types.get(name)
+        if t is None:
+            self.scope.infer_types()
+            t = self.scope.types.get(name)
+        return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else None
+
+    def shape(self, name: str) -> Optional[list]:
+        if self.scope.rank(name) is None:
+            self.scope.infer_types()
+        if self.scope.rank(name) is None:
+            return None
+        return [d.dim_value if d.HasField("dim_value") else None for d in self.scope.types[name].tensor_type.shape.dim]
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _np_type(onnx_type: int):
+    return helper.tensor_dtype_to_np_dtype(onnx_type)
+
+
+def _rmsnorm(node: onnx.NodeProto, f: _Form) -> Optional[str]:
+    """``x * 1/sqrt(mean(x^2) + eps) * scale``, statistics in the stash type (Llama's form)."""
+    a = _attrs(node)
+    axis, eps, stash = int(a.get("axis", -1)), float(a.get("epsilon", 1e-5)), int(a.get("stash_type", 1))
+    x, scale = node.input[0], node.input[1]
+    xtype = f.dtype(x)
+    if xtype is None:
+        return "the input's type is unknown"
+    if axis < 0:
+        axes = list(range(axis, 0))
+    else:
+        shape = f.shape(x)
+        if shape is None:
+            return "the input's rank is unknown"
+        axes = list(range(axis, len(shape)))
+    compute = TensorProto.FLOAT if stash == 1 else xtype
+    src = x if compute == xtype else f.add("Cast", [x], to=compute)
+    sq = f.add("Pow", [src, f.const(np.array(2.0, _np_type(compute)), "two")])
+    mean = f.add("ReduceMean", [sq, f.const(np.array(axes, np.int64), "axes")], keepdims=1)
+    var = f.add("Add", [mean, f.const(np.array(eps, _np_type(compute)), "eps")])
+    rstd = f.add("Reciprocal", [f.add("Sqrt", [var])])
+    normed = f.add("Mul", [src, rstd])
+    if compute != xtype:
+        normed = f.add("Cast", [normed], to=xtype)
+    f.add("Mul", [normed, scale], out=node.output[0])
+    return None
+
+
+def _rotary(node: onnx.NodeProto, f: _Form) -> Optional[str]:
+    """``Concat(x1*cos - x2*sin, x2*cos + x1*sin)`` over the halves of BNSD ``x``, with half-width caches
+    broadcast over the heads (RotaryEmbedding-23's own definition, in the layout of the transformers export)."""
+    a = _attrs(node)
+    if a.get("interleaved", 0):
+        return "interleaved rotation has no decomposed form here"
+    x, cos, sin = node.input[0], node.input[1], node.input[2]
+    shape = f.shape(x)
+    if shape is None or len(shape) != 4 or shape[3] is None:
+        return "the input is not 4-D (BNSD) with a static head size"
+    head = shape[3]
+    if a.get("rotary_embedding_dim", 0) not in (0, head) or head % 2:
+        return "a rotation over part of the head (or an odd head size) has no decomposed form here"
+    if len(node.input) > 3 and node.input[3]:  # caches indexed by position: (max_pos, D/2) -> (B, S, D/2)
+        cos, sin = f.add("Gather", [cos, node.input[3]], axis=0), f.add("Gather", [sin, node.input[3]], axis=0)
+    axis1 = f.const(np.array([1], np.int64), "heads_axis")
+    cos, sin = f.add("Unsqueeze", [cos, axis1]), f.add("Unsqueeze", [sin, axis1])
+    last = f.const(np.array([-1], np.int64), "last_axis")
+    zero, half = f.const(np.array([0], np.int64), "zero"), f.const(np.array([head // 2], np.int64), "half")
+    end = f.const(np.array([head], np.int64), "end")
+    x1 = f.add("Slice", [x, zero, half, last])
+    x2 = f.add("Slice", [x, half, end, last])
+    real = f.add("Sub", [f.add("Mul", [x1, cos]), f.add("Mul", [x2, sin])])
+    imag = f.add("Add", [f.add("Mul", [x2, cos]), f.add("Mul", [x1, sin])])
+    f.add("Concat", [real, imag], out=node.output[0], axis=-1)
+    return None
+
+
+def _attention(node: onnx.NodeProto, f: _Form) -> Optional[str]:
+    """``softmax(q k^T * scale + mask) v`` over BNSD q/k/v, past concatenated on the sequence axis and GQA's
+    keys repeated per head group (transformers' repeat_kv)."""
+    a = _attrs(node)
+    if a.get("is_causal", 0):
+        return "is_causal has no decomposed form here"
+    if a.get("softcap", 0.0):
+        return "softcap has no decomposed form here"
+    if len(node.output) > 3 and node.output[3]:
+        return "its qk_matmul_output has no decomposed form here"
+    ins = list(node.input) + [""] * (6 - len(node.input))
+    q, k, v, mask, past_k, past_v = ins[:6]
+    qs, ks = f.shape(q), f.shape(k)
+    if qs is None or ks is None or len(qs) != 4 or len(ks) != 4 or qs[3] is None or qs[1] is None or ks[1] is None:
+        return "q and k are not 4-D (BNSD) with static heads and head size"
+    dtype = f.dtype(q)
+    if dtype is None:
+        return "the query's type is unknown"
+    heads, kv_heads, head = qs[1], ks[1], qs[3]
+    if heads % kv_heads:
+        return f"{heads} query heads do not group over {kv_heads} key/value heads"
+    if bool(past_k) != bool(past_v):
+        return "past_key and past_value come one without the other"
+    outs = list(node.output) + [""] * (3 - len(node.output))
+    if past_k:
+        k = f.add("Concat", [past_k, k], out=outs[1] or None, axis=2)
+        v = f.add("Concat", [past_v, v], out=outs[2] or None, axis=2)
+    else:
+        for name, src in ((outs[1], k), (outs[2], v)):
+            if name:
+                f.add("Identity", [src], out=name)
+    if heads != kv_heads:
+        k, v = (_repeat_kv(f, t, kv_heads, heads // kv_heads) for t in (k, v))
+    scale = float(a.get("scale", 0.0)) or 1.0 / float(np.sqrt(head))
+    kt = f.add("Transpose", [k], perm=[0, 1, 3, 2])
+    scores = f.add("Mul", [f.add("MatMul", [q, kt]), f.const(np.array(scale, _np_type(dtype)), "scale")])
+    if mask:
+        mask = _through_expand(f, mask)
+        if f.dtype(mask) == TensorProto.BOOL:
+            fill = f.const(np.array(-np.inf, _np_type(dtype)), "masked")
+            mask = f.add("Where", [mask, f.const(np.array(0, _np_type(dtype)), "kept"), fill])
+        scores = f.add("Add", [scores, mask])
+    probs = f.add("Softmax", [scores], axis=-1)
+    if mask:  # a query row with every key masked (-inf) gives 0, as Attention-23 defines (torch sdpa's guard)
+        zero = f.const(np.array(0, _np_type(dtype)), "zero_probs")
+        probs = f.add("Where", [f.add("IsNaN", [probs]), zero, probs])
+    f.add("MatMul", [probs, v], out=outs[0])
+    return None
+
+
+def _through_expand(f: _Form, mask: str) -> str:
+    """The input of an Expand that makes the mask: broadcast into the scores it adds the same (Attention-23's mask
+    broadcasts to the scores' shape), and the recognisers read the mask's own form."""
+    for node in f.graph.node:
+        if mask in node.output:
+            return node.input[0] if node.op_type == "Expand" and node.domain in _DEFAULT else mask
+    return mask
+
+
+def _repeat_kv(f: _Form, t: str, kv_heads: int, rep: int) -> str:
+    """``Reshape(Expand(Unsqueeze(t, 2), [B, Nkv, rep, S, D]), [B, Nkv*rep, S, D])`` (transformers' repeat_kv)."""
+    shape = f.add("Shape", [t])
+    b = f.add("Slice", [shape, f.const(np.array([0], np.int64), "b0"), f.const(np.array([1], np.int64), "b1")])
+    s_d = f.add("Slice", [shape, f.const(np.array([2], np.int64), "s0"), f.const(np.array([4], np.int64), "s1")])
+    expand_to = f.add("Concat", [b, f.const(np.array([kv_heads, rep], np.int64), "groups"), s_d], axis=0)
+    reshape_to = f.add("Concat", [b, f.const(np.array([kv_heads * rep], np.int64), "heads"), s_d], axis=0)
+    expanded = f.add("Expand", [f.add("Unsqueeze", [t, f.const(np.array([2], np.int64), "group_axis")]), expand_to])
+    return f.add("Reshape", [expanded, reshape_to])
+
+
+_RULES: dict[str, Callable[[onnx.NodeProto, _Form], Optional[str]]] = {
+    "RMSNormalization": _rmsnorm, "RotaryEmbedding": _rotary, "Attention": _attention,
+}
