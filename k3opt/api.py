@@ -134,8 +134,10 @@ def _pipeline_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: kwargs.pop(k) for k in _PIPELINE_KEYS if k in kwargs}
 
 
-#: Passes of the pipeline that run again after a target's lowering (a second run then finds nothing to do).
-_AFTER_LOWERING = ("fold-constants", "eliminate-common-subexpressions", "remove-dead-nodes")
+def _after_lowering(p: Any) -> bool:
+    """Passes of the pipeline that run again after a target's lowering (cleanups and fold-constants): what the
+    lowering of many layers repeats or leaves foldable is done there, so a second run finds nothing to do."""
+    return type(p).__module__.startswith("k3opt.passes.cleanup.") or p.name == "fold-constants"
 
 
 class _Run:
@@ -187,7 +189,7 @@ class _Run:
         lowering = [p for p in pipeline if p.lowering and (p.targets is None or target in p.targets)]
         pipeline = [p for p in pipeline if p not in lowering]
         if lowering:  # what lowering several layers repeats (one mask per layer...) is merged in the verified lowering
-            lowering += [type(p)() for p in pipeline if p.name in _AFTER_LOWERING]
+            lowering += [type(p)() for p in pipeline if _after_lowering(p)]
         with self.step("loading", "load"):
             on_disk = None if isinstance(model, onnx.ModelProto) else model
             model, external, bodies = _load(model, report)
