@@ -210,3 +210,11 @@ def test_decode_graph_alone_matches_the_concat_step() -> None:
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
     for g, w in zip(got[1:], want[1:]):
         np.testing.assert_allclose(g[:, :, :p + 1], w, rtol=1e-6, atol=1e-6)
+
+
+def test_a_killed_run_leaves_no_temp_folder_behind_the_next(tmp_path: Path) -> None:
+    """A SIGKILLed write leaves its ``.pair.*.tmp`` folder; the next write of the pair removes it."""
+    dead = tmp_path / ".pair.x1y2.tmp"
+    (dead / "pair").mkdir(parents=True)
+    build_pair(llm_decode_model("llama"), tmp_path / "pair", max_seq=16)
+    assert [p.name for p in tmp_path.iterdir()] == ["pair"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -163,7 +162,7 @@ def _decode_feeds(layout: CacheLayout, model: onnx.ModelProto, max_seq: int, bat
 
 def _check_out_dir(out: Path, overwrite: bool) -> None:
     """Refuse a file, a non-empty folder (unless ``overwrite``), or a missing or unwritable parent folder."""
-    from ..modelio.saving import check_output_path
+    from ..modelio.output_paths import check_output_path
 
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder")
@@ -200,29 +199,32 @@ def share_weights(graphs: dict[str, onnx.ModelProto], folder: Path) -> None:
 
 def _write_atomically(out: Path, graphs: dict[str, onnx.ModelProto], manifest: Manifest, overwrite: bool,
                       check: Optional[Callable[[Path], None]]) -> None:
-    """Write into a private folder next to ``out``, check it there, then rename it into place."""
-    from ..modelio.saving import _temp_folder
+    """Write into a private, locked folder next to ``out`` (modelio's TempFolder: one a SIGKILL leaves behind is
+    removed by the next write of ``out``), check it there, then rename it into place."""
+    from ..interrupts import deferred_signals
+    from ..modelio.temp_folders import TempFolder
 
-    folder = _temp_folder(out)
+    temp = TempFolder.next_to(out)
+    old: Optional[TempFolder] = None
     try:
+        folder = temp.path / out.name
+        folder.mkdir()
         share_weights(graphs, folder)
         for name, model in graphs.items():
             onnx.save(model, str(folder / name))
         manifest.write(folder)
         if check is not None:
             check(folder)
-        os.chmod(folder, 0o755)  # mkdtemp makes it private
-        if out.exists():
-            if not overwrite:
-                raise OutputError(f"{out}: appeared while the pair was written")
-            old = _temp_folder(out)
-            os.replace(out, old / out.name)
-            os.replace(folder, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
+        if out.exists() and not overwrite:
+            raise OutputError(f"{out}: appeared while the pair was written")
+        with deferred_signals():  # the old folder out of the way and the new one in: never neither
+            if out.exists():
+                old = TempFolder.next_to(out)
+                os.replace(out, old.path / out.name)
             os.replace(folder, out)
     except OSError as exc:
         raise OutputError(f"{out}: cannot write ({exc.strerror or exc})") from None
     finally:
-        if folder.exists():
-            shutil.rmtree(folder, ignore_errors=True)
+        temp.remove()
+        if old is not None:
+            old.remove()
