@@ -178,8 +178,9 @@ def _add_package_commands() -> None:
     from .cann_bridge.cli import commands as cann_commands
     from .export.cli import commands as export_commands
     from .llm.cli import commands as llm_commands
+    from .quantize.cli import commands as quantize_commands
 
-    for command in list(cann_commands) + list(export_commands) + list(llm_commands):
+    for command in list(cann_commands) + list(export_commands) + list(llm_commands) + list(quantize_commands):
         main.add_command(command)
 
 

@@ -13,7 +13,8 @@ One run repeats three sweeps until nothing changes:
    node by node in onnxruntime, then in ``onnx.reference``; a node that
    still fails is left as it is (and not retried).
 
-Refused: random ops, training-mode Dropout, ops of custom domains, ops that
+Refused: DequantizeLinear (folding it would store a quantized weight back in
+float, 4-8x its size), random ops, training-mode Dropout, ops of custom domains, ops that
 grow the model past the size guard (:mod:`.fold_guard`), graph inputs that
 have a default initializer (the user may override them), and values
 onnxruntime returns as sequences or optionals (no initializer can hold
@@ -203,6 +204,8 @@ class FoldConstants(Pass):
 
     def _eligible(self, graph: Graph, node: Node) -> bool:
         if node.op == "Constant" or (node.domain or "") not in FOLDABLE_DOMAINS or node.op in RANDOM_OPS:
+            return False
+        if node.op == "DequantizeLinear":  # a quantized weight stays quantized (k3opt quantize's output)
             return False
         if id(node) in self._failed or not any(is_used(graph, t) for t in node.outputs):
             return False
