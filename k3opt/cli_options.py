@@ -120,21 +120,32 @@ def _apply(f: F, options: list[Callable[[F], F]]) -> F:
     return f
 
 
+_PASSES = click.option("--passes", callback=_comma_list, metavar="A,B", help="Run exactly these passes, in this order.")
+_SKIP = click.option("--skip", callback=_comma_list, metavar="X,Y", help="Remove passes from the default pipeline.")
+_OPSET = click.option("--opset", type=click.IntRange(1), help="Output opset (default: raise below 17 to 17).")
+_PLUGIN = click.option("--plugin", "plugins", multiple=True, metavar="MODULE|FILE.py",
+                       help="Load fusion rules from a plugin (repeatable).")
+_PASS_OPTION = click.option("--pass-option", "pass_options", multiple=True, callback=_key_values, metavar="KEY=VALUE",
+                            help="Set a pass option, e.g. matmul_add_nd=flatten (repeatable; `k3opt passes` lists them).")
+
+
 def pipeline_options(f: F) -> F:
-    """--passes, --skip, --target, --opset, --input-shape, --plugin."""
+    """--passes, --skip, --target, --opset, --input-shape, --plugin, --pass-option."""
     return _apply(f, [
-        click.option("--passes", callback=_comma_list, metavar="A,B", help="Run exactly these passes, in this order."),
-        click.option("--skip", callback=_comma_list, metavar="X,Y", help="Remove passes from the default pipeline."),
+        _PASSES, _SKIP,
         click.option("--target", type=click.Choice(TARGETS), default="onnx", show_default=True,
                      help="onnx: standard ONNX; cann: opset 17 and lowering for Ascend ATC."),
-        click.option("--opset", type=click.IntRange(1), help="Output opset (default: raise below 17 to 17)."),
+        _OPSET,
         click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D1,D2",
                      help="Fix an input's dimensions, e.g. input_ids:1,128 (repeatable)."),
-        click.option("--plugin", "plugins", multiple=True, metavar="MODULE|FILE.py",
-                     help="Load fusion rules from a plugin (repeatable)."),
-        click.option("--pass-option", "pass_options", multiple=True, callback=_key_values, metavar="KEY=VALUE",
-                     help="Set a pass option, e.g. matmul_add_nd=flatten (repeatable; `k3opt passes` lists them)."),
+        _PLUGIN, _PASS_OPTION,
     ])
+
+
+def graph_options(f: F) -> F:
+    """The options that shape the graph, for commands whose target is fixed (``k3opt compile``): --passes,
+    --skip, --opset, --plugin, --pass-option (the same option objects as :func:`pipeline_options`)."""
+    return _apply(f, [_PASSES, _SKIP, _OPSET, _PLUGIN, _PASS_OPTION])
 
 
 def verify_options(f: F) -> F:

@@ -11,8 +11,8 @@ from typing import Any, Callable, Optional
 import click
 import onnx
 
-from ..cli_options import check_outputs, optimize_kwargs, progress_for, run_options, verify_options
-from ..errors import InputError
+from ..cli_options import check_outputs, graph_options, optimize_kwargs, progress_for, run_options, verify_options
+from ..errors import InputError, UsageError
 from ..report import Report
 from .atc_command import AtcOptions, parse_input_shape
 from .compat import check_model
@@ -64,6 +64,7 @@ def check(model: str, target: str, input_shapes: tuple[str, ...], dynamic_dims: 
 @click.option("--dry-run", is_flag=True, help="optimize and print the ATC command without running ATC")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), metavar="F.json|F.html",
               help="also write the report (lowerings, pre-flight check): JSON, or an HTML page for F.html")
+@graph_options
 @verify_options
 @run_options
 def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, output: str,
@@ -74,7 +75,9 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
 
     The optimized ONNX is written to OUTPUT.onnx; the graph is verified in
     onnxruntime before the NPU lowering, the lowered one with the reference NPU
-    ops. Flags after `--` go to ATC as they are.
+    ops. Flags after `--` go to ATC as they are. --skip, --passes, --opset, --plugin and
+    --pass-option shape the graph as in `k3opt optimize`; --soc-version also keeps
+    the NPU ops without a kernel on that chip out of the lowering.
     """
     opts = AtcOptions(soc_version=soc_version, input_shapes=input_shapes, input_format=input_format,
                       precision_mode=precision_mode, precision_mode_v2=precision_mode_v2,
@@ -86,7 +89,7 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
     report = Report()
     try:
         result = compile_model(model, output, opts, atc=atc, dry_run=dry_run, echo=say, progress=progress_for(kw),
-                               report=report, **optimize_kwargs(kw))
+                               report=report, **_with_soc(optimize_kwargs(kw), soc_version))
     finally:
         if report_path and report.before is not None:  # nothing to report before the optimization ran
             report.write(report_path)
@@ -98,6 +101,15 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
     for line in result.fusion_summary:
         say(line)
     say(f"wrote {result.om_path}")
+
+
+def _with_soc(kwargs: dict[str, Any], soc_version: str) -> dict[str, Any]:
+    """The optimize keyword arguments with the SoC as the lowerings' ``soc_version`` pass option (one given
+    by --pass-option must agree)."""
+    given = kwargs.get("soc_version")
+    if given is not None and given != soc_version:
+        raise UsageError(f"--pass-option soc_version={given} contradicts --soc-version {soc_version}")
+    return {**kwargs, "soc_version": soc_version}
 
 
 commands: list[click.Command] = [check, compile_cmd]

@@ -62,7 +62,7 @@ def _skip_reason(p: Pass, ctx: PassContext) -> Optional[str]:
         return f"needs opset {p.min_opset}, {has} {ctx.emit_opset}"
     if p.targets is not None and ctx.target not in p.targets:
         return f"applies to target(s) {', '.join(p.targets)} only"
-    return None
+    return p.skip_reason(ctx)
 
 
 class PassManager:

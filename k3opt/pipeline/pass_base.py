@@ -175,6 +175,10 @@ class Pass:
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def skip_reason(self, ctx: PassContext) -> Optional[str]:
+        """Why the pass does not run in ``ctx`` beyond opset and target (e.g. an option rules it out), else None."""
+        return None
+
     @classmethod
     def could_apply(cls, ops: Collection[str]) -> bool:
         """Whether the pass may rewrite a model holding the op types ``ops`` (from :attr:`anchor_ops`): the run

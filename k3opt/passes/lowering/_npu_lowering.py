@@ -2,8 +2,9 @@
 kept (with the reason), reported once as the report's lowering lines."""
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Optional
 
+from ...cann_bridge.soc_support import missing_kernel
 from ...graph.ir import Graph
 from ...patterns import Rule
 from ...pipeline.analyses import Shapes
@@ -31,6 +32,12 @@ class NPULowering(Pass):
     note_none: ClassVar[bool] = True
     #: ``rewrite -> rules``: the shared recogniser's entry point (a staticmethod).
     recogniser: ClassVar[Callable[[Callable[..., Any]], list[Rule]]]
+
+    options = {"soc_version": "the Ascend SoC (e.g. Ascend910B3; `k3opt compile --soc-version` sets it): a lowering "
+                              "to an NPU op with no kernel there does not run (default: any SoC)"}
+
+    def skip_reason(self, ctx: PassContext) -> Optional[str]:
+        return missing_kernel(self.npu_op, ctx.options.get("soc_version"))
 
     def __init__(self) -> None:
         self.lowered: list[str] = []
