@@ -482,7 +482,7 @@ REFERENCE_MAX_BYTES = 512 << 20
 def reference_evaluator(target: str) -> Optional[Callable[[onnx.ModelProto], Any]]:
     """``model -> evaluator`` (with ``.run(None, feeds)``) that runs the target's lowered ops, or None."""
     if target == "cann":
-        from .cann_bridge.reference_ops import evaluator
+        from .targets.cann.reference import evaluator
 
         return evaluator
     return None
@@ -491,7 +491,7 @@ def reference_evaluator(target: str) -> Optional[Callable[[onnx.ModelProto], Any
 def finish_target(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
     """The exported model in its target's form; raises CompileError when it breaks the target's invariants."""
     if target == "cann":
-        from .cann_bridge.target_form import finish_model
+        from .targets.cann.target_form import finish_model
 
         return finish_model(model)
     return model
@@ -503,7 +503,7 @@ def written_check(target: str, report: Report) -> Callable[[Path], None]:
     there), or for the cann target (NPU ops onnxruntime lacks) reads back under onnx's checker and the
     target's invariants."""
     if target == "cann":
-        from .cann_bridge.target_form import check_written
+        from .targets.cann.target_form import check_written
 
         return check_written
 
@@ -518,8 +518,8 @@ def written_check(target: str, report: Report) -> Callable[[Path], None]:
 def _keep_npu_nodes(model: onnx.ModelProto, target: str, report: Report) -> None:
     """A cann-target output read back in keeps its NPU nodes (staged out of the default domain for the run);
     any other target cannot take them (onnxruntime has no such ops)."""
-    from .cann_bridge.atc_ops import NPU_OPS
-    from .cann_bridge.target_form import stage_npu_nodes
+    from .targets.cann.atc_ops import NPU_OPS
+    from .targets.cann.target_form import stage_npu_nodes
     from .modelio.opset_nodes import all_graphs
 
     ops = sorted({n.op_type for g in all_graphs(model.graph) for n in g.node if n.op_type in NPU_OPS})

@@ -272,7 +272,7 @@ def test_head_count_of_a_dynamic_head_split(other, heads):
     """-1 = 32 / 8 only when B and S are provably x's own dims (the same Shape), not another tensor's."""
     from k3opt import modelio
     from k3opt.pipeline import shapes
-    from k3opt.passes.lowering.lower_attention_npu import static_dim
+    from k3opt.targets.cann.passes.lower_attention_npu import static_dim
 
     graph = modelio.import_graph(_head_split(other))
     shapes.ShapeRefresher()(graph)

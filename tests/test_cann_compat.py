@@ -5,8 +5,8 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from k3opt.cann_bridge.atc_command import parse_input_shape
-from k3opt.cann_bridge.atc_ops import ATC_PARSERS, NPU_OPS
-from k3opt.cann_bridge.compat import check_model
+from k3opt.targets.cann.atc_ops import ATC_PARSERS, NPU_OPS
+from k3opt.targets.cann.compat import check_model
 from tests.helpers import make_model
 
 F = TensorProto.FLOAT

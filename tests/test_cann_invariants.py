@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from k3opt.cann_bridge.target_form import invariant_violations
-from k3opt.passes.lowering.lower_rmsnorm_npu import refusal
+from k3opt.targets.cann.target_form import invariant_violations
+from k3opt.targets.cann.passes.lower_rmsnorm_npu import refusal
 from tests.helpers import make_model
 
 F = TensorProto.FLOAT
@@ -84,7 +84,7 @@ def test_flash_attention_forms(nodes, opsets, expected):
 
 def test_the_staged_form_moves_to_opset_16_only_when_nothing_differs():
     from k3opt.cann_bridge import finish_model
-    from k3opt.cann_bridge.target_form import STAGING_DOMAIN
+    from k3opt.targets.cann.target_form import STAGING_DOMAIN
     from k3opt.errors import CompileError
 
     out = finish_model(model_with([_pfa(STAGING_DOMAIN)], (("", 17), (STAGING_DOMAIN, 1))))

@@ -171,7 +171,7 @@ def test_the_lowered_graph_is_verified_by_the_reference_evaluator():
 
 def test_an_inexact_lowering_fails_the_verification_and_is_bisected(monkeypatch):
     """A lowering that pretends eps 1e-5 is the plugin's: the reference (fixed 1e-6) tells the difference."""
-    import k3opt.passes.lowering.lower_rmsnorm_npu as lowering
+    import k3opt.targets.cann.passes.lower_rmsnorm_npu as lowering
 
     monkeypatch.setattr(lowering, "PLUGIN_EPSILON", 1e-5)
     small = {"x": (1e-3 * np.random.default_rng(0).standard_normal((2, 3, 16))).astype(np.float32)}

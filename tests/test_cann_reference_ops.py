@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto as T, helper
 
-from k3opt.cann_bridge.npu_contract import ALL_TOKENS, template_mask
-from k3opt.cann_bridge.reference_ops import evaluator
+from k3opt.targets.cann.npu_contract import ALL_TOKENS, template_mask
+from k3opt.targets.cann.reference import evaluator
 
 RNG = np.random.default_rng(0)
 

@@ -10,7 +10,7 @@ from onnx import TensorProto as TP
 
 import k3opt
 from k3opt.cann_bridge import check_model, invariant_violations
-from k3opt.cann_bridge.reference_ops import ReferenceError
+from k3opt.targets.cann.reference import ReferenceError
 from k3opt.report import Report
 from tests.helpers import op_counts, random_feeds
 from tests.test_cann_reference_ops import run_node

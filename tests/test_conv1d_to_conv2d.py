@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import k3opt
-from k3opt.passes.lowering.conv1d_to_conv2d import Conv1dToConv2d
+from k3opt.targets.cann.passes.conv1d_to_conv2d import Conv1dToConv2d
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 
 F = TensorProto.FLOAT

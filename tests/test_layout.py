@@ -34,7 +34,10 @@ def test_the_graph_package_imports_nothing_of_k3opt_above_it():
     assert above == []
 
 
-_PASS_FOLDERS = ("cleanup", "fold", "fusion", "lowering")
+_PASS_FOLDERS = ("cleanup", "fold", "fusion")
+#: Every folder of pass modules, as parts below k3opt: the capabilities, and each target's passes.
+_PASS_PACKAGES = [("passes", f) for f in _PASS_FOLDERS] + [
+    p.relative_to(_ROOT).parts for p in sorted((_ROOT / "targets").glob("**/passes")) if p.is_dir()]
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+(\.+)([\w.]*)\s+import\s+([\w, ()]+)", re.M)
 
 
@@ -51,16 +54,16 @@ def _imported_modules(path: pathlib.Path) -> list[tuple[str, ...]]:
 
 
 def test_no_pass_imports_another_pass_module():
-    """A pass module in passes/<capability>/ imports only its own folder's ``_`` helpers, passes/_shared/
-    (the recognisers the fusions and lowerings share), passes/analysis/ and passes/_rewire: never another
-    pass's module, nor another capability's helpers (issue #18)."""
+    """A pass module in passes/<capability>/ (or a target's passes/) imports only its own folder's ``_``
+    helpers, passes/_shared/ (the recognisers the fusions and lowerings share), passes/analysis/ and
+    passes/_rewire: never another pass's module, nor another folder's helpers (issue #18)."""
+    assert ("targets", "cann", "passes") in _PASS_PACKAGES
     wrong = []
-    for folder in _PASS_FOLDERS:
-        for p in sorted((_ROOT / "passes" / folder).glob("*.py")):
+    for folder in _PASS_PACKAGES:
+        for p in sorted(_ROOT.joinpath(*folder).glob("*.py")):
             for parts in _imported_modules(p):
-                if len(parts) < 3 or parts[0] != "passes" or parts[1] not in _PASS_FOLDERS:
-                    continue
-                if parts[1] != folder or not parts[2].startswith("_"):
+                hit = next((f for f in _PASS_PACKAGES if parts[:len(f)] == f and len(parts) > len(f)), None)
+                if hit is not None and (hit != folder or not parts[len(hit)].startswith("_")):
                     wrong.append(f"{p.relative_to(_ROOT)} imports {'.'.join(parts)}")
     assert wrong == []
 

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 
 import k3opt
 from k3opt import modelio
-from k3opt.cann_bridge.target_form import check_written
+from k3opt.targets.cann.target_form import check_written
 from k3opt.cli import main
 from k3opt.errors import InvalidOutputError
 from k3opt.pipeline import verify
@@ -196,7 +196,8 @@ def test_nodes_of_one_name_are_renamed_so_the_output_loads(tmp_path):
 @pytest.mark.parametrize("as_proto", [False, True], ids=["path", "proto"])
 def test_compile_checks_the_written_model_with_the_cann_checks(tmp_path, monkeypatch, tiny_transformer, as_proto):
     """Both compile paths (a model file through optimize_file, a proto saved by compile) run the cann check."""
-    from k3opt.cann_bridge import AtcOptions, compile_model, target_form
+    from k3opt.cann_bridge import AtcOptions, compile_model
+    from k3opt.targets.cann import target_form
 
     seen = []
 

@@ -2,7 +2,7 @@
 
 - The NPU lowerings of ``--target cann`` are passes (``lower-rmsnorm-npu``, ``lower-attention-npu``,
   ``lower-rotary-npu``) that the core pipeline runs after its verification; :func:`finish_model` puts the result in the target's
-  form and checks :func:`invariant_violations`; :mod:`.reference_ops` runs the NPU ops in numpy.
+  form and checks :func:`invariant_violations`; :mod:`k3opt.targets.cann.reference` runs the NPU ops in numpy.
 - :func:`compile_model`: optimize for cann, pre-flight check, run ATC (``k3opt compile``).
 - :func:`check_model`: what ATC will refuse in a model (``k3opt check --target cann``).
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from .atc_command import AtcOptions, build_command
 from .atc_locate import find_atc
-from .compat import Finding, check_model
+from ..targets.cann.compat import Finding, check_model
 from .compile import AtcUnavailable, CompileResult, compile_model
-from .target_form import finish_model, invariant_violations
+from ..targets.cann.target_form import finish_model, invariant_violations
 
 __all__ = [
     "AtcOptions",

@@ -15,7 +15,7 @@ from ..cli_options import check_outputs, graph_options, optimize_kwargs, progres
 from ..errors import InputError, UsageError
 from ..report import Report
 from .atc_command import AtcOptions, parse_input_shape
-from .compat import check_model
+from ..targets.cann.compat import check_model
 from .compile import compile_model
 
 

@@ -20,8 +20,8 @@ from ..pipeline.verify import summary_line
 from .atc_command import AtcOptions, build_command, check_output_prefix, render, validate
 from .atc_locate import find_atc
 from .atc_run import raise_for_result, run_atc, summarize_fusion_result
-from .compat import Finding, check_model
-from . import target_form
+from ..targets.cann import target_form
+from ..targets.cann.compat import Finding, check_model
 
 Echo = Callable[[str], None]
 

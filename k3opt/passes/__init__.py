@@ -1,8 +1,9 @@
-"""Built-in rewrite passes, one folder per capability (``analysis``, ``cleanup``, ``fold``, ``fusion``,
-``lowering``), one module per pass named after it. Each module registers its passes with
-:func:`k3opt.pipeline.pass_base.register_pass`; every module in these packages whose name does not start
-with ``_`` is imported by :func:`load_builtin_passes`, so adding a pass is adding a module. Helpers shared
-across capabilities live in ``_shared`` (never imported as passes); a pass never imports another pass's module.
+"""Built-in rewrite passes, one folder per capability (``analysis``, ``cleanup``, ``fold``, ``fusion``), one
+module per pass named after it; a target's own passes live in its package (``k3opt/targets/cann/passes``). Each
+module registers its passes with :func:`k3opt.pipeline.pass_base.register_pass`; every module in these packages
+whose name does not start with ``_`` is imported by :func:`load_builtin_passes`, so adding a pass is adding a
+module. Helpers shared across capabilities live in ``_shared`` (never imported as passes); a pass never imports
+another pass's module.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from ..pipeline.pass_base import Pass, PassContext, build_pipeline, get_pass, re
 
 __all__ = ["Pass", "PassContext", "build_pipeline", "get_pass", "register_pass", "registered_passes"]
 
+#: The packages whose modules are the built-in passes (walked in this order).
+_PASS_PACKAGES = ("k3opt.passes", "k3opt.targets.cann.passes")
 # Process-wide, not run state: the built-in modules are imported once, and every run starts from the registry
 # they fill (a run's plugins are added and removed around it, k3opt.plugins.run_plugins).
 _LOADED = False
@@ -23,9 +26,12 @@ def load_builtin_passes() -> None:
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        for info in sorted(pkgutil.walk_packages(__path__, f"{__name__}."), key=lambda i: i.name):
-            if not info.ispkg and not any(part.startswith("_") for part in info.name.split(".")[2:]):
-                importlib.import_module(info.name)
+        for package in _PASS_PACKAGES:
+            root = importlib.import_module(package)
+            depth = package.count(".") + 1
+            for info in sorted(pkgutil.walk_packages(root.__path__, f"{package}."), key=lambda i: i.name):
+                if not info.ispkg and not any(part.startswith("_") for part in info.name.split(".")[depth:]):
+                    importlib.import_module(info.name)
     from ..plugins import load_entry_point_plugins
 
     load_entry_point_plugins()

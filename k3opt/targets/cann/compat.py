@@ -9,12 +9,14 @@ whose dtype ATC rejects.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import onnx
 
-from .atc_command import InputShape
 from .atc_ops import ACCEPTED_INPUT_DTYPES, ATC_PARSERS, MAX_OPSET, MIN_OPSET, NPU_DOMAIN_OPS
+
+if TYPE_CHECKING:  # a type only: the bridge builds on the target, never the reverse
+    from ...cann_bridge.atc_command import InputShape
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 #: torch_npu's exporter domain: ATC's NPU plugins register ``npu::1::<Op>`` (see :mod:`.atc_ops`).

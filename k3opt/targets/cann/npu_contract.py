@@ -1,6 +1,6 @@
 """What the documentation of the NPU ops k3opt emits says of them: limits, modes, the template mask.
 
-Read by the ``--target cann`` lowerings (what they may emit) and by :mod:`.reference_ops` (what it
+Read by the ``--target cann`` lowerings (what they may emit) and by :mod:`.reference` (what it
 runs): a module of its own, so that the lowerings do not import onnx's reference evaluator.
 Sources, by short name in the comments:
 

@@ -19,8 +19,8 @@ from typing import Iterable
 
 import onnx
 
-from .. import modelio
-from ..errors import CompileError, InputError, InvalidOutputError
+from ... import modelio
+from ...errors import CompileError, InputError, InvalidOutputError
 from .atc_ops import ATC_PARSERS, NPU_DOMAIN_OPS, NPU_OPS
 from .compat import all_nodes
 

@@ -1,1 +1,1 @@
-"""Target lowering passes (``targets = ("cann",)``): rewrite standard ops into what the target runs best."""
+"""The cann target's passes (``targets = ("cann",)``): lower standard ops into what the NPU runs best."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Optional
 
-from ...cann_bridge.soc_support import missing_kernel
-from ...graph.ir import Graph
-from ...patterns import Rule
-from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext
+from ....cann_bridge.soc_support import missing_kernel
+from ....graph.ir import Graph
+from ....patterns import Rule
+from ....pipeline.analyses import Shapes
+from ....pipeline.pass_base import Pass, PassContext
 
 
 class NPULowering(Pass):

@@ -13,11 +13,11 @@ Refused: a non-constant weight (it would need its own Unsqueeze at run time), a 
 from __future__ import annotations
 
 import numpy as np
-from ... import graph as gs
+from .... import graph as gs
 
-from ...graph.ir import Graph, Node, as_constant, const_tensor, const_value, new_variable, set_input
-from ...pipeline.pass_base import PassContext, register_pass
-from .._rewire import NodeRewritePass
+from ....graph.ir import Graph, Node, as_constant, const_tensor, const_value, new_variable, set_input
+from ....pipeline.pass_base import PassContext, register_pass
+from ....passes._rewire import NodeRewritePass
 
 
 def _axes_node(op: str, x, out, ctx: PassContext, base: str) -> Node:

@@ -3,7 +3,7 @@ step with a one-head cache, ``NPUIncreFlashAttention``) for ``--target cann``, t
 
 The recogniser (:mod:`.._shared.attention_match`) has proved the attention exact (softmax over the keys, constant
 scale, no dropout, nothing escaping, GQA's repeat absorbed); this pass checks the plugin's and kernel's
-contract (sources and facts in :mod:`k3opt.cann_bridge.npu_contract` and docs/cann.md):
+contract (sources and facts in :mod:`k3opt.targets.cann.npu_contract` and docs/cann.md):
 
 - inputs by position in the plugin's groups: ``query, key, value`` or ``query, key, value, "", atten_mask``
   (BNSD, ``input_layout="BNSD"``); every attribute set explicitly, as the plugin reads it (``num_heads``,
@@ -42,17 +42,17 @@ from typing import Optional
 import numpy as np
 from onnx import TensorProto
 
-from ...cann_bridge.npu_contract import ALL_TOKENS, MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, template_mask
-from ...cann_bridge.target_form import CANN_OPSET, FLASH_OPSET, NPU_DOMAIN, STAGING_DOMAIN, ops_changed_between
-from ...errors import UsageError
-from ...graph.ir import Graph, Node, Tensor, is_const, producer
-from ...patterns import RewriteBuilder, checks
-from ..analysis import fold_shapes
-from ..analysis.input_dims import input_dims_written
-from .._shared.shape_refs import shape_refs
-from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules
-from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ..npu_contract import ALL_TOKENS, MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, template_mask
+from ..target_form import CANN_OPSET, FLASH_OPSET, NPU_DOMAIN, STAGING_DOMAIN, ops_changed_between
+from ....errors import UsageError
+from ....graph.ir import Graph, Node, Tensor, is_const, producer
+from ....patterns import RewriteBuilder, checks
+from ....passes.analysis import fold_shapes
+from ....passes.analysis.input_dims import input_dims_written
+from ....passes._shared.shape_refs import shape_refs
+from ....passes._shared.attention_match import AttentionMatch, apply_attention, attention_rules
+from ....pipeline.analyses import Shapes
+from ....pipeline.pass_base import Pass, PassContext, register_pass
 
 FORMS = ("auto", "opset16", "npu")
 #: Float types in which a mask fill the recogniser accepts (<= half the lowest value) swamps any realistic score.

@@ -14,13 +14,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ...cann_bridge.target_form import STAGING_DOMAIN
-from ...graph import dtypes
-from ...graph.ir import Graph, Tensor
-from ...patterns import RewriteBuilder
-from .._shared.norm_match import NormMatch, affine_input, apply_in_order, norm_input
-from ...pipeline.pass_base import PassContext, register_pass
-from .._shared.norm_match import rmsnorm_rules
+from ..target_form import STAGING_DOMAIN
+from ....graph import dtypes
+from ....graph.ir import Graph, Tensor
+from ....patterns import RewriteBuilder
+from ....passes._shared.norm_match import NormMatch, affine_input, apply_in_order, norm_input
+from ....pipeline.pass_base import PassContext, register_pass
+from ....passes._shared.norm_match import rmsnorm_rules
 from ._npu_lowering import NPULowering
 
 #: ATC's NPURmsNorm plugin ignores the node's attributes and sets this epsilon.

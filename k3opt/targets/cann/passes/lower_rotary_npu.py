@@ -2,7 +2,7 @@
 for ``--target cann``, where the plugin's contract is met exactly (a target lowering: runs after the verified
 passes).
 
-The contract (sources by short name in :mod:`k3opt.cann_bridge.npu_contract`, facts in docs/cann.md): the
+The contract (sources by short name in :mod:`k3opt.targets.cann.npu_contract`, facts in docs/cann.md): the
 ATC plugin registers ``ai.onnx::11..18`` and ``npu::1`` and requires the INT attribute ``mode``
 ([RoPE-plugin]); mode 0 ("half") is ``x * cos + cat(-x2, x1) * sin`` with full-width 4-D cos/sin of x's
 dtype (fp16, bf16, fp32), one shape for both, D even and < 896, B and N < 1000 ([RoPE-doc], [RoPE-IR]).
@@ -36,13 +36,13 @@ from typing import Optional
 
 import numpy as np
 
-from ...cann_bridge.npu_contract import ROPE_HALF, ROPE_INTERLEAVE, ROPE_MAX_HEAD_DIM
-from ...cann_bridge.target_form import STAGING_DOMAIN
-from ...graph.ir import Graph, Tensor
-from ...patterns import RewriteBuilder
-from ...pipeline.pass_base import PassContext, register_pass
-from ..analysis.fold_shapes import dim_at
-from .._shared.rotary_match import RotaryMatch, apply_rules, rotary_rules
+from ..npu_contract import ROPE_HALF, ROPE_INTERLEAVE, ROPE_MAX_HEAD_DIM
+from ..target_form import STAGING_DOMAIN
+from ....graph.ir import Graph, Tensor
+from ....patterns import RewriteBuilder
+from ....pipeline.pass_base import PassContext, register_pass
+from ....passes.analysis.fold_shapes import dim_at
+from ....passes._shared.rotary_match import RotaryMatch, apply_rules, rotary_rules
 from ._npu_lowering import NPULowering
 
 #: [RoPE-doc] half mode: "B，N < 1000".

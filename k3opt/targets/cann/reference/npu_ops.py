@@ -15,9 +15,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from onnx.reference.op_run import OpRun
 
-from .npu_contract import (MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, PFA_INPUT_COUNTS, RMS_EPSILON, ROPE_ANGLE_LAYOUTS,
+from ..npu_contract import (MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, PFA_INPUT_COUNTS, RMS_EPSILON, ROPE_ANGLE_LAYOUTS,
                            ROPE_HALF, ROPE_MAX_HEAD_DIM, SPARSE_TEMPLATE, template_mask)
-from .target_form import NPU_DOMAIN
+from ..target_form import NPU_DOMAIN
 
 class ReferenceError(ValueError):
     """The node asks for something the documented contract does not define (or k3opt does not model)."""
