@@ -12,7 +12,10 @@
   ``thirdparty`` extra is installed (``pip install -e '.[thirdparty]'``), with inputs of the size the
   packages feed them;
 - the non-transformer corpus (``tests/cnn_zoo.py``: ``cnn-<name>-<exporter>``, CNN, OCR, detector, GRU,
-  Conv1d audio, two of them behind an ``If``), cached by the test zoo, with its own inputs.
+  Conv1d audio, two of them behind an ``If``), cached by the test zoo, with its own inputs;
+- the foreign forms (``tests/foreign_graphs.py``: ``foreign-<name>``, hand-built graphs in the shapes
+  tf2onnx, Keras and older PyTorch exporters emit: issue #34's fewest-nodes cases), built in a moment,
+  with their own seeded inputs (batch 2).
 
 Builds run in a child process (``python -m bench.models NAME DST``) so torch's memory goes away with it.
 The Llama cache key hashes what determines the graph (builder source, configs, torch/transformers
@@ -46,6 +49,7 @@ LEGACY_OPSET = 14
 LEGACY_SUFFIX = f"-op{LEGACY_OPSET}"
 ENCODERS = {"bert": "bert", "vit": "vit"}
 CNN_FAMILY = "cnn"
+FOREIGN_FAMILY = "foreign"
 
 # Llama-style configs: the depth series is small and fast; the big one is TinyLlama-sized (3.3 GB fp32).
 SMALL_LLAMA = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -70,7 +74,7 @@ class ModelSpec:
     @property
     def own_feeds(self) -> bool:
         """Its inputs come from :func:`zoo_feeds` (test exports, the corpus, the third-party set)."""
-        return self.is_zoo or self.family == THIRD_PARTY_FAMILY
+        return self.is_zoo or self.family in (THIRD_PARTY_FAMILY, FOREIGN_FAMILY)
 
     @property
     def is_cnn(self) -> bool:
@@ -91,6 +95,7 @@ def model_set(quick: bool = False, big: bool = False) -> list[ModelSpec]:
     specs += [ModelSpec(f"{DEPTH_PREFIX}{d}", "llama") for d in depths]
     specs += [ModelSpec(f"{DEPTH_PREFIX}{d}{LEGACY_SUFFIX}", "llama") for d in depths]
     specs += [ModelSpec(f"{CNN_FAMILY}-{name}-{exp}", CNN_FAMILY) for name in cnn_names() for exp in exporters]
+    specs += [ModelSpec(f"{FOREIGN_FAMILY}-{name}", FOREIGN_FAMILY) for name in foreign_names()]
     specs += third_party_specs()
     if big:
         specs.append(ModelSpec(BIG, "llama"))
@@ -146,6 +151,14 @@ def cnn_names() -> tuple[str, ...]:
     from tests.cnn_zoo import NAMES
 
     return NAMES
+
+
+def foreign_names() -> tuple[str, ...]:
+    """The foreign forms' names (``tests/foreign_graphs.py``; importing it needs onnx only)."""
+    sys.path.insert(0, str(REPO))
+    from tests.foreign_graphs import GRAPHS
+
+    return tuple(GRAPHS)
 
 
 def _cnn_parts(name: str) -> tuple[str, str]:
@@ -215,6 +228,10 @@ def zoo_feeds(spec: ModelSpec) -> dict:
         from tests.cnn_zoo import cnn_inputs
 
         return cnn_inputs(_cnn_parts(spec.name)[0])
+    if spec.family == FOREIGN_FAMILY:
+        from tests.foreign_graphs import GRAPHS
+
+        return GRAPHS[spec.name[len(FOREIGN_FAMILY) + 1:]][1](2)
     from tests.zoo import zoo_inputs
 
     return zoo_inputs(spec.family)
@@ -355,6 +372,16 @@ def main(name: str, dst: str) -> None:
         from tests.cnn_zoo import cnn_model
 
         write_result({"path": str(cnn_model(*_cnn_parts(name)))})
+        return
+    if name.startswith(FOREIGN_FAMILY + "-"):
+        import onnx
+        from tests.foreign_graphs import GRAPHS
+
+        folder = CACHE / "models" / "foreign-graphs"  # rebuilt every time: a moment, and never stale
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}.onnx"
+        onnx.save(GRAPHS[name[len(FOREIGN_FAMILY) + 1:]][0](), str(path))
+        write_result({"path": str(path)})
         return
     from tests.zoo import zoo_model
 

@@ -10,6 +10,7 @@ tests can check numerics at two batch sizes (the symbolic dims must come out rig
   and a Squeeze/Mul of dims, through the symbolic batch;
 - ``distilbert-stale-shape``: a reshape graph whose declared output shape holds ``-1`` (strict inference
   fails), with a fully static Shape chain and an unfused MatMul+Add;
+- ``distilbert-size-merge``: older PyTorch's head merge, the last dim spelled ``Size(t) / (batch * 5)``;
 - ``tf-cnn-pad``: TensorFlow CNN habits: explicit zero ``Pad`` before ``Conv``, before a ``MaxPool`` of a
   Relu, and before an ``AveragePool`` with ``count_include_pad``;
 - ``expand-broadcast``: an ``Expand`` to ``Shape`` of the tensor the consumer broadcasts it with anyway;
@@ -112,6 +113,27 @@ def distilbert_stale_shape() -> onnx.ModelProto:
     return model
 
 
+def distilbert_size_merge() -> onnx.ModelProto:
+    """DistilBERT's head merge of older PyTorch exports: ``[batch, 5, Size(t) / (batch * 5)]``."""
+    rng = _rng(7)
+    inits = {"w": _w(rng, 16, 16), "idx0": np.array(0, np.int64), "c5": _i64(5),
+             "c5s": np.array(5, np.int64), "hd": _i64(5, 2, 8)}
+    n = [helper.make_node("MatMul", ["x", "w"], ["mm"]),
+         helper.make_node("Shape", ["x"], ["sh"]),
+         helper.make_node("Gather", ["sh", "idx0"], ["b"], axis=0),
+         helper.make_node("Unsqueeze", ["b"], ["bu"], axes=[0]),
+         helper.make_node("Concat", ["bu", "hd"], ["split_shape"], axis=0),
+         helper.make_node("Reshape", ["mm", "split_shape"], ["heads"]),
+         helper.make_node("Relu", ["heads"], ["t"]),
+         helper.make_node("Size", ["t"], ["n"]),
+         helper.make_node("Mul", ["b", "c5s"], ["b5"]),
+         helper.make_node("Div", ["n", "b5"], ["last"]),
+         helper.make_node("Unsqueeze", ["last"], ["last_u"], axes=[0]),
+         helper.make_node("Concat", ["bu", "c5", "last_u"], ["merge_shape"], axis=0),
+         helper.make_node("Reshape", ["t", "merge_shape"], ["y"])]
+    return make_model(n, [("x", F, ["batch", 5, 16])], [("y", F, ["batch", 5, 16])], inits, opset=11)
+
+
 def tf_cnn_pad() -> onnx.ModelProto:
     """Explicit zero Pads before a Conv, a MaxPool of a Relu and an AveragePool (opset 13, NCHW)."""
     rng = _rng(3)
@@ -204,6 +226,7 @@ GRAPHS: dict[str, tuple[Callable[[], onnx.ModelProto], Callable[..., dict[str, n
     name: (fn, _feeds(fn)) for name, fn in {
         "tf-bert-reshape": tf_bert_reshape,
         "distilbert-stale-shape": distilbert_stale_shape,
+        "distilbert-size-merge": distilbert_size_merge,
         "tf-cnn-pad": tf_cnn_pad,
         "expand-broadcast": expand_broadcast,
         "clip-slice": clip_slice,

@@ -17,6 +17,7 @@ from tests.helpers import make_model, op_counts, run_ort
 PEERS_BEST = {
     "tf-bert-reshape": 15,
     "distilbert-stale-shape": 5,
+    "distilbert-size-merge": 4,
     "tf-cnn-pad": 6,
     "expand-broadcast": 4,
     "clip-slice": 6,
@@ -27,6 +28,7 @@ PEERS_BEST = {
 K3OPT_NODES = {
     "tf-bert-reshape": 13,
     "distilbert-stale-shape": 5,
+    "distilbert-size-merge": 4,
     "tf-cnn-pad": 5,
     "expand-broadcast": 2,
     "clip-slice": 2,

@@ -39,6 +39,8 @@ BATCH = CAST32 + [helper.make_node("Gather", ["s32", "i0"], ["b0"], axis=0),
     (BATCH + [helper.make_node("Sub", ["b", "b"], ["z"])], "z", [0]),
     (BATCH + [helper.make_node("Squeeze", ["b", "c0"], ["q"])], "q", ["b"]),
     (SHAPE + [helper.make_node("Mul", ["sh", "sh"], ["sq"])], "sq", ["b * b", "s * s", 36]),
+    ([helper.make_node("Size", ["x"], ["n"])], "n", ["b * s * 6"]),
+    ([helper.make_node("Size", ["x"], ["n"])] + BATCH + [helper.make_node("Div", ["n", "b"], ["d"])], "d", ["s * 6"]),
 ])
 def test_arithmetic_of_dims(nodes, out, expected):
     assert _elements(nodes, out) == expected

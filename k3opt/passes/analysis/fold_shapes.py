@@ -776,6 +776,10 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         return (inner[0], ()) if inner is not None and inner[1] == (1,) else None
     if node.op == "ReduceProd":
         return _product_elements(node, depth)
+    if node.op == "Size":
+        dims = _all_dims(node.inputs[0], depth - 1)
+        product = None if dims is None else dim_product(*_factors(dims))
+        return None if product is None else ([product], ())
     if node.op == "Concat" and int(node.attrs.get("axis", 0)) in (0, -1):
         parts = [shape_elements(x, depth - 1) for x in node.inputs]
         if any(p is None or len(p[1]) != 1 for p in parts):
