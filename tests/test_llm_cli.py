@@ -59,3 +59,34 @@ def test_one_line_errors(tmp_path: Path) -> None:
         assert code == 2, (args, out, err)
         assert message in err and len(err.strip().splitlines()) == 1, (args, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pair"]
+
+
+def test_a_cann_pair_checks_clean_and_compiles_with_the_manifest_gears(tmp_path: Path) -> None:
+    """`k3opt check` passes every graph; `k3opt compile PAIR` runs the stand-in ATC once per graph."""
+    from tests.fake_atc import recorded_argv, write_fake_atc
+
+    atc = write_fake_atc(tmp_path / "bin")
+    pair = tmp_path / "pair"
+    code, out, err = invoke("llm", llm_decode_model("llama"), "--max-seq", 32, "--max-batch", 2, "--target", "cann",
+                            "-o", pair)
+    assert code == 0, err
+    code, out, err = invoke("check", pair)
+    assert code == 0 and "ATC can parse every node" in out, out + err
+    code, out, err = invoke("compile", pair, "--soc-version", "Ascend910B3", "-o", tmp_path / "om", "--atc", atc)
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "om").glob("*.om")) == ["decode_b1.om", "decode_b2.om", "prefill.om"]
+    runs = {Path(next(a for a in argv if a.startswith("--model="))[8:]).name: argv for argv in recorded_argv(atc)}
+    prefill = runs["prefill.onnx"]
+    assert "--input_shape=input_ids:-1,-1;attention_mask:-1,-1" in prefill
+    assert "--dynamic_dims=1,16,1,16;1,32,1,32;2,16,2,16;2,32,2,32" in prefill
+    decode = runs["decode_b2.onnx"]
+    assert not [a for a in decode if a.startswith("--dynamic")]
+    shapes = next(a for a in decode if a.startswith("--input_shape="))
+    assert "input_ids:2,1" in shapes and "position:1" in shapes and "past_key_values.1.value:2,2,32,8" in shapes
+
+
+def test_compiling_an_onnx_pair_is_refused(tmp_path: Path) -> None:
+    invoke("llm", llm_decode_model("llama"), "--max-seq", 16, "-o", tmp_path / "pair")
+    code, out, err = invoke("compile", tmp_path / "pair", "--soc-version", "Ascend910B3", "-o", tmp_path / "om",
+                            "--dry-run")
+    assert code == 2 and "--target cann" in err and len(err.strip().splitlines()) == 1

@@ -39,6 +39,28 @@ def test_pair_generates_the_original_tokens(tmp_path: Path, name: str, exporter:
     assert len(runner.step_times) == STEPS
 
 
+def _cann_params() -> list:
+    fast = {("llama", "torchscript"), ("gpt2", "torchscript")}
+    return [pytest.param(*p.values, marks=[] if tuple(p.values) in fast else [pytest.mark.slow], id=p.id)
+            for p in llm_params(("llama", "qwen2", "gpt2", "deepseek_v3"))]
+
+
+@pytest.mark.parametrize("name,exporter", _cann_params())
+def test_cann_pair_generates_the_original_tokens(tmp_path: Path, name: str, exporter: str) -> None:
+    """The Ascend-lowered pair, run under k3opt's reference NPU ops: the same 32 tokens, batch 1 and 2."""
+    from k3opt.api import reference_evaluator
+
+    step = llm_decode_model(name, exporter)
+    build_pair(step, tmp_path / "pair", max_seq=MAX_SEQ, max_batch=2, target="cann")
+    runner = PairRunner(tmp_path / "pair", evaluator=reference_evaluator("cann"))
+    ops = {n.op_type for f in (runner.manifest.prefill, runner.manifest.decode[2])
+           for n in onnx.load(str(tmp_path / "pair" / f), load_external_data=False).graph.node}
+    assert "NPUPromptFlashAttention" in ops or name == "gpt2"
+    for prompts in (_prompts()[:1], _prompts()):
+        ids, mask = left_pad(prompts)
+        np.testing.assert_array_equal(runner.generate(ids, mask, STEPS), original_greedy(step, ids, mask, STEPS))
+
+
 def test_original_loop_is_transformers_greedy_generate() -> None:
     """Batch 1 without padding: the export's own loop is transformers' greedy generate (the reference is right)."""
     import torch

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import click
@@ -27,20 +28,23 @@ def _dynamic_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @click.command("check")
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=click.Path(exists=True))
 @click.option("--target", type=click.Choice(["cann"]), default="cann", show_default=True,
               help="the compiler to check against")
 @_dynamic_options
 def check(model: str, target: str, input_shapes: tuple[str, ...], dynamic_dims: str, dynamic_batch_size: str,
           dynamic_image_size: str) -> None:
-    """List every node ATC will not parse, dynamic inputs without a shape, and rejected input dtypes."""
-    try:
-        proto = onnx.load(model, load_external_data=False)
-    except Exception as exc:  # onnx raises DecodeError, OSError... for a bad file
-        raise InputError(f"{model}: not a readable ONNX model ({exc})") from None
-    dynamic = next((f for f, v in (("dynamic_dims", dynamic_dims), ("dynamic_batch_size", dynamic_batch_size),
-                                   ("dynamic_image_size", dynamic_image_size)) if v), None)
-    findings = check_model(proto, [parse_input_shape(s) for s in input_shapes], dynamic)
+    """List every node ATC will not parse, dynamic inputs without a shape, and rejected input dtypes.
+
+    MODEL may be a `k3opt llm` pair folder: every graph is checked with its manifest's shapes.
+    """
+    if Path(model).is_dir():
+        from ..llm.compile_pair import check_pair
+
+        findings: list = check_pair(Path(model))
+        model = f"the pair in {model}"
+    else:
+        findings = _check_file(model, input_shapes, dynamic_dims, dynamic_batch_size, dynamic_image_size)
     for f in findings:
         click.echo(str(f))
     if findings:
@@ -49,8 +53,19 @@ def check(model: str, target: str, input_shapes: tuple[str, ...], dynamic_dims: 
     click.echo(f"{model}: ATC can parse every node (opset, inputs and dtypes OK)")
 
 
+def _check_file(model: str, input_shapes: tuple[str, ...], dynamic_dims: str, dynamic_batch_size: str,
+                dynamic_image_size: str) -> list:
+    try:
+        proto = onnx.load(model, load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError, OSError... for a bad file
+        raise InputError(f"{model}: not a readable ONNX model ({exc})") from None
+    dynamic = next((f for f, v in (("dynamic_dims", dynamic_dims), ("dynamic_batch_size", dynamic_batch_size),
+                                   ("dynamic_image_size", dynamic_image_size)) if v), None)
+    return check_model(proto, [parse_input_shape(s) for s in input_shapes], dynamic)
+
+
 @click.command("compile", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=click.Path(exists=True))
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- EXTRA_ATC_FLAGS]")
 @click.option("--soc-version", required=True, help="Ascend + chip name from `npu-smi info`, e.g. Ascend910B3")
 @click.option("-o", "--output", required=True, help="output prefix: writes OUTPUT.onnx and OUTPUT.om")
@@ -78,7 +93,20 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
     ops. Flags after `--` go to ATC as they are. --skip, --passes, --opset, --plugin and
     --pass-option shape the graph as in `k3opt optimize`; --soc-version also keeps
     the NPU ops without a kernel on that chip out of the lowering.
+    MODEL may be a `k3opt llm --target cann` pair folder: each graph is compiled as written into
+    OUTPUT/<graph>.om, with its manifest's shapes and gears.
     """
+    if Path(model).is_dir():
+        from ..llm.compile_pair import compile_pair
+
+        extra = {k: v for k, v in (("precision_mode", precision_mode), ("precision_mode_v2", precision_mode_v2),
+                                   ("fusion_switch_file", fusion_switch_file)) if v}
+        oms = compile_pair(Path(model), Path(output), soc_version, atc=atc, dry_run=dry_run,
+                           echo=None if kw["quiet"] else click.echo, input_format=input_format, log=log,
+                           extra_args=extra_args, **extra)
+        if not kw["quiet"]:
+            click.echo(f"wrote {', '.join(str(p) for p in oms)}" if oms else "dry run: ATC not run")
+        return
     opts = AtcOptions(soc_version=soc_version, input_shapes=input_shapes, input_format=input_format,
                       precision_mode=precision_mode, precision_mode_v2=precision_mode_v2,
                       dynamic_dims=dynamic_dims, dynamic_batch_size=dynamic_batch_size,
