@@ -15,6 +15,7 @@ from .errors import (
     K3optError,
     OutputError,
     PluginError,
+    UnverifiableError,
     UsageError,
     VerificationError,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "Pass",
     "PassContext",
     "PluginError",
+    "UnverifiableError",
     "UsageError",
     "VerificationError",
     "optimize",

@@ -24,7 +24,7 @@ from .pipeline import shapes
 from .pipeline import verify as verifier, verify_dims
 from .graph import gs_roundtrip, ir
 from .graph.lifetime import graph_scope
-from .errors import InputError, InvalidOutputError, OutputError, UsageError, VerificationError
+from .errors import InputError, UnverifiableError, InvalidOutputError, OutputError, UsageError, VerificationError
 from .pipeline.pass_base import PassContext, build_pipeline, check_pass_options
 from .pipeline.manager import PassManager
 from .report import ModelSummary, Report
@@ -101,6 +101,10 @@ def optimize_file(
             fault = modelio.input_checker_fault(src)  # a fault k3opt could not repair is the input's, not the output's
             if fault is not None:
                 raise InputError(f"the input fails onnx's checker: {fault}; nothing was written") from None
+            fault = verifier.load_fault(Path(src))  # nor is one onnxruntime finds in the input too
+            if fault is not None:
+                raise InputError(f"the input {src} does not load in onnxruntime: {fault}; nothing was written"
+                                 ) from None
             raise
     modelio.forget_deferred(modelio.deferred_regions() - deferred)  # this run's graph and protos are gone
     report.output = str(out)
@@ -184,7 +188,7 @@ class _Run:
 
         with run_plugins(list(plugins)):  # this run's plugins only: the registry is as it was afterwards
             pipeline = build_pipeline(list(passes) if passes is not None else None, tuple(skip), target)
-            check_pass_options(self.pass_options)
+            self.pass_options = check_pass_options(self.pass_options)
         # Target lowerings run after the verified passes; one for another target stays, to be skipped with a note.
         lowering = [p for p in pipeline if p.lowering and (p.targets is None or target in p.targets)]
         pipeline = [p for p in pipeline if p not in lowering]
@@ -359,6 +363,9 @@ class _Run:
             self._skip_verification(str(exc))
             return None
 
+    def _input_name(self) -> str:
+        return self.report.input or "model"
+
     def _skip_verification(self, reason: str) -> None:
         self.report.verification = verifier.skipped(reason)
         self.report.warnings.append(f"verification skipped: {reason}")
@@ -373,17 +380,27 @@ class _Run:
         proto = onnx.load_from_string(original)
         names = [o.name for o in proto.graph.output]
         try:
-            reference = verifier.session(original)
+            reference = verifier.reference_session(original)
+        except verifier.Unrunnable as exc:  # an op onnxruntime lacks: nothing can run it
+            return self._skip_verification(f"original model: {exc}")
+        except Exception as exc:  # noqa: BLE001 -- ORT's own error types: the input is at fault, not k3opt
+            if verifier.out_of_memory(exc):
+                raise UnverifiableError(f"verification cannot run: onnxruntime ran out of memory loading the "
+                                        "original; nothing was written (--no-verify writes the model unverified)"
+                                        ) from None
+            raise InputError(f"the input {self._input_name()} does not load in onnxruntime: "
+                             f"{verifier.first_line(exc)}; nothing was written") from None
+        try:
             feeds = verifier.make_feeds(proto, seed=self.seed, input_data=self.input_data,
                                         declared=self.declared_dims, run=lambda f: verifier.run(reference, f))
         except verifier.Unrunnable as exc:
             return self._skip_verification(f"original model: {exc}")
         except verify_dims.NoConsistentSizes as exc:  # ORT runs the original at no size tried: nothing to compare
-            return self._skip_verification(exc.describe())
-        except (InputError, UsageError):
-            raise
-        except Exception as exc:  # noqa: BLE001 -- ORT cannot load the original
-            return self._skip_verification(f"onnxruntime failed on the original model: {verifier.first_line(exc)}")
+            if self.input_data is not None:
+                raise UsageError(f"--input-data: onnxruntime cannot run the input on these arrays: "
+                                 f"{verifier.first_line(exc.error)}") from None
+            raise UnverifiableError(f"verification cannot run: {exc.describe()}; nothing was written "
+                                    "(--no-verify writes the model unverified)") from None
         expected = feeds.outputs
         sized = verify_dims.shapes_note(feeds)
         if sized:

@@ -17,12 +17,14 @@ group prints it as one line with its exit code (see k3opt/cli.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import click
 
 from .api import TARGETS
+from .modelio.opset import MIN_OPSET, max_opset
 from .pipeline.progress import Progress
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -81,6 +83,21 @@ def run_state() -> Optional[RunState]:
     return None if ctx is None else ctx.ensure_object(RunState)
 
 
+class _Tolerance(click.FloatRange):
+    """A finite number >= 0 (``nan`` or ``inf`` would make every comparison pass or fail)."""
+
+    name = "tolerance"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number >= 0 (e.g. 1e-4)", param, ctx)
+        return number
+
+
+TOLERANCE = _Tolerance(0)
+
+
 def _comma_list(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[list[str]]:
     if value is None:
         return None
@@ -97,10 +114,12 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
         value: Any = raw.strip()
         for convert in (int, float):
             try:
-                value = convert(raw)
-                break
+                number = convert(raw)
             except ValueError:
                 continue
+            if isinstance(number, int) or math.isfinite(number):  # "inf", "nan", "1e400" stay as written
+                value = number
+            break
         parsed[key.strip()] = value
     return parsed
 
@@ -122,7 +141,8 @@ def _apply(f: F, options: list[Callable[[F], F]]) -> F:
 
 _PASSES = click.option("--passes", callback=_comma_list, metavar="A,B", help="Run exactly these passes, in this order.")
 _SKIP = click.option("--skip", callback=_comma_list, metavar="X,Y", help="Remove passes from the default pipeline.")
-_OPSET = click.option("--opset", type=click.IntRange(1), help="Output opset (default: raise below 17 to 17).")
+_OPSET = click.option("--opset", type=click.IntRange(MIN_OPSET, max_opset()), metavar="N",
+                      help=f"Output opset, {MIN_OPSET} to {max_opset()} (default: raise below 17 to 17).")
 _PLUGIN = click.option("--plugin", "plugins", multiple=True, metavar="MODULE|FILE.py",
                        help="Load fusion rules from a plugin (repeatable).")
 _PASS_OPTION = click.option("--pass-option", "pass_options", multiple=True, callback=_key_values, metavar="KEY=VALUE",
@@ -155,8 +175,8 @@ def verify_options(f: F) -> F:
                      help="Compare original and optimized outputs in onnxruntime."),
         click.option("--input-data", type=click.Path(dir_okay=False), metavar="F.npz",
                      help="Inputs for verification (arrays named like the graph inputs)."),
-        click.option("--rtol", type=click.FloatRange(0), help="Relative tolerance (default 1e-4 fp32, 1e-2 fp16)."),
-        click.option("--atol", type=click.FloatRange(0), help="Absolute tolerance (default 1e-5 fp32, 1e-3 fp16)."),
+        click.option("--rtol", type=TOLERANCE, help="Relative tolerance (default 1e-4 fp32, 1e-2 fp16)."),
+        click.option("--atol", type=TOLERANCE, help="Absolute tolerance (default 1e-5 fp32, 1e-3 fp16)."),
     ])
 
 

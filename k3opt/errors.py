@@ -35,6 +35,11 @@ class VerificationError(K3optError):
     exit_code = 1
 
 
+class UnverifiableError(K3optError):
+    """Verification was asked for but cannot run (onnxruntime fails on the original at every size tried):
+    nothing is written; ``--no-verify`` writes the model unverified."""
+
+
 class InvalidOutputError(K3optError):
     """The optimized model, written, does not load (in onnxruntime, or under its target's checks).
 

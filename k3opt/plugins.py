@@ -173,7 +173,7 @@ def _activate(name: str, key: str, loader: Callable[[], Any]) -> None:
     includes: list[str] = []
     try:
         _register(loader(), name, key, includes)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in a plugin is its failure, not the run's end
         base.restore_registry(before)
         del _objects[n_objects:]
         if isinstance(exc, PluginError) and f"plugin '{name}'" in str(exc):

@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 import k3opt
+from k3opt.errors import UnverifiableError
 from k3opt.pipeline import verify
 from k3opt.cli import main
 from k3opt.report import Report
@@ -117,26 +118,27 @@ def _impossible() -> onnx.ModelProto:
     return make_model(nodes, [("x", F, ["n"])], [("y", F, [None])])
 
 
-def test_no_consistent_sizes_is_a_warning_naming_the_options() -> None:
+def test_no_consistent_sizes_refuses_naming_the_options() -> None:
+    """Verification that cannot run writes nothing (issue #26, item 5): it names the options that help."""
     model = _impossible()
     sess = verify.session(model)
     with pytest.raises(NoConsistentSizes) as err:
         verify.make_feeds(model, run=lambda f: verify.run(sess, f))
     assert err.value.tried and all(s["n"] >= 1 for s in err.value.tried)
-    report = _optimize(model)
-    assert report.verification["status"] == "skipped"
-    text = report.warnings[-1]
-    assert text.startswith("verification skipped: onnxruntime failed on the original model at each of the")
-    assert "--input-data" in text and "--input-shape" in text
+    with pytest.raises(UnverifiableError) as refused:
+        _optimize(model)
+    text = str(refused.value)
+    assert text.startswith("verification cannot run: onnxruntime failed on the original model at each of the")
+    assert "--input-data" in text and "--input-shape" in text and "--no-verify" in text
 
 
-def test_cli_prints_the_warning_and_the_sizes(tmp_path) -> None:
+def test_cli_refuses_and_prints_the_sizes(tmp_path) -> None:
     onnx.save(_impossible(), tmp_path / "bad.onnx")
     onnx.save(attention_step("gathered"), tmp_path / "good.onnx")
     runner = CliRunner()
     bad = runner.invoke(main, ["optimize", str(tmp_path / "bad.onnx"), "-o", str(tmp_path / "b.onnx")])
-    assert bad.exit_code == 0 and "k3opt: warning: verification skipped" in bad.output
-    assert "--input-shape NAME:D1,D2" in bad.output
+    assert bad.exit_code == 2 and "k3opt: error: verification cannot run" in bad.output
+    assert "--input-shape NAME:D1,D2" in bad.output and not (tmp_path / "b.onnx").exists()
     good = runner.invoke(main, ["optimize", str(tmp_path / "good.onnx"), "-o", str(tmp_path / "g.onnx"),
                                 "--input-shape", "q:1,2,1,4"])
     assert good.exit_code == 0, good.output

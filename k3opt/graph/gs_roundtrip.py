@@ -18,7 +18,7 @@ hand edits make such graphs): :func:`export_onnx` renames the later ones.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -149,18 +149,25 @@ def export_onnx(graph: Graph) -> onnx.ModelProto:
 def _unique_node_names(graph: Graph) -> None:
     """Within each graph, rename the second and later nodes of a (non-empty) name to ``NAME_k``, unused."""
     for g in all_graphs(graph):
-        names = [n.name for n in g.nodes]
-        if len(set(names)) == len(names):
-            continue
-        taken, seen = set(names), set()
-        for node in g.nodes:
-            if node.name and node.name in seen:
-                k = 1
-                while f"{node.name}_{k}" in taken:
-                    k += 1
-                node.name = f"{node.name}_{k}"
-                taken.add(node.name)
-            seen.add(node.name)
+        for node, name in zip(g.nodes, unique_names([n.name for n in g.nodes])):
+            node.name = name
+
+
+def unique_names(names: Sequence[str]) -> list[str]:
+    """``names`` with the second and later uses of a (non-empty) name made ``NAME_k``, k the first unused."""
+    if len(set(names)) == len(names):
+        return list(names)
+    taken, seen, out = set(names), set(), []
+    for name in names:
+        if name and name in seen:
+            k = 1
+            while f"{name}_{k}" in taken:
+                k += 1
+            name = f"{name}_{k}"
+            taken.add(name)
+        seen.add(name)
+        out.append(name)
+    return out
 
 
 def value_info_proto(t: Tensor) -> onnx.ValueInfoProto:

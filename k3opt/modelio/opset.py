@@ -19,7 +19,14 @@ from .opset_softmax import upgrade_cost
 
 #: Models below this are raised to it by default; the CANN target needs exactly it.
 DEFAULT_OPSET = 17
+#: The oldest opset onnxruntime runs (it refuses models below 7): the lowest output opset k3opt writes.
+MIN_OPSET = 7
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def max_opset() -> int:
+    """The newest opset onnx knows (what its converter and checker accept): the highest output opset."""
+    return onnx.defs.onnx_opset_version()
 
 
 def model_opset(model: onnx.ModelProto) -> int:
@@ -30,6 +37,9 @@ def model_opset(model: onnx.ModelProto) -> int:
 
 def wanted_opset(model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx") -> int:
     """The opset the output gets: ``opset`` if given, exactly 17 for cann, else at least 17."""
+    if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int)
+                              or not MIN_OPSET <= opset <= max_opset()):
+        raise UsageError(f"opset {opset!r}: choose an opset from {MIN_OPSET} to {max_opset()}")
     if target == "cann":
         if opset is not None and opset != DEFAULT_OPSET:
             raise UsageError(f"--target cann needs opset {DEFAULT_OPSET}, not {opset}")

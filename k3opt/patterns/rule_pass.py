@@ -152,10 +152,10 @@ def rules_pass(
 
     ``attrs`` set other :class:`~k3opt.pipeline.pass_base.Pass` class attributes
     (``needs_shapes``, ``preserves``, ``adds_bodies``, ``min_opset``, ``targets``, ``default``, ``options``,
-    ``anchor_ops``).
+    ``anchor_ops``, ``option_values``).
     """
     unknown = set(attrs) - {"needs_shapes", "preserves", "adds_bodies", "min_opset", "targets", "default",
-                            "options", "anchor_ops"}
+                            "options", "anchor_ops", "option_values"}
     if unknown:
         raise TypeError(f"rules_pass got unknown pass attribute(s): {sorted(unknown)}")
     body = dict(attrs, name=name, rules=list(rules),

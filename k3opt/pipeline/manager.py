@@ -211,7 +211,7 @@ class PassManager:
                 result = call()
         except K3optError:
             raise
-        except Exception as exc:  # a pass bug must name the pass (and plugin)
+        except (Exception, SystemExit) as exc:  # a pass bug must name the pass (and plugin); a plugin's exit too
             if p.plugin:
                 raise PluginError(
                     f"plugin '{p.plugin}', pass '{p.name}' failed: {type(exc).__name__}: {exc}"

@@ -8,7 +8,7 @@ statistics. Built-in passes and plugins register through the same
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Collection, Optional, Type
+from typing import Any, Callable, ClassVar, Collection, Optional, Type
 
 from ..errors import UsageError
 from ..graph.ir import Graph, Node, NameScope, all_graphs
@@ -171,6 +171,9 @@ class Pass:
     #: Keys the pass reads from ``PassContext.options`` -> one-line help (with the default).
     #: ``k3opt passes`` lists them; ``--pass-option KEY=VALUE`` sets them.
     options: ClassVar[dict[str, str]] = {}
+    #: Option key -> parser (k3opt/pipeline/option_values.py): values are parsed and range-checked before
+    #: any work, and the passes read the parsed value. An option without one is handed over as given.
+    option_values: ClassVar[dict[str, Callable[[Any], Any]]] = {}
 
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - interface
         raise NotImplementedError
@@ -267,13 +270,24 @@ def get_pass(name: str) -> Type[Pass]:
     return passes[name]
 
 
-def check_pass_options(options: dict[str, Any]) -> None:
-    """Refuse option keys no registered pass reads (a typo would otherwise be silently ignored)."""
-    known = {key: cls.name for cls in registered_passes().values() for key in cls.options}
+def check_pass_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` parsed by their passes' :attr:`Pass.option_values`; UsageError for a key no registered
+    pass reads (a typo would otherwise be silently ignored) or a value its parser refuses."""
+    passes = registered_passes().values()
+    known = {key: cls.name for cls in passes for key in cls.options}
     unknown = sorted(set(options) - set(known))
     if unknown:
         listing = ", ".join(f"{key} ({owner})" for key, owner in sorted(known.items())) or "none"
         raise UsageError(f"unknown pass option(s) {', '.join(unknown)}; known: {listing}")
+    parsers = {key: parse for cls in passes for key, parse in cls.option_values.items()}
+    parsed = dict(options)
+    for key, value in options.items():
+        if key in parsers:
+            try:
+                parsed[key] = parsers[key](value)
+            except ValueError as exc:
+                raise UsageError(f"--pass-option {key}={value}: {exc}") from None
+    return parsed
 
 
 def build_pipeline(

@@ -36,8 +36,8 @@ def parse_input_shape(spec: str) -> tuple[str, list[int]]:
         values = [int(d) for d in dims.split(",")]
     except ValueError:
         raise UsageError(f"--input-shape '{spec}': dimensions must be integers") from None
-    if any(d <= 0 for d in values):
-        raise UsageError(f"--input-shape '{spec}': dimensions must be positive")
+    if any(d <= 0 or d >= 2**63 for d in values):
+        raise UsageError(f"--input-shape '{spec}': dimensions must be positive int64 values")
     return name, values
 
 
@@ -49,7 +49,15 @@ def normalize_input_shapes(shapes: Optional[InputShapes]) -> dict[str, list[int]
         return {str(k): [int(d) for d in v] for k, v in shapes.items()}
     if isinstance(shapes, str):
         shapes = [shapes]
-    return dict(parse_input_shape(s) for s in shapes)
+    out: dict[str, list[int]] = {}
+    for name, dims in map(parse_input_shape, shapes):
+        if out.setdefault(name, dims) != dims:
+            raise UsageError(f"--input-shape: '{name}' given twice, as {_dims_text(out[name])} and {_dims_text(dims)}")
+    return out
+
+
+def _dims_text(dims: Sequence[int]) -> str:
+    return ",".join(map(str, dims))
 
 
 def fix_inputs(model: onnx.ModelProto, shapes: Optional[InputShapes]) -> None:
@@ -57,6 +65,7 @@ def fix_inputs(model: onnx.ModelProto, shapes: Optional[InputShapes]) -> None:
     fixed = normalize_input_shapes(shapes)
     inits = {t.name for t in model.graph.initializer}
     inputs = {vi.name: vi for vi in model.graph.input if vi.name not in inits}
+    symbols: dict[str, tuple[int, str]] = {}  # a named dim's size, and the input that gave it
     for name, dims in fixed.items():
         if name not in inputs:
             raise UsageError(f"--input-shape: '{name}' is not a graph input; inputs: {', '.join(inputs)}")
@@ -66,6 +75,13 @@ def fix_inputs(model: onnx.ModelProto, shapes: Optional[InputShapes]) -> None:
         for dim, value in zip(shape.dim, dims):
             if dim.HasField("dim_value") and dim.dim_value != value:
                 raise UsageError(f"--input-shape: '{name}' has fixed dimension {dim.dim_value}, not {value}")
+            if dim.HasField("dim_param") and dim.dim_param:
+                size, given_by = symbols.setdefault(dim.dim_param, (value, name))
+                if size != value:
+                    raise UsageError(f"--input-shape: dimension '{dim.dim_param}' is {size} for '{given_by}' "
+                                     f"but {value} for '{name}'; one dimension has one size")
+    for name, dims in fixed.items():
+        shape = inputs[name].type.tensor_type.shape
         for dim, value in zip(shape.dim, dims):
             dim.Clear()
             dim.dim_value = value

@@ -18,6 +18,7 @@ from onnx.external_data_helper import uses_external_data
 
 from ..errors import InputError, InvalidOutputError, UsageError
 from ..graph import dtypes
+from ..graph.gs_roundtrip import unique_names
 from ..modelio import PROTO_LIMIT, all_tensors, inline_copy, proto_size
 from . import verify_dims
 
@@ -122,6 +123,52 @@ def check_loads(path: Path, ran: bool = False) -> Optional[str]:
     return None if fallback is None else f"the written model was checked with onnx's checker only: {fallback}"
 
 
+def reference_session(original: bytes):
+    """A session of the original model; one whose only fault is node names used twice (onnxruntime refuses
+    them; names compute nothing, and k3opt's output has unique ones) runs with the names made unique."""
+    try:
+        return session(original)
+    except Unrunnable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - ORT's own error types
+        model = onnx.load_from_string(original)
+        if "same node name" not in str(exc) or not _unique_node_names(model.graph):
+            raise
+    return session(model.SerializeToString())
+
+
+def _unique_node_names(graph: onnx.GraphProto) -> bool:
+    """Rename nodes whose name an earlier node of ``graph`` has; whether any was renamed."""
+    names = unique_names([n.name for n in graph.node])
+    renamed = False
+    for node, name in zip(graph.node, names):
+        renamed |= node.name != name
+        node.name = name
+    return renamed
+
+
+def load_fault(path: Path) -> Optional[str]:
+    """Why onnxruntime does not load the model file ``path`` (None: it loads, or lacks one of its ops).
+
+    Asked only when an output fails to load, to blame the input when it fails too (exit 2, not 1).
+    """
+    try:
+        session(path, load_only=True)
+    except Unrunnable:
+        return None
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind exception types
+        return first_line(exc)
+    return None
+
+
+_OUT_OF_MEMORY = ("bad_alloc", "Failed to allocate", "out of memory", "MemoryError")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether onnxruntime (or numpy) failed for want of memory: the machine's fault, not the model's."""
+    return isinstance(exc, MemoryError) or any(s in str(exc) for s in _OUT_OF_MEMORY)
+
+
 def first_line(exc: BaseException) -> str:
     """An exception's first message line (its type when it has no message), at most 300 characters."""
     text = str(exc).strip()
@@ -151,7 +198,9 @@ def make_feeds(
     unknown = set(user) - set(types)
     if unknown:
         raise UsageError(f"--input-data names {', '.join(sorted(unknown))}, which are not graph inputs")
-    user = {k: np.asarray(v).astype(types[k], copy=False) for k, v in user.items()}
+    shaped = {vi.name for vi in model.graph.input if vi.type.tensor_type.HasField("shape")}
+    dims = {k: v for k, v in verify_dims.declared_dims(model).items() if k in shaped}
+    user = {k: _user_array(k, v, types[k], dims.get(k)) for k, v in user.items()}
 
     def build(shapes: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(seed)
@@ -168,10 +217,27 @@ def _load_input_data(input_data: Optional[Union[str, os.PathLike, Mapping]]) -> 
     if isinstance(input_data, Mapping):
         return dict(input_data)
     try:
-        with np.load(Path(input_data), allow_pickle=False) as npz:
+        npz = np.load(Path(input_data), allow_pickle=False)
+        if not hasattr(npz, "files"):  # a bare .npy: one array without a name
+            raise ValueError("one array (.npy), not a .npz of arrays named like the graph inputs")
+        with npz:
             return {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{input_data}: cannot read input data ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, BadZipFile, EOFError...: any bad file
+        raise InputError(f"--input-data {input_data}: cannot read input data ({first_line(exc)})") from None
+
+
+def _user_array(name: str, value: Any, dtype: np.dtype, dims: Optional[Sequence[Any]]) -> np.ndarray:
+    """The user's array for input ``name`` in its dtype, refused (UsageError) when it cannot be that input."""
+    try:
+        array = np.asarray(value).astype(dtype, copy=False)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--input-data: '{name}' cannot be {dtype} ({first_line(exc)})") from None
+    if dims is not None:
+        fixed = [d if isinstance(d, int) and d > 0 else None for d in dims]
+        if len(fixed) != array.ndim or any(f is not None and f != n for f, n in zip(fixed, array.shape)):
+            wanted = "[" + ", ".join("?" if f is None else str(f) for f in fixed) + "]"
+            raise UsageError(f"--input-data: '{name}' has shape {list(array.shape)}, the graph input takes {wanted}")
+    return array
 
 
 def _random_input(name: str, dtype: np.dtype, shape: list[int], limit: Optional[int], rng) -> np.ndarray:

@@ -34,6 +34,7 @@ from ...graph import LazyValues, dtypes
 
 from ...graph.ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
 from ...pipeline.analyses import Shapes
+from ...pipeline.option_values import byte_size
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import can_replace, detach_all, remove
 from .._shared.op_kinds import RANDOM_OPS
@@ -170,6 +171,7 @@ class EliminateCommonSubexpressions(Pass):
     adds_bodies = False
     preserves = frozenset({Shapes})
     options = {"cse_max_const_bytes": "largest constant compared by value, in bytes (default 1 MiB)"}
+    option_values = {"cse_max_const_bytes": byte_size}
 
     def __init__(self) -> None:
         # First bytes and digest of each constant already read, by identity (kept alive so ids stay unique):

@@ -32,6 +32,7 @@ from ...graph.ir import (
     Graph, Node, Tensor, as_constant, const_value, constant_in_place, is_graph_output, node_subgraphs, outer_refs,
     producer, replace_uses, set_output,
 )
+from ...pipeline.option_values import byte_size, count
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import detach, is_used, remove
 from .._shared.op_kinds import RANDOM_OPS
@@ -57,6 +58,7 @@ class FoldConstants(Pass):
         "fold_max_bytes": "largest Expand/Tile/ConstantOfShape/Range result folded, in bytes (default 1 MiB)",
         "fold_max_elements": "largest such result folded, in elements (default 1Mi)",
     }
+    option_values = {"fold_max_bytes": byte_size, "fold_max_elements": count}
     needs_shapes = True
 
     def __init__(self) -> None:

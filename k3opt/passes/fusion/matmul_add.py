@@ -33,6 +33,7 @@ from ...graph import ir
 from ...errors import UsageError
 from ...graph.dtypes import onnx_type
 from ...patterns import Match, Rule, rules_pass
+from ...pipeline.option_values import choice
 
 #: Gemm's floating types (integer Gemm is rare and not what ATC fuses).
 GEMM_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
@@ -142,5 +143,6 @@ FuseMatMulAdd = rules_pass(
     "fuse-matmul-add", [RULE], order=700, needs_shapes=True, adds_bodies=False, min_opset=11,
     anchor_ops=frozenset({"MatMul"}),
     options={"matmul_add_nd": "rank > 2 pairs: auto (flatten for --target cann, keep for onnx), flatten, keep"},
+    option_values={"matmul_add_nd": choice(*ND_MODES)},
     description="MatMul + per-column bias -> Gemm (rank > 2: flatten-Gemm-restore, option matmul_add_nd)",
 )

@@ -52,6 +52,7 @@ from ....passes.analysis.input_dims import input_dims_written
 from ....passes._shared.shape_refs import shape_refs
 from ....passes._shared.attention_match import AttentionMatch, apply_attention, attention_rules
 from ....pipeline.analyses import Shapes
+from ....pipeline.option_values import choice
 from ....pipeline.pass_base import Pass, PassContext, register_pass
 
 FORMS = ("auto", "opset16", "npu")
@@ -219,6 +220,7 @@ class LowerAttentionNPU(Pass):
     preserves = frozenset({Shapes})
     options = {"npu_attention_form": "auto (opset 16 + default domain when no op differs from 17, else the "
                                      "npu domain), opset16 or npu"}
+    option_values = {"npu_attention_form": choice(*FORMS)}
 
     def __init__(self) -> None:
         self.form: Optional[str] = None
