@@ -57,7 +57,11 @@ _SPECIAL = {
     # OriginOpType list of posembedding/rotary_position_embedding/framework/
     # npu_rotary_position_embedding_onnx_plugin.cpp (cann/ops-transformer): ai.onnx::11..18 and npu::1.
     "NPURotaryPositionEmbedding": range(11, 19),
+    # OriginOpType lists of moe/{moe_gating_top_k_softmax,moe_init_routing,moe_finalize_routing}/framework/
+    # npu_*_onnx_plugin.cpp (cann/ops-transformer): ai.onnx::11..18 and npu::1.
     "NPUMoeInitRouting": range(11, 19),
+    "NPUMoeGatingTopKSoftmax": range(11, 19),
+    "NPUMoeFinalizeRouting": range(11, 19),
 }
 
 #: op type -> the default-domain model opsets at which ATC has a parser for it.
@@ -70,10 +74,11 @@ ATC_PARSERS: dict[str, frozenset[int]] = {
 NPU_OPS = frozenset(op for op in _SPECIAL if op.startswith("NPU"))
 
 #: NPU ops whose plugin also registers ``npu::1::<Op>`` (torch_npu's exporter domain), as read in the plugin
-#: sources: the two flash attentions and the rotary embedding (above) and NPURmsNorm (hicann/ops-nn
+#: sources: the two flash attentions, the rotary embedding and the MoE ops (above) and NPURmsNorm (hicann/ops-nn
 #: norm/rms_norm/framework).
 NPU_DOMAIN_OPS = frozenset({"NPURmsNorm", "NPUPromptFlashAttention", "NPUIncreFlashAttention",
-                            "NPURotaryPositionEmbedding"})
+                            "NPURotaryPositionEmbedding", "NPUMoeGatingTopKSoftmax", "NPUMoeInitRouting",
+                            "NPUMoeFinalizeRouting"})
 
 #: Graph-input element types the ONNX parser maps to a GE type (``onnx.TensorProto`` names).
 ACCEPTED_INPUT_DTYPES = frozenset({

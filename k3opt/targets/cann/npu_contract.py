@@ -23,6 +23,16 @@ Sources, by short name in the comments:
 - [RoPE-doc] same repository, ``posembedding/rotary_position_embedding/docs/aclnnRotaryPositionEmbedding.md``
 - [RoPE-tiling] same repository, ``posembedding/rotary_position_embedding/op_host/rope_rotate_half_tiling.cpp``
   and the kernel ``op_kernel/rotate_half.h``
+- [MGS-plugin] cann/ops-transformer (mirror yuanfang-chen/ops-transformer)
+  ``moe/moe_gating_top_k_softmax/framework/npu_moe_gating_top_k_softmax_onnx_plugin.cpp``; [MGS-IR]
+  ``moe/moe_gating_top_k_softmax/op_graph/moe_gating_top_k_softmax_proto.h``; [MGS-doc]
+  ``moe/moe_gating_top_k_softmax/docs/aclnnMoeGatingTopKSoftmax.md``
+- [MIR-plugin] ``moe/moe_init_routing/framework/npu_moe_init_routing_onnx_plugin.cpp``; [MIR-IR]
+  ``moe/moe_init_routing/op_graph/moe_init_routing_proto.h``; [MIR-doc] ``moe/moe_init_routing/docs/aclnnMoeInitRouting.md``
+  and torch_npu's reference (Ascend/op-plugin ``test/test_custom_ops/test_npu_moe_init_routing.py``: a stable sort)
+- [MFR-plugin] ``moe/moe_finalize_routing/framework/npu_moe_finalize_routing_onnx_plugin.cpp`` (reads no
+  attribute); [MFR-IR] ``moe/moe_finalize_routing/op_graph/moe_finalize_routing_proto.h``; [MFR-doc]
+  ``moe/moe_finalize_routing/docs/aclnnMoeFinalizeRouting.md``
 """
 from __future__ import annotations
 
@@ -54,3 +64,9 @@ ROPE_ANGLE_LAYOUTS = {ROPE_HALF: frozenset({"11f", "f1f", "fff", "1f1", "ff1", "
 def template_mask() -> np.ndarray:
     """The optimized causal mask sparse modes 2..4 take ([PFA-doc]): bool ``triu(ones(2048, 2048), 1)``."""
     return np.triu(np.ones((SPARSE_TEMPLATE, SPARSE_TEMPLATE), dtype=bool), 1)
+
+#: [MGS-IR] / [MGS-doc]: "k ... not greater than 1024" (and <= the experts).
+MOE_MAX_K = 1024
+#: [MIR-doc] "expandedXOut ... shape (min(NUM_ROWS, activeNum) * k, H)": an active_num of int32's max keeps every
+#: row when the token count is dynamic (active_num is an INT32 attribute, [MIR-IR]).
+MOE_ALL_ROWS = 2147483647

@@ -18,6 +18,7 @@ from onnx.reference.op_run import OpRun
 from ..npu_contract import (MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, PFA_INPUT_COUNTS, RMS_EPSILON, ROPE_ANGLE_LAYOUTS,
                            ROPE_HALF, ROPE_MAX_HEAD_DIM, SPARSE_TEMPLATE, template_mask)
 from ..target_form import NPU_DOMAIN
+from .moe_ops import MOE_OPS
 
 class ReferenceError(ValueError):
     """The node asks for something the documented contract does not define (or k3opt does not model)."""
@@ -291,7 +292,7 @@ def _in_domain(cls: type, domain: str) -> type:
 
 #: The ops for the evaluator: each in the default domain and in ``npu`` (torch_npu's exporter form).
 REFERENCE_OPS = [cls for base in (NPURmsNorm, NPUPromptFlashAttention, NPUIncreFlashAttention,
-                                  NPURotaryPositionEmbedding)
+                                  NPURotaryPositionEmbedding, *MOE_OPS)
                  for cls in (base, _in_domain(base, NPU_DOMAIN))] + [GatherElements]
 
 

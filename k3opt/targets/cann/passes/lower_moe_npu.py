@@ -1,0 +1,179 @@
+"""lower-moe-npu: the routing of a recognised MoE block becomes Ascend's MoE ops for ``--target cann``.
+
+The recogniser (:mod:`k3opt.passes._shared.moe_match`) has proved a ``batched_mm`` experts block exact for a row
+permutation. The ops, as ATC's ONNX plugins register them (``ai.onnx::11..18`` and ``npu::1``; sources by short
+name in :mod:`k3opt.targets.cann.npu_contract`, facts and formulas in docs/cann.md, "MoE"):
+
+- a softmax gate ``TopK(Softmax(logits), k)`` -> ``NPUMoeGatingTopKSoftmax(logits, k=k)`` ([MGS-plugin]: the
+  INT attribute ``k`` is required): its ``y`` replaces the TopK values (a renormalising Div stays the graph's),
+  its int32 ``expert_idx`` (cast to int64) the indices, and its ``row_idx`` feeds the permutation;
+- the token permutation -> ``NPUMoeInitRouting(x, row_idx, expert_idx, active_num)`` ([MIR-plugin]:
+  ``active_num`` required): ``expanded_x`` (rows sorted by expert) replaces the graph's token rows in the
+  experts, ``expanded_expert_idx`` (cast to int64) their expert indices; ``active_num`` is the static token
+  count, or 2147483647 when it is dynamic (the documented row count is ``min(NUM_ROWS, active_num) * k``);
+- the weighted sum over the k slots -> ``NPUMoeFinalizeRouting(expert_rows, x1, "", bias=0, scales=weights,
+  expanded_row_idx, expert_idx)``, ``x1`` the (T, H) value the graph adds to the sum right after (Qwen2-MoE's
+  gated shared expert) or zeros ([MFR-IR]: ``x1`` is required).
+
+Not lowered (the report says so per block): a gate that is not a softmax -- DeepSeek-V3/Kimi's group-limited
+sigmoid gate has no ONNX parser (MoeGatingTopK); its indices are cast to int32 and the row indices built
+in the graph, and the permutation and combine are still lowered. The expert FFNs stay batched MatMuls
+(GroupedMatmul has no ONNX parser). Ties in the router's top-k: the reference op, like ONNX TopK, takes the
+lower expert index first; the kernel's order among equal scores is not documented.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+from onnx import TensorProto
+
+from ..npu_contract import MOE_ALL_ROWS, MOE_MAX_K
+from ..target_form import STAGING_DOMAIN
+from ....graph import dtypes
+from ....graph.ir import Graph, Node, Tensor, consumers, replace_uses, set_input, toposort
+from ....patterns import RewriteBuilder
+from ....patterns.rewriter import GraphEditor
+from ....pipeline.pass_base import PassContext, register_pass
+from ....passes._shared.moe_match import MoeBlock, find_moe_blocks
+from ._npu_lowering import NPULowering
+
+_FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def _onnx_dtype(t: Tensor) -> Optional[int]:
+    return dtypes.onnx_type(t.dtype)
+
+
+def refusal(b: MoeBlock) -> Optional[str]:
+    """Why the block's routing cannot become the MoE ops, or None."""
+    if _onnx_dtype(b.x) not in _FLOATS or _onnx_dtype(b.expert_rows) != _onnx_dtype(b.x):
+        return "the tokens and expert rows are not one of float32, float16, bfloat16 ([MIR-IR], [MFR-IR])"
+    if b.k > MOE_MAX_K:
+        return f"k = {b.k} is over the kernel's {MOE_MAX_K}"
+    return None
+
+
+@register_pass
+class LowerMoeNPU(NPULowering):
+    """MoE routing -> NPUMoeGatingTopKSoftmax / NPUMoeInitRouting / NPUMoeFinalizeRouting (target cann)."""
+
+    name = "lower-moe-npu"
+    description = ("MoE blocks (batched experts): softmax top-k gate -> NPUMoeGatingTopKSoftmax, token permutation "
+                   "-> NPUMoeInitRouting, weighted combine -> NPUMoeFinalizeRouting where exact (target cann)")
+    order = 2030
+    npu_op, what, remark = "NPU MoE routing", "MoE block", "(gate, token permutation, weighted combine)"
+    #: Models without MoE keep the lowering lines they had.
+    note_none = False
+    #: Not a pattern rule: :func:`find_moe_blocks` walks the graph once (``run``).
+    recogniser = staticmethod(lambda rewrite: [])
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scanned = False
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        if self.scanned or "ReduceSum" not in ctx.ops_in(graph):  # one scan: a lowered block is not found again
+            return 0
+        self.scanned = True
+        scan = find_moe_blocks(graph)
+        for where, why in scan.declined.items():
+            self.kept[where] = f"MoE block at '{where}' kept decomposed: {why}"
+        for b in scan.blocks:
+            why = refusal(b)
+            if why is not None:
+                self.kept[b.where] = f"MoE block at '{b.where}' kept decomposed: {why}"
+            else:
+                self.lowered.append(self._lower(graph, ctx, b))
+        if self.lowered:
+            toposort(graph)
+        return len(self.lowered)
+
+    def _lower(self, graph: Graph, ctx: PassContext, b: MoeBlock) -> str:
+        op = RewriteBuilder(ctx, b.where)
+        i32 = TensorProto.INT32
+        if b.gate == "softmax":
+            logits = b.softmax.inputs[0]
+            y, expert_idx, row_idx = op.NPUMoeGatingTopKSoftmax(logits, None, k=b.k, _outputs=3,
+                                                               _domain=STAGING_DOMAIN, _name="NPUMoeGatingTopKSoftmax")
+            self._typed(y, b.topk.outputs[0].dtype, b.topk.outputs[0].shape)
+            self._typed(expert_idx, np.int32, b.topk.outputs[1].shape)
+            self._typed(row_idx, np.int32, b.topk.outputs[1].shape)
+            idx64 = self._typed(op.Cast(expert_idx, to=TensorProto.INT64), np.int64, b.topk.outputs[1].shape)
+            gate = f"softmax top-{b.k}{' renormalised' if b.renormalised else ''} -> NPUMoeGatingTopKSoftmax"
+        else:
+            expert_idx = self._typed(op.Cast(b.topk.outputs[1], to=i32), np.int32, b.topk.outputs[1].shape)
+            row_idx = self._row_idx(op, b)
+            why = ("MoeGatingTopK (group-limited sigmoid gate) has no ONNX parser" if b.gate == "sigmoid-group"
+                   else f"not a softmax gate ({b.gate_note})")
+            gate = f"gate kept decomposed: {why}"
+            y = idx64 = None
+        tokens = b.x.shape[0] if b.x.shape is not None else None
+        active = int(tokens) if isinstance(tokens, (int, np.integer)) and tokens > 0 else MOE_ALL_ROWS
+        ex, erow, eexp = op.NPUMoeInitRouting(b.x, row_idx, expert_idx, active_num=active, _outputs=3,
+                                             _domain=STAGING_DOMAIN, _name="NPUMoeInitRouting")
+        self._typed(ex, b.rows.dtype, b.rows.shape)
+        flat = b.flat_idx.shape
+        self._typed(erow, np.int32, flat)
+        self._typed(eexp, np.int32, flat)
+        eexp64 = self._typed(op.Cast(eexp, to=TensorProto.INT64), np.int64, flat)
+        add, x1 = self._skip(b)
+        if x1 is None:
+            x1 = self._typed(op.Expand(op.const(np.zeros((), np.dtype(b.x.dtype))), op.Shape(b.x)), b.x.dtype,
+                             b.x.shape)
+        scales = b.weights
+        if b.weights.dtype != b.expert_rows.dtype:
+            scales = self._typed(op.Cast(b.weights, to=_onnx_dtype(b.expert_rows)), b.expert_rows.dtype,
+                                 b.weights.shape)
+        bias = op.const(np.zeros((b.experts, b.hidden), dtype=np.dtype(b.expert_rows.dtype)))
+        out = op.NPUMoeFinalizeRouting(b.expert_rows, x1, None, bias, scales, erow, expert_idx,
+                                       _domain=STAGING_DOMAIN, _name="NPUMoeFinalizeRouting")
+        anchor = add if add is not None else b.combine
+        replaced = anchor.outputs[0]
+        self._typed(out, replaced.dtype, replaced.shape)
+        editor = GraphEditor(graph, ctx)
+        editor.commit(anchor, op.staged, [replaced], [out], [])
+        editor.flush()
+        if y is not None:  # the gate's outputs replace the TopK's
+            replace_uses(graph, b.topk.outputs[0], y)
+            replace_uses(graph, b.topk.outputs[1], idx64)
+        inside = {id(n) for n in b.region}
+        for old, new in ((b.rows, ex), (b.flat_idx, eexp64)):
+            for reader in [c for c in consumers(old) if id(c) in inside]:
+                for i, t in enumerate(reader.inputs):
+                    if t is old:
+                        set_input(reader, i, new)
+        skip = " + the following Add" if add is not None else ""
+        return (f"MoE block at '{b.where}' ({b.experts} experts, top-{b.k}): {gate}; token permutation -> "
+                f"NPUMoeInitRouting; weighted combine{skip} -> NPUMoeFinalizeRouting")
+
+    @staticmethod
+    def _skip(b: MoeBlock) -> tuple[Optional[Node], Optional[Tensor]]:
+        """The Add right after the combine and its other (T, H) operand (Finalize's ``x1``), or (None, None)."""
+        out = b.combine.outputs[0]
+        readers = consumers(out)
+        if len(readers) != 1 or readers[0].op != "Add":
+            return None, None
+        add = readers[0]
+        other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
+        if other is out or other.shape is None or out.shape is None or list(other.shape) != list(out.shape) \
+                or other.dtype != out.dtype or any(not isinstance(d, (int, np.integer)) for d in other.shape[1:]):
+            return None, None
+        return add, other
+
+    def _row_idx(self, op: RewriteBuilder, b: MoeBlock) -> Tensor:
+        """``row_idx[t, j] = j * T + t`` (int32, the gating op's third output, [MGS-doc]) for a kept gate."""
+        idx = b.topk.outputs[1]
+        t = op.Shape(idx, start=0, end=1)
+        k = op.const(np.array([b.k], np.int64))
+        total = op.Mul(t, k)
+        flat = op.Range(op.const(np.array(0, np.int64)), op.Squeeze(total, op.const(np.array([0], np.int64))),
+                        op.const(np.array(1, np.int64)))
+        kt = op.Reshape(flat, op.Concat(k, t, axis=0))  # (k, T): row j holds j*T + t
+        return self._typed(op.Cast(op.Transpose(kt, perm=[1, 0]), to=TensorProto.INT32), np.int32, idx.shape)
+
+    @staticmethod
+    def _typed(t: Tensor, dtype: Any, shape: Any) -> Tensor:
+        t.dtype = dtype
+        t.shape = list(shape) if shape is not None else None
+        return t

@@ -1,0 +1,228 @@
+"""lower-moe-npu: transformers' batched_mm MoE blocks -> Ascend's MoE routing ops, verified under the reference ops.
+
+Every lowered model is verified by the pipeline itself (``verify=True``): onnxruntime runs the original, onnx's
+reference evaluator with k3opt's NPU reference ops (k3opt/targets/cann/reference/moe_ops.py) the lowered one.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T, helper
+
+import k3opt
+from k3opt.cann_bridge import check_model, invariant_violations
+from k3opt.targets.cann.reference.moe_ops import (MoeReferenceError, finalize_routing, gating_top_k_softmax,
+                                             init_routing)
+from k3opt.targets.cann.passes.lower_moe_npu import LowerMoeNPU
+from k3opt.report import Report
+from tests.helpers import make_model, op_counts
+from tests.moe_models import EXPORTERS, moe_config, moe_decode_inputs, moe_decode_model, moe_inputs, moe_model
+
+TOKENS, HIDDEN, EXPERTS, K, INTER = 6, 8, 4, 2, 12
+_ROUTING = ("NPUMoeGatingTopKSoftmax", "NPUMoeInitRouting", "NPUMoeFinalizeRouting")
+
+
+def lowered(model, feeds=None):
+    """``--target cann`` with verification; the lowered model passes the invariants and the pre-flight check."""
+    report = Report()
+    out = k3opt.optimize(model, target="cann", verify=True, report=report, input_data=feeds)
+    assert report.verification["status"] == "passed"
+    assert report.lowering_verification["status"] == "passed", report.lowering_verification
+    assert invariant_violations(out) == []
+    assert [str(f) for f in check_model(out) if f.kind != "dynamic"] == []  # every node has an ATC parser
+    return out, report
+
+
+def moe_lines(report):
+    return [line for line in report.lowering if "MoE" in line]
+
+
+# ----------------------------------------------------------------------------- tiny transformers models
+
+def _cases():
+    return [pytest.param(n, e, id=f"{n}-{e}", marks=[pytest.mark.slow] if e == "dynamo" else [])
+            for n in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3") for e in EXPORTERS]
+
+
+def moe_layers(name: str) -> int:
+    c = moe_config(name)
+    return c.num_hidden_layers - getattr(c, "first_k_dense_replace", 0)
+
+
+@pytest.mark.parametrize("name, exporter", _cases())
+def test_every_moe_block_is_lowered_and_equal_under_the_reference_ops(name, exporter):
+    """One InitRouting and one FinalizeRouting per MoE block; one GatingTopKSoftmax per softmax-gated block
+    (DeepSeek-V3's group-limited sigmoid gate stays decomposed: no ONNX parser for MoeGatingTopK)."""
+    out, report = lowered(str(moe_model(name, exporter)), moe_inputs(name))
+    blocks = moe_layers(name)
+    counts = op_counts(out)
+    softmax_gated = name != "deepseek_v3"
+    assert counts.get("NPUMoeGatingTopKSoftmax", 0) == (blocks if softmax_gated else 0), moe_lines(report)
+    assert counts.get("NPUMoeInitRouting", 0) == counts.get("NPUMoeFinalizeRouting", 0) == blocks
+    assert ("TopK" in counts) == (not softmax_gated)
+    lines = moe_lines(report)
+    assert lines[0] == f"NPU MoE routing: {blocks} of {blocks} MoE block(s) lowered {LowerMoeNPU.remark}"
+    assert len(lines) == 1 + blocks and all("-> NPUMoeFinalizeRouting" in line for line in lines[1:])
+    if name == "deepseek_v3":
+        assert all("gate kept decomposed: MoeGatingTopK (group-limited sigmoid gate) has no ONNX parser" in line
+                   for line in lines[1:])
+    if name == "qwen2_moe":  # the gated shared expert's Add becomes Finalize's x1
+        assert all("weighted combine + the following Add" in line for line in lines[1:])
+    if name in ("mixtral", "qwen3_moe"):
+        assert all("softmax top-2 renormalised" in line for line in lines[1:])
+
+
+@pytest.mark.parametrize("name, exporter", [pytest.param(n, e, id=f"{n}-{e}",
+                                                         marks=[pytest.mark.slow] if e == "dynamo" else [])
+                                            for n in ("mixtral", "deepseek_v3") for e in EXPORTERS])
+def test_decode_steps_lower_attention_and_moe_and_stay_equal(name, exporter):
+    """One token after a cache of 6: the MoE routing of a one-token-per-row step, and (DeepSeek-V3) MLA."""
+    out, report = lowered(str(moe_decode_model(name, exporter)), moe_decode_inputs(name))
+    counts = op_counts(out)
+    assert counts.get("NPUMoeFinalizeRouting", 0) == moe_layers(name), moe_lines(report)
+    assert counts.get("NPUPromptFlashAttention", 0) == moe_config(name).num_hidden_layers, report.lowering
+
+
+def test_the_default_target_keeps_the_moe_blocks():
+    out = k3opt.optimize(str(moe_model("mixtral", "torchscript")))
+    assert not any(op in op_counts(out) for op in _ROUTING) and op_counts(out)["TopK"] == 2
+
+
+# ----------------------------------------------------------------------------- hand-made blocks
+
+def moe_block(gate="softmax", renorm=True, escape=False, cross_rows=False, weights_input=False, dtype=T.FLOAT):
+    """A batched_mm MoE block as transformers exports it, on (T, H) tokens, plus the residual Add."""
+    rng = np.random.default_rng(0)
+    np_t = helper.tensor_dtype_to_np_dtype(dtype)
+    inits = {"wr": rng.standard_normal((HIDDEN, EXPERTS)).astype(np_t),
+             "wg": rng.standard_normal((EXPERTS, INTER, HIDDEN)).astype(np_t),
+             "wd": rng.standard_normal((EXPERTS, HIDDEN, INTER)).astype(np_t),
+             "k": np.array([K], np.int64), "last": np.array([-1], np.int64), "one": np.array([1], np.int64),
+             "two": np.array([2], np.int64), "rep": np.array([1, K, 1], np.int64),
+             "slots": np.array([-1, K, HIDDEN], np.int64)}
+    nodes = [helper.make_node("MatMul", ["x", "wr"], ["logits"]),
+             helper.make_node("Softmax" if gate == "softmax" else "Sigmoid", ["logits"], ["probs"], **(
+                 {"axis": -1} if gate == "softmax" else {})),
+             helper.make_node("TopK", ["probs", "k"], ["vals", "idx"], axis=-1)]
+    w = "vals"
+    if renorm:
+        nodes += [helper.make_node("ReduceSum", ["vals", "last"], ["vsum"], keepdims=1),
+                  helper.make_node("Div", ["vals", "vsum"], ["wn"])]
+        w = "wn"
+    inputs = [("x", dtype, [TOKENS, HIDDEN])]
+    if weights_input:
+        inputs.append(("w_in", dtype, [TOKENS, K]))
+        w = "w_in"
+    nodes += [helper.make_node("Unsqueeze", ["x", "one"], ["xu"]),
+              helper.make_node("Tile", ["xu", "rep"], ["xt"]),
+              helper.make_node("Flatten", ["xt"], ["rows"], axis=2),
+              helper.make_node("Reshape", ["idx", "last"], ["e"]),
+              helper.make_node("Gather", ["wg", "e"], ["gw"], axis=0),
+              helper.make_node("Unsqueeze", ["rows", "last"], ["rc"]),
+              helper.make_node("MatMul", ["gw", "rc"], ["h3"]),
+              helper.make_node("Squeeze", ["h3", "two"], ["h"]),
+              helper.make_node("Relu", ["h"], ["a"])]
+    a = "a"
+    if cross_rows:  # each row reads the mean of all rows: not row-wise
+        nodes += [helper.make_node("ReduceMean", ["a"], ["am"], axes=[0], keepdims=1),
+                  helper.make_node("Add", ["a", "am"], ["ax"])]
+        a = "ax"
+    nodes += [helper.make_node("Gather", ["wd", "e"], ["dw"], axis=0),
+              helper.make_node("Unsqueeze", [a, "last"], ["ac"]),
+              helper.make_node("MatMul", ["dw", "ac"], ["y3"]),
+              helper.make_node("Squeeze", ["y3", "two"], ["y"]),
+              helper.make_node("Reshape", [w, "last"], ["wf"]),
+              helper.make_node("Unsqueeze", ["wf", "last"], ["wc"]),
+              helper.make_node("Mul", ["y", "wc"], ["yw"]),
+              helper.make_node("Reshape", ["yw", "slots"], ["ys"]),
+              helper.make_node("ReduceSum", ["ys", "one"], ["moe"], keepdims=0, name="combine"),
+              helper.make_node("Add", ["x", "moe"], ["out"])]
+    outputs = [("out", dtype, [TOKENS, HIDDEN])] + ([("h", dtype, [TOKENS * K, INTER])] if escape else [])
+    return make_model(nodes, inputs, outputs, inits)
+
+
+def feeds(model):
+    rng = np.random.default_rng(1)
+    return {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(
+        helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in model.graph.input}
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_a_softmax_gated_block_becomes_the_three_moe_ops(renorm):
+    m = moe_block(renorm=renorm)
+    out, report = lowered(m, feeds(m))
+    assert all(op_counts(out).get(op) == 1 for op in _ROUTING)
+    gate = next(n for n in out.graph.node if n.op_type == "NPUMoeGatingTopKSoftmax")
+    init = next(n for n in out.graph.node if n.op_type == "NPUMoeInitRouting")
+    assert {a.name: helper.get_attribute_value(a) for a in gate.attribute} == {"k": K}
+    assert {a.name: helper.get_attribute_value(a) for a in init.attribute} == {"active_num": TOKENS}
+    assert "Softmax" not in op_counts(out) and "TopK" not in op_counts(out)
+    assert ("renormalised" in moe_lines(report)[1]) == renorm
+
+
+def test_float16_block_is_lowered_and_verified():
+    m = moe_block(dtype=T.FLOAT16)
+    out, _ = lowered(m, feeds(m))
+    assert op_counts(out).get("NPUMoeFinalizeRouting") == 1
+
+
+def test_a_gate_that_is_not_a_softmax_keeps_its_topk_but_the_routing_is_lowered():
+    m = moe_block(gate="sigmoid")
+    out, report = lowered(m, feeds(m))
+    counts = op_counts(out)
+    assert "NPUMoeGatingTopKSoftmax" not in counts and counts["TopK"] == 1
+    assert counts["NPUMoeInitRouting"] == counts["NPUMoeFinalizeRouting"] == 1
+    assert "gate kept decomposed: not a softmax gate (top-k of Sigmoid, not of a softmax)" in moe_lines(report)[1]
+
+
+@pytest.mark.parametrize("variant, why", [
+    ({"cross_rows": True}, "does not work row by row"),
+    ({"escape": True}, "in the experts is read outside them"),
+    ({"weights_input": True}, "the combine weights do not come from the router's TopK"),
+])
+def test_refusals_keep_the_block_as_it_was_with_the_reason(variant, why):
+    m = moe_block(**variant)
+    report = Report()
+    out = k3opt.optimize(m, target="cann", report=report)
+    assert not any(op in op_counts(out) for op in _ROUTING)
+    lines = moe_lines(report)
+    assert lines[0] == f"NPU MoE routing: 0 of 1 MoE block(s) lowered {LowerMoeNPU.remark}"
+    assert why in lines[1] and "kept decomposed" in lines[1], lines
+
+
+# ----------------------------------------------------------------------------- reference ops
+
+def test_gating_reference_follows_the_documented_formula():
+    x = np.array([[0.1, 1.1, 2.1, 3.1], [4.1, 5.1, 6.1, 7.1], [8.1, 9.1, 10.1, 11.1]], np.float32)
+    y, idx, rows = gating_top_k_softmax(x, 2)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert idx.tolist() == [[3, 2]] * 3 and idx.dtype == np.int32
+    np.testing.assert_allclose(y, p[:, [3, 2]], rtol=1e-6)
+    assert rows.tolist() == [[0, 3], [1, 4], [2, 5]]  # [MGS-doc]: arange(N*k).reshape(k, N).T
+    with pytest.raises(MoeReferenceError, match="k = 5"):
+        gating_top_k_softmax(x, 5)
+
+
+def test_init_routing_reference_on_the_documented_example():
+    """[MIR-doc]'s example: x (3, 4), expert_idx [[1, 2], [0, 1], [0, 2]], row_idx [[0, 3], [1, 4], [2, 5]]."""
+    x = np.array([[0.1] * 4, [0.2] * 4, [0.3] * 4], np.float32)
+    expert = np.array([[1, 2], [0, 1], [0, 2]], np.int32)
+    row = np.array([[0, 3], [1, 4], [2, 5]], np.int32)
+    ex, erow, eexp = init_routing(x, row, expert, 3)
+    assert eexp.tolist() == [0, 0, 1, 1, 2, 2]
+    sorted_rows = [1, 2, 0, 4, 3, 5]  # row_idx of the flattened positions, stably sorted by expert
+    assert [int(np.where(erow == i)[0][0]) for i in range(6)] == sorted_rows
+    np.testing.assert_array_equal(ex, x[np.array(sorted_rows) % 3])
+
+
+def test_finalize_routing_reference_undoes_the_permutation():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    y, expert, row = gating_top_k_softmax(rng.standard_normal((5, 4)).astype(np.float32), 2)
+    ex, erow, _ = init_routing(x, row, expert, 5)
+    bias = rng.standard_normal((4, 3)).astype(np.float32)
+    out = finalize_routing(ex * 2, x, None, bias, y, erow, expert)  # "experts" that double their rows
+    want = x + sum(y[:, j:j + 1] * (2 * x + bias[expert[:, j]]) for j in range(2))
+    np.testing.assert_allclose(out, want, rtol=1e-5)
