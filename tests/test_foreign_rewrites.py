@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import k3opt
 from k3opt.report import Report
-from tests.helpers import assert_equivalent, make_model, op_counts
+from tests.helpers import assert_equivalent, make_model, op_counts, run_ort
 
 F, I64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 RNG = np.random.default_rng(34)
@@ -159,3 +159,33 @@ def test_opset_kept_only_when_raising_costs_nodes_and_no_pass_needs_it(axis, lay
     assert any(n.startswith("opset kept at 12: converting to 17 would add 2 node") for n in report.notes) == kept
     if kept:
         assert op_counts(out) == {"Softmax": 1, "Relu": 1}
+
+
+def test_ir3_opset9_batchnorm_of_constant_nodes_converts():
+    """An IR-3 opset-9 CNN export: BatchNormalization reads Constant nodes and an initializer that is also a
+    graph input. onnx's converter called the sub-model's constants undefined; now it converts to 17."""
+    def const(name):
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(_w(3) ** 2 + 0.5, name + "_v"))
+    nodes = [const(n) for n in "sbm"] + [helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["N", 3, 4, 4]),
+                                           helper.make_tensor_value_info("v", F, [3])],
+                              [helper.make_tensor_value_info("y", F, ["N", 3, 4, 4])],
+                              [numpy_helper.from_array(_w(3) ** 2 + 0.5, "v")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)])
+    model.ir_version = 3
+    report = Report()
+    out = k3opt.optimize(model, report=report)
+    assert "opset converted from 9 to 17" in report.notes
+    feeds = {"x": _w(2, 3, 4, 4)}
+    np.testing.assert_allclose(run_ort(out, feeds)[0], run_ort(model, feeds)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("src,removed", [("x", True), ("z", False)])
+def test_expand_to_its_own_symbolic_shape_and_unit_tile_go(src, removed):
+    nodes = [helper.make_node("Shape", [src], ["s"]), helper.make_node("Expand", ["x", "s"], ["e"]),
+             helper.make_node("Tile", ["e", "r"], ["t"]), helper.make_node("Relu", ["t"], ["y"])]
+    model = make_model(nodes, [("x", F, ["N", 1, 4]), ("z", F, ["N", 3, 4])], [("y", F, ["N", None, 4])],
+                       {"r": np.array([1, 1, 1], np.int64)})
+    out = k3opt.optimize(model)
+    assert_equivalent(model, out)
+    assert "Tile" not in op_counts(out) and ("Expand" not in op_counts(out)) == removed

@@ -22,6 +22,8 @@ from onnx.external_data_helper import uses_external_data
 from .external import weights_as_inputs
 from .opset_compatible import passes_through
 
+#: The sub-models' least IR version: the first where an initializer need not be a graph input.
+MIN_SUB_MODEL_IR = 4
 #: Constant inputs up to this size are copied into the sub-model (adapters read axes, pads, scales...).
 SMALL_CONSTANT_BYTES = 4096
 _DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -214,8 +216,10 @@ class ModelScope:
             produced.update(o for o in node.output if o)
         outputs = [self._value_info(o) for node in nodes for o in node.output if o]
         sub = onnx.helper.make_graph([_copy(n) for n in nodes], graph.name or "sub", inputs, outputs, initializers)
+        # IR 4 at least: below it an initializer must also be a graph input, and onnx's converter calls
+        # the sub-model's constants (copied as initializers only) undefined (IR-3 opset-9 CNN exports)
         return onnx.helper.make_model(sub, opset_imports=[onnx.helper.make_opsetid("", opset)] + other_imports,
-                                      ir_version=self.model.ir_version)
+                                      ir_version=max(self.model.ir_version, MIN_SUB_MODEL_IR))
 
     def constant(self, name: str) -> Optional[onnx.TensorProto]:
         """The small constant (initializer or Constant node) named ``name``, else None (also for a name

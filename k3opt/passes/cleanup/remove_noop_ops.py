@@ -8,7 +8,9 @@ Each check proves the output has the input's shape, dtype and values:
   input's dim, as in ``Reshape(x, [dim0(x), -1, dim2(x), 8])``); and a
   ``Reshape`` of a Reshape/Squeeze/Unsqueeze/Flatten of x back to x's own
   shape (the pair undoes itself: x replaces the result);
-- ``Expand`` whose shape broadcasts to the input's own shape;
+- ``Expand`` whose shape broadcasts to the input's own shape (a constant, or a
+  shape computation whose elements are 1 or the input's own dims, symbols
+  included: ``Expand(x, Shape(x))``); ``Tile`` with every repeat 1;
 - ``Transpose`` with the identity permutation;
 - ``Cast``/``CastLike`` to the type the input already has;
 - ``Slice`` taking everything: on a dim of known size, the indices it takes are
@@ -96,9 +98,24 @@ def _broadcast_keeps_shape(x: Tensor, other_shape: tuple) -> bool:
 
 
 def _same_expand(node: Node) -> Optional[Tensor]:
+    """An Expand to a shape ``x`` already has: a constant that broadcasts onto ``x``'s known dims, or a shape
+    computation (``Shape(x)``, pieces of it) whose every element is 1 or ``x``'s dim there (symbols too)."""
     target = small_int_list(node.inputs[1])
     x = node.inputs[0]
-    return x if target is not None and _broadcast_keeps_shape(x, tuple(target)) else None
+    if target is not None:
+        return x if _broadcast_keeps_shape(x, tuple(target)) else None
+    elements = shape_elements(node.inputs[1])
+    if x.shape is None or elements is None or len(elements[1]) != 1 or len(elements[0]) > len(x.shape):
+        return None
+    lead = len(x.shape) - len(elements[0])
+    same = all(e == 1 or (e is not None and e == dim_at(x, lead + i)) for i, e in enumerate(elements[0]))
+    return x if same else None
+
+
+def _same_tile(node: Node) -> Optional[Tensor]:
+    """A Tile whose repeats are all 1."""
+    repeats = small_int_list(node.inputs[1]) if len(node.inputs) > 1 else None
+    return node.inputs[0] if repeats is not None and all(r == 1 for r in repeats) else None
 
 
 def _identity_transpose(node: Node) -> Optional[Tensor]:
@@ -200,6 +217,7 @@ def _neutral_arith(node: Node) -> Optional[Tensor]:
 CHECKS: dict[str, Callable[[Node], Optional[Tensor]]] = {
     "Reshape": _same_reshape,
     "Expand": _same_expand,
+    "Tile": _same_tile,
     "Transpose": _identity_transpose,
     "Cast": _same_cast,
     "CastLike": _same_cast,
