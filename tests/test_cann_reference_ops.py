@@ -181,3 +181,33 @@ def test_ifa_reads_one_kv_head_whatever_the_node_says():
         q3, k3, v3 = qkv(b=1, n=4, nkv=1, sq=2, skv=7)
         run_node("NPUIncreFlashAttention", [("q", q3), ("k", k3), ("v", v3), ("pse", None), ("m", None),
                                             ("lens", None)], {"num_heads": 4, "input_layout": "BNSD"})
+
+
+def test_every_npu_domain_op_has_a_reference_in_both_domains():
+    """The ops the lowerings emit are registered by @reference_op in the default domain and in ``npu``."""
+    from k3opt.targets.cann.atc_ops import NPU_DOMAIN_OPS
+    from k3opt.targets.cann.reference import reference_ops
+
+    registered = {(cls.__name__, cls.op_domain) for cls in reference_ops()}
+    assert {(op, d) for op in NPU_DOMAIN_OPS for d in ("", "npu")} <= registered
+
+
+def test_reference_op_registers_a_new_op_and_refuses_a_second_definition(monkeypatch):
+    """A new module's ``@reference_op`` class is in the evaluator without editing any list; one op defined twice
+    is an error, not a silent replacement."""
+    from onnx.reference.op_run import OpRun
+
+    from k3opt.targets.cann.reference import registry
+
+    monkeypatch.setattr(registry, "_OPS", dict(registry._OPS))
+
+    @registry.reference_op("NPUTestDouble")
+    class Double(OpRun):
+        def _run(self, x):  # noqa: D102
+            return (2 * x,)
+
+    x = RNG.standard_normal((2, 3)).astype(np.float32)
+    for domain in ("", "npu"):
+        np.testing.assert_array_equal(run_node("NPUTestDouble", [("x", x)], {}, domain=domain)[0], 2 * x)
+    with pytest.raises(ValueError, match="defined twice"):
+        registry.reference_op("NPUTestDouble")(Double)

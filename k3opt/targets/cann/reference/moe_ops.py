@@ -11,10 +11,11 @@ import numpy as np
 from onnx.reference.op_run import OpRun
 
 from ..npu_contract import MOE_MAX_K
+from .registry import ReferenceError, reference_op
 
 
-class MoeReferenceError(ValueError):
-    """The node asks for something the documented contract does not define (or k3opt does not model)."""
+class MoeReferenceError(ReferenceError):
+    """A MoE node asks for something the documented contract does not define (or k3opt does not model)."""
 
 
 def _float(x: np.ndarray, what: str) -> None:
@@ -96,10 +97,9 @@ def _present(inputs: Any, i: int) -> Optional[np.ndarray]:
     return inputs[i] if i < len(inputs) and inputs[i] is not None else None
 
 
+@reference_op("NPUMoeGatingTopKSoftmax")
 class NPUMoeGatingTopKSoftmax(OpRun):
     """``(x, finished?) -> (y, expert_idx, row_idx)``, attribute ``k`` required ([MGS-plugin])."""
-
-    op_domain = ""
 
     def _run(self, x, finished=None, k=None):  # noqa: D102 - OpRun's interface
         if k is None:
@@ -107,11 +107,10 @@ class NPUMoeGatingTopKSoftmax(OpRun):
         return gating_top_k_softmax(x, int(k), finished)
 
 
+@reference_op("NPUMoeInitRouting")
 class NPUMoeInitRouting(OpRun):
     """``(x, row_idx, expert_idx) -> (expanded_x, expanded_row_idx, expanded_expert_idx)``, ``active_num``
     required ([MIR-plugin])."""
-
-    op_domain = ""
 
     def _run(self, x, row_idx, expert_idx, active_num=None):  # noqa: D102
         if active_num is None:
@@ -119,16 +118,11 @@ class NPUMoeInitRouting(OpRun):
         return init_routing(x, row_idx, expert_idx, int(active_num))
 
 
+@reference_op("NPUMoeFinalizeRouting")
 class NPUMoeFinalizeRouting(OpRun):
     """``(expanded_x, x1, x2?, bias, scales, expanded_row_idx, expert_idx) -> y`` ([MFR-plugin]: no attribute)."""
-
-    op_domain = ""
 
     def _run(self, *inputs):  # noqa: D102
         if len(inputs) != 7:
             raise MoeReferenceError(f"{len(inputs)} inputs: the op takes 7 (x2 may be empty) ([MFR-IR])")
         return (finalize_routing(inputs[0], inputs[1], _present(inputs, 2), *inputs[3:]),)
-
-
-#: The MoE ops, joined to the NPU reference ops by :mod:`.npu_ops`.
-MOE_OPS = (NPUMoeGatingTopKSoftmax, NPUMoeInitRouting, NPUMoeFinalizeRouting)

@@ -1,7 +1,7 @@
 """numpy reference implementations of the NPU ops k3opt emits, for ``onnx.reference.ReferenceEvaluator``.
 
 onnxruntime cannot run NPU nodes, so a ``--target cann`` model is verified by
-running it in onnx's reference evaluator with these ops (:func:`evaluator`),
+running it in onnx's reference evaluator with these ops (:func:`.registry.evaluator`),
 and a user with an NPU can compare the device with them. Each op implements
 what the ATC plugin hands to the kernel (attributes the plugin drops are
 ignored here too) and refuses, with an error, what its documentation does
@@ -17,12 +17,7 @@ from onnx.reference.op_run import OpRun
 
 from ..npu_contract import (MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, PFA_INPUT_COUNTS, RMS_EPSILON, ROPE_ANGLE_LAYOUTS,
                            ROPE_HALF, ROPE_MAX_HEAD_DIM, SPARSE_TEMPLATE, template_mask)
-from ..target_form import NPU_DOMAIN
-from .moe_ops import MOE_OPS
-
-class ReferenceError(ValueError):
-    """The node asks for something the documented contract does not define (or k3opt does not model)."""
-
+from .registry import ReferenceError, reference_op
 
 def _bnsd(x: np.ndarray, layout: str, heads: int) -> np.ndarray:
     """``x`` as (B, N, S, D) from ``layout`` ([PFA-doc] "inputLayout": BSH, BSND, BNSD)."""
@@ -134,12 +129,11 @@ def _present(inputs: Sequence[Any], i: int) -> Optional[np.ndarray]:
     return inputs[i] if i < len(inputs) and inputs[i] is not None else None
 
 
+@reference_op("NPURmsNorm")
 class NPURmsNorm(OpRun):
     """``NPURmsNorm(x, gamma) -> (y, rstd)`` ([RMS-plugin]): over gamma's rank of trailing dims, in float32,
     ``rstd = 1 / sqrt(mean(x^2) + 1e-6)``, ``y = x * rstd * gamma`` cast to x's dtype; rstd float32 with
     the normalized dims kept as 1. The plugin reads no attribute (epsilon fixed)."""
-
-    op_domain = ""
 
     def _run(self, x, gamma):  # noqa: D102 - OpRun's interface
         k = gamma.ndim
@@ -151,6 +145,7 @@ class NPURmsNorm(OpRun):
         return (xf * rstd * gamma.astype(np.float32)).astype(x.dtype), rstd
 
 
+@reference_op("NPUPromptFlashAttention")
 class NPUPromptFlashAttention(OpRun):
     """Prefill flash attention as the plugin passes it on ([PFA-plugin]).
 
@@ -160,8 +155,6 @@ class NPUPromptFlashAttention(OpRun):
     torch_npu's): num_heads, input_layout (both required), scale_value 1.0, pre_tokens 0, next_tokens 0,
     num_key_value_heads 0 (= num_heads), sparse_mode 0, inner_precise 1.
     """
-
-    op_domain = ""
 
     def _run(self, *inputs, num_heads=None, input_layout=None, scale_value=1.0, pre_tokens=0,  # noqa: D102
              next_tokens=0, num_key_value_heads=0, sparse_mode=0, inner_precise=1):
@@ -182,6 +175,7 @@ class NPUPromptFlashAttention(OpRun):
         return (_from_bnsd(out, layout),)
 
 
+@reference_op("NPUIncreFlashAttention")
 class NPUIncreFlashAttention(OpRun):
     """Decode flash attention (one query row against the cache) as the plugin passes it on ([IFA-plugin]).
 
@@ -192,8 +186,6 @@ class NPUIncreFlashAttention(OpRun):
     (B, 1, 1, Skv), 1 = masked ([IFA-torch]); the query's S must be 1 ([IFA-IR] / torch_npu). No
     invalid-row correction is documented for IFA: a fully masked row gives NaN here.
     """
-
-    op_domain = ""
 
     def _run(self, *inputs, num_heads=None, input_layout=None, scale_value=1.0, **ignored):  # noqa: D102
         if len(inputs) != 6:
@@ -237,6 +229,7 @@ def rope_layout_refusal(x_shape: Sequence[int], angle_shape: Sequence[int], mode
     return None
 
 
+@reference_op("NPURotaryPositionEmbedding")
 class NPURotaryPositionEmbedding(OpRun):
     """``NPURotaryPositionEmbedding(x, cos, sin, mode) -> y`` as the plugin passes it on ([RoPE-plugin]: the INT
     ``mode`` is required, the node is refused without it), computing [RoPE-doc]'s formulas on 4-D tensors:
@@ -249,8 +242,6 @@ class NPURotaryPositionEmbedding(OpRun):
     ``RotateHalf<T>`` multiplies and adds in T, [RoPE-tiling]); bfloat16 in float32, rounded once (numpy has
     no bfloat16 arithmetic; the kernel's own bf16 path, ``op_kernel/rotate_half_bf16.h``, is not modelled).
     """
-
-    op_domain = ""
 
     def _run(self, x, cos, sin, mode=None):  # noqa: D102 - OpRun's interface
         if mode is None:
@@ -272,32 +263,14 @@ class NPURotaryPositionEmbedding(OpRun):
         return ((xw * c + rotated * s).astype(x.dtype),)
 
 
+@reference_op("GatherElements", domains=("",))
 class GatherElements(OpRun):
     """The standard op, as the ONNX spec and onnxruntime define it (``out[i][j] = data[index[i][j]][j]`` for
     axis 0): onnx 1.23's reference implementation fails when the indices are smaller than the data on the
     other axes (TorchScript BERT's ``token_type_ids`` buffer), which onnxruntime and the spec allow."""
-
-    op_domain = ""
 
     def _run(self, data, indices, axis=0):  # noqa: D102
         axis = axis % data.ndim
         index = np.where(indices < 0, indices + data.shape[axis], indices)
         box = tuple(slice(None) if a == axis else slice(0, n) for a, n in enumerate(indices.shape))
         return (np.take_along_axis(data[box], index, axis=axis),)
-
-
-def _in_domain(cls: type, domain: str) -> type:
-    return type(cls.__name__, (cls,), {"op_domain": domain})
-
-
-#: The ops for the evaluator: each in the default domain and in ``npu`` (torch_npu's exporter form).
-REFERENCE_OPS = [cls for base in (NPURmsNorm, NPUPromptFlashAttention, NPUIncreFlashAttention,
-                                  NPURotaryPositionEmbedding, *MOE_OPS)
-                 for cls in (base, _in_domain(base, NPU_DOMAIN))] + [GatherElements]
-
-
-def evaluator(model: Any) -> Any:
-    """An ``onnx.reference.ReferenceEvaluator`` for ``model`` (proto or bytes) that runs the NPU ops."""
-    from onnx.reference import ReferenceEvaluator
-
-    return ReferenceEvaluator(model, new_ops=REFERENCE_OPS)
