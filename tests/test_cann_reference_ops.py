@@ -161,6 +161,43 @@ def test_pfa_refuses_missing_required_attributes_and_unmodelled_modes():
         pfa(q, k, v, np.zeros((5, 5), bool), sparse_mode=3)
 
 
+@pytest.mark.parametrize("lengths", [[3], [4, 2], [1, 5, 9]])
+def test_pfa_actual_seq_lengths_kv_keeps_each_batchs_first_keys(lengths):
+    """[PFA-doc]: one length for every batch, or the first B of at least B; keys from the length on are ignored."""
+    q, k, v = qkv(sq=1, skv=6)
+    per_batch = (lengths * 2)[:2] if len(lengths) == 1 else lengths[:2]
+    inputs = [("q", q), ("k", k), ("v", v), ("pse", None), ("m", None), ("lq", None),
+              ("lkv", np.array(lengths, np.int64))]
+    if max(per_batch) > 6:
+        with pytest.raises(Exception, match="outside 0..6"):
+            run_node("NPUPromptFlashAttention", inputs, {"num_heads": 4, "input_layout": "BNSD",
+                                                         "num_key_value_heads": 2})
+        return
+    got = run_node("NPUPromptFlashAttention", inputs, {"num_heads": 4, "input_layout": "BNSD", "scale_value": 0.5,
+                                                       "num_key_value_heads": 2})[0]
+    want = loop_attention(q, k, v, lambda b, h, i, j: j < per_batch[b], 0.5, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_pfa_actual_seq_lengths_and_a_mask_combine_and_cut_rows_are_refused():
+    q, k, v = qkv(sq=2, skv=6)
+    mask = np.zeros((2, 1, 2, 6), bool)
+    mask[1, 0, :, 0] = True  # row 1 left-padded by one
+    attrs = {"num_heads": 4, "input_layout": "BNSD", "num_key_value_heads": 2, "pre_tokens": ALL_TOKENS,
+             "next_tokens": ALL_TOKENS}
+    got = run_node("NPUPromptFlashAttention", [("q", q), ("k", k), ("v", v), ("pse", None), ("m", mask),
+                                               ("lq", np.array([2], np.int64)), ("lkv", np.array([4], np.int64))],
+                   attrs)[0]
+    want = loop_attention(q, k, v, lambda b, h, i, j: j < 4 and not mask[b, 0, i, j], 1.0, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="cut query rows"):
+        run_node("NPUPromptFlashAttention", [("q", q), ("k", k), ("v", v), ("pse", None), ("m", mask),
+                                             ("lq", np.array([1], np.int64)), ("lkv", None)], attrs)
+    with pytest.raises(Exception, match="0 values for 2 batches"):
+        run_node("NPUPromptFlashAttention", [("q", q), ("k", k), ("v", v), ("pse", None), ("m", mask),
+                                             ("lq", None), ("lkv", np.array([], np.int64))], attrs)
+
+
 # -- NPUIncreFlashAttention ---------------------------------------------------------------------------------------
 
 def test_ifa_reads_one_kv_head_whatever_the_node_says():

@@ -56,6 +56,12 @@ def test_cann_pair_generates_the_original_tokens(tmp_path: Path, name: str, expo
     ops = {n.op_type for f in (runner.manifest.prefill, runner.manifest.decode[2])
            for n in onnx.load(str(tmp_path / "pair" / f), load_external_data=False).graph.node}
     assert "NPUPromptFlashAttention" in ops or name == "gpt2"
+    decode = onnx.load(str(tmp_path / "pair" / runner.manifest.decode[2]), load_external_data=False)
+    producers = {o: n for n in decode.graph.node for o in n.output}
+    for node in decode.graph.node:
+        if node.op_type == "NPUPromptFlashAttention":  # the valid length: position + 1, for every batch
+            assert len(node.input) == 7 and node.input[5] == ""
+            assert producers[node.input[6]].op_type == "Add" and "position" in producers[node.input[6]].input
     for prompts in (_prompts()[:1], _prompts()):
         ids, mask = left_pad(prompts)
         np.testing.assert_array_equal(runner.generate(ids, mask, STEPS), original_greedy(step, ids, mask, STEPS))

@@ -25,6 +25,7 @@ from ..errors import InputError, OutputError, UsageError, VerificationError
 from .cache_form import CacheLayout, recognise
 from .manifest import Manifest, Entry, batch_sizes
 from .rewrite import POSITION, decode_graph, position_table, prefill_graph
+from .valid_lengths import pass_valid_lengths
 
 WEIGHTS = "weights.bin"
 #: Tensors at least this big go to the shared weights file (smaller ones stay in each graph).
@@ -84,6 +85,8 @@ def build_pair(source: Any, out_dir: Any, *, max_seq: int, max_batch: int = 1, t
         say(f"writing the decode graph for batch {b}")
         decodes[b] = k3opt.optimize(decode_graph(model, max_seq, b), target=target, verify=verify,
                                     input_data=_decode_feeds(layout, model, max_seq, b, vocab))
+        if target == "cann":  # checked with the tokens: under the reference ops when verify
+            pass_valid_lengths(decodes[b])
     logits = next(o.name for o in model.graph.output if o.name not in {e.present for e in layout.entries})
     manifest = Manifest(
         target=target, max_seq=max_seq, max_batch=max_batch,

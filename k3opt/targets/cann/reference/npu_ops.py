@@ -125,6 +125,22 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, masked: Optional[np.n
     return out.astype(q.dtype)
 
 
+def _valid_lengths(value: Optional[np.ndarray], batch: int, size: int, name: str) -> Optional[np.ndarray]:
+    """Per-batch valid lengths ([PFA-doc]): one value for all batches, or the first ``batch`` of at least as many."""
+    if value is None:
+        return None
+    lens = np.asarray(value).reshape(-1).astype(np.int64)
+    if lens.size == 1:
+        lens = np.repeat(lens, batch)
+    elif lens.size >= batch:
+        lens = lens[:batch]
+    else:
+        raise ReferenceError(f"{name} has {lens.size} values for {batch} batches (1, or at least {batch})")
+    if (lens < 0).any() or (lens > size).any():
+        raise ReferenceError(f"{name} {lens.tolist()} outside 0..{size} (the tensor's S)")
+    return lens
+
+
 def _present(inputs: Sequence[Any], i: int) -> Optional[np.ndarray]:
     return inputs[i] if i < len(inputs) and inputs[i] is not None else None
 
@@ -150,8 +166,11 @@ class NPUPromptFlashAttention(OpRun):
     """Prefill flash attention as the plugin passes it on ([PFA-plugin]).
 
     Inputs by position (groups of [PFA-plugin]): query, key, value, pse_shift, atten_mask,
-    actual_seq_lengths, actual_seq_lengths_kv, quantization scales; only the first five are modelled and
-    pse_shift must be absent. Attributes as the plugin reads them, with ITS defaults when absent (not
+    actual_seq_lengths, actual_seq_lengths_kv, quantization scales; the first seven are modelled and
+    pse_shift must be absent. actual_seq_lengths_kv masks each batch's keys from its valid length on;
+    actual_seq_lengths (query rows) must leave every row valid (what a cut row returns is not
+    documented). Both: one value for every batch, or at least B values of which the first B count,
+    none above the tensor's S ([PFA-doc] "actualSeqLengths, actualSeqLengthsKv"). Attributes as the plugin reads them, with ITS defaults when absent (not
     torch_npu's): num_heads, input_layout (both required), scale_value 1.0, pre_tokens 0, next_tokens 0,
     num_key_value_heads 0 (= num_heads), sparse_mode 0, inner_precise 1.
     """
@@ -162,8 +181,8 @@ class NPUPromptFlashAttention(OpRun):
             raise ReferenceError(f"{len(inputs)} inputs: the plugin takes {PFA_INPUT_COUNTS}")
         if num_heads is None or input_layout is None:
             raise ReferenceError("num_heads and input_layout are required (the plugin refuses the node)")
-        if any(_present(inputs, i) is not None for i in (3, *range(5, len(inputs)))):
-            raise ReferenceError("only query, key, value and atten_mask are modelled")
+        if any(_present(inputs, i) is not None for i in (3, *range(7, len(inputs)))):
+            raise ReferenceError("only query, key, value, atten_mask and the actual sequence lengths are modelled")
         layout = input_layout.decode() if isinstance(input_layout, bytes) else input_layout
         q = _bnsd(inputs[0], layout, num_heads)
         kv_heads = num_key_value_heads or num_heads
@@ -171,6 +190,14 @@ class NPUPromptFlashAttention(OpRun):
         if q.shape[1] != num_heads:
             raise ReferenceError(f"query has {q.shape[1]} heads, num_heads is {num_heads}")
         masked = _masked(sparse_mode, _present(inputs, 4), pre_tokens, next_tokens, q.shape[2], k.shape[2])
+        q_lens = _valid_lengths(_present(inputs, 5), q.shape[0], q.shape[2], "actual_seq_lengths")
+        if q_lens is not None and (q_lens < q.shape[2]).any():
+            raise ReferenceError(f"actual_seq_lengths {q_lens.tolist()} cut query rows (S = {q.shape[2]}): "
+                                 "what a cut row returns is not documented")
+        kv_lens = _valid_lengths(_present(inputs, 6), k.shape[0], k.shape[2], "actual_seq_lengths_kv")
+        if kv_lens is not None:
+            beyond = np.arange(k.shape[2])[None, None, None, :] >= kv_lens[:, None, None, None]
+            masked = beyond if masked is None else (masked | beyond)
         out = attention(q, k, v, masked, scale_value, kv_heads, bool(inner_precise & 2))
         return (_from_bnsd(out, layout),)
 
