@@ -12,7 +12,8 @@ in external data or exceed ``cse_max_const_bytes`` (default 1 MiB).
 
 Refused: random ops (two draws are not one), nodes with subgraphs, nodes in
 custom domains (their semantics are unknown), and merges that would make two
-graph outputs one tensor.
+graph outputs one tensor: there the later node becomes an ``Identity`` of the
+earlier one's output, computed once, both names kept.
 
 Inside If/Loop/Scan bodies, equal nodes of one body merge the same way (a
 run of a body sees one value per input); a body's node is never merged
@@ -181,10 +182,27 @@ class EliminateCommonSubexpressions(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         limit = int(ctx.options.get("cse_max_const_bytes", DEFAULT_MAX_CONST_BYTES))
-        merged = self._constants(graph, limit) + self._nodes(graph)
+        merged = self._constants(graph, limit)
         # Bodies: equal nodes within one body (one run of it sees one value per input). Constants are merged in
         # the main graph only: a constant read by two graphs must stay visible to both.
-        return merged + sum(self._nodes(body) for body in ctx.graphs(graph)[1:])
+        for g in ctx.graphs(graph):
+            twins: list[tuple[Node, Tensor]] = []
+            merged += self._nodes(g, twins) + self._identities(g, twins, ctx)
+        return merged
+
+    @staticmethod
+    def _identities(graph: Graph, twins: list[tuple[Node, Tensor]], ctx: PassContext) -> int:
+        """Each ``(dup, kept)``: ``dup`` equals the node computing ``kept`` but both give graph outputs, so its
+        readers cannot read ``kept``: it becomes ``Identity(kept)`` (computed once, its output name kept)."""
+        if not twins:
+            return 0
+        outs = [dup.outputs[0] for dup, _ in twins]
+        dead: list[Node] = []
+        detach_all([dup for dup, _ in twins], dead)
+        remove(graph, dead)
+        for (dup, kept), out in zip(twins, outs):
+            graph.nodes.append(gs.Node("Identity", ctx.fresh_name(f"{dup.name or dup.op}_twin"), {}, [kept], [out]))
+        return len(twins)
 
     @staticmethod
     def _remembered(cache: dict, c: gs.Constant, compute: Callable[[gs.Constant], Hashable]) -> Hashable:
@@ -226,7 +244,7 @@ class EliminateCommonSubexpressions(Pass):
                     merged += 1
         return merged
 
-    def _nodes(self, graph: Graph) -> int:
+    def _nodes(self, graph: Graph, twins: Optional[list[tuple[Node, Tensor]]] = None) -> int:
         """Merge each node into the first one equal to it (same head and attributes).
 
         A node's attributes are keyed only once a second node shares its head (most heads are unique:
@@ -253,7 +271,11 @@ class EliminateCommonSubexpressions(Pass):
             if attrs is None:
                 continue
             keep = seen.setdefault((head, attrs), node)
-            if keep is node or not self._merge(graph, node, keep):
+            if keep is node:
+                continue
+            if not self._merge(graph, node, keep):
+                if twins is not None and len(node.outputs) == 1 and node.op != "Identity":
+                    twins.append((node, keep.outputs[0]))  # both give graph outputs (see _identities)
                 continue
             merged.append(node)  # nothing reads its outputs any more; unlinked from its inputs below, all at once
         dead: list[Node] = []
