@@ -565,6 +565,8 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
         return (keep if masks_out(fill, dtype) else None), fill, _causal(keep_value, q, k_dims), \
             _rows_open(keep_value)
+    if _bounded_bias(mask, dtype):
+        return None, None, False, True  # finite everywhere: no query row is ever fully masked
     n = producer(mask)
     if n is None or n.op != "Where" or len(n.inputs) != 3 or dtypes.onnx_type(n.inputs[0].dtype) != TensorProto.BOOL:
         return None, None, False, False
@@ -576,6 +578,40 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
     kv = checks.const_value(keep) if ir.is_const(keep) and _size_of(keep) <= 1 << 22 else None
     return (keep if masks_out(f, dtype) else None), f, kv is not None and _causal(kv, q, k_dims), \
         kv is not None and _rows_open(kv)
+
+
+#: Largest magnitude of each integer/bool element type (numpy name), for :func:`_bounded_bias`.
+_INT_BOUNDS = {"bool": 1, "int8": 2 ** 7, "uint8": 2 ** 8, "int16": 2 ** 15, "uint16": 2 ** 16, "int32": 2 ** 31,
+               "uint32": 2 ** 32, "int64": 2 ** 63, "uint64": 2 ** 64}
+
+
+def _bounded_bias(mask: Tensor, dtype: int) -> bool:
+    """``(k - m) * c`` or ``(m - k) * c`` (tf2onnx/Keras' ``(1 - m) * -10000``) of an integer or boolean ``m``
+    cast late (through Reshape/Unsqueeze/Squeeze/Expand), ``k`` and ``c`` finite constant scalars: the bias is
+    finite and at most half the dtype's largest value in magnitude, so no row is ever all -inf or lowest."""
+    n = producer(mask)
+    if n is None or n.op != "Mul" or len(n.inputs) != 2:
+        return False
+    scale = next((ir.const_scalar(x) for x in n.inputs if ir.is_const(x)), None)
+    sub = next((producer(x) for x in n.inputs if not ir.is_const(x)), None)
+    if scale is None or sub is None or sub.op != "Sub" or len(sub.inputs) != 2:
+        return False
+    k = next((ir.const_scalar(x) for x in sub.inputs if ir.is_const(x)), None)
+    m = next((x for x in sub.inputs if not ir.is_const(x)), None)
+    if k is None or m is None or not (math.isfinite(k) and math.isfinite(scale)):
+        return False
+    for _ in range(8):
+        p = producer(m)
+        if p is None or p.op not in ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Expand") or not p.inputs:
+            return False
+        m = p.inputs[0]
+        if p.op == "Cast":
+            break
+    else:
+        return False
+    bound = _INT_BOUNDS.get(np.dtype(m.dtype).name if m.dtype is not None else "")
+    largest = float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).max)
+    return bound is not None and abs(scale) * (abs(k) + bound) <= largest / 2
 
 
 def _rows_open(keep: np.ndarray) -> bool:

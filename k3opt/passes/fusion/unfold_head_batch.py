@@ -1,0 +1,272 @@
+"""unfold-head-batch: attention computed with the heads folded into the batch (rank-3 scores ``[B*H, S, T]``)
+is rewritten over the rank-4 ``[B, H, S, T]`` tensors it was folded from, for the attention recogniser.
+
+Megatron, 3-D BMM exports (``torch.bmm`` of ``view(B*H, S, D)``) and some vision models compute
+``softmax(q k^T * scale + mask) v`` on rank-3 tensors whose first dim is batch and heads flattened. The
+rank-4 form computes the same numbers element for element: ``q3[b*H + h] == q4[b, h]`` by how a Reshape
+flattens two leading dims. So where q, k^T and v are each provably such a flattening of a rank-4 tensor
+(one head count H, static, for the three), the core is rebuilt on those tensors and its rank-3 output is
+a Reshape of the rank-4 one; fuse-attention and the cann lowering then see the form they know.
+
+A flattening is proved, for ``t3`` read as ``[B*H, a, b]``, when ``t3`` is
+
+- ``Reshape(X, [*, a, b])`` of a rank-4 ``X = [B, H, a, b]`` (the target's last two elements provably
+  X's last two dims: then the first is B*H, in X's order);
+- ``Transpose(Y, [0, 2, 1])`` of such a ``Y`` (k^T of a flattened k): ``Transpose(X, [0, 1, 3, 2])``;
+- ``Transpose(Reshape(X, [a, *, b]), [1, 0, 2])`` of a rank-4 ``X = [a, B, H, b]`` (Megatron's
+  ``[S, B, H, D] -> view(S, B*H, D) -> transpose(0, 1)``): ``Transpose(X, [1, 2, 0, 3])``.
+
+Between the two MatMuls only what keeps its meaning over the extra axis is taken: Mul/Div by a constant
+scalar, one additive mask (of rank <= 2, or rank 3 with a first dim of 1, which broadcast the same; or
+``[B*H, S, T]`` with S and T static, reshaped to ``[-1, H, S, T]``), the Softmax over the last axis and
+torch's ``Where(IsNaN(p), 0, p)`` guard. Every intermediate must be read by the chain alone. Anything else
+is left as it is, and fuse-attention records why the rank-3 site was declined.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ... import graph as gs
+from ...graph.ir import (Graph, Node, Tensor, as_constant, const_scalar, disconnect, is_graph_output, producer,
+                         replace_uses)
+from ...patterns.schema import attr_value
+from ...pipeline.pass_base import Pass, PassContext, register_pass
+from .._rewire import detach, remove
+from ..analysis.fold_shapes import DimAnalysis, shape_elements, tensor_dims
+
+_DEFAULT = ("", "ai.onnx")
+
+
+def _op(t: Tensor, *ops: str) -> Optional[Node]:
+    n = producer(t)
+    return n if n is not None and n.op in ops and (n.domain or "") in _DEFAULT else None
+
+
+def _same(a: object, b: object) -> bool:
+    return a is not None and a == b
+
+
+class _Builder:
+    """New nodes of one rewrite, named after the site."""
+
+    def __init__(self, graph: Graph, ctx: PassContext, base: str):
+        self.graph, self.ctx, self.base, self.nodes = graph, ctx, base, []
+
+    def node(self, op: str, inputs: list, attrs: Optional[dict] = None, like: Optional[Tensor] = None,
+             shape: Optional[list] = None) -> Tensor:
+        if op == "Transpose" and inputs[0].shape is not None:  # the heads dim is read off the new tensor
+            shape = [inputs[0].shape[p] for p in attrs["perm"]]
+        out = gs.Variable(self.ctx.fresh_name(f"{self.base}_{op.lower()}4"), dtype=like.dtype if like else None,
+                          shape=shape)
+        self.nodes.append(gs.Node(op, self.ctx.fresh_name(f"{self.base}_{op}4"), attrs=attrs or {}, inputs=inputs,
+                                  outputs=[out]))
+        return out
+
+    def const(self, values: list) -> Tensor:
+        return as_constant(self.ctx.fresh_name(f"{self.base}_shape4"), np.array(values, np.int64))
+
+
+def _flattening(t3: Tensor, b: _Builder) -> Optional[tuple[Tensor, int]]:
+    """``(X, k)`` when ``t3`` is a Reshape of a rank-4 ``X`` merging X's axes k and k+1 into its axis k (k is 0
+    or 1): the target's other two elements are provably X's other two dims. A rank-3 ``X = [a, B, H*b]`` read
+    as ``[a, B*H, b]`` (the head split merged into the flattening Reshape) is split into ``[a, B, H, b]``."""
+    reshape = _op(t3, "Reshape")
+    if reshape is None or len(reshape.inputs) != 2:
+        return None
+    x = reshape.inputs[0]
+    dims, target = tensor_dims(x), shape_elements(reshape.inputs[1])
+    if dims is None or target is None or len(target[0]) != 3:
+        return None
+    e = target[0]
+    if len(dims) == 4 and _same(e[1], dims[2]) and _same(e[2], dims[3]):
+        return x, 0
+    if len(dims) == 4 and _same(e[0], dims[0]) and _same(e[2], dims[3]):
+        return x, 1
+    width, head = dims[2] if len(dims) == 3 else None, e[2]
+    if _same(e[0], dims[0]) and isinstance(width, int) and isinstance(head, int) and head > 0 and width % head == 0:
+        shape = None if x.shape is None else list(x.shape[:2]) + [width // head, head]
+        return b.node("Reshape", [x, b.const([0, 0, width // head, head])], like=x, shape=shape), 1
+    return None
+
+
+def _lifted(perm: list[int], k: int) -> list[int]:
+    """A rank-3 permutation as the rank-4 one of the tensor whose axes k, k+1 the rank-3 axis k merges."""
+    return [j for i in perm for j in ([k, k + 1] if i == k else [i] if i < k else [i + 1])]
+
+
+def _unfold(t3: Tensor, b: _Builder) -> Optional[Tensor]:
+    """The rank-4 ``[B, H, a, b]`` tensor whose first two dims ``t3`` flattens, or None when not proven."""
+    scaled = _op(t3, "Mul", "Div")  # q scaled before q @ k^T (sdpa's d^-1/4): the same scalar on the rank-4 q
+    if scaled is not None and len(scaled.inputs) == 2 and const_scalar(scaled.inputs[1]) is not None:
+        inner = _unfold(scaled.inputs[0], b)
+        return None if inner is None else b.node(scaled.op, [inner, scaled.inputs[1]], like=inner, shape=inner.shape)
+    flat = _flattening(t3, b)
+    if flat is not None:
+        return flat[0] if flat[1] == 0 else None
+    transpose = _op(t3, "Transpose")
+    perm = None if transpose is None else [int(p) for p in transpose.attrs.get("perm", [])]
+    if perm is None or sorted(perm) != [0, 1, 2]:
+        return None
+    flat = _flattening(transpose.inputs[0], b)
+    if flat is not None and perm[0] == flat[1]:  # Megatron: [S, B*H, D] -> transpose(0, 1)
+        return b.node("Transpose", [flat[0]], {"perm": _lifted(perm, flat[1])}, like=flat[0])
+    if perm[0] == 0:  # k^T of a flattened k
+        inner = _unfold(transpose.inputs[0], b)
+        return None if inner is None else b.node("Transpose", [inner], {"perm": _lifted(perm, 0)}, like=inner)
+    return None
+
+
+def _heads(t4: Tensor) -> Optional[int]:
+    dims = tensor_dims(t4)
+    return dims[1] if dims is not None and isinstance(dims[1], int) else None
+
+
+def _chain(graph: Graph, softmax: Node, ctx: PassContext) -> Optional[tuple[Node, list[Node], Node]]:
+    """(the q·k^T MatMul, the nodes from it to the probabilities in order, the probs·v MatMul), or None."""
+    nodes = [softmax]
+    probs = softmax.outputs[0]
+    readers = probs.outputs
+    guard = next((n for n in readers if n.op == "IsNaN"), None)
+    if guard is not None:
+        where = [n for n in guard.outputs[0].outputs if n.op == "Where"]
+        if len(where) != 1 or len(readers) != 2:
+            return None
+        nodes = [softmax, guard, where[0]]
+        probs = where[0].outputs[0]
+    if len(probs.outputs) != 1 or is_graph_output(graph, probs) or probs.outputs[0].op != "MatMul" \
+            or probs.outputs[0].inputs[0] is not probs:
+        return None
+    pv = probs.outputs[0]
+    t = softmax.inputs[0]
+    while True:
+        n = producer(t)
+        if n is None or (n.domain or "") not in _DEFAULT or len(t.outputs) != 1 or is_graph_output(graph, t):
+            return None
+        if n.op == "MatMul":
+            return n, nodes, pv
+        if n.op in ("Mul", "Div", "Add") and len(n.inputs) == 2:
+            nodes.insert(0, n)
+            on_path = [x for x in n.inputs if _reaches_scores(x)]
+            if len(on_path) != 1:
+                return None
+            t = on_path[0]
+            continue
+        return None
+
+
+def _reaches_scores(t: Tensor, depth: int = 4) -> bool:
+    """``t`` is a rank-3 MatMul, or Mul/Div/Add of one, a few steps up (the scores' side of a binary op)."""
+    n = producer(t)
+    if n is None or depth == 0 or t.shape is None or len(t.shape) != 3:
+        return False
+    return n.op == "MatMul" or (n.op in ("Mul", "Div", "Add") and any(_reaches_scores(x, depth - 1) for x in n.inputs))
+
+
+def _mask4(mask: Tensor, heads: int, b: _Builder) -> Optional[Tensor]:
+    """The mask operand of a rank-3 score, as it broadcasts against the rank-4 scores (None: not proven)."""
+    dims = tensor_dims(mask)
+    if dims is None:
+        return None
+    if len(dims) <= 2 or (len(dims) == 3 and dims[0] == 1):
+        return mask  # aligned right, it broadcasts over (B, H) as it did over B*H
+    if len(dims) == 3 and isinstance(dims[1], int) and isinstance(dims[2], int):
+        return b.node("Reshape", [mask, b.const([-1, heads, dims[1], dims[2]])], like=mask)
+    return None
+
+
+def _rewrite(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node]) -> bool:
+    found = _chain(graph, softmax, ctx)
+    if found is None:
+        return False
+    b = _Builder(graph, ctx, softmax.name or "attention")
+    if _rebuild(graph, softmax, ctx, dead, b, *found):
+        return True
+    for n in b.nodes:  # a refused attempt's nodes were linked to the tensors they read: unlink them
+        disconnect(n)
+    return False
+
+
+def _rebuild(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node], b: _Builder, qk: Node,
+             middle: list[Node], pv: Node) -> bool:
+    q4, kt4, v4 = (_unfold(t, b) for t in (qk.inputs[0], qk.inputs[1], pv.inputs[1]))
+    if q4 is None or kt4 is None or v4 is None:
+        return False
+    heads = {_heads(t) for t in (q4, kt4, v4)}
+    if len(heads) != 1 or None in heads:
+        return False
+    h = heads.pop()
+    scores = b.node("MatMul", [q4, kt4], like=qk.outputs[0])
+    prev_old = qk.outputs[0]
+    for n in middle:
+        if n.op in ("Mul", "Div", "Add"):
+            other = n.inputs[1] if n.inputs[0] is prev_old else n.inputs[0]
+            if n.op in ("Mul", "Div") and const_scalar(other) is None:
+                return False
+            if n.op == "Div" and n.inputs[0] is not prev_old:
+                return False
+            if n.op == "Add":
+                other = _mask4(other, h, b)
+                if other is None:
+                    return False
+            inputs = [scores, other] if n.inputs[0] is prev_old else [other, scores]
+            scores = b.node(n.op, inputs, like=n.outputs[0])
+        elif n.op == "Softmax":
+            axis = attr_value(n.attrs, "Softmax", "", ctx.opset, "axis")
+            if axis not in (-1, 2):  # below opset 13 axis 2 of rank 3 is the last axis too (rows of [.., T])
+                return False
+            scores = b.node("Softmax", [scores], {"axis": -1 if ctx.opset >= 13 else 3}, like=n.outputs[0])
+        elif n.op == "IsNaN":
+            isnan = b.node("IsNaN", [scores])
+        elif n.op == "Where":
+            if n.inputs[2] is not softmax.outputs[0] or const_scalar(n.inputs[1]) != 0:
+                return False
+            scores = b.node("Where", [isnan, n.inputs[1], scores], like=n.outputs[0])
+        prev_old = n.outputs[0]
+    out4 = b.node("MatMul", [scores, v4], like=pv.outputs[0])
+    dims = tensor_dims(pv.outputs[0])
+    if dims is None or len(dims) != 3:
+        return False
+    if isinstance(dims[1], int) and isinstance(dims[2], int):
+        target = b.const([-1, dims[1], dims[2]])
+    else:
+        tail = b.node("Shape", [out4], {"start": 2}) if ctx.opset >= 15 else \
+            b.node("Slice", [b.node("Shape", [out4]), b.const([2]), b.const([4])])
+        target = b.node("Concat", [b.const([-1]), tail], {"axis": 0})
+    out3 = b.node("Reshape", [out4, target], like=pv.outputs[0])
+    old = pv.outputs[0]
+    if is_graph_output(graph, old):
+        return False  # the Reshape would have to take the output's name: left for the recogniser to decline
+    replace_uses(graph, old, out3)
+    for n in [qk, *middle, pv]:
+        detach(n, dead)
+    graph.nodes.extend(b.nodes)
+    ctx.count("attention_heads_unfolded")
+    ctx.site(f"node '{softmax.name}' (Softmax)", "applied")
+    return True
+
+
+@register_pass
+class UnfoldHeadBatch(Pass):
+    """Rank-3 attention (heads folded into the batch) -> the rank-4 form the attention recogniser reads."""
+
+    name = "unfold-head-batch"
+    description = ("attention with heads folded into the batch (rank-3 [B*H, S, T] scores: Megatron, 3-D BMM) "
+                   "rewritten over the rank-4 tensors it flattens, for fuse-attention and the cann lowering")
+    order = 518
+    needs_shapes = True
+    adds_bodies = False
+    anchor_ops = frozenset({"Softmax"})
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        done = 0
+        with ctx.analysis(DimAnalysis, graph):
+            dead: list[Node] = []
+            for softmax in [n for n in graph.nodes if n.op == "Softmax" and (n.domain or "") in _DEFAULT]:
+                x = softmax.inputs[0] if softmax.inputs else None
+                if x is None or x.shape is None or len(x.shape) != 3 or not softmax.outputs:
+                    continue
+                done += _rewrite(graph, softmax, ctx, dead)
+            remove(graph, dead)
+        return done

@@ -1,0 +1,271 @@
+"""Attention as other exporters write it: heads folded into the batch (rank-3 scores: Megatron, 3-D BMM), and
+tf2onnx/Keras BERT (``(1 - m) * -10000`` masks, int32 masks cast late); hand-made graphs, each verified against
+onnxruntime with ``--opset 23`` (Attention emitted) and with the default opset (declined sites recorded)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T, helper as h, numpy_helper as nh
+
+from k3opt import api
+from k3opt.report import Report
+
+B, H, S, D = 2, 4, 5, 8
+HID = H * D
+
+
+def _model(nodes, inputs, inits, opset: int = 17, out_shape=(B, S, HID)) -> onnx.ModelProto:
+    graph = h.make_graph(nodes, "attn", inputs, [h.make_tensor_value_info("y", T.FLOAT, list(out_shape))],
+                         [nh.from_array(v, k) for k, v in inits.items()])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)], ir_version=8)
+    onnx.checker.check_model(model)
+    return model
+
+
+def _weights(rng) -> dict:
+    return {f"w{n}": (rng.standard_normal((HID, HID)) * 0.2).astype(np.float32) for n in "qkv"}
+
+
+def bmm3d(mask: str = "none", scale_on: str = "scores") -> onnx.ModelProto:
+    """x [B,S,HID] -> q/k/v [B,H,S,D] -> view(B*H, S, D) -> bmm(q, k^T) -> softmax -> bmm(., v) -> [B,S,HID]."""
+    rng = np.random.default_rng(0)
+    inits = _weights(rng)
+    inits.update({"split4": np.array([B, S, H, D], np.int64), "flat3": np.array([-1, S, D], np.int64),
+                  "back4": np.array([B, H, S, D], np.int64), "out3": np.array([B, S, HID], np.int64),
+                  "scale": np.array(1 / np.sqrt(D), np.float32)})
+    nodes = []
+    for n in "qkv":
+        nodes += [h.make_node("MatMul", ["x", f"w{n}"], [f"{n}p"]),
+                  h.make_node("Reshape", [f"{n}p", "split4"], [f"{n}s"]),
+                  h.make_node("Transpose", [f"{n}s"], [f"{n}4"], perm=[0, 2, 1, 3]),
+                  h.make_node("Reshape", [f"{n}4", "flat3"], [f"{n}3"])]
+    nodes.append(h.make_node("Transpose", ["k3"], ["kt3"], perm=[0, 2, 1]))
+    q = "q3"
+    if scale_on == "q":
+        nodes.append(h.make_node("Mul", ["q3", "scale"], ["q3s"]))
+        q = "q3s"
+    nodes.append(h.make_node("MatMul", [q, "kt3"], ["scores"]))
+    last = "scores"
+    if scale_on == "scores":
+        nodes.append(h.make_node("Mul", [last, "scale"], ["scaled"]))
+        last = "scaled"
+    inputs = [h.make_tensor_value_info("x", T.FLOAT, [B, S, HID])]
+    if mask == "causal":
+        inits["causal"] = np.triu(np.full((S, S), np.finfo(np.float32).min, np.float32), 1)[None]
+        nodes.append(h.make_node("Add", [last, "causal"], ["masked"]))
+        last = "masked"
+    elif mask == "per_head":
+        inputs.append(h.make_tensor_value_info("m", T.FLOAT, [B * H, S, S]))
+        nodes.append(h.make_node("Add", [last, "m"], ["masked"]))
+        last = "masked"
+    nodes += [h.make_node("Softmax", [last], ["probs"], axis=-1),
+              h.make_node("MatMul", ["probs", "v3"], ["o3"]),
+              h.make_node("Reshape", ["o3", "back4"], ["o4"]),
+              h.make_node("Transpose", ["o4"], ["ot"], perm=[0, 2, 1, 3]),
+              h.make_node("Reshape", ["ot", "out3"], ["y"])]
+    return _model(nodes, inputs, inits)
+
+
+def megatron() -> onnx.ModelProto:
+    """Megatron's layout: x [S,B,HID] -> q/k/v [S,B,H,D] -> view(S, B*H, D) -> transpose(0,1) -> baddbmm form."""
+    rng = np.random.default_rng(1)
+    inits = _weights(rng)
+    inits.update({"sbhd": np.array([S, B, H, D], np.int64), "sbh_d": np.array([S, B * H, D], np.int64),
+                  "scale": np.array(1 / np.sqrt(D), np.float32), "bhsd": np.array([B, H, S, D], np.int64),
+                  "out": np.array([S, B, HID], np.int64)})
+    nodes = []
+    for n in "qkv":
+        nodes += [h.make_node("MatMul", ["x", f"w{n}"], [f"{n}p"]),
+                  h.make_node("Reshape", [f"{n}p", "sbhd"], [f"{n}4"]),
+                  h.make_node("Reshape", [f"{n}4", "sbh_d"], [f"{n}r"]),
+                  h.make_node("Transpose", [f"{n}r"], [f"{n}3"], perm=[1, 0, 2])]
+    nodes += [h.make_node("Transpose", ["k3"], ["kt3"], perm=[0, 2, 1]),
+              h.make_node("MatMul", ["q3", "kt3"], ["scores"]),
+              h.make_node("Mul", ["scores", "scale"], ["scaled"]),
+              h.make_node("Softmax", ["scaled"], ["probs"], axis=-1),
+              h.make_node("MatMul", ["probs", "v3"], ["o3"]),
+              h.make_node("Reshape", ["o3", "bhsd"], ["o4"]),
+              h.make_node("Transpose", ["o4"], ["ot"], perm=[2, 0, 1, 3]),
+              h.make_node("Reshape", ["ot", "out"], ["y"])]
+    return _model(nodes, [h.make_tensor_value_info("x", T.FLOAT, [S, B, HID])], inits, out_shape=(S, B, HID))
+
+
+def _feeds(model: onnx.ModelProto) -> dict:
+    rng = np.random.default_rng(5)
+    feeds = {}
+    for i in model.graph.input:
+        shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
+        if i.name == "m":
+            feeds[i.name] = np.where(rng.random(shape) > 0.3, 0, -1e9).astype(np.float32)
+        elif i.type.tensor_type.elem_type == T.INT32:
+            m = (rng.random(shape) > 0.3).astype(np.int32)
+            m[:, 0] = 1
+            feeds[i.name] = m
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def _fused(model: onnx.ModelProto, opset: int = 23, **kw) -> tuple[onnx.ModelProto, Report]:
+    report = Report()
+    out = api.optimize(model, opset=opset, verify=True, input_data=_feeds(model), report=report, **kw)
+    assert report.verification["status"] == "passed", report.verification
+    return out, report
+
+
+def test_heads_folded_with_an_input_mask_reaches_the_recogniser():
+    """A per-head mask fed as an input may hold -inf rows, which Attention-23 zeroes and the graph does not:
+    unfolded to rank 4, then declined for that reason (not for the rank)."""
+    out, report = _fused(bmm3d("per_head"))
+    assert any("declined" in n and "rank 3" not in n for n in report.notes), report.notes
+    assert all(len(vi.type.tensor_type.shape.dim) != 3 for vi in out.graph.value_info if vi.name.endswith("softmax4"))
+
+
+@pytest.mark.parametrize("build", [
+    lambda: bmm3d(), lambda: bmm3d("causal"), lambda: bmm3d(scale_on="q"), megatron,
+], ids=["bmm", "bmm-causal", "bmm-scaled-q", "megatron"])
+def test_heads_folded_into_the_batch_fuse(build):
+    out, report = _fused(build())
+    ops = Counter(n.op_type for n in out.graph.node)
+    assert ops["Attention"] == 1 and ops["Softmax"] == 0, (ops, report.notes)
+
+
+def test_heads_folded_cann_lowers():
+    out, report = _fused(bmm3d("causal"), opset=None, target="cann")
+    assert report.lowering_verification["status"] == "passed"
+    assert Counter(n.op_type for n in out.graph.node)["NPUPromptFlashAttention"] == 1, report.lowering
+
+
+def test_rank3_not_from_heads_is_declined_and_recorded():
+    """q/k/v that are not views of rank-4 head tensors: the rank-3 site stays and the report says why."""
+    rng = np.random.default_rng(2)
+    inits = {"wq": rng.standard_normal((D, D)).astype(np.float32), "wk": rng.standard_normal((D, D)).astype(np.float32)}
+    nodes = [h.make_node("MatMul", ["x", "wq"], ["q"]), h.make_node("MatMul", ["x", "wk"], ["k"]),
+             h.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]), h.make_node("MatMul", ["q", "kt"], ["s"]),
+             h.make_node("Softmax", ["s"], ["p"], axis=-1), h.make_node("MatMul", ["p", "x"], ["y"])]
+    model = _model(nodes, [h.make_tensor_value_info("x", T.FLOAT, [B, S, D])], inits, out_shape=(B, S, D))
+    out, report = _fused(model)
+    assert "Attention" not in {n.op_type for n in out.graph.node}
+    assert any("declined" in n and "rank 3" in n for n in report.notes), report.notes
+
+
+def tf2onnx_bert(opset: int = 13, scale_op: str = "Mul", mask_kind: str = "int32") -> onnx.ModelProto:
+    """A Keras/TF BERT attention as tf2onnx writes it: biased projections, Reshape [B,S,H,D], q Transpose
+    [0,2,1,3] and k Transpose [0,2,3,1] (k^T at once), scores scaled after the MatMul, the mask an int32 [B,S]
+    input Cast late, reshaped [B,1,1,S] and turned additive as ``(1 - m) * -10000``."""
+    rng = np.random.default_rng(3)
+    inits = _weights(rng)
+    inits.update({f"b{n}": (rng.standard_normal(HID) * 0.1).astype(np.float32) for n in "qkv"})
+    inits.update({"split4": np.array([-1, S, H, D], np.int64), "mask4": np.array([-1, 1, 1, S], np.int64),
+                  "out3": np.array([-1, S, HID], np.int64), "one": np.array(1.0, np.float32),
+                  "big": np.array(-10000.0, np.float32),
+                  "dk": np.array(np.sqrt(D) if scale_op == "Div" else 1 / np.sqrt(D), np.float32)})
+    nodes = []
+    perms = {"q": [0, 2, 1, 3], "k": [0, 2, 3, 1], "v": [0, 2, 1, 3]}
+    for n in "qkv":
+        nodes += [h.make_node("MatMul", ["x", f"w{n}"], [f"{n}m"]), h.make_node("Add", [f"{n}m", f"b{n}"], [f"{n}p"]),
+                  h.make_node("Reshape", [f"{n}p", "split4"], [f"{n}s"]),
+                  h.make_node("Transpose", [f"{n}s"], [f"{n}t"], perm=perms[n])]
+    mask_in = "mask"
+    if mask_kind == "int32":
+        nodes.append(h.make_node("Cast", ["mask"], ["mask_f"], to=T.FLOAT))
+        mask_in = "mask_f"
+    nodes += [h.make_node("Reshape", [mask_in, "mask4"], ["m4"]),
+              h.make_node("Sub", ["one", "m4"], ["inv"]), h.make_node("Mul", ["inv", "big"], ["bias"]),
+              h.make_node("MatMul", ["qt", "kt"], ["scores"]),
+              h.make_node(scale_op, ["scores", "dk"], ["scaled"]),
+              h.make_node("Add", ["scaled", "bias"], ["masked"]),
+              h.make_node("Softmax", ["masked"], ["probs"], axis=3 if opset < 13 else -1),
+              h.make_node("MatMul", ["probs", "vt"], ["ctx"]),
+              h.make_node("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
+              h.make_node("Reshape", ["ctx_t", "out3"], ["y"])]
+    mask_type = T.INT32 if mask_kind == "int32" else T.FLOAT
+    inputs = [h.make_tensor_value_info("x", T.FLOAT, ["batch", S, HID]),
+              h.make_tensor_value_info("mask", mask_type, ["batch", S])]
+    graph = h.make_graph(nodes, "tf_bert", inputs, [h.make_tensor_value_info("y", T.FLOAT, ["batch", S, HID])],
+                         [nh.from_array(v, k) for k, v in inits.items()])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)], ir_version=7)
+    onnx.checker.check_model(model)
+    return model
+
+
+def _bert_feeds(model):
+    rng = np.random.default_rng(4)
+    mask = (rng.random((B, S)) > 0.3).astype(np.int32)
+    mask[:, 0] = 1
+    if model.graph.input[1].type.tensor_type.elem_type == T.FLOAT:
+        mask = mask.astype(np.float32)
+    return {"x": rng.standard_normal((B, S, HID)).astype(np.float32), "mask": mask}
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+@pytest.mark.parametrize("scale_op", ["Mul", "Div"])
+@pytest.mark.parametrize("mask_kind", ["int32", "float"])
+def test_tf2onnx_bert_fuses(opset, scale_op, mask_kind):
+    model = tf2onnx_bert(opset, scale_op, mask_kind)
+    report = Report()
+    out = api.optimize(model, opset=23, verify=True, input_data=_bert_feeds(model), report=report)
+    assert report.verification["status"] == "passed"
+    ops = Counter(n.op_type for n in out.graph.node)
+    if mask_kind == "int32":  # (1 - m) * -10000 of an integer m is finite: no row is ever fully masked
+        assert ops["Attention"] == 1 and ops["Softmax"] == 0, (ops, report.notes)
+    else:  # a float m may hold inf: a row of -inf biases is NaN here and zeros in Attention
+        assert ops["Attention"] == 0 and any("declined" in n and "mask" in n for n in report.notes), report.notes
+
+
+
+def past_without_mask(mask: str = "none") -> onnx.ModelProto:
+    """A decode step: keys and values Concat(past, new) on the sequence axis, no causal mask (one query), or an
+    int32 padding mask [B, T] turned into a boolean keep mask late (Cast to bool, Where(keep, 0, lowest))."""
+    rng = np.random.default_rng(6)
+    inits = _weights(rng)
+    inits.update({"split4": np.array([0, 1, H, D], np.int64), "out3": np.array([0, 1, HID], np.int64),
+                  "scale": np.array(1 / np.sqrt(D), np.float32), "zero": np.array(0.0, np.float32),
+                  "low": np.array(np.finfo(np.float32).min, np.float32), "m4": np.array([0, 1, 1, -1], np.int64)})
+    nodes = []
+    for n in "qkv":
+        nodes += [h.make_node("MatMul", ["x", f"w{n}"], [f"{n}p"]), h.make_node("Reshape", [f"{n}p", "split4"], [f"{n}s"]),
+                  h.make_node("Transpose", [f"{n}s"], [f"{n}t"], perm=[0, 2, 1, 3])]
+    nodes += [h.make_node("Concat", ["past_k", "kt"], ["present_k"], axis=2),
+              h.make_node("Concat", ["past_v", "vt"], ["present_v"], axis=2),
+              h.make_node("Transpose", ["present_k"], ["kT"], perm=[0, 1, 3, 2]),
+              h.make_node("MatMul", ["qt", "kT"], ["scores"]), h.make_node("Mul", ["scores", "scale"], ["scaled"])]
+    last = "scaled"
+    inputs = [h.make_tensor_value_info("x", T.FLOAT, ["batch", 1, HID]),
+              h.make_tensor_value_info("past_k", T.FLOAT, ["batch", H, "past", D]),
+              h.make_tensor_value_info("past_v", T.FLOAT, ["batch", H, "past", D])]
+    if mask == "int32":
+        inputs.append(h.make_tensor_value_info("mask", T.INT32, ["batch", "total"]))
+        nodes += [h.make_node("Cast", ["mask"], ["keep"], to=T.BOOL), h.make_node("Reshape", ["keep", "m4"], ["keep4"]),
+                  h.make_node("Where", ["keep4", "zero", "low"], ["bias"]),
+                  h.make_node("Add", [last, "bias"], ["masked"])]
+        last = "masked"
+    nodes += [h.make_node("Softmax", [last], ["probs"], axis=-1), h.make_node("MatMul", ["probs", "present_v"], ["ctx"]),
+              h.make_node("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
+              h.make_node("Reshape", ["ctx_t", "out3"], ["y"])]
+    outputs = [h.make_tensor_value_info("y", T.FLOAT, ["batch", 1, HID]),
+               h.make_tensor_value_info("present_k", T.FLOAT, ["batch", H, "total", D]),
+               h.make_tensor_value_info("present_v", T.FLOAT, ["batch", H, "total", D])]
+    graph = h.make_graph(nodes, "decode", inputs, outputs, [nh.from_array(v, k) for k, v in inits.items()])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.mark.parametrize("mask", ["none", "int32"])
+def test_past_without_a_causal_mask_fuses(mask):
+    model = past_without_mask(mask)
+    rng = np.random.default_rng(7)
+    feeds = {"x": rng.standard_normal((B, 1, HID)).astype(np.float32),
+             "past_k": rng.standard_normal((B, H, 3, D)).astype(np.float32),
+             "past_v": rng.standard_normal((B, H, 3, D)).astype(np.float32)}
+    if mask == "int32":
+        feeds["mask"] = np.array([[1, 1, 1, 1], [0, 1, 1, 1]], np.int32)
+    report = Report()
+    out = api.optimize(model, opset=23, verify=True, input_data=feeds, report=report)
+    assert report.verification["status"] == "passed"
+    ops = Counter(n.op_type for n in out.graph.node)
+    assert ops["Attention"] == 1 and ops["Softmax"] == 0, (ops, report.notes)
