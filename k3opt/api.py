@@ -20,6 +20,7 @@ from .graph import G_LOGGER
 from . import modelio
 from .modelio import opset as opsets
 from .modelio.opset23_down import decompose_opset23
+from .modelio.traced_experts import traced_experts_warnings
 from .pipeline import shapes
 from .pipeline import verify as verifier, verify_dims
 from .graph import gs_roundtrip, ir
@@ -198,6 +199,7 @@ class _Run:
             on_disk = None if isinstance(model, onnx.ModelProto) else model
             model, external, bodies = _load(model, report)
             report.notes.extend(modelio.repair(model, bodies))
+            report.warnings.extend(traced_experts_warnings(model))
             _keep_npu_nodes(model, target, report)
             self.source_files = {modelio.external_info(t)["location"] for t in external}
             opset_before = opsets.model_opset(model)

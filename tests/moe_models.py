@@ -3,7 +3,8 @@
 ``moe_model(name, exporter)`` is the path of a cached ONNX prefill export (k3opt.export, no optimization),
 ``moe_decode_model(name, exporter)`` of one KV-cache decoding step; ``moe_inputs`` / ``moe_decode_inputs``
 seeded numpy inputs for them. Every model is built from its transformers config with seeded noise on every
-parameter (tests/zoo.py's ``zoo_torch_model`` way) and transformers' exportable experts (``batched_mm``).
+parameter (tests/zoo.py's ``zoo_torch_model`` way), with the config's default experts: the exports rely on
+``k3opt.export`` switching them to transformers' exportable ``batched_mm`` (so every export tests that switch).
 
 The cache (``moe-*`` files in the zoo's cache folder) is keyed by the zoo's key and this file; tests/zoo.py
 is not touched (its hash keys everyone's zoo cache).
@@ -31,20 +32,20 @@ def _configs() -> dict[str, Callable[[], Any]]:
 
     return {
         "mixtral": lambda: tf.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                            experts_implementation="batched_mm", **_DECODER),
+                                            **_DECODER),
         "qwen2_moe": lambda: tf.Qwen2MoeConfig(
             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=32, norm_topk_prob=False, experts_implementation="batched_mm",
+            shared_expert_intermediate_size=32, norm_topk_prob=False,
             **_DECODER),
         "qwen3_moe": lambda: tf.Qwen3MoeConfig(
             num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            norm_topk_prob=True, experts_implementation="batched_mm", **_DECODER),
+            norm_topk_prob=True, **_DECODER),
         # the zoo's deepseek_v3 (MLA with q/kv LoRA, qk 12 / v 8, group-limited gate, layer 0 dense)
         "deepseek_v3": lambda: tf.DeepseekV3Config(
             num_key_value_heads=4, moe_intermediate_size=16, q_lora_rank=24, kv_lora_rank=16,
             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, head_dim=4, n_routed_experts=4,
             num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
-            experts_implementation="batched_mm", **_DECODER),
+            **_DECODER),
     }
 
 
@@ -133,3 +134,32 @@ def moe_decode_inputs(name: str, past: int = 6, new: int = 1, batch: int = BATCH
         feeds[f"past_key_values.{layer}.key"] = rng.standard_normal((batch, kh, past, kd)).astype(np.float32)
         feeds[f"past_key_values.{layer}.value"] = rng.standard_normal((batch, vh, past, vd)).astype(np.float32)
     return feeds
+
+
+def traced_eager_model(name: str) -> Path:
+    """The export trap: transformers' eager experts loop traced by TorchScript on ONE token (ids and mask, dynamic
+    batch and sequence axes): the graph keeps only the experts that token hit."""
+    moe_config(name)
+    target = cache_dir() / f"moe-{name}-traced-eager-{_key()}.onnx"
+    return build_cached(target, lambda tmp: _trace_eager(name, tmp))
+
+
+def _trace_eager(name: str, path: str) -> None:
+    import torch
+
+    hf = moe_torch_model(name)
+    hf.config._experts_implementation = "eager"
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            return self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    ids = torch.tensor([[5]])
+    axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"}}
+    with torch.no_grad():
+        torch.onnx.export(Logits().eval(), (ids, torch.ones_like(ids)), path, dynamo=False,
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"], dynamic_axes=axes)

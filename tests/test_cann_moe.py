@@ -17,7 +17,8 @@ from k3opt.targets.cann.reference.moe_ops import (MoeReferenceError, finalize_ro
 from k3opt.targets.cann.passes.lower_moe_npu import LowerMoeNPU
 from k3opt.report import Report
 from tests.helpers import make_model, op_counts
-from tests.moe_models import EXPORTERS, moe_config, moe_decode_inputs, moe_decode_model, moe_inputs, moe_model
+from tests.moe_models import (EXPORTERS, moe_config, moe_decode_inputs, moe_decode_model, moe_inputs, moe_model,
+                              traced_eager_model)
 
 TOKENS, HIDDEN, EXPERTS, K, INTER = 6, 8, 4, 2, 12
 _ROUTING = ("NPUMoeGatingTopKSoftmax", "NPUMoeInitRouting", "NPUMoeFinalizeRouting")
@@ -82,6 +83,16 @@ def test_decode_steps_lower_attention_and_moe_and_stay_equal(name, exporter):
     counts = op_counts(out)
     assert counts.get("NPUMoeFinalizeRouting", 0) == moe_layers(name), moe_lines(report)
     assert counts.get("NPUPromptFlashAttention", 0) == moe_config(name).num_hidden_layers, report.lowering
+
+
+@pytest.mark.parametrize("name, exporter", _cases())
+@pytest.mark.parametrize("opset", [None, 23])
+def test_default_target_and_opset_23_stay_equal_with_fewer_nodes(name, exporter, opset):
+    path = str(moe_model(name, exporter))
+    report = Report()
+    out = k3opt.optimize(path, opset=opset, verify=True, input_data=moe_inputs(name), report=report)
+    assert report.verification["status"] == "passed"
+    assert len(out.graph.node) < len(onnx.load(path).graph.node)
 
 
 def test_the_default_target_keeps_the_moe_blocks():
@@ -226,3 +237,23 @@ def test_finalize_routing_reference_undoes_the_permutation():
     out = finalize_routing(ex * 2, x, None, bias, y, erow, expert)  # "experts" that double their rows
     want = x + sum(y[:, j:j + 1] * (2 * x + bias[expert[:, j]]) for j in range(2))
     np.testing.assert_allclose(out, want, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the export trap
+
+def test_a_traced_eager_experts_loop_is_one_warning_per_block_in_optimize_and_check(tmp_path):
+    """Traced on one token, transformers' eager experts keep the 2 experts that token hit (of 4)."""
+    from click.testing import CliRunner
+
+    from k3opt.cli import main
+
+    path = traced_eager_model("mixtral")
+    report = Report()
+    k3opt.optimize(str(path), report=report)
+    trap = [w for w in report.warnings if "a trace of the experts loop kept 2 of 4 expert branches" in w]
+    assert len(trap) == 2 and all("k3opt export" in w for w in trap), report.warnings
+    result = CliRunner().invoke(main, ["check", str(path)])
+    assert result.output.count("warning: MoE experts at") == 2
+    clean = Report()
+    k3opt.optimize(str(moe_model("mixtral", "torchscript")), report=clean)
+    assert not any("MoE experts" in w for w in clean.warnings)

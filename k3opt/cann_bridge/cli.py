@@ -14,6 +14,7 @@ import onnx
 
 from ..cli_options import check_outputs, graph_options, optimize_kwargs, progress_for, run_options, verify_options
 from ..errors import InputError, UsageError
+from ..modelio.traced_experts import traced_experts_warnings
 from ..report import Report
 from .atc_command import AtcOptions, parse_input_shape
 from ..targets.cann.compat import check_model
@@ -59,6 +60,8 @@ def _check_file(model: str, input_shapes: tuple[str, ...], dynamic_dims: str, dy
         proto = onnx.load(model, load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError, OSError... for a bad file
         raise InputError(f"{model}: not a readable ONNX model ({exc})") from None
+    for warning in traced_experts_warnings(proto):
+        click.echo(f"warning: {warning}", err=True)
     dynamic = next((f for f, v in (("dynamic_dims", dynamic_dims), ("dynamic_batch_size", dynamic_batch_size),
                                    ("dynamic_image_size", dynamic_image_size)) if v), None)
     return check_model(proto, [parse_input_shape(s) for s in input_shapes], dynamic)
