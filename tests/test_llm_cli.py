@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from k3opt.cli import main
@@ -90,3 +91,18 @@ def test_compiling_an_onnx_pair_is_refused(tmp_path: Path) -> None:
     code, out, err = invoke("compile", tmp_path / "pair", "--soc-version", "Ascend910B3", "-o", tmp_path / "om",
                             "--dry-run")
     assert code == 2 and "--target cann" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_llm_from_a_config_json_exports_the_step_first(tmp_path: Path) -> None:
+    """A transformers config JSON (random weights): exported, rewritten, verified; its position limit is kept."""
+    source = tmp_path / "tiny.json"
+    source.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 32, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+                                  "vocab_size": 100, "max_position_embeddings": 40}))
+    code, out, err = invoke("llm", source, "--max-seq", 40, "--max-batch", 2, "-o", tmp_path / "pair")
+    assert code == 0 and "tokens verified" in out, err
+    code, out, err = invoke("generate", tmp_path / "pair", "--prompt", "1,2,3", "--steps", 5, "-q")
+    assert code == 0 and len(out.strip().split(",")) == 5
+    code, out, err = invoke("llm", source, "--max-seq", 41, "-o", tmp_path / "long")
+    assert code == 2 and "max_position_embeddings (40)" in err

@@ -35,25 +35,30 @@ CHECK_PROMPT, CHECK_STEPS = 5, 8
 
 
 def load_source(source: Any, exporter: str = "torchscript", progress: Optional[Callable[[str], None]] = None
-                ) -> onnx.ModelProto:
-    """The decode-step model of ``source``: a ModelProto, an .onnx path, or a checkpoint folder / config JSON."""
+                ) -> tuple[onnx.ModelProto, Optional[int]]:
+    """(decode-step model, positions its config allows or None) of ``source``: a ModelProto, an .onnx path, or a
+    checkpoint folder / config JSON (exported first)."""
     if isinstance(source, onnx.ModelProto):
-        return source
+        return source, None
     path = Path(source)
     if not path.exists():
         raise InputError(f"{source}: no such file or folder")
     if path.is_dir() or path.suffix == ".json":
         from ..export import from_transformers
+        from ..export.from_transformers import load_model
 
         if progress:
             progress("exporting the decode step")
+        model = load_model(str(path), "text-generation", 0)
+        limit = next((getattr(model.config, k) for k in ("max_position_embeddings", "n_positions")
+                      if isinstance(getattr(model.config, k, None), int)), None)
         with tempfile.TemporaryDirectory(prefix=".k3opt-llm-") as tmp:
             out = Path(tmp) / "step.onnx"
-            from_transformers(str(path), out, task="text-generation", use_cache=True, exporter=exporter,
+            from_transformers(model, out, task="text-generation", use_cache=True, exporter=exporter,
                               optimize=False, seq_len=3)
-            return onnx.load(str(out))
+            return onnx.load(str(out)), limit
     try:
-        return onnx.load(str(path))
+        return onnx.load(str(path)), None
     except Exception as exc:  # onnx raises DecodeError, OSError...: one line either way
         raise InputError(f"{source}: not a readable ONNX model ({type(exc).__name__})") from None
 
@@ -68,11 +73,13 @@ def build_pair(source: Any, out_dir: Any, *, max_seq: int, max_batch: int = 1, t
         raise UsageError(f"--max-batch must be at least 1, not {max_batch}")
     out = Path(out_dir)
     _check_out_dir(out, overwrite)
-    model = load_source(source, exporter, progress)
+    model, configured = load_source(source, exporter, progress)
     layout = recognise(model)
     limit = position_table(decode_graph(model, 2, 1))
     if limit is not None and max_seq > limit:
         raise UsageError(f"--max-seq {max_seq} is beyond the model's position table ({limit} positions)")
+    if configured is not None and max_seq > configured:
+        raise UsageError(f"--max-seq {max_seq} is beyond the model's max_position_embeddings ({configured})")
     import k3opt
 
     say = progress or (lambda _: None)
