@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Optional
 
 import click
 
-from ..cli_options import run_options
+from ..cli_options import check_outputs, run_options
 
 
 @click.command("quantize")
@@ -38,13 +37,15 @@ def quantize_cmd(model: str, output: str, weights: str, group_size: Optional[int
                  report_path: Optional[str], quiet: bool, debug: bool) -> None:
     """Quantize MODEL's MatMul/Gemm weights (weight-only) and write OUTPUT; prints errors, size and accuracy."""
     from . import quantize_file
+    from ..modelio.output_paths import write_text
 
+    check_outputs([output], [report_path], [model], overwrite=overwrite)
     report = quantize_file(model, output, weights=weights, group_size=group_size, symmetric=symmetric,
                            target=target, opset=opset, lm_head=quantize_lm_head, embedding=quantize_embedding,
                            clip=not no_clip_search, measure=not no_measure, tokens=tokens, overwrite=overwrite,
                            external_data=external_data)
     if report_path:
-        Path(report_path).write_text(json.dumps(report.__dict__, indent=2, default=str))
+        write_text(report_path, json.dumps(report.__dict__, indent=2, default=str))
     if not quiet:
         click.echo("\n".join(report.lines()))
 
