@@ -386,10 +386,8 @@ class _Run:
         except verifier.Unrunnable as exc:  # an op onnxruntime lacks: nothing can run it
             return self._skip_verification(f"original model: {exc}")
         except Exception as exc:  # noqa: BLE001 -- ORT's own error types: the input is at fault, not k3opt
-            if verifier.out_of_memory(exc):
-                raise UnverifiableError(f"verification cannot run: onnxruntime ran out of memory loading the "
-                                        "original; nothing was written (--no-verify writes the model unverified)"
-                                        ) from None
+            if verifier.out_of_memory(exc) or isinstance(exc, ImportError):
+                raise _no_memory("loading the original", exc) from None
             raise InputError(f"the input {self._input_name()} does not load in onnxruntime: "
                              f"{verifier.first_line(exc)}; nothing was written") from None
         try:
@@ -415,6 +413,8 @@ class _Run:
             except verifier.Unrunnable:
                 raise
             except Exception as exc:  # the optimized model does not run: that is a failure
+                if verifier.out_of_memory(exc):  # ... unless the machine ran out of memory (or threads)
+                    raise _no_memory("running the optimized model") from None
                 return verifier.failed(f"onnxruntime cannot run the optimized model: {verifier.first_line(exc)}",
                                        self.rtol, self.atol)
             if [o.name for o in candidate.graph.output] != names:
@@ -473,6 +473,13 @@ class _Run:
         bad = manager.steps[step - 1]
         record["first_diverging_pass"] = bad.name
         return f"; first diverging pass: {bad.name} (round {bad.round})"
+
+
+def _no_memory(step: str, exc: Optional[BaseException] = None) -> UnverifiableError:
+    """Verification stopped by the machine (memory, threads, onnxruntime's library not mapped), not the model."""
+    why = f" ({verifier.first_line(exc)})" if isinstance(exc, ImportError) else ""
+    return UnverifiableError(f"verification cannot run: onnxruntime ran out of memory {step}{why}; nothing was "
+                             "written (--no-verify writes the model unverified)")
 
 
 def export(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:

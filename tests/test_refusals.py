@@ -135,3 +135,49 @@ def test_library_gets_parsed_option_values():
     with pytest.raises(k3opt.UsageError, match="fold_max_bytes=-5"):
         k3opt.optimize(good_model(), fold_max_bytes=-5)
     k3opt.optimize(good_model(), fold_max_bytes="2MiB")
+
+
+# item 8: wrong results caught only by verification, or not at all
+
+
+def test_a_graph_output_listed_twice_survives_fuse_matmul_add(tmp_path):
+    w = onnx.numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    b = onnx.numpy_helper.from_array(np.arange(4, dtype=np.float32), "b")
+    model = unchecked([helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
+                      [("x", TensorProto.FLOAT, [2, 4])], [("y", TensorProto.FLOAT, [2, 4])] * 2, [w, b])
+    out = k3opt.optimize(model, verify=True)
+    assert [o.name for o in out.graph.output] == ["y", "y"]
+    assert [n.op_type for n in out.graph.node] == ["Gemm"] and list(out.graph.node[0].output) == ["y"]
+
+
+def test_duplicate_initializer_names_are_refused(folder):
+    b = onnx.numpy_helper.from_array(np.ones(4, np.float32), "b")
+    onnx.save(unchecked([helper.make_node("Add", ["x", "b"], ["y"])], [("x", TensorProto.FLOAT, [4])],
+                        [("y", TensorProto.FLOAT, [4])], [b, onnx.numpy_helper.from_array(np.zeros(4, np.float32), "b")]),
+              "dup.onnx")
+    before = snapshot(folder)
+    code, out, err = invoke(["optimize", "dup.onnx", "o.onnx", "--no-verify"])
+    assert_one_line_error(code, out, err, 2, "initializer 'b' is defined twice")
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("model, fragment", [
+    (lambda: unchecked([helper.make_node("Gather", ["d", "i"], ["y"])], [("d", TensorProto.FLOAT, [3])],
+                       [("y", TensorProto.FLOAT, [1])], [onnx.numpy_helper.from_array(np.array([7]), "i")]),
+     "indices element out of data bounds"),
+    (impossible_reshape, "Reshape"),
+])
+def test_inputs_onnxruntime_cannot_run_are_refused_not_written_unverified(folder, model, fragment):
+    onnx.save(model(), "bad.onnx")
+    before = snapshot(folder)
+    code, out, err = invoke(["optimize", "bad.onnx", "o.onnx"])
+    assert_one_line_error(code, out, err, 2, fragment)
+    assert "--no-verify" in err
+    assert snapshot(folder) == before
+
+
+def test_infinities_and_nans_compare_without_warnings(recwarn):
+    a = np.array([np.inf, -np.inf, np.nan, 1.0], np.float16)
+    result = verify.compare([a], [a.copy()], ["y"])
+    assert result["status"] == "passed" and not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert verify.compare([a], [np.array([-np.inf, -np.inf, np.nan, 1.0], np.float16)], ["y"])["status"] == "failed"

@@ -197,3 +197,27 @@ def test_a_live_writers_folder_is_never_removed(tmp_path):
         os.close(fd)
     assert remove_dead(out) == [live]  # its writer gone, the next save removes it
     assert making.is_dir()  # not locked yet by a writer being born: never touched
+
+
+@pytest.mark.parametrize("megabytes", [150, 200, 250, 300])
+@pytest.mark.parametrize("verify_flag", ["--verify", "--no-verify"])
+def test_a_memory_limit_is_one_line_and_blames_no_model(tmp_path, megabytes, verify_flag):
+    """``ulimit -v``: wherever memory runs out (imports, onnxruntime's library, its threads), exit 0 or 2 in
+    one line, never a traceback, never "the input/optimized model does not load", nothing left on failure."""
+    import resource
+
+    onnx.save(make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", TensorProto.FLOAT, [2, 8])],
+                         [("y", TensorProto.FLOAT, [2, 8])]), tmp_path / "m.onnx")
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (megabytes << 20, megabytes << 20))
+
+    proc = subprocess.run([sys.executable, "-m", "k3opt", "optimize", "m.onnx", "o.onnx", "-q", verify_flag],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          preexec_fn=limit, timeout=300)
+    assert proc.returncode in (0, 2) and "Traceback" not in proc.stderr, proc.stderr
+    if proc.returncode:
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("k3opt: error: "), proc.stderr
+        assert "does not load" not in lines[0] and "differs" not in lines[0], lines[0]
+        assert names(tmp_path) == ["m.onnx"]

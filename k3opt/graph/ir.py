@@ -410,9 +410,9 @@ def replace_uses(graph: Graph, old: Tensor, new: Tensor) -> None:
         for i, inp in enumerate(node.inputs):
             if inp is old:
                 _relink_input(node, i, old, new)
+    name = old.name  # read once: a graph listing the output twice must keep its name at both places
     for i, out in enumerate(graph.outputs):
         if out is old:
-            name = old.name
             old.name = name + "__k3opt_replaced"
             new.name = name
             if new.dtype is None:

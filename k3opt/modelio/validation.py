@@ -76,7 +76,13 @@ def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], f
     if depth > MAX_GRAPH_DEPTH:
         raise InputError(f"{source}: subgraphs nested more than {MAX_GRAPH_DEPTH} deep (graph '{graph.name}'); "
                          f"k3opt reads at most {MAX_GRAPH_DEPTH} levels")
-    known = set(outer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    initializers = [t.name for t in graph.initializer]
+    unique = set(initializers)
+    if len(unique) < len(initializers):
+        seen: set[str] = set()
+        twice = next(n for n in initializers if n in seen or seen.add(n))
+        raise InputError(f"{source}: initializer '{twice}' is defined twice (which one is meant is undefined)")
+    known = set(outer) | {i.name for i in graph.input} | unique
     if graph.sparse_initializer:
         _check_sparse(graph, source)
         known |= {t.values.name for t in graph.sparse_initializer}

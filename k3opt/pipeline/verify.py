@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx.external_data_helper import uses_external_data
 
-from ..errors import InputError, InvalidOutputError, UsageError
+from ..errors import InputError, InvalidOutputError, UnverifiableError, UsageError
 from ..graph import dtypes
 from ..graph.gs_roundtrip import unique_names
 from ..modelio import PROTO_LIMIT, all_tensors, inline_copy, proto_size
@@ -113,6 +113,9 @@ def check_loads(path: Path, ran: bool = False) -> Optional[str]:
             fallback = str(exc)
         except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind exception types
             why = first_line(exc).replace(str(path), path.name)  # the temporary folder means nothing to the user
+            if out_of_memory(exc) or isinstance(exc, ImportError):  # the machine's fault: neither model's
+                raise UnverifiableError(f"cannot check the written model: onnxruntime ran out of memory ({why}); "
+                                        "nothing was written") from None
             raise InvalidOutputError(f"the optimized model does not load in onnxruntime ({why}); "
                                      "nothing was written") from None
     try:
@@ -157,11 +160,12 @@ def load_fault(path: Path) -> Optional[str]:
     except Unrunnable:
         return None
     except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind exception types
-        return first_line(exc)
+        return None if out_of_memory(exc) or isinstance(exc, ImportError) else first_line(exc)
     return None
 
 
-_OUT_OF_MEMORY = ("bad_alloc", "Failed to allocate", "out of memory", "MemoryError")
+_OUT_OF_MEMORY = ("bad_alloc", "Failed to allocate", "out of memory", "MemoryError", "Cannot allocate memory",
+                  "pthread_create failed", "failed to map segment")
 
 
 def out_of_memory(exc: BaseException) -> bool:
@@ -313,17 +317,19 @@ def compare(
         else:
             a64, b64 = a.astype(np.float64), b.astype(np.float64)
             both_nan = np.isnan(a64) & np.isnan(b64)
-            diff = np.where(both_nan, 0.0, np.abs(a64 - b64))
-            diff = np.where(np.isnan(diff), np.inf, diff)
-            rel = diff / np.maximum(np.abs(a64), np.finfo(np.float64).tiny)
-            allowed = t + r * np.abs(a64)
-            with np.errstate(divide="ignore", invalid="ignore"):  # allowed is 0 only with atol 0
-                fraction = np.where(diff == 0, 0.0, diff / allowed)
+            # inf - inf and inf / inf are nan: no warning on stderr (equal infinities are equal, the rest inf)
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                diff = np.where(both_nan | (a64 == b64), 0.0, np.abs(a64 - b64))
+                # an infinite expected value allows anything by rtol: only the same infinity matches it
+                diff = np.where(np.isnan(diff) | (np.isinf(a64) & (diff != 0)), np.inf, diff)
+                rel = diff / np.maximum(np.abs(a64), np.finfo(np.float64).tiny)
+                allowed = t + r * np.abs(a64)
+                fraction = np.where(diff == 0, 0.0, diff / allowed)  # allowed is 0 only with atol 0
             entry.update(
                 max_abs=float(diff.max(initial=0.0)),
                 max_rel=float(np.where(diff == 0, 0.0, rel).max(initial=0.0)),
                 tol_fraction=float(np.nan_to_num(fraction, nan=np.inf, posinf=np.inf).max(initial=0.0)),
-                passed=bool(np.all(both_nan | (diff <= allowed))),
+                passed=bool(np.all(both_nan | (diff == 0) | (np.isfinite(diff) & (diff <= allowed)))),
             )
         ok = ok and entry["passed"]
         outputs.append(entry)
