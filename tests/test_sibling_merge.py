@@ -99,6 +99,14 @@ def test_a_pair_whose_merge_saves_no_node_is_left_alone(bias):
     assert n == 1 and op_counts(out) == {"MatMul": 1, "Add": 1, "Split": 1, "Relu": 2}
 
 
+def test_cann_merges_the_gate_up_pair():
+    """--target cann merges the pair onnx leaves: Ascend's LLM implementations run gate+up as one matmul."""
+    model = projections([12, 20])
+    out, n, _ = merged(model, target="cann")
+    assert n == 1 and op_counts(out) == {"MatMul": 1, "Split": 1, "Relu": 2}
+    assert_equivalent(model, out)
+
+
 @pytest.mark.parametrize(
     "bias_shape,x_shape",
     [((3, 4), ("B", 3, 8)), ((4, 1), ("B", 4, 8)), ((1, 1, 4), (3, 8)), ((2, 1, 4), ("B", "S", 8)),

@@ -53,14 +53,19 @@ def _sibling_groups(graph: Graph, ctx: PassContext) -> list[list[tuple[Node, gs.
         if weight is not None:
             key = (id(node.inputs[0]), onnx_type(weight.dtype), int(weight.shape[0]))
             groups.setdefault(key, []).append((node, weight))
-    return [g for g in groups.values() if _saves_a_node(graph, g)]
+    return [g for g in groups.values() if _worth_merging(graph, g, ctx.target)]
 
 
-def _saves_a_node(graph: Graph, group: list[tuple[Node, gs.Constant]]) -> bool:
+def _worth_merging(graph: Graph, group: list[tuple[Node, gs.Constant]], target: str) -> bool:
     """n siblings become one MatMul and a Split (and their n bias Adds one Add): a pair without the bias merge
     keeps the node count and only adds the Split, which copies the whole merged output (onnxruntime CPU:
-    SwiGLU's gate/up pair merged made a Llama prefill of 512 tokens 4-10 % slower, docs/benchmarks.md)."""
-    return len(group) > 2 or (len(group) == 2 and all(_bias_add(graph, n, w) is not None for n, w in group))
+    SwiGLU's gate/up pair merged made a Llama prefill of 512 tokens 4-10 % slower, docs/benchmarks.md), so
+    the onnx target leaves it. The cann target merges it: Ascend's LLM implementations run gate and up as one
+    matmul (MindIE/ATB's merged gate_up weight, torch_npu's npu_swiglu over the merged output), one bigger
+    Cube call instead of two."""
+    if len(group) > 2 or (len(group) == 2 and target == "cann"):
+        return True
+    return len(group) == 2 and all(_bias_add(graph, n, w) is not None for n, w in group)
 
 
 def _record_declined(graph: Graph, ctx: PassContext) -> None:
