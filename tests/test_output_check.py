@@ -181,6 +181,20 @@ def test_cann_check_refuses_a_truncated_data_file(tmp_path):
         check_written(tmp_path / "o.onnx")
 
 
+def test_cann_check_reads_the_data_file_beside_the_output_not_the_current_folder(tmp_path, monkeypatch):
+    """The checker looks for external data beside the written model, wherever the run started (it used to
+    look in the current folder: a run from the input's folder judged the input's data file)."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    modelio.save(npu_model(width=512), out / "o.onnx", external_data=True)
+    monkeypatch.chdir(elsewhere)
+    check_written(out / "o.onnx")  # no o.onnx.data here: found beside the output
+    (elsewhere / "o.onnx.data").write_bytes(b"")  # a stale namesake in the current folder is not looked at
+    check_written(out / "o.onnx")
+    assert sorted(p.name for p in out.iterdir()) == ["o.onnx", "o.onnx.data"]  # the checker's copy is gone
+
+
 def test_nodes_of_one_name_are_renamed_so_the_output_loads(tmp_path):
     """onnxruntime refuses two nodes named alike (the input too); the output names the later one ``n_1``."""
     nodes = [helper.make_node("Relu", ["x"], ["a"], name="n"), helper.make_node("Neg", ["a"], ["b"], name="n"),

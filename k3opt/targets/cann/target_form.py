@@ -14,6 +14,7 @@ Then :func:`invariant_violations` must find nothing.
 """
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -127,10 +128,14 @@ def check_written(path: Path) -> None:
         if node.domain in _DEFAULT and node.op_type in NPU_OPS:
             node.domain = STAGING_DOMAIN
     model.opset_import.add(domain=STAGING_DOMAIN, version=1)
-    try:
-        onnx.checker.check_model(model)
-    except onnx.checker.ValidationError as exc:
-        problems.append(f"onnx's checker: {str(exc).strip().splitlines()[0][:300]}")
+    # checked as a file beside ``path``: a proto's external data would be looked up from the current folder
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".k3opt-check-", suffix=".onnx") as f:
+        f.write(model.SerializeToString())
+        f.flush()
+        try:
+            onnx.checker.check_model(f.name)
+        except onnx.checker.ValidationError as exc:
+            problems.append(f"onnx's checker: {str(exc).strip().splitlines()[0][:300]}")
     if problems:
         raise InvalidOutputError("the optimized model fails the cann target's checks (" + "; ".join(problems[:5])
                                  + "); nothing was written")
