@@ -21,6 +21,7 @@ from . import modelio
 from .modelio import opset as opsets
 from .modelio.opset23_down import decompose_opset23
 from .modelio.traced_experts import traced_experts_warnings
+from .blocks import run_hook as block_hook
 from .pipeline import shapes
 from .pipeline import verify as verifier, verify_dims
 from .graph import gs_roundtrip, ir
@@ -150,11 +151,13 @@ class _Run:
 
     def __init__(
         self, report: Report, *, progress: ProgressSink = None, rtol: Optional[float] = None,
-        atol: Optional[float] = None, input_data: Any = None, seed: int = 0, **pass_options: Any,
+        atol: Optional[float] = None, input_data: Any = None, seed: int = 0, verify_memory: Optional[int] = None,
+        **pass_options: Any,
     ):
         self.report = report
         self.progress = progress
         self.rtol, self.atol, self.input_data, self.seed = rtol, atol, input_data, seed
+        self.verify_memory = verify_memory  # bytes; over it, verification goes block by block (k3opt.blocks)
         self.pass_options = pass_options
         #: The graph inputs' dims before --input-shape fixed some (verification sizes the rest to agree).
         self.declared_dims: Optional[dict[str, list]] = None
@@ -208,7 +211,8 @@ class _Run:
         self.declared_dims = verify_dims.declared_dims(model) if verify else None
         shapes.fix_inputs(model, input_shapes)
         original = None
-        if verify:
+        blockwise = block_hook.start(self, model, self.verify_memory) if verify else None
+        if verify and blockwise is None:
             with self.step("preparing verification", "verify"):  # serializing a big model takes seconds
                 original = self._runnable_original(model)
         # Up before the passes (fusions may need the newer opset), down after them (see opset.converts_down).
@@ -262,6 +266,9 @@ class _Run:
         if original is not None:
             with self.step("verifying", "verify"):
                 self._verify(original, start, out, manager, pipeline, ctx, before_down)
+        elif blockwise is not None:
+            with self.step("verifying block by block", "verify"):
+                blockwise.finish(before_down or out, manager, pipeline, ctx)
         if lowering or target == "cann":
             with self.step(f"lowering for {target}", "lower"):
                 out, lowered_by = self._lower(out, lowering, target)

@@ -124,6 +124,15 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
     return parsed
 
 
+def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
+    """``4GB`` -> bytes (a bad size is a usage error)."""
+    if value is None:
+        return None
+    from .blocks.run_hook import parse_size
+
+    return parse_size(value)
+
+
 def _set_flag(name: str) -> Callable[[click.Context, click.Parameter, bool], bool]:
     def callback(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
         if value:
@@ -169,7 +178,7 @@ def graph_options(f: F) -> F:
 
 
 def verify_options(f: F) -> F:
-    """--verify/--no-verify, --input-data, --rtol, --atol."""
+    """--verify/--no-verify, --input-data, --rtol, --atol, --verify-memory."""
     return _apply(f, [
         click.option("--verify/--no-verify", default=True, show_default=True,
                      help="Compare original and optimized outputs in onnxruntime."),
@@ -177,6 +186,9 @@ def verify_options(f: F) -> F:
                      help="Inputs for verification (arrays named like the graph inputs)."),
         click.option("--rtol", type=TOLERANCE, help="Relative tolerance (default 1e-4 fp32, 1e-2 fp16)."),
         click.option("--atol", type=TOLERANCE, help="Absolute tolerance (default 1e-5 fp32, 1e-3 fp16)."),
+        click.option("--verify-memory", callback=_size, metavar="SIZE",
+                     help="Memory verification may use for weights (default 1GB): a model over a third of it "
+                          "is verified block by block, between its decoder layers."),
     ])
 
 
@@ -204,7 +216,7 @@ def run_options(f: F) -> F:
 
 def optimize_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments for k3opt.optimize/optimize_file from the parsed option values."""
-    keys = ("passes", "target", "opset", "plugins", "verify", "rtol", "atol", "input_data")
+    keys = ("passes", "target", "opset", "plugins", "verify", "rtol", "atol", "input_data", "verify_memory")
     kwargs = {k: params[k] for k in keys if k in params}
     if "skip" in params:
         kwargs["skip"] = tuple(params["skip"] or ())

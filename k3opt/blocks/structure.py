@@ -1,0 +1,229 @@
+"""A transformer's layer structure: the residual stream between decoder layers, and the blocks it cuts.
+
+The residual stream is the longest chain of ``Add(r, f(r))`` nodes (``r`` read by the Add and, through
+the sublayer ``f``, by its other operand). A sublayer that holds an attention (a fused attention op, or a
+Softmax feeding a MatMul of two activations) starts a decoder layer, so the layer boundaries are the
+stream tensors entering each attention sublayer, plus the last one (the final norm and the head follow).
+Nothing here reads a weight: it works on the structure of a model of any size, original or optimized
+(k3opt's passes keep the residual Adds and their output names).
+
+:func:`partition` puts every node in one block: block 0 computes the first boundary (the embeddings),
+block ``k`` the ``k``-th, the last block what follows the last boundary (final norm, lm_head). A node
+used by several blocks and read by none of the boundaries' producers goes to the earliest block its
+inputs allow; Constant nodes are copied into every other block that reads them (the only duplicates).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Iterable, Optional
+
+import onnx
+
+from ..errors import InputError
+from ..modelio import tensor_nbytes
+
+#: Fused attention ops (ONNX Attention-23, onnxruntime's contrib ops, the NPU ops of the cann target).
+ATTENTION_OPS = frozenset(("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
+                           "NPUPromptFlashAttention", "NPUIncreFlashAttention", "NPUFusedAttentionScore",
+                           "PromptFlashAttention", "IncreFlashAttention", "FusedInferAttentionScore"))
+#: Nodes searched back from an Add's operand for its residual input (a sublayer is far smaller).
+_SEARCH_LIMIT = 20_000
+_PASSTHROUGH = frozenset(("Cast", "Identity"))
+
+
+class NoLayers(InputError):
+    """No layer structure was found: the model cannot be cut into blocks."""
+
+
+@dataclasses.dataclass
+class Block:
+    """Nodes (indices into ``graph.node``, in graph order) and the tensors that cross the block's edges."""
+
+    nodes: list[int]
+    inputs: list[str]  # read, produced elsewhere: graph inputs and earlier blocks' tensors (no initializers)
+    outputs: list[str]  # produced here, read by later blocks or graph outputs
+    weights: list[str]  # initializers read
+    weight_bytes: int
+    copied: list[int] = dataclasses.field(default_factory=list)  # Constant nodes copied from other blocks
+
+
+def node_inputs(node: onnx.NodeProto) -> list[str]:
+    """A node's inputs, with the outer-scope names its subgraphs (If/Loop/Scan bodies) read."""
+    names = [x for x in node.input if x]
+    for attr in node.attribute:
+        for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            names += _outer_names(g)
+    return names
+
+
+def _outer_names(g: onnx.GraphProto) -> list[str]:
+    inner = {i.name for i in g.input} | {t.name for t in g.initializer}
+    outer = []
+    for node in g.node:
+        outer += [x for x in node_inputs(node) if x not in inner]
+        inner.update(node.output)
+    return outer + [o.name for o in g.output if o.name not in inner]
+
+
+class _Index:
+    """Producers and consumers of a graph's tensors."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.graph = graph
+        self.initializers = {t.name for t in graph.initializer}
+        self.producer: dict[str, int] = {}
+        self.consumers: dict[str, list[int]] = {}
+        self.inputs = [node_inputs(n) for n in graph.node]
+        for i, node in enumerate(graph.node):
+            for x in self.inputs[i]:
+                self.consumers.setdefault(x, []).append(i)
+            for y in node.output:
+                if y:
+                    self.producer[y] = i
+
+    def constant(self, name: str) -> bool:
+        p = self.producer.get(name)
+        return name in self.initializers or (p is not None and self.graph.node[p].op_type == "Constant")
+
+    def stream_source(self, name: str) -> str:
+        """``name`` followed up through Casts and Identities (a norm reads the stream through a Cast)."""
+        while name in self.producer:
+            node = self.graph.node[self.producer[name]]
+            if node.op_type not in _PASSTHROUGH or not node.input:
+                break
+            name = node.input[0]
+        return name
+
+    def ancestors(self, name: str, floor: int) -> Optional[set[int]]:
+        """Nodes above ``name`` produced after node ``floor`` (None past the search limit)."""
+        seen: set[int] = set()
+        todo = [name]
+        while todo:
+            p = self.producer.get(todo.pop())
+            if p is None or p <= floor or p in seen:
+                continue
+            seen.add(p)
+            if len(seen) > _SEARCH_LIMIT:
+                return None
+            todo += self.inputs[p]
+        return seen
+
+
+def find_boundaries(graph: onnx.GraphProto) -> list[str]:
+    """The residual-stream tensors at the decoder-layer boundaries, in order; raises NoLayers."""
+    index = _Index(graph)
+    chain, segments = _residual_chain(index)
+    if len(chain) < 3:
+        raise NoLayers("no layer structure found: looked for a residual stream (a chain of at least two "
+                       "Add(x, f(x)) nodes between decoder layers)")
+    starts = [i for i, seg in enumerate(segments) if _has_attention(index, seg)]
+    if not starts:  # no attention (an MLP stack): every sublayer is a layer
+        return chain
+    return [chain[i] for i in starts] + [chain[-1]]
+
+
+def _residual_chain(index: _Index) -> tuple[list[str], list[set[int]]]:
+    """The longest chain of stream tensors r0 -> r1 ... (r_{i+1} = Add(r_i, f(r_i))), and each f's nodes."""
+    nxt: dict[str, tuple[str, set[int]]] = {}
+    for i, node in enumerate(index.graph.node):
+        if node.op_type != "Add" or len(node.input) != 2 or not node.output[0]:
+            continue
+        for r, other in (node.input, node.input[::-1]):
+            if index.constant(r) or index.constant(other) or len(index.consumers.get(r, ())) < 2:
+                continue
+            floor = index.producer.get(r, -1)
+            branch = index.ancestors(other, floor)
+            if branch and any(r in index.inputs[j] for j in branch):
+                source = index.stream_source(r)
+                if source not in nxt:
+                    nxt[source] = (node.output[0], branch)
+                    break
+    targets = {t for t, _ in nxt.values()}
+    best: tuple[list[str], list[set[int]]] = ([], [])
+    for start in nxt:
+        if start in targets:
+            continue
+        chain, segments, t = [start], [], start
+        while t in nxt and len(chain) <= len(nxt):
+            t, branch = nxt[t]
+            chain.append(t)
+            segments.append(branch)
+        if len(chain) > len(best[0]):
+            best = (chain, segments)
+    return best
+
+
+def _has_attention(index: _Index, nodes: Iterable[int]) -> bool:
+    """A fused attention op, or a Softmax whose output reaches (within 3 nodes) a MatMul of two activations."""
+    graph = index.graph
+    for i in nodes:
+        op = graph.node[i].op_type
+        if op in ATTENTION_OPS:
+            return True
+        if op != "Softmax":
+            continue
+        frontier = deque([(graph.node[i].output[0], 0)])
+        while frontier:
+            name, depth = frontier.popleft()
+            for c in index.consumers.get(name, ()):
+                node = graph.node[c]
+                if node.op_type == "MatMul" and not any(index.constant(x) for x in node.input):
+                    return True
+                if depth < 3:
+                    frontier.extend((y, depth + 1) for y in node.output)
+    return False
+
+
+def partition(graph: onnx.GraphProto, boundaries: list[str]) -> list[Block]:
+    """Cut ``graph`` at ``boundaries`` (in order) into ``len(boundaries) + 1`` blocks."""
+    index = _Index(graph)
+    nodes = graph.node
+    owner: dict[int, int] = {}
+    for k, name in enumerate(boundaries):
+        if name not in index.producer:
+            raise NoLayers(f"boundary tensor '{name}' is not produced by a node")
+        todo = [index.producer[name]]
+        while todo:
+            i = todo.pop()
+            if i in owner or nodes[i].op_type == "Constant":
+                continue
+            owner[i] = k
+            todo += [index.producer[x] for x in index.inputs[i] if x in index.producer]
+    last = len(boundaries)
+    after = {boundaries[-1]} if boundaries else set()
+    for i, node in enumerate(nodes):  # the rest: after the last boundary, or as early as their inputs allow
+        if i in owner or node.op_type == "Constant":
+            continue
+        ins = index.inputs[i]
+        if any(x in after for x in ins):
+            owner[i] = last
+            after.update(node.output)
+        else:
+            owner[i] = max((owner.get(index.producer[x], 0) for x in ins if x in index.producer), default=0)
+    blocks = [Block([], [], [], [], 0) for _ in range(last + 1)]
+    for i, node in enumerate(nodes):
+        if node.op_type == "Constant":
+            readers = sorted({owner[c] for y in node.output for c in index.consumers.get(y, ())})
+            readers = readers or [last]
+            blocks[readers[0]].nodes.append(i)
+            for k in readers[1:]:
+                blocks[k].copied.append(i)
+        else:
+            blocks[owner[i]].nodes.append(i)
+    sizes = {t.name: tensor_nbytes(t) for t in graph.initializer}
+    graph_outputs = [o.name for o in graph.output]
+    for block in blocks:
+        mine = set(block.nodes) | set(block.copied)
+        made = {y for i in mine for y in nodes[i].output if y}
+        read: dict[str, None] = {}
+        for i in sorted(mine):
+            read.update((x, None) for x in index.inputs[i])
+        block.weights = [x for x in read if x in sizes and x not in made]
+        block.weight_bytes = sum(sizes[x] for x in block.weights)
+        block.inputs = [x for x in read if x not in made and x not in sizes]
+    later: set[str] = set(graph_outputs)
+    for block in reversed(blocks):
+        block.outputs = [y for i in block.nodes for y in nodes[i].output if y in later]
+        later.update(block.inputs)
+    return blocks
