@@ -26,7 +26,7 @@ from .cli_options import (
     verify_options,
 )
 from .errors import InputError, K3optError, UsageError, VerificationError
-from .interrupts import Interrupted, install as install_signal_handlers
+from .interrupts import Interrupted, install as install_signal_handlers, restore as restore_signal_handlers
 from .report import Report
 
 EXIT_USAGE = 2
@@ -40,7 +40,8 @@ class _Group(click.Group):
     def main(self, args: Any = None, prog_name: Optional[str] = None, **extra: Any) -> Any:
         extra.pop("standalone_mode", None)
         extra.pop("obj", None)
-        install_signal_handlers()  # SIGTERM and SIGHUP too: one line, exit 2, the save's temporary files removed
+        # SIGTERM and SIGHUP too: one line, exit 2, the save's temporary files removed; put back afterwards
+        previous = install_signal_handlers()
         state = RunState()  # this run's: handed to click as the context object, read back here on failure
         try:
             code = super().main(args, prog_name, standalone_mode=False, obj=state, **extra)
@@ -63,6 +64,7 @@ class _Group(click.Group):
         finally:
             if state.progress is not None:
                 state.progress.close()
+            restore_signal_handlers(previous)
         sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:

@@ -33,12 +33,24 @@ def _raise(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
 
-def install() -> None:
-    """Make SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` (main thread only; the CLI's first step)."""
+def install() -> dict[int, Any]:
+    """Make SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` (main thread only; the CLI's first step).
+
+    Returns the handlers replaced, for :func:`restore` (a command run inside a Python process, e.g. a test
+    or a benchmark calling the CLI, leaves the process's handlers as it found them).
+    """
     if threading.current_thread() is not threading.main_thread():
-        return
+        return {}
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in STOP_SIGNALS:
         signal.signal(sig, _raise)
+    return previous
+
+
+def restore(previous: dict[int, Any]) -> None:
+    """Put back the handlers :func:`install` replaced."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -63,7 +75,6 @@ def deferred_signals() -> Iterator[None]:
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        restore(previous)
         if pending:
             signal.raise_signal(pending[0])

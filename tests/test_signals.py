@@ -221,3 +221,12 @@ def test_a_memory_limit_is_one_line_and_blames_no_model(tmp_path, megabytes, ver
         assert len(lines) == 1 and lines[0].startswith("k3opt: error: "), proc.stderr
         assert "does not load" not in lines[0] and "differs" not in lines[0], lines[0]
         assert names(tmp_path) == ["m.onnx"]
+
+
+def test_a_command_run_in_process_puts_the_handlers_back(tmp_path):
+    """A test or a benchmark calling the CLI keeps its own SIGTERM handling afterwards."""
+    from tests.test_bad_input import invoke
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    invoke(["optimize", str(tmp_path / "missing.onnx")])
+    assert {s: signal.getsignal(s) for s in before} == before
