@@ -269,3 +269,62 @@ def test_past_without_a_causal_mask_fuses(mask):
     assert report.verification["status"] == "passed"
     ops = Counter(n.op_type for n in out.graph.node)
     assert ops["Attention"] == 1 and ops["Softmax"] == 0, (ops, report.notes)
+
+
+def _einsum_attention() -> onnx.ModelProto:
+    """Keras MultiHeadAttention as tf2onnx writes it: Einsum for the scores and for probs @ v."""
+    nodes = [h.make_node("Einsum", ["q", "k"], ["scores"], equation="aecd,abcd->acbe"),
+             h.make_node("Softmax", ["scores"], ["probs"], axis=-1, name="keras_softmax"),
+             h.make_node("Einsum", ["probs", "v"], ["y"], equation="acbe,aecd->abcd")]
+    inputs = [h.make_tensor_value_info(n, T.FLOAT, [B, S, H, D]) for n in "qkv"]
+    graph = h.make_graph(nodes, "einsum", inputs, [h.make_tensor_value_info("y", T.FLOAT, [B, S, H, D])])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 13)], ir_version=7)
+
+
+def _attention_in_a_body() -> onnx.ModelProto:
+    body_nodes = [h.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), h.make_node("MatMul", ["q", "kt"], ["s"]),
+                  h.make_node("Softmax", ["s"], ["p"], axis=-1, name="body_softmax"),
+                  h.make_node("MatMul", ["p", "v"], ["o"])]
+    body = h.make_graph(body_nodes, "then", [], [h.make_tensor_value_info("o", T.FLOAT, [B, H, S, D])])
+    other = h.make_graph([h.make_node("Identity", ["v"], ["o2"])], "else", [],
+                         [h.make_tensor_value_info("o2", T.FLOAT, [B, H, S, D])])
+    inputs = [h.make_tensor_value_info("c", T.BOOL, [])] + \
+        [h.make_tensor_value_info(n, T.FLOAT, [B, H, S, D]) for n in "qkv"]
+    graph = h.make_graph([h.make_node("If", ["c"], ["y"], then_branch=body, else_branch=other)], "if", inputs,
+                         [h.make_tensor_value_info("y", T.FLOAT, [B, H, S, D])])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("build,why", [(_einsum_attention, "scores come from a Einsum"),
+                                       (_attention_in_a_body, "inside an If/Loop/Scan body")])
+def test_attention_shaped_sites_never_silent(build, why):
+    report = Report()
+    api.optimize(build(), report=report)  # opset 17: the Einsums stay (einsum-attention runs where Attention can follow)
+    assert any("declined" in n and why in n for n in report.notes), report.notes
+
+
+def test_keras_einsum_attention_fuses():
+    model = _einsum_attention()
+    rng = np.random.default_rng(8)
+    feeds = {n: rng.standard_normal((B, S, H, D)).astype(np.float32) for n in "qkv"}
+    report = Report()
+    out = api.optimize(model, opset=23, verify=True, input_data=feeds, report=report)
+    assert report.verification["status"] == "passed"
+    ops = Counter(n.op_type for n in out.graph.node)
+    assert ops["Attention"] == 1 and ops["Einsum"] == 0, (ops, report.notes)
+    report = Report()
+    out = api.optimize(model, target="cann", verify=True, input_data=feeds, report=report)
+    assert report.lowering_verification["status"] == "passed"
+    assert Counter(n.op_type for n in out.graph.node)["NPUPromptFlashAttention"] == 1, report.lowering
+
+
+@pytest.mark.parametrize("equation,plan", [
+    ("aecd,abcd->acbe", (True, [0, 2, 1, 3], [0, 2, 3, 1], [0, 1, 2, 3])),
+    ("acbe,aecd->abcd", (False, [0, 1, 2, 3], [0, 2, 1, 3], [0, 2, 1, 3])),
+    ("bij,bjk->bik", (False, [0, 1, 2], [0, 1, 2], [0, 1, 2])),
+    ("bij,bkj->bik", (False, [0, 1, 2], [0, 2, 1], [0, 1, 2])),
+    ("bij,bjk->bi", None), ("ij,jk,kl->il", None), ("...ij,...jk->...ik", None), ("bii,bij->bij", None),
+])
+def test_einsum_matmul_plan(equation, plan):
+    from k3opt.passes.fusion.einsum_attention import matmul_plan
+    assert matmul_plan(equation) == plan

@@ -37,6 +37,7 @@ from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, producer, replace_uses
 from ...patterns import RewriteBuilder, checks
 from ..analysis import fold_shapes
+from .._shared.attention_sites import attention_sites, why_unrecognised
 from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from ._left_decomposed import note_left_decomposed
@@ -196,8 +197,10 @@ class FuseAttention(Pass):
         """Count the attentions left decomposed (``attention_found``) and note why, once, on the final graph."""
         found: dict[int, Node] = {}
         declined: dict[str, list[str]] = {}
+        seen: set[int] = set()
 
         def record(op: RewriteBuilder, am: AttentionMatch) -> None:
+            seen.add(id(am.softmax))
             why = mask_refusal(am) if _fusable(ctx) else None
             if why is None:
                 found.setdefault(id(am.softmax), am.softmax)
@@ -205,9 +208,13 @@ class FuseAttention(Pass):
                 declined.setdefault(why, []).append(am.softmax.name)
 
         def decline(softmax: Node, why: str) -> None:
+            seen.add(id(softmax))
             declined.setdefault(why, []).append(softmax.name)
 
         apply_attention(graph, ctx, attention_rules(record, on_decline=decline))
+        for softmax, scores, reader, body in attention_sites(graph):  # never silent: what the pattern missed
+            if id(softmax) not in seen:
+                declined.setdefault(why_unrecognised(scores, reader, body), []).append(softmax.name)
         ctx.notes[:] = [n for n in ctx.notes if not _NOTE.match(n)]  # the final graph's count only
         if not _fusable(ctx):
             note_left_decomposed(ctx, "attention_found", len(found), _NOTE, "attention(s)", ATTENTION_OPSET,
