@@ -68,8 +68,9 @@ def test_every_moe_block_is_lowered_and_equal_under_the_reference_ops(name, expo
     if name == "deepseek_v3":
         assert all("gate kept decomposed: MoeGatingTopK (group-limited sigmoid gate) has no ONNX parser" in line
                    for line in lines[1:])
-    if name == "qwen2_moe":  # the gated shared expert's Add becomes Finalize's x1
-        assert all("weighted combine + the following Add" in line for line in lines[1:])
+    # Finalize takes the shared expert's Add (Qwen2-MoE's gated one, DeepSeek-V3's) and the residual Add
+    adds = {"mixtral": 1, "qwen2_moe": 2, "qwen3_moe": 1, "deepseek_v3": 2}[name]
+    assert all(f"weighted combine + the following {adds} Add(s)" in line for line in lines[1:]), lines
     if name in ("mixtral", "qwen3_moe"):
         assert all("softmax top-2 renormalised" in line for line in lines[1:])
 
@@ -102,7 +103,8 @@ def test_the_default_target_keeps_the_moe_blocks():
 
 # ----------------------------------------------------------------------------- hand-made blocks
 
-def moe_block(gate="softmax", renorm=True, escape=False, cross_rows=False, weights_input=False, dtype=T.FLOAT):
+def moe_block(gate="softmax", renorm=True, escape=False, cross_rows=False, weights_input=False, dtype=T.FLOAT,
+              bias_add=False):
     """A batched_mm MoE block as transformers exports it, on (T, H) tokens, plus the residual Add."""
     rng = np.random.default_rng(0)
     np_t = helper.tensor_dtype_to_np_dtype(dtype)
@@ -149,6 +151,9 @@ def moe_block(gate="softmax", renorm=True, escape=False, cross_rows=False, weigh
               helper.make_node("Reshape", ["yw", "slots"], ["ys"]),
               helper.make_node("ReduceSum", ["ys", "one"], ["moe"], keepdims=0, name="combine"),
               helper.make_node("Add", ["x", "moe"], ["out"])]
+    if bias_add:  # a broadcast Add: (1, H) against (T, H), not a skip Finalize can take
+        inits["bias"] = rng.standard_normal((1, HIDDEN)).astype(np_t)
+        nodes[-1] = helper.make_node("Add", ["moe", "bias"], ["out"])
     outputs = [("out", dtype, [TOKENS, HIDDEN])] + ([("h", dtype, [TOKENS * K, INTER])] if escape else [])
     return make_model(nodes, inputs, outputs, inits)
 
@@ -157,6 +162,15 @@ def feeds(model):
     rng = np.random.default_rng(1)
     return {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(
         helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in model.graph.input}
+
+
+def test_finalize_takes_a_same_shape_add_but_not_a_broadcast_one():
+    m = moe_block()
+    _, report = lowered(m, feeds(m))
+    assert "weighted combine + the following 1 Add(s)" in moe_lines(report)[1]
+    m = moe_block(bias_add=True)
+    out, report = lowered(m, feeds(m))
+    assert "weighted combine -> NPUMoeFinalizeRouting" in moe_lines(report)[1] and op_counts(out)["Add"] == 1
 
 
 @pytest.mark.parametrize("renorm", [True, False])

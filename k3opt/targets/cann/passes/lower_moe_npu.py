@@ -31,7 +31,8 @@ from onnx import TensorProto
 from ..npu_contract import MOE_ALL_ROWS, MOE_MAX_K
 from ..target_form import STAGING_DOMAIN
 from ....graph import dtypes
-from ....graph.ir import Graph, Node, Tensor, consumers, replace_uses, set_input, toposort
+from ....graph.ir import (Graph, Node, Tensor, consumers, int_list, is_const, producer, replace_uses, set_input,
+                          toposort)
 from ....patterns import RewriteBuilder
 from ....patterns.rewriter import GraphEditor
 from ....pipeline.pass_base import PassContext, register_pass
@@ -117,19 +118,25 @@ class LowerMoeNPU(NPULowering):
         self._typed(erow, np.int32, flat)
         self._typed(eexp, np.int32, flat)
         eexp64 = self._typed(op.Cast(eexp, to=TensorProto.INT64), np.int64, flat)
-        add, x1 = self._skip(b)
-        if x1 is None:
-            x1 = self._typed(op.Expand(op.const(np.zeros((), np.dtype(b.x.dtype))), op.Shape(b.x)), b.x.dtype,
-                             b.x.shape)
+        last, skips, unflatten = self._chain(b)
+        flats = [s if s.shape is not None and len(s.shape) == 2 else
+                 self._typed(op.Reshape(s, op.const(np.array([-1, b.hidden], np.int64))), s.dtype, b.x.shape)
+                 for s in skips]
+        if not flats:  # Finalize's x1 is required: zeros
+            flats = [self._typed(op.Expand(op.const(np.zeros((), np.dtype(b.x.dtype))), op.Shape(b.x)), b.x.dtype,
+                                 b.x.shape)]
         scales = b.weights
         if b.weights.dtype != b.expert_rows.dtype:
             scales = self._typed(op.Cast(b.weights, to=_onnx_dtype(b.expert_rows)), b.expert_rows.dtype,
                                  b.weights.shape)
         bias = op.const(np.zeros((b.experts, b.hidden), dtype=np.dtype(b.expert_rows.dtype)))
-        out = op.NPUMoeFinalizeRouting(b.expert_rows, x1, None, bias, scales, erow, expert_idx,
-                                       _domain=STAGING_DOMAIN, _name="NPUMoeFinalizeRouting")
-        anchor = add if add is not None else b.combine
-        replaced = anchor.outputs[0]
+        out = op.NPUMoeFinalizeRouting(b.expert_rows, flats[0], flats[1] if len(flats) > 1 else None, bias, scales,
+                                       erow, expert_idx, _domain=STAGING_DOMAIN, _name="NPUMoeFinalizeRouting")
+        self._typed(out, b.x.dtype, b.x.shape)
+        if unflatten is not None:  # back to the (B, S, H) the graph had after its Reshape
+            out = op.Reshape(out, unflatten.inputs[1], allowzero=int(unflatten.attrs.get("allowzero", 0)))
+        anchor = producer(last)
+        replaced = last
         self._typed(out, replaced.dtype, replaced.shape)
         editor = GraphEditor(graph, ctx)
         editor.commit(anchor, op.staged, [replaced], [out], [])
@@ -143,23 +150,35 @@ class LowerMoeNPU(NPULowering):
                 for i, t in enumerate(reader.inputs):
                     if t is old:
                         set_input(reader, i, new)
-        skip = " + the following Add" if add is not None else ""
+        skip = f" + the following {len(skips)} Add(s)" if skips else ""
         return (f"MoE block at '{b.where}' ({b.experts} experts, top-{b.k}): {gate}; token permutation -> "
                 f"NPUMoeInitRouting; weighted combine{skip} -> NPUMoeFinalizeRouting")
 
     @staticmethod
-    def _skip(b: MoeBlock) -> tuple[Optional[Node], Optional[Tensor]]:
-        """The Add right after the combine and its other (T, H) operand (Finalize's ``x1``), or (None, None)."""
-        out = b.combine.outputs[0]
-        readers = consumers(out)
-        if len(readers) != 1 or readers[0].op != "Add":
-            return None, None
-        add = readers[0]
-        other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
-        if other is out or other.shape is None or out.shape is None or list(other.shape) != list(out.shape) \
-                or other.dtype != out.dtype or any(not isinstance(d, (int, np.integer)) for d in other.shape[1:]):
-            return None, None
-        return add, other
+    def _chain(b: MoeBlock) -> tuple[Tensor, list[Tensor], Optional[Node]]:
+        """What Finalize can take over after the combine: up to two Adds of a same-shape operand (its ``x1``,
+        ``x2``: a shared expert, the residual), across one Reshape back to (B, S, H). Returns the last tensor
+        taken, the Adds' other operands, and that Reshape (None if not taken)."""
+        cur, skips, unflatten = b.combine.outputs[0], [], None
+        while len(skips) < 2:
+            readers = consumers(cur)
+            if len(readers) != 1:
+                break
+            r = readers[0]
+            if r.op == "Reshape" and unflatten is None and r.outputs[0].shape is not None and \
+                    len(r.outputs[0].shape) == 3 and r.outputs[0].shape[-1] == b.hidden and cur.shape is not None \
+                    and len(cur.shape) == 2:
+                unflatten, cur = r, r.outputs[0]
+                continue
+            other = (r.inputs[1] if r.inputs[0] is cur else r.inputs[0]) if r.op == "Add" else None
+            if other is None or other is cur or other.dtype != cur.dtype or not (
+                    _same_shape(other, cur) or (unflatten is None and _token_rows_of(other, b.x, b.hidden))):
+                break
+            skips.append(other)
+            cur = r.outputs[0]
+        if unflatten is not None and cur is unflatten.outputs[0]:  # a Reshape with no Add after it: not taken
+            cur, unflatten = unflatten.inputs[0], None
+        return cur, skips, unflatten
 
     def _row_idx(self, op: RewriteBuilder, b: MoeBlock) -> Tensor:
         """``row_idx[t, j] = j * T + t`` (int32, the gating op's third output, [MGS-doc]) for a kept gate."""
@@ -177,3 +196,46 @@ class LowerMoeNPU(NPULowering):
         t.dtype = dtype
         t.shape = list(shape) if shape is not None else None
         return t
+
+
+def _same_shape(a: Tensor, b: Tensor) -> bool:
+    """Provably one shape (no broadcast in an Add of the two): every dim an equal number or an equal name."""
+    if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
+        return False
+    return all(x == y and (isinstance(x, (int, np.integer)) or (isinstance(x, str) and x))
+               for x, y in zip(a.shape, b.shape))
+
+
+def _token_rows_of(t: Tensor, x: Tensor, hidden: int, depth: int = 12) -> bool:
+    """``t`` is (T, hidden) with x's T rows: computed from x by products with constant matrices and element-wise
+    ops whose other operands are such tensors or constants without rows (a shared expert and its gate)."""
+    if t.shape is None or len(t.shape) != 2 or (t is not x and depth == 0):
+        return False
+    if t is x:
+        return True
+    n = producer(t)
+    if n is None:
+        return False
+    if n.op == "MatMul":
+        w = n.inputs[1]
+        return is_const(w) and w.shape is not None and len(w.shape) == 2 and \
+            _token_rows_of(n.inputs[0], x, int(w.shape[0]), depth - 1) and t.shape[-1] == hidden
+    if n.op == "Gemm":  # dynamo's Linear: rows of A times a constant B, plus a bias without rows
+        a, w, c = n.inputs[0], n.inputs[1], (n.inputs[2] if len(n.inputs) > 2 else None)
+        bias_ok = c is None or c.name == "" or (is_const(c) and c.shape is not None and
+                                                (len(c.shape) < 2 or c.shape[0] == 1))
+        return not n.attrs.get("transA", 0) and is_const(w) and bias_ok and a.shape is not None and \
+            len(a.shape) == 2 and _token_rows_of(a, x, int(a.shape[1]), depth - 1) and t.shape[-1] == hidden
+    if n.op in ("Split", "Slice"):  # columns of a merged projection (merge-sibling-matmuls)
+        axes = [int(n.attrs.get("axis", 0))] if n.op == "Split" else \
+            (int_list(n.inputs[3]) if len(n.inputs) > 3 else None)
+        src = n.inputs[0]
+        return axes is not None and all(a % 2 == 1 for a in axes) and src.shape is not None and \
+            len(src.shape) == 2 and _token_rows_of(src, x, int(src.shape[1]), depth - 1) and t.shape[-1] == hidden
+    if n.op in ("Add", "Mul", "Sub", "Div", "Sigmoid", "Relu", "Tanh", "Gelu", "Erf", "Cast", "Silu", "Neg"):
+        rows = [i for i in n.inputs if not is_const(i)]
+        consts_ok = all(i.shape is not None and (len(i.shape) < 2 or i.shape[0] == 1) for i in n.inputs if is_const(i))
+        return bool(rows) and consts_ok and all(
+            i.shape is not None and len(i.shape) == 2 and _token_rows_of(i, x, int(i.shape[1]), depth - 1)
+            for i in rows) and t.shape[-1] == hidden
+    return False
