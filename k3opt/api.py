@@ -331,6 +331,11 @@ class _Run:
             return
         assert self._expected is not None and evaluate is not None
         feeds, expected, names = self._expected
+        rtol, atol = self.rtol, self.atol
+        loosest = max((p.tolerance for p in lowering if getattr(p, "tolerance", None) and manager.stats[p.name].rewrites),
+                      default=None)  # a lowering through float16 is verified at fp16's tolerance, unless one is given
+        if loosest is not None and rtol is None and atol is None:
+            rtol, atol = loosest
 
         def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
             try:
@@ -339,10 +344,10 @@ class _Run:
             except Exception as exc:  # an op the reference refuses (outside its documented contract) fails too
                 why = verifier.first_line(exc)
                 return verifier.failed(f"the reference evaluator cannot run the lowered model: {why}",
-                                       self.rtol, self.atol)
+                                       rtol, atol)
             if [o.name for o in candidate.graph.output] != names:
-                return verifier.failed("the lowered model's outputs are not the original's", self.rtol, self.atol)
-            return verifier.compare(expected, actual, names, rtol=self.rtol, atol=self.atol)
+                return verifier.failed("the lowered model's outputs are not the original's", rtol, atol)
+            return verifier.compare(expected, actual, names, rtol=rtol, atol=atol)
 
         result = report.lowering_verification = result_of(out)
         if result["status"] == "passed":

@@ -91,7 +91,7 @@ def _mlp(path: Path, *, k: int = 128, n: int = 128, vocab: int = 50, opset: int 
     inits = [numpy_helper.from_array(x.astype(np.float32) if x.dtype.kind == "f" else x, name) for x, name in ((e, "E"), (w1, "W1"), (w2, "W2"), (b2, "B2"),
                                                                (w3, "W3"), (np.array([-1, k]), "shape"))]
     graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["s"])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], inits)
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["s", vocab])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     if external:
         onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")

@@ -116,6 +116,10 @@ def inexact_conversion(model: onnx.ModelProto, current: int, wanted: int) -> Opt
     """Why converting ``model`` from opset ``current`` to ``wanted`` would change an op's meaning (an op,
     subgraphs included, crossing one of :data:`INEXACT_ADAPTERS`), or None."""
     low, high = sorted((current, wanted))
+    if wanted < 21 <= current:
+        why = _blocked_dequantize(model)
+        if why:
+            return why
     crossed = {op: why for (op, before, after), why in INEXACT_ADAPTERS.items() if low <= before and after <= high}
     if not crossed:
         return None
@@ -124,6 +128,18 @@ def inexact_conversion(model: onnx.ModelProto, current: int, wanted: int) -> Opt
             if node.op_type in crossed and node.domain in _DEFAULT_DOMAINS:
                 where = f" (node '{node.name}')" if node.name else ""
                 return f"op {node.op_type}{where} has no exact conversion: {crossed[node.op_type]}"
+    return None
+
+
+def _blocked_dequantize(model: onnx.ModelProto) -> Optional[str]:
+    """Why a DequantizeLinear of the model has no form below opset 21 (blocked, or 4-bit), or None."""
+    inits = {t.name: t.data_type for t in model.graph.initializer}
+    four_bit = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.domain in _DEFAULT_DOMAINS and (
+                any(a.name == "block_size" and a.i for a in node.attribute) or inits.get(node.input[0]) in four_bit):
+            return (f"DequantizeLinear '{node.name}' is blocked or 4-bit (a k3opt quantize int4 output), which has no "
+                    f"form below opset 21; for Ascend, quantize the float model with `k3opt quantize --target cann`")
     return None
 
 

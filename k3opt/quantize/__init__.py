@@ -24,6 +24,12 @@ from . import rtn
 from .rewrite import quantize_site, stored_bytes
 from .select import select
 
+
+def verifier_line(result: dict) -> str:
+    from ..pipeline.verify import summary_line
+
+    return summary_line(result)
+
 #: Bits per weight type.
 WEIGHTS = {"int4": 4, "int8": 8}
 #: Opset DequantizeLinear needs: per-axis since 13, blocked (and int4) since 21.
@@ -88,7 +94,7 @@ def scheme_for(weights: str, group_size: Optional[int], symmetric: bool, clip: b
 
 
 def quantize_model(model, scheme: rtn.Scheme, *, opset: Optional[int] = None, lm_head: bool = False,
-                   embedding: bool = False, report: Optional[QuantReport] = None):
+                   embedding: bool = False, report: Optional[QuantReport] = None, target: str = "onnx"):
     """Quantize ``model`` (a ModelProto read by :func:`k3opt.modelio.read_model`: external locations
     absolute) in place and return it; quantized weights live in the process's spill file until saved.
     Raises UsageError/InputError, before changing anything, for what cannot be done."""
@@ -109,18 +115,34 @@ def quantize_model(model, scheme: rtn.Scheme, *, opset: Optional[int] = None, lm
         why = "; ".join(f"{k}: {v}" for k, v in list(chosen.kept.items())[:3])
         raise InputError("nothing to quantize: no MatMul/Gemm with a constant 2-D float weight"
                          + (f" ({why})" if why else ""))
-    if scheme.group:
-        for site in chosen.sites:
-            t = next(x for x in model.graph.initializer if x.name == site.name)
-            k = t.dims[1] if site.kind == "embedding" or site.transposed else t.dims[0]
-            if k % scheme.group:
-                raise UsageError(f"--group-size {scheme.group} does not divide the input dim {k} of weight "
-                                 f"'{site.name}'")
+    for site in chosen.sites:
+        t = next(x for x in model.graph.initializer if x.name == site.name)
+        k, n = (t.dims[1], t.dims[0]) if site.kind == "embedding" or site.transposed else (t.dims[0], t.dims[1])
+        if scheme.group and k % scheme.group:
+            raise UsageError(f"--group-size {scheme.group} does not divide the input dim {k} of weight "
+                             f"'{site.name}'")
+        if target == "cann" and site.kind != "embedding":
+            why = _npu_refusal(k, n, scheme)
+            if why:
+                raise UsageError(f"--target cann: weight '{site.name}' ({k} x {n}) breaks the NPU kernel's "
+                                 f"contract: {why}")
     for site in chosen.sites:
         report.layers[site.name] = quantize_site(model, site, scheme)
     if model_opset(model) >= BLOCKED_OPSET or scheme.bits == 4:
         model.ir_version = max(model.ir_version, 10)  # INT4 and opset 21 need IR 10
     return model
+
+
+def _npu_refusal(k: int, n: int, scheme: rtn.Scheme) -> Optional[str]:
+    """Why NPUWeightQuantBatchMatmulV2 cannot take a (k, n) weight of ``scheme`` (see
+    docs/passes/lower-weight-quant-npu.md), or None."""
+    from ..targets.cann.npu_contract import WQBMM_INT4_PER_INT32, WQBMM_MAX_DIM
+
+    if k > WQBMM_MAX_DIM or n > WQBMM_MAX_DIM:
+        return f"k and n must be at most {WQBMM_MAX_DIM}"
+    if scheme.bits == 4 and n % WQBMM_INT4_PER_INT32:
+        return f"int4 is packed {WQBMM_INT4_PER_INT32} to an int32 along n"
+    return None
 
 
 def quantize_file(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *, weights: str = "int4",
@@ -136,13 +158,16 @@ def quantize_file(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *,
     Nothing is written on error.
     """
     scheme = scheme_for(weights, group_size, symmetric, clip, target)
+    if target == "cann" and embedding:
+        raise UsageError("--quantize-embedding with --target cann: k3opt has no NPU lowering for a quantized Gather")
     if target == "cann" and opset is not None:
         raise UsageError("--opset applies to --target onnx (the cann target's opset is fixed)")
     out = modelio.check_output_path(dst, src, overwrite)
     report = QuantReport(weights, scheme.group, symmetric, target)
     loaded = modelio.read_model(src)
     report.size_before = stored_bytes(Path(src))
-    model = quantize_model(loaded.model, scheme, opset=opset, lm_head=lm_head, embedding=embedding, report=report)
+    model = quantize_model(loaded.model, scheme, opset=opset, lm_head=lm_head, embedding=embedding, report=report,
+                           target=target)
 
     def check(path: Path) -> None:
         if measure:
@@ -157,15 +182,34 @@ def quantize_file(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *,
     else:
         folder = Path(tempfile.mkdtemp(prefix=".k3opt-quant-", dir=out.parent))
         try:
-            qdq = folder / "quantized.onnx"
+            qdq, npu = folder / "quantized.onnx", folder / "npu.onnx"
             modelio.save(model, qdq, external_data=external_data, check=check)
             from ..api import optimize_file
+            from . import cann
 
-            lowered = optimize_file(qdq, out, target="cann", verify=True, overwrite=overwrite,
-                                    external_data=external_data)
-            report.notes += [line for line in lowered.lowering if "WeightQuant" in line]
+            if model_opset(model) < BLOCKED_OPSET:  # per-channel int8: the cann pipeline lowers and verifies it
+                done = optimize_file(qdq, out, target="cann", verify=True, overwrite=overwrite,
+                                     external_data=external_data)
+                report.notes += [line for line in done.lowering if "WeightQuant" in line]
+                return _finish(report, out)
+            lowered, lines = cann.lower(modelio.read_model(qdq).model)
+            report.notes += lines
+            modelio.save(lowered, npu, external_data=external_data)
+            optimize_file(npu, out, target="cann", verify=False, overwrite=overwrite, external_data=external_data)
+            try:
+                result = cann.verify(qdq, out)
+            except BaseException:
+                for path in (out, modelio.data_path(out)):
+                    path.unlink(missing_ok=True)
+                raise
+            report.notes.append("NPU form verified against the quantized model under the reference ops: "
+                                + verifier_line(result))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+    return _finish(report, out)
+
+
+def _finish(report: QuantReport, out: Path) -> QuantReport:
     report.size_after = stored_bytes(out)
     report.output = str(out)
     return report

@@ -62,6 +62,10 @@ _SPECIAL = {
     "NPUMoeInitRouting": range(11, 19),
     "NPUMoeGatingTopKSoftmax": range(11, 19),
     "NPUMoeFinalizeRouting": range(11, 19),
+    # OriginOpType list of matmul/weight_quant_batch_matmul_v2/framework/
+    # npu_weight_quant_batchmatmul_v2_onnx_plugin.cpp (hicann/ops-nn): ai.onnx::11..19 (and
+    # npu::1::WeightQuantBatchMatmulV2, a name without the NPU prefix that k3opt does not emit).
+    "NPUWeightQuantBatchMatmulV2": range(11, 20),
 }
 
 #: op type -> the default-domain model opsets at which ATC has a parser for it.

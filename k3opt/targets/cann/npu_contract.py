@@ -33,6 +33,11 @@ Sources, by short name in the comments:
 - [MFR-plugin] ``moe/moe_finalize_routing/framework/npu_moe_finalize_routing_onnx_plugin.cpp`` (reads no
   attribute); [MFR-IR] ``moe/moe_finalize_routing/op_graph/moe_finalize_routing_proto.h``; [MFR-doc]
   ``moe/moe_finalize_routing/docs/aclnnMoeFinalizeRouting.md``
+- [WQBMM-plugin] hicann/ops-nn ``matmul/weight_quant_batch_matmul_v2/framework/
+  npu_weight_quant_batchmatmul_v2_onnx_plugin.cpp``
+- [WQBMM-IR] same repository, ``matmul/weight_quant_batch_matmul_v2/op_graph/weight_quant_batch_matmul_v2_proto.h``
+- [WQBMM-doc] same repository, ``matmul/weight_quant_batch_matmul_v2/docs/aclnnWeightQuantBatchMatmulV2.md``
+- [INT4Pack-doc] same repository, ``matmul/convert_weight_to_int4_pack/docs/aclnnConvertWeightToINT4Pack_en.md``
 """
 from __future__ import annotations
 
@@ -70,3 +75,32 @@ MOE_MAX_K = 1024
 #: [MIR-doc] "expandedXOut ... shape (min(NUM_ROWS, activeNum) * k, H)": an active_num of int32's max keeps every
 #: row when the token count is dynamic (active_num is an INT32 attribute, [MIR-IR]).
 MOE_ALL_ROWS = 2147483647
+
+#: [WQBMM-plugin]: ``NPUWeightQuantBatchMatmulV2`` inputs (x, weight, antiquant_scale, antiquant_offset,
+#: quant_scale, quant_offset, bias); attributes ``antiquant_group_size`` (default 0) and ``dtype`` (default
+#: -1: y in x's dtype); the plugin sets transpose_x = transpose_weight = false, so weight is (k, n).
+WQBMM_MAX_INPUTS = 7
+#: [WQBMM-IR] / [WQBMM-doc]: "antiquant_group_size must in [0, k-1] and antiquant_group_size % 32 == 0"
+#: (0: per-tensor or per-channel); k and n in [1, 65535]; x 2-D (m, k) on Atlas A2/A3.
+WQBMM_GROUP_MULTIPLE, WQBMM_MAX_DIM = 32, 65535
+#: [WQBMM-IR]: x float16 or bfloat16; antiquant_scale/antiquant_offset of x's dtype.
+WQBMM_X_DTYPES = ("float16", "bfloat16")
+#: [WQBMM-IR] / [INT4Pack-doc]: int4 weights as int32 carrying eight int4 values, shape (k, n / 8); k3opt
+#: packs value j of a word in bits 4j..4j+3 (the low nibble first, as ONNX packs INT4 and as the bytes of a
+#: little-endian int32 then read).
+WQBMM_INT4_PER_INT32 = 8
+
+
+def unpack_int4_words(words: np.ndarray) -> np.ndarray:
+    """int32 ``(k, n / 8)`` words -> the int8 ``(k, n)`` int4 values they carry (see :data:`WQBMM_INT4_PER_INT32`)."""
+    u = words.astype(np.uint32)[..., None] >> (4 * np.arange(WQBMM_INT4_PER_INT32, dtype=np.uint32))
+    nib = (u & 0xF).astype(np.int8)
+    return ((nib ^ 8) - 8).astype(np.int8).reshape(words.shape[0], -1)
+
+
+def pack_int4_words(values: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`unpack_int4_words`: int8 ``(k, n)`` int4 values (n a multiple of 8) -> int32 words."""
+    nib = (values.astype(np.int64) & 0xF).reshape(values.shape[0], -1, WQBMM_INT4_PER_INT32)
+    words = (nib << (4 * np.arange(WQBMM_INT4_PER_INT32, dtype=np.int64))).sum(axis=-1)
+    return words.astype(np.uint32).view(np.int32)
+
