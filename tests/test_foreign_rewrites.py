@@ -189,3 +189,14 @@ def test_expand_to_its_own_symbolic_shape_and_unit_tile_go(src, removed):
     out = k3opt.optimize(model)
     assert_equivalent(model, out)
     assert "Tile" not in op_counts(out) and ("Expand" not in op_counts(out)) == removed
+
+
+def test_scale_goes_into_a_gemms_own_constants_and_not_alpha_for_cann():
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["g"]), helper.make_node("Mul", ["g", "s"], ["y"])]
+    model = make_model(nodes, [("x", F, [3, 8])], [("y", F, [3, 4])],
+                       {"w": _w(8, 4), "b": _w(4), "s": np.array(0.25, np.float32)})
+    out = _optimized(model)
+    assert op_counts(out) == {"Gemm": 1} and not out.graph.node[0].attribute
+    computed = make_model(nodes, [("x", F, [3, 8]), ("w", F, [8, 4])], [("y", F, [3, 4])],
+                          {"b": _w(4), "s": np.array(0.25, np.float32)})
+    assert op_counts(k3opt.optimize(computed, passes=["fold-scalar-scale"], target="cann"))["Mul"] == 1

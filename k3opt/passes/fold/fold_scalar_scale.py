@@ -1,7 +1,8 @@
 """fold-scalar-scale: a constant scalar ``Mul``/``Div`` of a projection's output goes into the projection.
 
 Whisper scales q and k by ``d ** -0.25`` after their projections: ``Mul(Gemm(x, W, b), s)`` becomes
-``Gemm(x, W, b, alpha * s, beta * s)``; ``Mul(MatMul(x, W), s)`` becomes ``MatMul(x, W * s)`` and
+``Gemm(x, W * s, b * s)`` (unshared constants), else ``Gemm(x, W, b, alpha * s, beta * s)`` (not for
+``--target cann``, whose Gemm is not known to honour alpha and beta); ``Mul(MatMul(x, W), s)`` becomes ``MatMul(x, W * s)`` and
 ``Mul(Add(MatMul(x, W), b), s)`` becomes ``Add(MatMul(x, W * s), b * s)``. ``Div`` by ``s`` is a scale
 by ``1 / s``.
 
@@ -77,8 +78,15 @@ class FoldScalarScale(NodeRewritePass):
 
     def _fold(self, graph: Graph, p: Node, s: float, ctx: PassContext) -> bool:
         if p.op == "Gemm":
+            bias = len(p.inputs) > 2 and p.inputs[2].name
+            if len(p.inputs) > 1 and _own_constant(graph, p.inputs[1]) and (not bias or _own_constant(graph, p.inputs[2])):
+                for i in (1, 2) if bias else (1,):
+                    set_input(p, i, _scaled(p.inputs[i], s, ctx))
+                return True
+            if ctx.target == "cann":  # ATC's Gemm: alpha/beta other than 1 are not known to be honoured
+                return False
             p.attrs["alpha"] = float(p.attrs.get("alpha", 1.0)) * s
-            if len(p.inputs) > 2 and p.inputs[2].name:
+            if bias:
                 p.attrs["beta"] = float(p.attrs.get("beta", 1.0)) * s
             return True
         if p.op == "MatMul" and len(p.inputs) == 2 and _own_constant(graph, p.inputs[1]):
