@@ -235,12 +235,14 @@ class ShapeRefresher:
             except Exception:  # noqa: BLE001 -- inferred without strict mode below
                 pass
         inputs = {id(t) for t in graph.inputs}
-        for t in tensors.values():
-            if not isinstance(t, gs.Constant) and id(t) not in inputs:
-                t.shape = None
+        kept = [(t, t.shape) for t in tensors.values() if not isinstance(t, gs.Constant) and id(t) not in inputs]
+        for t, _ in kept:
+            t.shape = None
         try:
             inferred = self._infer_graph(graph, tensors, False)
         except Exception:  # noqa: BLE001 -- the note says what the first failure was
+            for t, shape in kept:  # nothing inferred: the graph keeps what it declared
+                t.shape = shape
             self._note(f"shape inference failed ({type(exc).__name__}: {first}); passes that need shapes declined")
             return None
         self._note(f"strict shape inference failed ({type(exc).__name__}: {first}); declared shapes dropped and "
