@@ -5,6 +5,8 @@ reference evaluator with k3opt's NPU reference ops (k3opt/targets/cann/reference
 """
 from __future__ import annotations
 
+import html
+
 import numpy as np
 import onnx
 import pytest
@@ -73,6 +75,16 @@ def test_every_moe_block_is_lowered_and_equal_under_the_reference_ops(name, expo
     assert all(f"weighted combine + the following {adds} Add(s)" in line for line in lines[1:]), lines
     if name in ("mixtral", "qwen3_moe"):
         assert all("softmax top-2 renormalised" in line for line in lines[1:])
+
+
+def test_the_json_and_html_reports_say_per_block_and_per_mla_layer_what_was_lowered():
+    from k3opt.report_html import render
+
+    _, report = lowered(str(moe_model("deepseek_v3", "torchscript")), moe_inputs("deepseek_v3"))
+    data, page = report.as_dict(), render(report)
+    for line in [*moe_lines(report)[1:], *(x for x in report.lowering if "MLA: q/k dim 12, v dim 8 padded" in x)]:
+        assert line in data["lowering"] and f'data-lowering="{html.escape(line, quote=True)}"' in page
+    assert sum("MLA" in x for x in data["lowering"]) == 2 and sum("MoE block at" in x for x in data["lowering"]) == 1
 
 
 @pytest.mark.parametrize("name, exporter", [pytest.param(n, e, id=f"{n}-{e}",

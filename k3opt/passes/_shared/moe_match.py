@@ -120,6 +120,8 @@ def _block(combine: Node, graph: Graph) -> MoeBlock:
         raise _Decline("the combine does not weight the expert rows by the flattened (tokens, k) weights")
     if len(expert_rows.outputs) != 1 or is_graph_output(graph, expert_rows):
         raise _Decline("the expert rows are read outside the combine")
+    if expert_rows.shape is None or len(expert_rows.shape) != 2 or _static(expert_rows, 1) != hidden:
+        raise _Decline("the weighted expert rows are not (rows, hidden)")
     topk, gate, renorm, softmax, note = _gate(weights)
     if int_list(topk.inputs[1]) != [k]:
         raise _Decline(f"the combine sums {k} slots, the router's TopK keeps {int_list(topk.inputs[1])}")
@@ -266,6 +268,8 @@ def _is_token_rows(t: Tensor, k: int) -> bool:
         tiled = n.inputs[0]
     elif n.op == "Reshape" and (int_list(n.inputs[1]) or [None])[0] == -1 and len(int_list(n.inputs[1])) == 2:
         tiled = n.inputs[0]
+        if _static(tiled, -1) is None or int_list(n.inputs[1])[1] != _static(tiled, -1):
+            return False
     else:
         return False
     rep = producer(tiled)
