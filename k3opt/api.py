@@ -30,10 +30,10 @@ from .errors import InputError, UnverifiableError, InvalidOutputError, OutputErr
 from .pipeline.pass_base import PassContext, build_pipeline, check_pass_options
 from .pipeline.manager import PassManager
 from .report import ModelSummary, Report
+from .targets import Target, get_target
 
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]
 ProgressSink = Optional[Callable[[str], None]]
-TARGETS = ("onnx", "cann")
 
 
 def optimize(
@@ -98,7 +98,7 @@ def optimize_file(
         # merged weights are written straight into the output's data file, never spilled first
         try:
             written = modelio.save(model, out, external_data=external_data, fsync=fsync,
-                                   check=written_check(report.target, report))
+                                   check=get_target(report.target).written_check(report))
         except InvalidOutputError:
             fault = modelio.input_checker_fault(src)  # a fault k3opt could not repair is the input's, not the output's
             if fault is not None:
@@ -185,9 +185,8 @@ class _Run:
         plugins: Sequence[Any] = (), verify: bool = False,
     ) -> onnx.ModelProto:
         report = self.report
-        if target not in TARGETS:
-            raise UsageError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
-        report.target = target
+        target = get_target(target)
+        report.target = target.name
         from .plugins import run_plugins
 
         with run_plugins(list(plugins)):  # this run's plugins only: the registry is as it was afterwards
@@ -203,7 +202,7 @@ class _Run:
             model, external, bodies = _load(model, report)
             report.notes.extend(modelio.repair(model, bodies))
             report.warnings.extend(traced_experts_warnings(model))
-            _keep_npu_nodes(model, target, report)
+            target.adopt_input(model, report)
             self.source_files = {modelio.external_info(t)["location"] for t in external}
             opset_before = opsets.model_opset(model)
             size = modelio.proto_size(model, None if on_disk is None else os.path.getsize(on_disk), external)
@@ -269,7 +268,7 @@ class _Run:
         elif blockwise is not None:
             with self.step("verifying block by block", "verify"):
                 blockwise.finish(before_down or out, manager, pipeline, ctx)
-        if lowering or target == "cann":
+        if lowering or target.lowers:
             with self.step(f"lowering for {target}", "lower"):
                 out, lowered_by = self._lower(out, lowering, target)
             if original is not None and lowering:
@@ -292,9 +291,9 @@ class _Run:
         self.report.notes.extend(kept)
         return done
 
-    def _lower(self, model: onnx.ModelProto, lowering: list, target: str) -> tuple[onnx.ModelProto, tuple]:
+    def _lower(self, model: onnx.ModelProto, lowering: list, target: Target) -> tuple[onnx.ModelProto, tuple]:
         """Run the target's lowering passes on the verified ``model`` (its notes are the report's lowering
-        lines), export, and put the result in the target's form (:func:`finish_target`).
+        lines), export, and put the result in the target's form (:meth:`Target.finish`).
 
         Returns the lowered model and what :meth:`_verify_lowering` needs to bisect a divergence.
         """
@@ -304,7 +303,7 @@ class _Run:
         with graph_scope():
             graph = modelio.import_graph(model)
             manager.run(graph, ctx)
-            out = finish_target(export(graph, model), target)
+            out = target.finish(export(graph, model))
         self.report.passes += [manager.stats[p.name].as_dict() for p in lowering]
         self.report.lowering = list(ctx.notes)
         self.report.notes.extend(n for n in refresher.notes if n not in self.report.notes)
@@ -318,7 +317,7 @@ class _Run:
         """Compare the lowered model, run by the target's reference evaluator, with onnxruntime's outputs of
         the original (same inputs); on divergence bisect the lowering steps and raise VerificationError."""
         report = self.report
-        evaluate = reference_evaluator(ctx.target)
+        evaluate = ctx.target.reference_evaluator()
         why = "onnxruntime did not run the original" if self._expected is None else None
         if why is None and evaluate is None:
             why = f"no reference evaluator for target {ctx.target}"
@@ -354,7 +353,7 @@ class _Run:
             return
         start = verifier.runnable_bytes(before)  # the lowering's input, its weights inlined for fresh imports
         culprit = self._bisect(start, False, manager, lowering, ctx,
-                               lambda candidate: result_of(finish_target(candidate, ctx.target)), result)
+                               lambda candidate: result_of(ctx.target.finish(candidate)), result)
         detail = verifier.failure_detail(result)
         raise VerificationError(f"the lowered model differs from the original under the {ctx.target} reference "
                                 f"evaluator ({detail}){culprit}")
@@ -519,55 +518,7 @@ REFERENCE_MAX_BYTES = 512 << 20
 
 def reference_evaluator(target: str) -> Optional[Callable[[onnx.ModelProto], Any]]:
     """``model -> evaluator`` (with ``.run(None, feeds)``) that runs the target's lowered ops, or None."""
-    if target == "cann":
-        from .targets.cann.reference import evaluator
-
-        return evaluator
-    return None
-
-
-def finish_target(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
-    """The exported model in its target's form; raises CompileError when it breaks the target's invariants."""
-    if target == "cann":
-        from .targets.cann.target_form import finish_model
-
-        return finish_model(model)
-    return model
-
-
-def written_check(target: str, report: Report) -> Callable[[Path], None]:
-    """The check a written output must pass before it is renamed into place (``modelio.save``'s ``check``):
-    it loads in onnxruntime (read back under onnx's checker when the verification already ran this graph
-    there), or for the cann target (NPU ops onnxruntime lacks) reads back under onnx's checker and the
-    target's invariants."""
-    if target == "cann":
-        from .targets.cann.target_form import check_written
-
-        return check_written
-
-    def loads(path: Path) -> None:
-        warning = verifier.check_loads(path, ran=(report.verification or {}).get("status") == "passed")
-        if warning:
-            report.warnings.append(warning)
-
-    return loads
-
-
-def _keep_npu_nodes(model: onnx.ModelProto, target: str, report: Report) -> None:
-    """A cann-target output read back in keeps its NPU nodes (staged out of the default domain for the run);
-    any other target cannot take them (onnxruntime has no such ops)."""
-    from .targets.cann.atc_ops import NPU_OPS
-    from .targets.cann.target_form import stage_npu_nodes
-    from .modelio.opset_nodes import all_graphs
-
-    ops = sorted({n.op_type for g in all_graphs(model.graph) for n in g.node if n.op_type in NPU_OPS})
-    if not ops:
-        return
-    if target != "cann":
-        raise UsageError(f"the model holds NPU ops ({', '.join(ops)}): it is a --target cann output; optimize it "
-                         f"again with --target cann")
-    stage_npu_nodes(model)
-    report.notes.append(f"NPU nodes of the input kept as they are ({', '.join(ops)})")
+    return get_target(target).reference_evaluator()
 
 
 def _load(model: ModelLike, report: Report) -> modelio.Loaded:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import click
 
-from .api import TARGETS
+from .targets import all_targets, names as target_names
 from .modelio.opset import MIN_OPSET, max_opset
 from .pipeline.progress import Progress
 
@@ -162,8 +162,8 @@ def pipeline_options(f: F) -> F:
     """--passes, --skip, --target, --opset, --input-shape, --plugin, --pass-option."""
     return _apply(f, [
         _PASSES, _SKIP,
-        click.option("--target", type=click.Choice(TARGETS), default="onnx", show_default=True,
-                     help="onnx: standard ONNX; cann: opset 17 and lowering for Ascend ATC."),
+        click.option("--target", type=click.Choice(target_names()), default=target_names()[0], show_default=True,
+                     help="; ".join(f"{t.name}: {t.summary}" for t in all_targets()) + "."),
         _OPSET,
         click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D1,D2",
                      help="Fix an input's dimensions, e.g. input_ids:1,128 (repeatable)."),

@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, version_converter
 
 from k3opt.modelio import opset as opsets, opset_nodes
 from k3opt.modelio.opset_compatible import COMPATIBLE_UP, compatible_steps, passes_through
+from k3opt.targets import get_target
 from tests.helpers import make_model
 from tests.zoo import zoo_model
 
@@ -53,9 +54,9 @@ def _kept_and_converted(model: onnx.ModelProto, opset=None, target="onnx") -> tu
     """(bytes, notes) of ``opsets.convert`` as it is, and with every graph sent to onnx's converter."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    out, notes = opsets.convert(model, opset, target=target)
+    out, notes = opsets.convert(model, opset, target=get_target(target))
     with mock.patch.object(opset_nodes, "kept_as_they_are", lambda *args: False):
-        plain, plain_notes = opsets.convert(copy, opset, target=target)
+        plain, plain_notes = opsets.convert(copy, opset, target=get_target(target))
     return (out.SerializeToString(), notes), (plain.SerializeToString(), plain_notes)
 
 

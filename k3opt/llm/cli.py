@@ -96,11 +96,9 @@ def _runner(pair: str, threads: int) -> Any:
     from .generate import PairRunner
     from .manifest import Manifest
 
-    evaluator: Optional[Any] = None
-    if Manifest.read(pair).target == "cann":
-        from ..api import reference_evaluator
+    from ..api import reference_evaluator
 
-        evaluator = reference_evaluator("cann")
+    evaluator: Optional[Any] = reference_evaluator(Manifest.read(pair).target)  # None: onnxruntime runs it
     return PairRunner(pair, threads=threads, evaluator=evaluator)
 
 

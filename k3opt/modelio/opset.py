@@ -7,7 +7,7 @@ it is and the opset import is bumped.
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Protocol
 
 import onnx
 from onnx import version_converter
@@ -35,19 +35,30 @@ def model_opset(model: onnx.ModelProto) -> int:
     return max(versions, default=1)
 
 
-def wanted_opset(model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx") -> int:
-    """The opset the output gets: ``opset`` if given, exactly 17 for cann, else at least 17."""
+class OpsetPolicy(Protocol):
+    """What the conversion asks of a target (:class:`k3opt.targets.Target`): its name and the output opset it
+    fixes, if any."""
+
+    name: str
+    fixed_opset: Optional[int]
+
+
+def wanted_opset(model: onnx.ModelProto, opset: Optional[int] = None, *, target: Optional[OpsetPolicy] = None) -> int:
+    """The opset the output gets: ``opset`` if given, the target's fixed opset (cann: exactly 17), else at
+    least 17."""
     if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int)
                               or not MIN_OPSET <= opset <= max_opset()):
         raise UsageError(f"opset {opset!r}: choose an opset from {MIN_OPSET} to {max_opset()}")
-    if target == "cann":
-        if opset is not None and opset != DEFAULT_OPSET:
-            raise UsageError(f"--target cann needs opset {DEFAULT_OPSET}, not {opset}")
-        return DEFAULT_OPSET
+    fixed = None if target is None else target.fixed_opset
+    if fixed is not None:
+        if opset is not None and opset != fixed:
+            raise UsageError(f"--target {target.name} needs opset {fixed}, not {opset}")
+        return fixed
     return opset if opset is not None else max(model_opset(model), DEFAULT_OPSET)
 
 
-def converts_down(model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx") -> bool:
+def converts_down(model: onnx.ModelProto, opset: Optional[int] = None, *, target: Optional[OpsetPolicy] = None
+                  ) -> bool:
     """Is the wanted opset below the model's? Then convert after the passes, not before.
 
     Going down often needs constants the passes make (opset 18's ReduceMean
@@ -59,14 +70,14 @@ def converts_down(model: onnx.ModelProto, opset: Optional[int] = None, *, target
 
 
 def convert(
-    model: onnx.ModelProto, opset: Optional[int] = None, *, target: str = "onnx", bodies: bool = True,
+    model: onnx.ModelProto, opset: Optional[int] = None, *, target: Optional[OpsetPolicy] = None, bodies: bool = True,
     needs_newer: Optional[Callable[[set[str], int], bool]] = None,
 ) -> tuple[onnx.ModelProto, list[str]]:
     """Return (model at the wanted opset, report notes): ``model`` itself, converted in place.
 
     No ``opset``: below 17 is raised to 17, otherwise kept; if raising fails
     the model keeps its opset (and its nodes) and a note says so. An explicit ``opset`` or
-    the cann target (exactly 17) must succeed, else UsageError naming the
+    a target's fixed opset (cann: exactly 17) must succeed, else UsageError naming the
     blocking op. ``bodies=False``: no node of the model holds a body (its
     validation saw none), so none is looked for.
 
@@ -75,7 +86,7 @@ def convert(
     (:func:`.opset_softmax.upgrade_cost`) is not made: the model keeps its opset, and a note says why.
     """
     current = model_opset(model)
-    strict = opset is not None or target == "cann"
+    strict = opset is not None or (target is not None and target.fixed_opset is not None)
     wanted = wanted_opset(model, opset, target=target)
     if wanted == current:
         return _single_default_import(model, current), []

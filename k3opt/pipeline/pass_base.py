@@ -8,6 +8,7 @@ statistics. Built-in passes and plugins register through the same
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any, Callable, ClassVar, Collection, Optional, Type
 
 from ..errors import UsageError
@@ -28,7 +29,9 @@ class PassContext:
     """
 
     opset: int
-    target: str = "onnx"
+    #: The run's :class:`k3opt.targets.Target` (a name is looked up when the context is made); it compares equal
+    #: to its name, and passes read its traits (``ctx.target.fuses_to_standard_ops``...) rather than the name.
+    target: Any = "onnx"
     output_opset: Optional[int] = None
     shapes_available: bool = False
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -48,6 +51,10 @@ class PassContext:
     note_passes: dict[str, str] = dataclasses.field(default_factory=dict)
     #: The analyses of this run (see :meth:`analysis`).
     analyses: AnalysisManager = dataclasses.field(default_factory=AnalysisManager, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, str):  # found by name at run time, as passes are: pipeline sits below targets
+            self.target = importlib.import_module("k3opt.targets").get_target(self.target)
 
     @property
     def emit_opset(self) -> int:

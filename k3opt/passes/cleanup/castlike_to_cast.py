@@ -35,10 +35,10 @@ class CastLikeToCast(NodeRewritePass):
         return True
 
     def finish(self, graph: Graph, ctx: PassContext) -> None:
-        """For cann, note the CastLikes left (their second input's type is unknown)."""
-        if ctx.target != "cann":
+        """For a target without CastLike (cann), note the CastLikes left (their second input's type is unknown)."""
+        if ctx.target.runs_castlike:
             return
         left = [n.name for g in ctx.graphs(graph) for n in ctx.nodes_of(g, self.ops)]
         if left:
-            ctx.note(f"{len(left)} CastLike kept for cann, which has no CastLike parser (dtype of the second "
+            ctx.note(f"{len(left)} CastLike kept for {ctx.target}, which has no CastLike parser (dtype of the second "
                      f"input unknown: {', '.join(left[:5])})")

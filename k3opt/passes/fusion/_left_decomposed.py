@@ -20,7 +20,7 @@ def note_left_decomposed(ctx: PassContext, counter: str, found: int, note: "re.P
     ctx.count(counter, found - ctx.counters.get(counter, 0))
     ctx.notes[:] = [n for n in ctx.notes if not note.match(n)]  # the final graph's count only
     if found:
-        if ctx.target == "onnx":
+        if ctx.target.fuses_to_standard_ops:
             why = f"opset < {min_opset}"
         else:
             why = f"target {ctx.target}" + (" (its lowering passes decide, see the lowering lines)"

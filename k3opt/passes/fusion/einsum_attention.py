@@ -107,7 +107,7 @@ class EinsumAttention(Pass):
     anchor_ops = frozenset({"Einsum"})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        if not (ctx.target == "cann" or ctx.emit_opset >= ATTENTION_OPSET):
+        if not (ctx.target.lowers_attention or ctx.emit_opset >= ATTENTION_OPSET):
             return 0
         dead: list[Node] = []
         done = 0

@@ -225,4 +225,4 @@ class FuseAttention(Pass):
 
 
 def _fusable(ctx: PassContext) -> bool:
-    return ctx.target == "onnx" and ctx.emit_opset >= ATTENTION_OPSET
+    return ctx.target.fuses_to_standard_ops and ctx.emit_opset >= ATTENTION_OPSET

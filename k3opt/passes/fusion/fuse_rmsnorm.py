@@ -92,4 +92,4 @@ class FuseRMSNorm(Pass):
 
 
 def _fusable(ctx: PassContext) -> bool:
-    return ctx.target == "onnx" and ctx.emit_opset >= RMS_NORMALIZATION_OPSET
+    return ctx.target.fuses_to_standard_ops and ctx.emit_opset >= RMS_NORMALIZATION_OPSET

@@ -171,4 +171,4 @@ class FuseRotary(Pass):
 
 
 def _fusable(ctx: PassContext) -> bool:
-    return ctx.target == "onnx" and ctx.emit_opset >= ROTARY_EMBEDDING_OPSET
+    return ctx.target.fuses_to_standard_ops and ctx.emit_opset >= ROTARY_EMBEDDING_OPSET

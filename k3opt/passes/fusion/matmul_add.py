@@ -47,7 +47,7 @@ def nd_mode(ctx) -> str:
     if mode not in ND_MODES:
         raise UsageError(f"matmul_add_nd must be one of {', '.join(ND_MODES)}, got {mode!r}")
     if mode == "auto":
-        return "flatten" if ctx.target == "cann" else "keep"
+        return ctx.target.matmul_add_nd
     return mode
 
 
@@ -62,7 +62,7 @@ def _bias_shape_ok(shape: tuple, n: int, out_rank: int) -> bool:
 
 def check(m: Match) -> bool:
     w_shape, b_shape, x_rank = m.shape("w"), m.shape("b"), m.rank("x")
-    if not (m.is_const("w") and m.is_const("b")) and m.ctx.target != "cann" and x_rank == 2:
+    if not (m.is_const("w") and m.is_const("b")) and m.ctx.target.fuses_computed_matmul_add and x_rank == 2:
         return _check_computed(m)
     if not m.is_const("w") or w_shape is None or len(w_shape) != 2:
         return m.fail("weight is not a constant 2-D tensor")

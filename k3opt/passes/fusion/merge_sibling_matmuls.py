@@ -15,7 +15,7 @@ lazy: nothing is read or copied until the model is saved (k3opt/modelio/concat_v
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 from ... import graph as gs
@@ -56,14 +56,14 @@ def _sibling_groups(graph: Graph, ctx: PassContext) -> list[list[tuple[Node, gs.
     return [g for g in groups.values() if _worth_merging(graph, g, ctx.target)]
 
 
-def _worth_merging(graph: Graph, group: list[tuple[Node, gs.Constant]], target: str) -> bool:
+def _worth_merging(graph: Graph, group: list[tuple[Node, gs.Constant]], target: Any) -> bool:
     """n siblings become one MatMul and a Split (and their n bias Adds one Add): a pair without the bias merge
     keeps the node count and only adds the Split, which copies the whole merged output (onnxruntime CPU:
     SwiGLU's gate/up pair merged made a Llama prefill of 512 tokens 4-10 % slower, docs/benchmarks.md), so
-    the onnx target leaves it. The cann target merges it: Ascend's LLM implementations run gate and up as one
+    the onnx target leaves it. The cann target merges it (``Target.merges_projection_pairs``): Ascend's LLM implementations run gate and up as one
     matmul (MindIE/ATB's merged gate_up weight, torch_npu's npu_swiglu over the merged output), one bigger
     Cube call instead of two."""
-    if len(group) > 2 or (len(group) == 2 and target == "cann"):
+    if len(group) > 2 or (len(group) == 2 and target.merges_projection_pairs):
         return True
     return len(group) == 2 and all(_bias_add(graph, n, w) is not None for n, w in group)
 

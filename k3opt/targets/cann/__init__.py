@@ -6,3 +6,66 @@
 - :mod:`.passes`: the lowering passes (``lower-*-npu``, ``conv1d-to-conv2d``).
 - :mod:`.reference`: numpy implementations of every NPU op k3opt emits, for onnx's reference evaluator.
 """
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import onnx
+
+from ..base import Target
+from .target_form import CANN_OPSET
+
+if TYPE_CHECKING:
+    from ...report import Report
+
+
+class CannTarget(Target):
+    """Opset 17 and NPU lowerings for ATC: ATC fuses 2-D MatMul + Add, has no CastLike parser and runs NPU
+    flash attention, RMSNorm and rotary ops instead of opset 23's standard ones."""
+
+    name = "cann"
+    summary = "opset 17 and lowering for Ascend ATC"
+    fixed_opset = CANN_OPSET
+    fuses_to_standard_ops = False
+    matmul_add_nd = "flatten"
+    fuses_computed_matmul_add = False
+    runs_castlike = False
+    lowers_attention = True
+    merges_projection_pairs = True
+    lowers = True
+    ops_kind = "NPU ops"
+
+    def own_ops(self, model: onnx.ModelProto) -> list[str]:
+        from ...modelio.opset_nodes import all_graphs
+        from .atc_ops import NPU_OPS
+
+        return sorted({n.op_type for g in all_graphs(model.graph) for n in g.node if n.op_type in NPU_OPS})
+
+    def adopt_input(self, model: onnx.ModelProto, report: "Report") -> None:
+        """A cann output read back in keeps its NPU nodes (staged out of the default domain for the run)."""
+        ops = self.own_ops(model)
+        if ops:
+            from .target_form import stage_npu_nodes
+
+            stage_npu_nodes(model)
+            report.notes.append(f"NPU nodes of the input kept as they are ({', '.join(ops)})")
+
+    def finish(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        from .target_form import finish_model
+
+        return finish_model(model)
+
+    def reference_evaluator(self) -> Optional[Callable[[onnx.ModelProto], Any]]:
+        from .reference import evaluator
+
+        return evaluator
+
+    def written_check(self, report: "Report") -> Callable[[Path], None]:
+        """Read back under onnx's checker and the target's invariants (onnxruntime has no NPU ops)."""
+        from .target_form import check_written
+
+        return check_written
+
+
+TARGET = CannTarget()

@@ -1,0 +1,103 @@
+"""What a target is: the traits the passes read and the hooks the run calls, with standard ONNX's answers.
+
+A target is one module or package of :mod:`k3opt.targets` holding a ``TARGET`` instance of a :class:`Target`
+subclass; :func:`k3opt.targets.get_target` finds it by name. The passes never import a target: they read the
+traits of the one the run hands them in ``PassContext.target``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+
+import onnx
+
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..report import Report
+
+
+class Target:
+    """A target of the run. Compares equal to its name, so ``ctx.target == "cann"`` in a plugin keeps working;
+    k3opt's own code asks the traits below instead."""
+
+    #: The name ``--target`` takes.
+    name: ClassVar[str] = ""
+    #: One line for ``--target``'s help.
+    summary: ClassVar[str] = ""
+    #: The target of a run that names none (exactly one target has it).
+    default: ClassVar[bool] = False
+    #: The output opset, when the target fixes it (``--opset`` must then agree); None: ``--opset`` or the
+    #: model's, raised to at least 17.
+    fixed_opset: ClassVar[Optional[int]] = None
+    #: The fusions may emit opset 23's standard Attention, RMSNormalization and RotaryEmbedding; False: they
+    #: leave those decomposed (the target's lowering passes decide).
+    fuses_to_standard_ops: ClassVar[bool] = True
+    #: How matmul-add fuses a rank > 2 MatMul + Add when its ``matmul_add_nd`` option is ``auto``.
+    matmul_add_nd: ClassVar[str] = "keep"
+    #: matmul-add also fuses a rank-2 MatMul + Add whose weight or bias is computed (into a Gemm).
+    fuses_computed_matmul_add: ClassVar[bool] = True
+    #: The target has its own attention lowering (einsum-attention then unfolds Einsum attentions for it at any
+    #: opset, not only where opset 23's Attention can take them).
+    lowers_attention: ClassVar[bool] = False
+    #: merge-sibling-matmuls also merges a pair of bias-less projections (gate/up): worth one bigger matmul.
+    merges_projection_pairs: ClassVar[bool] = False
+    #: The target runs CastLike (else castlike-to-cast notes the ones it could not rewrite).
+    runs_castlike: ClassVar[bool] = True
+    #: The run has a lowering stage (the target's form and invariants) even when no lowering pass is selected.
+    lowers: ClassVar[bool] = False
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return other == self.name
+        return isinstance(other, Target) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<target {self.name}>"
+
+    def own_ops(self, model: onnx.ModelProto) -> list[str]:
+        """The op types in ``model`` (bodies included) that only this target runs: a file it wrote."""
+        return []
+
+    def adopt_input(self, model: onnx.ModelProto, report: "Report") -> None:
+        """Take in an input that holds another target's ops: refuse it (a target that can keep its own ops
+        read back in overrides this)."""
+        from . import all_targets
+
+        for other in all_targets():
+            ops = other.own_ops(model) if other != self else []
+            if ops:
+                raise UsageError(f"the model holds {other.ops_kind} ({', '.join(ops)}): it is a --target "
+                                 f"{other.name} output; optimize it again with --target {other.name}")
+
+    #: What :meth:`own_ops` finds, for messages ("NPU ops").
+    ops_kind: ClassVar[str] = "ops"
+
+    def finish(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """The exported, lowered model in the target's form; raises CompileError when it breaks the target's
+        invariants."""
+        return model
+
+    def reference_evaluator(self) -> Optional[Callable[[onnx.ModelProto], Any]]:
+        """``model -> evaluator`` (with ``.run(None, feeds)``) that runs the lowered ops, or None (onnxruntime
+        runs the target's files)."""
+        return None
+
+    def written_check(self, report: "Report") -> Callable[[Path], None]:
+        """The check a written output must pass before it is renamed into place (``modelio.save``'s ``check``):
+        it loads in onnxruntime (read back under onnx's checker when the verification already ran this graph
+        there)."""
+        from ..pipeline import verify as verifier
+
+        def loads(path: Path) -> None:
+            warning = verifier.check_loads(path, ran=(report.verification or {}).get("status") == "passed")
+            if warning:
+                report.warnings.append(warning)
+
+        return loads
