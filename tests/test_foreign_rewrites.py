@@ -200,3 +200,14 @@ def test_scale_goes_into_a_gemms_own_constants_and_not_alpha_for_cann():
     computed = make_model(nodes, [("x", F, [3, 8]), ("w", F, [8, 4])], [("y", F, [3, 4])],
                           {"b": _w(4), "s": np.array(0.25, np.float32)})
     assert op_counts(k3opt.optimize(computed, passes=["fold-scalar-scale"], target="cann"))["Mul"] == 1
+
+
+@pytest.mark.parametrize("dims,unwrapped", [([4, 1, 8], True), ([4, 2, 8], False), ([4, "d", 8], False),
+                                            ([4, 1, 1], True)])
+def test_flattened_softmax_unwraps_when_one_trailing_dim_is_not_1(dims, unwrapped):
+    nodes = [helper.make_node("Flatten", ["x"], ["f"], axis=2), helper.make_node("Softmax", ["f"], ["p"], axis=-1),
+             helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Reshape", ["p", "s"], ["y"])]
+    model = make_model(nodes, [("x", F, ["N"] + dims)], [("y", F, ["N"] + dims)])
+    out = k3opt.optimize(model)
+    assert_equivalent(model, out, feeds={"x": _w(2, *[3 if d == "d" else d for d in dims])})
+    assert (op_counts(out) == {"Softmax": 1}) == unwrapped
