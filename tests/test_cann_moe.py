@@ -228,6 +228,41 @@ def test_refusals_keep_the_block_as_it_was_with_the_reason(variant, why):
     assert why in lines[1] and "kept decomposed" in lines[1], lines
 
 
+def unrolled_block():
+    """All experts on every token, each masked by its column of ScatterElements(zeros, top-k idx, weights)."""
+    rng = np.random.default_rng(0)
+    inits = {"wr": rng.standard_normal((HIDDEN, EXPERTS)).astype(np.float32), "k": np.array([K], np.int64),
+             "zeros": np.zeros((TOKENS, EXPERTS), np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "wr"], ["logits"]),
+             helper.make_node("Softmax", ["logits"], ["probs"], axis=-1),
+             helper.make_node("TopK", ["probs", "k"], ["vals", "idx"], axis=-1),
+             helper.make_node("ScatterElements", ["zeros", "idx", "vals"], ["dense"], axis=1, name="dense_routing")]
+    total = None
+    for e in range(EXPERTS):
+        inits[f"w{e}"] = rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32)
+        inits[f"s{e}"], inits[f"e{e}"] = np.array([e], np.int64), np.array([e + 1], np.int64)
+        inits["ax1"] = np.array([1], np.int64)
+        nodes += [helper.make_node("Slice", ["dense", f"s{e}", f"e{e}", "ax1"], [f"col{e}"]),
+                  helper.make_node("MatMul", ["x", f"w{e}"], [f"h{e}"]),
+                  helper.make_node("Mul", [f"h{e}", f"col{e}"], [f"m{e}"])]
+        if total is None:
+            total = f"m{e}"
+        else:
+            nodes.append(helper.make_node("Add", [total, f"m{e}"], [f"sum{e}"]))
+            total = f"sum{e}"
+    nodes.append(helper.make_node("Identity", [total], ["out"]))
+    return make_model(nodes, [("x", T.FLOAT, [TOKENS, HIDDEN])], [("out", T.FLOAT, [TOKENS, HIDDEN])], inits)
+
+
+def test_the_unrolled_all_experts_form_is_recognised_and_stays_with_the_reason():
+    m = unrolled_block()
+    out, report = lowered(m, feeds(m))
+    assert not any(op in op_counts(out) for op in _ROUTING) and op_counts(out)["ScatterElements"] == 1
+    lines = moe_lines(report)
+    assert lines[0].startswith("NPU MoE routing: 0 of 1 MoE block(s) lowered")
+    assert "all 4 experts computed on every token and masked by a dense routing matrix" in lines[1], lines
+
+
 # ----------------------------------------------------------------------------- reference ops
 
 def test_gating_reference_follows_the_documented_formula():

@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...graph.ir import Graph, Node, Tensor, const_shape, int_list, is_const, is_graph_output, producer
+from ...graph.ir import Graph, Node, Tensor, const_shape, const_value, int_list, is_const, is_graph_output, producer
 
 #: Ops computing each output element from the same element of each input (broadcast aside).
 _ELEMENTWISE = frozenset({
@@ -82,6 +82,44 @@ def find_moe_blocks(graph: Graph) -> MoeScan:
         except _Decline as why:
             declined[node.name] = str(why)
     return MoeScan(blocks, declined)
+
+
+def find_unrolled_blocks(graph: Graph) -> dict[str, str]:
+    """The statically unrolled all-experts form, by its dense routing matrix: ``ScatterElements(zeros (T, E),
+    TopK indices, weights, axis=-1)`` read one expert column at a time (``Slice``/``Gather`` on axis 1), every
+    expert computed on every token and masked by its column. Returns where -> why it stays decomposed."""
+    found = {}
+    for node in list(graph.nodes):
+        if node.op != "ScatterElements" or len(node.inputs) != 3 or int(node.attrs.get("axis", 0)) not in (-1, 1):
+            continue
+        idx = producer(node.inputs[1])
+        dense = node.outputs[0]
+        if idx is None or idx.op != "TopK" or node.inputs[1] is not idx.outputs[1] or dense.shape is None or \
+                len(dense.shape) != 2 or not _zeros(node.inputs[0]):
+            continue
+        columns = [c for c in dense.outputs if c.op in ("Slice", "Gather")]
+        experts = _static(dense, 1)
+        if experts and len(columns) == experts:
+            found[node.name] = (f"all {experts} experts computed on every token and masked by a dense routing matrix "
+                                "(the unrolled form): Ascend's routing ops need the experts batched (stacked weights), "
+                                "which k3opt does not build from per-expert subgraphs")
+    return found
+
+
+def _zeros(t: Tensor) -> bool:
+    """A tensor of zeros: a constant, ``ConstantOfShape`` with a zero (or no) value, or ``Expand`` of a zero."""
+    value = const_value(t)
+    if value is not None:
+        return not np.any(value)
+    n = producer(t)
+    if n is None:
+        return False
+    if n.op == "ConstantOfShape":
+        v = n.attrs.get("value")
+        return v is None or not np.any(np.asarray(getattr(v, "values", v)))
+    if n.op in ("Expand", "Cast"):
+        return _zeros(n.inputs[0])
+    return False
 
 
 def _is_slot_sum(node: Node) -> bool:

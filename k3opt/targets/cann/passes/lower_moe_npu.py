@@ -36,7 +36,7 @@ from ....graph.ir import (Graph, Node, Tensor, consumers, int_list, is_const, pr
 from ....patterns import RewriteBuilder
 from ....patterns.rewriter import GraphEditor
 from ....pipeline.pass_base import PassContext, register_pass
-from ....passes._shared.moe_match import MoeBlock, find_moe_blocks
+from ....passes._shared.moe_match import MoeBlock, find_moe_blocks, find_unrolled_blocks
 from ._npu_lowering import NPULowering
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -74,11 +74,12 @@ class LowerMoeNPU(NPULowering):
         self.scanned = False
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        if self.scanned or "ReduceSum" not in ctx.ops_in(graph):  # one scan: a lowered block is not found again
+        # one scan: a lowered block is not found again
+        if self.scanned or not {"ReduceSum", "ScatterElements"} & ctx.ops_in(graph):
             return 0
         self.scanned = True
         scan = find_moe_blocks(graph)
-        for where, why in scan.declined.items():
+        for where, why in {**scan.declined, **find_unrolled_blocks(graph)}.items():
             self.kept[where] = f"MoE block at '{where}' kept decomposed: {why}"
         for b in scan.blocks:
             why = refusal(b)
