@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import click
 
+from .errors import UsageError
 from .targets import all_targets, names as target_names
 from .modelio.opset import MIN_OPSET, max_opset
 from .pipeline.progress import Progress
@@ -168,6 +169,8 @@ def pipeline_options(f: F) -> F:
         click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D1,D2",
                      help="Fix an input's dimensions, e.g. input_ids:1,128 (repeatable)."),
         _PLUGIN, _PASS_OPTION,
+        click.option("--soc-version", metavar="SOC", help="With --target cann: the Ascend chip (e.g. Ascend310P3); "
+                     "NPU ops without a kernel there are not emitted (docs/cann.md)."),
     ])
 
 
@@ -225,6 +228,13 @@ def optimize_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     if "plugins" in kwargs:
         kwargs["plugins"] = list(kwargs["plugins"])
     kwargs.update(params.get("pass_options") or {})
+    if params.get("soc_version"):
+        if params.get("target") != "cann":
+            raise UsageError("--soc-version applies to --target cann only")
+        if kwargs.get("soc_version", params["soc_version"]) != params["soc_version"]:
+            raise UsageError(f"--pass-option soc_version={kwargs['soc_version']} contradicts --soc-version "
+                             f"{params['soc_version']}")
+        kwargs["soc_version"] = params["soc_version"]
     return kwargs
 
 

@@ -82,3 +82,12 @@ def test_families():
     assert family("Ascend910B3") == "Atlas A2 (Ascend910B)" and family("Ascend910_9391") == "Atlas A3 (Ascend910_93)"
     assert missing_kernel(ROPE, "Ascend910B4") is None and missing_kernel(ROPE, None) is None
     assert missing_kernel("NPURmsNorm", "Ascend310P3") is None
+
+
+def test_optimize_cli_soc_version(tmp_path, src):
+    out = tmp_path / "o.onnx"
+    res = CliRunner().invoke(main, ["optimize", src, "-o", str(out), "--target", "cann", "--soc-version", "Ascend310P3"])
+    assert res.exit_code == 0, res.output
+    assert ROPE not in {n.op_type for n in onnx.load(str(out)).graph.node}
+    res = CliRunner().invoke(main, ["optimize", src, "-o", str(tmp_path / "p.onnx"), "--soc-version", "Ascend310P3"])
+    assert res.exit_code == 2 and "--target cann" in res.output
