@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 import click
 
 from .errors import UsageError
-from .targets import all_targets, names as target_names
+from .targets import all_targets, get_target, names as target_names
 from .modelio.opset import MIN_OPSET, max_opset
 from .pipeline.progress import Progress
 
@@ -229,7 +229,7 @@ def optimize_kwargs(params: dict[str, Any]) -> dict[str, Any]:
         kwargs["plugins"] = list(kwargs["plugins"])
     kwargs.update(params.get("pass_options") or {})
     if params.get("soc_version"):
-        if params.get("target") != "cann":
+        if not get_target(params.get("target") or target_names()[0]).lowers:  # the SoC picks the NPU ops
             raise UsageError("--soc-version applies to --target cann only")
         if kwargs.get("soc_version", params["soc_version"]) != params["soc_version"]:
             raise UsageError(f"--pass-option soc_version={kwargs['soc_version']} contradicts --soc-version "
