@@ -42,6 +42,8 @@ class Target:
     lowers_attention: ClassVar[bool] = False
     #: merge-sibling-matmuls also merges a pair of bias-less projections (gate/up): worth one bigger matmul.
     merges_projection_pairs: ClassVar[bool] = False
+    #: A Gemm's alpha and beta other than 1 are honoured (fold-scalar-scale may set them).
+    honours_gemm_scales: ClassVar[bool] = True
     #: The target runs CastLike (else castlike-to-cast notes the ones it could not rewrite).
     runs_castlike: ClassVar[bool] = True
     #: The run has a lowering stage (the target's form and invariants) even when no lowering pass is selected.

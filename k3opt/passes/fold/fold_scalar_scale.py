@@ -83,7 +83,7 @@ class FoldScalarScale(NodeRewritePass):
                 for i in (1, 2) if bias else (1,):
                     set_input(p, i, _scaled(p.inputs[i], s, ctx))
                 return True
-            if ctx.target == "cann":  # ATC's Gemm: alpha/beta other than 1 are not known to be honoured
+            if not ctx.target.honours_gemm_scales:  # cann: ATC's Gemm alpha/beta other than 1 unknown
                 return False
             p.attrs["alpha"] = float(p.attrs.get("alpha", 1.0)) * s
             if bias:

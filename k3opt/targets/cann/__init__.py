@@ -31,6 +31,7 @@ class CannTarget(Target):
     matmul_add_nd = "flatten"
     fuses_computed_matmul_add = False
     runs_castlike = False
+    honours_gemm_scales = False  # ATC's Gemm: alpha/beta other than 1 are not known to be honoured
     lowers_attention = True
     merges_projection_pairs = True
     lowers = True
