@@ -177,12 +177,14 @@ def passes_cmd(plugins: tuple[str, ...], quiet: bool, debug: bool) -> None:
 
 
 def _add_package_commands() -> None:
+    from .blocks.cli import commands as block_commands
     from .cann_bridge.cli import commands as cann_commands
     from .export.cli import commands as export_commands
     from .llm.cli import commands as llm_commands
     from .quantize.cli import commands as quantize_commands
 
-    for command in list(cann_commands) + list(export_commands) + list(llm_commands) + list(quantize_commands):
+    for command in (list(cann_commands) + list(export_commands) + list(llm_commands) + list(quantize_commands)
+                    + list(block_commands)):
         main.add_command(command)
 
 

@@ -26,11 +26,11 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 2
           "T": 1 << 40, "TB": 1 << 40}
 
 
-def parse_size(text: str) -> int:
-    """``4GB``, ``512MB``, ``1.5G``, ``1000000`` -> bytes (binary units); raises UsageError."""
+def parse_size(text: str, option: str = "--verify-memory") -> int:
+    """``4GB``, ``512MB``, ``1.5G``, ``1000000`` -> bytes (binary units); raises UsageError naming ``option``."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*", str(text).upper())
     if not m or float(m.group(1)) <= 0:
-        raise UsageError(f"--verify-memory: '{text}' is not a size such as 4GB or 512MB")
+        raise UsageError(f"{option}: '{text}' is not a size such as 4GB or 512MB")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 

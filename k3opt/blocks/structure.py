@@ -9,8 +9,10 @@ Nothing here reads a weight: it works on the structure of a model of any size, o
 
 :func:`partition` puts every node in one block: block 0 computes the first boundary (the embeddings),
 block ``k`` the ``k``-th, the last block what follows the last boundary (final norm, lm_head). A node
-used by several blocks and read by none of the boundaries' producers goes to the earliest block its
-inputs allow; Constant nodes are copied into every other block that reads them (the only duplicates).
+no boundary needs goes to the first block that reads it, or, read by none (a graph output), to the last
+block among its inputs'. Side computations (from the graph inputs and small constants alone: Constant
+nodes, the attention mask, rotary tables, positions) are copied into every other block that reads them,
+so the tensors crossing a boundary are the residual stream, KV caches and little else.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Iterable, Optional
 import onnx
 
 from ..errors import InputError
-from ..modelio import tensor_nbytes
+from ..modelio import EXTERNAL_THRESHOLD, tensor_nbytes
 
 #: Fused attention ops (ONNX Attention-23, onnxruntime's contrib ops, the NPU ops of the cann target).
 ATTENTION_OPS = frozenset(("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
@@ -175,6 +177,23 @@ def _has_attention(index: _Index, nodes: Iterable[int]) -> bool:
     return False
 
 
+def _side_nodes(index: _Index, boundaries: set[str]) -> set[int]:
+    """Nodes computed from the graph inputs and small constants alone (a mask, rotary tables, positions): a block
+    that reads one recomputes it instead of receiving it. A KV-cache input (``past*``) or a weight read
+    makes a node no side node (a stage gets only its own layers' caches); so does a boundary output."""
+    side: set[int] = set()
+    graph = index.graph
+    small = {t.name for t in graph.initializer if tensor_nbytes(t) < EXTERNAL_THRESHOLD}
+    inputs = {vi.name for vi in graph.input if not vi.name.startswith("past")}
+    for i, node in enumerate(graph.node):
+        if any(y in boundaries for y in node.output):
+            continue
+        if all(x in small or (x in inputs and x not in index.initializers) or index.producer.get(x) in side
+               for x in index.inputs[i]):
+            side.add(i)
+    return side
+
+
 def partition(graph: onnx.GraphProto, boundaries: list[str]) -> list[Block]:
     """Cut ``graph`` at ``boundaries`` (in order) into ``len(boundaries) + 1`` blocks."""
     index = _Index(graph)
@@ -192,25 +211,37 @@ def partition(graph: onnx.GraphProto, boundaries: list[str]) -> list[Block]:
             todo += [index.producer[x] for x in index.inputs[i] if x in index.producer]
     last = len(boundaries)
     after = {boundaries[-1]} if boundaries else set()
-    for i, node in enumerate(nodes):  # the rest: after the last boundary, or as early as their inputs allow
-        if i in owner or node.op_type == "Constant":
-            continue
-        ins = index.inputs[i]
-        if any(x in after for x in ins):
+    for i, node in enumerate(nodes):  # what follows the last boundary (final norm, head) is the last block's
+        if i not in owner and node.op_type != "Constant" and any(x in after for x in index.inputs[i]):
             owner[i] = last
             after.update(node.output)
-        else:
-            owner[i] = max((owner.get(index.producer[x], 0) for x in ins if x in index.producer), default=0)
+    for i in range(len(nodes) - 1, -1, -1):  # the rest where first read (a mask computed where it is used)
+        if i in owner or nodes[i].op_type == "Constant":
+            continue
+        readers = [owner[c] for y in nodes[i].output for c in index.consumers.get(y, ()) if c in owner]
+        if readers:
+            owner[i] = min(readers)
+    for i, node in enumerate(nodes):  # read by none (a graph output such as a KV cache): with its inputs
+        if i not in owner and node.op_type != "Constant":
+            owner[i] = max((owner.get(index.producer[x], 0) for x in index.inputs[i] if x in index.producer),
+                           default=0)
     blocks = [Block([], [], [], [], 0) for _ in range(last + 1)]
     for i, node in enumerate(nodes):
         if node.op_type == "Constant":
-            readers = sorted({owner[c] for y in node.output for c in index.consumers.get(y, ())})
-            readers = readers or [last]
-            blocks[readers[0]].nodes.append(i)
-            for k in readers[1:]:
-                blocks[k].copied.append(i)
-        else:
-            blocks[owner[i]].nodes.append(i)
+            readers = [owner[c] for y in node.output for c in index.consumers.get(y, ()) if c in owner]
+            owner[i] = min(readers, default=last)
+        blocks[owner[i]].nodes.append(i)
+    pure = _side_nodes(index, set(boundaries))
+    for k, block in enumerate(blocks):  # side computations read from another block are recomputed here
+        todo = [index.producer[x] for i in block.nodes for x in index.inputs[i] if x in index.producer]
+        copied: set[int] = set()
+        while todo:
+            p = todo.pop()
+            if p in copied or owner[p] == k or p not in pure:
+                continue
+            copied.add(p)
+            todo += [index.producer[x] for x in index.inputs[p] if x in index.producer]
+        block.copied = sorted(copied)
     sizes = {t.name: tensor_nbytes(t) for t in graph.initializer}
     graph_outputs = [o.name for o in graph.output]
     for block in blocks:

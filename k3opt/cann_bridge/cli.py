@@ -97,8 +97,24 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
     --pass-option shape the graph as in `k3opt optimize`; --soc-version also keeps
     the NPU ops without a kernel on that chip out of the lowering.
     MODEL may be a `k3opt llm --target cann` pair folder: each graph is compiled as written into
-    OUTPUT/<graph>.om, with its manifest's shapes and gears.
+    OUTPUT/<graph>.om, with its manifest's shapes and gears. MODEL may be a `k3opt split` folder (or its
+    manifest.json): each stage is compiled into OUTPUT_stage<i>.om (docs/split.md).
     """
+    opts = AtcOptions(soc_version=soc_version, input_shapes=input_shapes, input_format=input_format,
+                      precision_mode=precision_mode, precision_mode_v2=precision_mode_v2,
+                      dynamic_dims=dynamic_dims, dynamic_batch_size=dynamic_batch_size,
+                      dynamic_image_size=dynamic_image_size, fusion_switch_file=fusion_switch_file, log=log,
+                      extra_args=extra_args)
+    from ..blocks.split import is_split
+
+    if is_split(model):  # a `k3opt split` folder or manifest: one .om per stage
+        from ..blocks.compile_stages import compile_stages
+
+        results = compile_stages(model, output, opts, atc=atc, dry_run=dry_run, echo=None if kw["quiet"] else click.echo,
+                                 progress=progress_for(kw), **_with_soc(optimize_kwargs(kw), soc_version))
+        if not kw["quiet"]:
+            click.echo("dry run: ATC not run" if dry_run else f"wrote {', '.join(str(r.om_path) for r in results)}")
+        return
     if Path(model).is_dir():
         from ..llm.compile_pair import compile_pair
 
@@ -110,11 +126,6 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
         if not kw["quiet"]:
             click.echo(f"wrote {', '.join(str(p) for p in oms)}" if oms else "dry run: ATC not run")
         return
-    opts = AtcOptions(soc_version=soc_version, input_shapes=input_shapes, input_format=input_format,
-                      precision_mode=precision_mode, precision_mode_v2=precision_mode_v2,
-                      dynamic_dims=dynamic_dims, dynamic_batch_size=dynamic_batch_size,
-                      dynamic_image_size=dynamic_image_size, fusion_switch_file=fusion_switch_file, log=log,
-                      extra_args=extra_args)
     say = None if kw["quiet"] else click.echo
     check_outputs([output + ".onnx"], [output + ".om", report_path], [model], make_folders=True)
     report = Report()

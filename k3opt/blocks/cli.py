@@ -1,0 +1,51 @@
+"""``k3opt split MODEL --stages N -o OUT_DIR``: pipeline stages cut at decoder-layer boundaries (docs/split.md)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import click
+
+from ..cli_options import progress_for, run_options
+from .run_hook import parse_size
+from .split import parse_layers, split_model
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
+    return None if value is None else parse_size(value, option=f"--{param.name.replace('_', '-')}")
+
+
+@click.command("split")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--stages", type=click.IntRange(1), help="Number of stages (one per card), balanced by bytes.")
+@click.option("--layers", metavar="A-B,C-D", help="The stages' decoder-layer ranges by hand, e.g. 0-7,8-15.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Output folder (stages + manifest.json).")
+@click.option("--target", type=click.Choice(["onnx", "cann"]), default="onnx", show_default=True,
+              help="cann: optimize and lower for Ascend first, then cut the lowered model.")
+@click.option("--max-stage-bytes", callback=_size, metavar="SIZE", help="Refuse a stage over this (per-card memory).")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="Chain the stages in onnxruntime against the whole model.")
+@click.option("--verify-memory", callback=_size, metavar="SIZE",
+              help="Over a third of it the whole model is run block by block (default 1GB).")
+@click.option("--input-data", type=click.Path(dir_okay=False), metavar="F.npz", help="Inputs for verification.")
+@click.option("--rtol", type=click.FloatRange(0), help="Relative tolerance.")
+@click.option("--atol", type=click.FloatRange(0), help="Absolute tolerance.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@run_options
+def split_cmd(model: str, stages: Optional[int], layers: Optional[str], output: str, target: str,
+              max_stage_bytes: Optional[int], quiet: bool, debug: bool, **kw: Any) -> None:
+    """Cut MODEL at decoder-layer boundaries into pipeline stages, one ONNX model per card, with a manifest."""
+    progress = progress_for({"quiet": quiet})
+    manifest = split_model(model, output, stages, layers=parse_layers(layers) if layers else None,
+                           max_stage_bytes=max_stage_bytes, target=target, progress=progress, **kw)
+    if quiet:
+        return
+    for s in manifest["stages"]:
+        click.echo(f"stage {s['index']}: layers {s['layers'][0]}-{s['layers'][1]}, {s['bytes'] / 2**20:.1f} MB, "
+                   f"{s['nodes']} nodes, {len(s['inputs'])} inputs, {len(s['outputs'])} outputs -> {s['file']}")
+    v = manifest["verification"]
+    click.echo(f"balance (largest / smallest stage): {manifest['balance']:.3f}")
+    click.echo(f"verification: {v['status']}" + (f" ({v['reason']})" if v.get("reason") else ""))
+    click.echo(f"wrote {output}/manifest.json")
+
+
+commands: list[click.Command] = [split_cmd]

@@ -1,0 +1,303 @@
+"""``split``: a transformer cut at decoder-layer boundaries into pipeline stages, one ONNX model per card.
+
+Each stage is a valid ONNX model with its own external data (weights streamed from the source, never all in
+memory), its inputs the tensors it reads from the graph inputs or earlier stages and its outputs those that
+later stages or the graph outputs read. The embeddings go to the first stage and the final norm and lm_head
+to the last; each layer's KV-cache inputs and outputs go with the layer. Stages are balanced by weight
+bytes plus the KV-cache bytes of static cache inputs (:func:`k3opt.blocks.plan.balanced`: the cut whose
+largest stage is smallest), or given by hand as layer ranges. A manifest (``manifest.json``) records the
+stage order, the tensors handed from stage to stage (names, dtypes, shapes), the cache tensors each stage
+owns, its bytes and its device index. Stages with IR version 10 or later also carry ONNX's own pipeline
+metadata (a ``configuration`` and each node's ``pipeline_stage``). Verification runs the written stages in
+sequence in onnxruntime against the whole model (run block by block when over ``verify_memory``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import onnx
+
+from .. import modelio
+from ..errors import InputError, OutputError, UsageError, VerificationError
+from ..graph import dtypes
+from ..modelio.temp_folders import TempFolder
+from ..pipeline import verify as verifier
+from . import plan
+from .run_hook import DEFAULT_BUDGET
+from .session import block_model, run_block, value_types
+from .structure import Block, find_boundaries, partition
+
+MANIFEST = "manifest.json"
+FORMAT = "k3opt-pipeline/1"
+CONFIGURATION = "k3opt-pipeline"
+_PIPELINE_IR = 10  # onnx's DeviceConfigurationProto and NodeDeviceConfigurationProto.pipeline_stage
+
+
+def parse_layers(text: str) -> list[tuple[int, int]]:
+    """``0-3,4-7,8`` -> [(0, 3), (4, 7), (8, 8)] (inclusive layer ranges); raises UsageError."""
+    ranges = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise UsageError(f"--layers: '{part}' is not a layer range such as 0-3") from None
+        ranges.append((a, b))
+    return ranges
+
+
+def split_model(
+    model: str | os.PathLike, out_dir: str | os.PathLike, stages: Optional[int] = None, *,
+    layers: Optional[Sequence[tuple[int, int]]] = None, max_stage_bytes: Optional[int] = None,
+    verify: bool = True, verify_memory: Optional[int] = None, input_data: Any = None, seed: int = 0,
+    rtol: Optional[float] = None, atol: Optional[float] = None, overwrite: bool = False, target: str = "onnx",
+    progress: Optional[Callable[[str], None]] = None,
+) -> dict[str, Any]:
+    """Cut the model file ``model`` into ``stages`` stages (or the inclusive ``layers`` ranges) written into
+    ``out_dir`` with ``manifest.json``; returns the manifest. Nothing is written when a check fails.
+
+    ``target="cann"`` first optimizes and lowers the whole model for Ascend (verified as ``k3opt optimize
+    --target cann`` verifies it), then cuts the lowered model: onnxruntime cannot run its NPU ops, so the
+    stages' chaining is not run again (the manifest's ``verification`` says so).
+    """
+    out = Path(out_dir)
+    if out.exists() and not (out.is_dir() and (overwrite or not any(out.iterdir()))):
+        raise OutputError(f"{out}: exists; pass --overwrite to replace it" if out.is_dir() else
+                          f"{out}: exists and is not a folder")
+    if not out.parent.is_dir():
+        raise OutputError(f"{out}: its folder {out.parent} does not exist")
+    options = dict(layers=layers, max_stage_bytes=max_stage_bytes, verify=verify, verify_memory=verify_memory,
+                   input_data=input_data, seed=seed, rtol=rtol, atol=atol, progress=progress)
+    if target == "onnx":
+        return _split(Path(model), out, stages, **options)
+    if target != "cann":
+        raise UsageError(f"unknown target '{target}'; choose onnx or cann")
+    from ..api import optimize_file
+
+    temp = TempFolder.next_to(out)
+    try:
+        lowered = temp.path / f"{Path(model).stem}.cann.onnx"
+        report = optimize_file(model, lowered, target="cann", verify=verify, verify_memory=verify_memory,
+                               input_data=input_data, seed=seed, rtol=rtol, atol=atol, progress=progress)
+        manifest = _split(lowered, out, stages, **dict(options, verify=False))
+        manifest["source"] = str(model)
+        manifest["target"] = "cann"
+        manifest["verification"] = dict(report.verification or verifier.skipped("--no-verify"),
+                                        note="the whole model's optimization and lowering; stages of NPU ops "
+                                             "are not run again in onnxruntime")
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        return manifest
+    finally:
+        temp.remove()
+
+
+def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Sequence[tuple[int, int]]],
+           max_stage_bytes: Optional[int], verify: bool, verify_memory: Optional[int], input_data: Any, seed: int,
+           rtol: Optional[float], atol: Optional[float], progress: Optional[Callable[[str], None]]) -> dict[str, Any]:
+    say = progress or (lambda _msg: None)
+    say("loading")
+    loaded = modelio.read_model(model)
+    proto = loaded.model
+    boundaries = find_boundaries(proto.graph)  # raises NoLayers
+    count = len(boundaries) - 1
+    fine = partition(proto.graph, boundaries)
+    types = _inferred_types(proto)
+    unit_bytes = [b.weight_bytes + _cache_bytes(b, types) for b in fine]
+    # layer i is fine block i + 1; the embeddings join layer 0, the head the last layer
+    units = [unit_bytes[i + 1] for i in range(count)]
+    units[0] += unit_bytes[0]
+    units[-1] += unit_bytes[-1]
+    ranges = _ranges(units, count, stages, layers)
+    cuts = [boundaries[r[-1] + 1] for r in ranges[:-1]]
+    blocks = partition(proto.graph, cuts)
+    sizes = [b.weight_bytes + _cache_bytes(b, types) for b in blocks]
+    if max_stage_bytes is not None and max(sizes) > max_stage_bytes:
+        worst = int(np.argmax(sizes))
+        raise UsageError(f"stage {worst} holds {sizes[worst] / 2**20:.1f} MB, over --max-stage-bytes "
+                         f"({max_stage_bytes / 2**20:.1f} MB): use more stages")
+    temp = TempFolder.next_to(out)
+    try:
+        staged = temp.path / "stages"
+        staged.mkdir()
+        files = []
+        for i, block in enumerate(blocks):
+            say(f"writing stage {i}")
+            stage = _stage_model(proto, block, types, i, len(blocks))
+            path = staged / f"stage{i}.onnx"
+            modelio.save(stage, path, external_data=True)
+            files.append(path)
+        manifest = _manifest(Path(model), blocks, ranges, cuts, types, sizes, files)
+        if verify:
+            say("verifying the stages chained against the whole model")
+            manifest["verification"] = _verify(proto, blocks, files, types, verify_memory, input_data, seed,
+                                               rtol, atol)
+            if manifest["verification"]["status"] == "failed":
+                raise VerificationError("the stages chained differ from the whole model ("
+                                        f"{verifier.failure_detail(manifest['verification'])}); nothing was written")
+        else:
+            manifest["verification"] = verifier.skipped("--no-verify")
+        (staged / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if out.exists():  # --overwrite (checked above): the old folder goes only once the new one is complete
+            os.rename(out, temp.path / "old")
+        os.rename(staged, out)
+    finally:
+        temp.remove()
+    return manifest
+
+
+def _ranges(units: list[int], count: int, stages: Optional[int],
+            layers: Optional[Sequence[tuple[int, int]]]) -> list[range]:
+    if layers:
+        ranges = [range(a, b + 1) for a, b in layers]
+        flat = [i for r in ranges for i in r]
+        if flat != list(range(count)):
+            raise UsageError(f"--layers must cover layers 0..{count - 1} in order, each once; got "
+                             + ",".join(f"{r.start}-{r.stop - 1}" for r in ranges))
+        if stages is not None and stages != len(ranges):
+            raise UsageError(f"--stages {stages} but --layers gives {len(ranges)} ranges")
+        return ranges
+    if stages is None or stages < 1:
+        raise UsageError("give --stages N (N >= 1) or --layers")
+    if stages > count:
+        raise UsageError(f"{stages} stages but the model has {count} decoder layers: at most {count} stages")
+    return plan.balanced(units, stages)
+
+
+def _inferred_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """Types and shapes of the model's tensors, by onnx's shape inference on its structure (weights as inputs)."""
+    light, _ = modelio.weights_as_inputs(model)
+    try:
+        light = onnx.shape_inference.infer_shapes(light)
+    except Exception:  # noqa: BLE001 -- a model onnx cannot infer keeps the value_info it has
+        pass
+    return value_types(light)
+
+
+def _cache_bytes(block: Block, types: Mapping[str, onnx.ValueInfoProto]) -> int:
+    """Bytes of the block's KV-cache inputs whose shapes are static (a dynamic cache counts nothing)."""
+    total = 0
+    for name in block.inputs:
+        vi = types.get(name)
+        if vi is None or "past" not in name:
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") for d in dims):
+            total += int(np.prod([d.dim_value for d in dims])) * dtypes.numpy_dtype(vi.type.tensor_type.elem_type).itemsize
+    return total
+
+
+def _stage_model(model: onnx.ModelProto, block: Block, types: Mapping[str, onnx.ValueInfoProto], index: int,
+                 count: int) -> onnx.ModelProto:
+    stage = block_model(model, block, types, f"{model.graph.name or 'model'}_stage{index}")
+    stage.ir_version = model.ir_version
+    for field in ("producer_name", "producer_version", "domain", "model_version"):
+        setattr(stage, field, getattr(model, field))
+    stage.metadata_props.extend(model.metadata_props)
+    for key, value in (("k3opt.pipeline_stage", index), ("k3opt.pipeline_stages", count)):
+        stage.metadata_props.add(key=key, value=str(value))
+    if stage.ir_version >= _PIPELINE_IR:
+        stage.configuration.add(name=CONFIGURATION, num_devices=count, device=[f"device{i}" for i in range(count)])
+        for node in stage.graph.node:
+            node.device_configurations.add(configuration_id=CONFIGURATION, pipeline_stage=index)
+    return stage
+
+
+def _tensor(name: str, types: Mapping[str, onnx.ValueInfoProto]) -> dict[str, Any]:
+    vi = types.get(name)
+    if vi is None:
+        return {"name": name, "dtype": None, "shape": None}
+    t = vi.type.tensor_type
+    shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim] \
+        if t.HasField("shape") else None
+    return {"name": name, "dtype": str(dtypes.numpy_dtype(t.elem_type)), "shape": shape}
+
+
+def _manifest(source: Path, blocks: list[Block], ranges: list[range], cuts: list[str],
+              types: Mapping[str, onnx.ValueInfoProto], sizes: list[int], files: list[Path]) -> dict[str, Any]:
+    made = {}
+    for i, b in enumerate(blocks):
+        made.update((y, i) for y in b.outputs)
+    stages = []
+    for i, (b, r, f) in enumerate(zip(blocks, ranges, files)):
+        inputs = [dict(_tensor(n, types), **{"from": made.get(n, "graph")}) for n in b.inputs]
+        readers = {n: [j for j, later in enumerate(blocks) if n in later.inputs] for n in b.outputs}
+        outputs = [dict(_tensor(n, types), to=readers[n]) for n in b.outputs]
+        stages.append({
+            "index": i, "device": i, "file": f.name, "data": modelio.data_path(f).name,
+            "layers": [r.start, r.stop - 1], "nodes": len(b.nodes) + len(b.copied), "copied_constants": len(b.copied),
+            "weight_bytes": b.weight_bytes, "bytes": sizes[i],
+            "cache_inputs": [n for n in b.inputs if n.startswith("past")],
+            "cache_outputs": [n for n in b.outputs if n.startswith("present")],
+            "inputs": inputs, "outputs": outputs,
+        })
+    return {"format": FORMAT, "source": str(source), "boundaries": cuts, "stages": stages,
+            "balance": max(sizes) / max(min(sizes), 1)}
+
+
+def _verify(model: onnx.ModelProto, blocks: list[Block], files: list[Path], types: Mapping[str, onnx.ValueInfoProto],
+            budget: Optional[int], input_data: Any, seed: int, rtol: Optional[float],
+            atol: Optional[float]) -> dict[str, Any]:
+    """The written stages, chained in onnxruntime (each from its file), against the whole model."""
+    budget = DEFAULT_BUDGET if budget is None else budget
+    names = [o.name for o in model.graph.output]
+    whole: Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]
+    if 3 * modelio.proto_size(model) <= budget:
+        session = verifier.session(model)
+        whole = lambda feeds: verifier.run(session, feeds)  # noqa: E731
+    else:  # the whole model, block by block (the stages' cuts are its blocks: one block's weights at a time)
+        whole = lambda feeds: _run_blocks(model, blocks, types, feeds)  # noqa: E731
+    try:
+        feeds = verifier.make_feeds(model, seed=seed, input_data=input_data, run=whole)
+    except verifier.Unrunnable as exc:
+        return verifier.skipped(f"onnxruntime cannot run the model: {exc}")
+    except Exception as exc:  # noqa: BLE001 -- ORT's own errors, or no input sizes it runs at
+        return verifier.skipped(f"onnxruntime cannot run the whole model: {verifier.first_line(exc)}")
+    expected = feeds.outputs if feeds.outputs is not None else whole(feeds)
+    env = dict(feeds)
+    for f in files:
+        session = verifier.session(f)  # from the file: its external data beside it
+        wanted = [i.name for i in session.get_inputs()]
+        env.update(zip([o.name for o in session.get_outputs()], verifier.run(session, {n: env[n] for n in wanted})))
+        del session
+    return verifier.compare(expected, [env[n] for n in names], names, rtol=rtol, atol=atol)
+
+
+def _run_blocks(model: onnx.ModelProto, blocks: list[Block], types: Mapping[str, onnx.ValueInfoProto],
+                feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    env = dict(feeds)
+    for block in blocks:
+        env.update(run_block(block_model(model, block, types), env))
+    return [env[o.name] for o in model.graph.output]
+
+
+def is_split(path: str | os.PathLike) -> bool:
+    """True for a ``k3opt split`` output folder or its manifest file."""
+    p = Path(path)
+    p = p / MANIFEST if p.is_dir() else p
+    if p.suffix != ".json" or not p.is_file():
+        return False
+    try:
+        return json.loads(p.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """A split's manifest (the file, or its folder); raises InputError for anything else."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / MANIFEST
+    try:
+        manifest = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not a k3opt split manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise InputError(f"{path}: not a k3opt split manifest (format {FORMAT} expected)")
+    manifest["folder"] = str(p.parent)
+    return manifest
+
+

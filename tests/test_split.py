@@ -1,0 +1,158 @@
+"""`k3opt split`: pipeline stages cut at decoder-layer boundaries, chained equal to the whole model; the manifest;
+`k3opt compile` of a split (one .om per stage, against the stand-in atc); bad input refused in one line."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+import k3opt
+from k3opt.blocks.split import read_manifest, split_model
+from k3opt.cli import main
+from k3opt.errors import OutputError, UsageError
+from k3opt.pipeline import verify as verifier
+from k3opt.blocks.structure import NoLayers
+
+from .fake_atc import recorded_argv, write_fake_atc
+from .split_models import DECODE_NAMES, LAYERS, NAMES, split_inputs, split_model as export
+from .zoo import needs_torch
+
+CASES = [pytest.param(n, False, s, id=f"{n}-prefill-{s}") for n in NAMES for s in (2, 3)] + \
+        [pytest.param(n, True, s, id=f"{n}-decode-{s}") for n in DECODE_NAMES for s in (2, 3)]
+
+
+def chained(folder: Path, feeds: dict) -> dict:
+    """The stages of ``folder`` run in manifest order from their files, each fed from the graph inputs and
+    earlier stages as the manifest says."""
+    manifest = read_manifest(folder)
+    env = dict(feeds)
+    for stage in manifest["stages"]:
+        session = verifier.session(folder / stage["file"])
+        names = [i["name"] for i in stage["inputs"]]
+        assert [i.name for i in session.get_inputs()] == names
+        for i in stage["inputs"]:
+            assert i["from"] == "graph" or i["from"] < stage["index"]
+        env.update(zip([o.name for o in session.get_outputs()], verifier.run(session, {n: env[n] for n in names})))
+    return env
+
+
+@needs_torch
+@pytest.mark.parametrize("name,decode,stages", CASES)
+def test_stages_chained_equal_the_whole_model(name, decode, stages, tmp_path):
+    src = export(name, decode)
+    out = tmp_path / "stages"
+    manifest = split_model(src, out, stages)
+    assert manifest["verification"]["status"] == "passed"
+    assert len(manifest["stages"]) == stages
+    whole = onnx.load(src)
+    feeds = split_inputs(name, decode)
+    want = verifier.run(verifier.session(whole), feeds)
+    env = chained(out, feeds)
+    for o, w in zip(whole.graph.output, want):
+        np.testing.assert_array_equal(env[o.name], w)
+    # every node once, plus only copied side computations (constants, masks...)
+    nodes = [onnx.load(out / s["file"], load_external_data=False).graph.node for s in manifest["stages"]]
+    assert sum(len(n) for n in nodes) == len(whole.graph.node) + sum(s["copied_constants"] for s in manifest["stages"])
+    layers = [s["layers"] for s in manifest["stages"]]
+    assert layers[0][0] == 0 and layers[-1][1] == LAYERS - 1
+    assert all(a[1] + 1 == b[0] for a, b in zip(layers, layers[1:]))
+    for s in manifest["stages"]:
+        assert (out / s["data"]).is_file() and s["device"] == s["index"]
+        if decode:  # each stage has exactly its layers' caches (GPT-2's stage 0 reads layer 0's for positions)
+            own = [f"past_key_values.{i}.{p}" for i in range(s["layers"][0], s["layers"][1] + 1) for p in ("key", "value")]
+            assert sorted(s["cache_inputs"]) == sorted(own)
+            assert sorted(s["cache_outputs"]) == sorted(n.replace("past_key_values", "present") for n in own)
+
+
+@needs_torch
+def test_manifest_records_boundaries_types_bytes_and_stage_metadata(tmp_path):
+    out = tmp_path / "s"
+    manifest = split_model(export("llama", True), out, 2)
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk["format"] == "k3opt-pipeline/1" and on_disk["boundaries"] == manifest["boundaries"]
+    first, second = on_disk["stages"]
+    handed = {o["name"] for o in first["outputs"] if 1 in o["to"]}
+    assert handed and handed == {i["name"] for i in second["inputs"] if i["from"] == 0}
+    assert manifest["boundaries"][0] in handed
+    boundary = next(i for i in second["inputs"] if i["name"] == manifest["boundaries"][0])
+    assert boundary["dtype"] == "float32" and len(boundary["shape"]) == 3
+    assert all(s["weight_bytes"] > 0 and s["bytes"] >= s["weight_bytes"] for s in on_disk["stages"])
+    meta = {p.key: p.value for p in onnx.load(out / second["file"], load_external_data=False).metadata_props}
+    assert meta["k3opt.pipeline_stage"] == "1" and meta["k3opt.pipeline_stages"] == "2"
+
+
+@needs_torch
+def test_layers_by_hand_and_balance(tmp_path):
+    manifest = split_model(export("qwen2"), tmp_path / "a", layers=[(0, 0), (1, 3)])
+    assert [s["layers"] for s in manifest["stages"]] == [[0, 0], [1, 3]]
+    manifest = split_model(export("qwen2"), tmp_path / "b", 2)
+    assert [s["layers"] for s in manifest["stages"]] == [[0, 1], [2, 3]] and manifest["balance"] < 1.01
+
+
+@needs_torch
+def test_an_optimized_model_splits_too(tmp_path):
+    opt = tmp_path / "opt.onnx"
+    k3opt.optimize_file(export("llama", True), opt)
+    manifest = split_model(opt, tmp_path / "s", 3)
+    assert manifest["verification"]["status"] == "passed"
+
+
+@needs_torch
+def test_bad_input_is_refused_in_one_line(tmp_path):
+    with pytest.raises(UsageError, match="5 stages but the model has 4 decoder layers"):
+        split_model(export("llama"), tmp_path / "a", 5)
+    with pytest.raises(UsageError, match="over --max-stage-bytes"):
+        split_model(export("llama"), tmp_path / "b", 2, max_stage_bytes=50_000)
+    with pytest.raises(UsageError, match="--layers must cover"):
+        split_model(export("llama"), tmp_path / "c", layers=[(0, 1), (3, 3)])
+    flat = tmp_path / "flat.onnx"
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    onnx.save(onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x],
+              [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])])), flat)
+    with pytest.raises(NoLayers, match="residual stream"):
+        split_model(flat, tmp_path / "d", 2)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(OutputError, match="--overwrite"):
+        split_model(export("llama"), tmp_path / "full", 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.onnx", "full"]  # nothing left behind
+    result = CliRunner().invoke(main, ["split", str(export("llama")), "--stages", "9", "-o", str(tmp_path / "e")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "at most 4 stages" in result.output
+
+
+@needs_torch
+def test_cli_split_then_compile_one_om_per_stage(tmp_path, monkeypatch):
+    atc = write_fake_atc(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{atc.parent}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "stages"
+    runner = CliRunner()
+    result = runner.invoke(main, ["split", str(export("qwen2", True)), "--stages", "2", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "verification: passed" in result.output and "stage 1: layers 2-3" in result.output
+    shapes = ["--input-shape", "input_ids:2,1", "--input-shape", "attention_mask:2,6"]
+    for i in range(LAYERS):
+        shapes += [f"--input-shape=past_key_values.{i}.{p}:2,2,5,8" for p in ("key", "value")]
+    result = runner.invoke(main, ["compile", str(out / "manifest.json"), "--soc-version", "Ascend910B3",
+                                  "-o", str(tmp_path / "om" / "q"), "-q", *shapes])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "om").glob("*.om")) == ["q_stage0.om", "q_stage1.om"]
+    argv = recorded_argv(atc)
+    assert len(argv) == 2
+    second = next(a for a in argv[1] if a.startswith("--input_shape="))
+    assert "past_key_values.2.key:2,2,5,8" in second and "past_key_values.0.key" not in second
+    boundary = read_manifest(out)["boundaries"][0]
+    assert f"{boundary}:2,1,32" in second  # the handed-on residual stream, sized by a run of the source
+
+
+@needs_torch
+def test_target_cann_lowers_then_cuts(tmp_path):
+    manifest = split_model(export("llama"), tmp_path / "c", 2, target="cann")
+    assert manifest["target"] == "cann" and manifest["verification"]["status"] == "passed"
+    ops = {n.op_type for s in manifest["stages"]
+           for n in onnx.load(tmp_path / "c" / s["file"], load_external_data=False).graph.node}
+    assert {"NPURmsNorm", "NPUPromptFlashAttention"} <= ops
