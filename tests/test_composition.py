@@ -166,6 +166,7 @@ def test_opset23_output_reaches_the_npu(tmp_path):
     assert report.verification["status"] == "passed"
     ops = Counter(n.op_type for n in out.graph.node)
     assert ops["NPURmsNorm"] == 5 and ops["NPUPromptFlashAttention"] == 2, ops
+    assert ops["NPURotaryPositionEmbedding"] >= 2, ops  # the first layer's (docs/cann.md: the known gap)
 
 
 @needs_torch

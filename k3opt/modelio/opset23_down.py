@@ -136,6 +136,8 @@ def _rotary(node: onnx.NodeProto, f: _Form) -> Optional[str]:
         return "a rotation over part of the head (or an odd head size) has no decomposed form here"
     if len(node.input) > 3 and node.input[3]:  # caches indexed by position: (max_pos, D/2) -> (B, S, D/2)
         cos, sin = f.add("Gather", [cos, node.input[3]], axis=0), f.add("Gather", [sin, node.input[3]], axis=0)
+    else:  # (B, S, D/2) by the op's definition: an Expand to that broadcasts the same in x1 * cos
+        cos, sin = _through_expand(f, cos, rank=3), _through_expand(f, sin, rank=3)
     axis1 = f.const(np.array([1], np.int64), "heads_axis")
     cos, sin = f.add("Unsqueeze", [cos, axis1]), f.add("Unsqueeze", [sin, axis1])
     last = f.const(np.array([-1], np.int64), "last_axis")
@@ -199,13 +201,18 @@ def _attention(node: onnx.NodeProto, f: _Form) -> Optional[str]:
     return None
 
 
-def _through_expand(f: _Form, mask: str) -> str:
-    """The input of an Expand that makes the mask: broadcast into the scores it adds the same (Attention-23's mask
-    broadcasts to the scores' shape), and the recognisers read the mask's own form."""
+def _through_expand(f: _Form, t: str, rank: Optional[int] = None) -> str:
+    """The input of an Expand that makes ``t`` (an attention mask, a rotary cache): broadcast into what it is
+    added to or multiplied with, it gives the same (the ops' definitions fix the expanded shape to that one),
+    and the recognisers read the tensor's own form. ``rank``: only when the input has that rank (known)."""
     for node in f.graph.node:
-        if mask in node.output:
-            return node.input[0] if node.op_type == "Expand" and node.domain in _DEFAULT else mask
-    return mask
+        if t in node.output:
+            if node.op_type != "Expand" or node.domain not in _DEFAULT:
+                return t
+            src = node.input[0]
+            shape = f.shape(src) if rank is not None else None
+            return src if rank is None or (shape is not None and len(shape) == rank) else t
+    return t
 
 
 def _repeat_kv(f: _Form, t: str, kv_heads: int, rep: int) -> str:
