@@ -211,3 +211,38 @@ def test_flattened_softmax_unwraps_when_one_trailing_dim_is_not_1(dims, unwrappe
     out = k3opt.optimize(model)
     assert_equivalent(model, out, feeds={"x": _w(2, *[3 if d == "d" else d for d in dims])})
     assert (op_counts(out) == {"Softmax": 1}) == unwrapped
+
+
+def _dense(back, split: bool = False, out_2d: bool = False):
+    """Keras/tf2onnx Dense on x [B, 7, 16]: Reshape [-1, 16], MatMul, (Split,) Reshape ``back``, Add."""
+    nodes = [helper.make_node("Reshape", ["x", "flat"], ["x2"]), helper.make_node("MatMul", ["x2", "w"], ["m"])]
+    inits = {"flat": np.array([-1, 16], np.int64), "w": _w(16, 8), "back": np.array(back, np.int64), "b": _w(4)}
+    outputs = [("y", F, None)]
+    if split:
+        nodes += [helper.make_node("Split", ["m"], ["m1", "m2"], axis=1),
+                  helper.make_node("Reshape", ["m1", "back"], ["r1"]), helper.make_node("Reshape", ["m2", "back"], ["r2"]),
+                  helper.make_node("Add", ["r1", "b"], ["a1"]), helper.make_node("Add", ["r2", "b"], ["y"]),
+                  helper.make_node("Relu", ["a1"], ["z"])]
+        outputs.append(("z", F, None))
+    else:
+        inits["b"] = _w(back[-1])
+        nodes += [helper.make_node("Reshape", ["m", "back"], ["r"]), helper.make_node("Add", ["r", "b"], ["y"])]
+    if out_2d:
+        outputs.append(("m", F, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["B", 7, 16])],
+                              [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("back,split,out_2d,target,unflattened", [
+    ([-1, 7, 8], False, False, "onnx", True), ([-1, 7, 2, 4], False, False, "onnx", True),
+    ([-1, 7, 4], True, False, "onnx", True), ([0, 8], False, False, "onnx", False),
+    ([-1, 7, 8], False, True, "onnx", False), ([-1, 7, 8], False, False, "cann", False)])
+def test_unflatten_matmul(back, split, out_2d, target, unflattened):
+    model = _dense(back, split, out_2d)
+    out = k3opt.optimize(model, target=target, verify=target == "onnx")
+    if target == "onnx":
+        assert_equivalent(model, out, feeds={"x": _w(3, 7, 16)})
+    mm = next(n for n in out.graph.node if n.op_type in ("MatMul", "Gemm"))
+    assert (mm.input[0] == "x") == unflattened
