@@ -106,3 +106,57 @@ def test_decode_step_keeps_only_the_key_transposes() -> None:
     assert op_counts(out).get("Transpose", 0) == 2
     feeds = zoo_decode_inputs("llama", past=5, new=1)
     assert_equivalent(model, out, feeds=feeds)
+
+
+def _into_reshape_model(target_at_moved_axis: bool = False, second_reader: bool = False) -> onnx.ModelProto:
+    """o [B, H, 1, D] -> Transpose [0,2,1,3] -> Reshape to [Shape(x)[0], 1, -1] (computed): the decode step's
+    attention output, whose batch is dynamic (the moved dim H is known, but beside a copied 0 and a -1)."""
+    x_shape = ["b", 4, None, 8]
+    nodes = [helper.make_node("Relu", ["x"], ["o"]),
+             helper.make_node("Reshape", ["o", "unit"], ["o1"]),  # [b, -1, 1, 8]: H is unknown to inference
+             helper.make_node("Transpose", ["o1"], ["t"], perm=[0, 2, 1, 3]),
+             helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Gather", ["sx", "zero"], ["b0"], axis=0),
+             helper.make_node("Concat", ["b0", "one" if not target_at_moved_axis else "b0", "minus"], ["target"], axis=0),
+             helper.make_node("Reshape", ["t", "target"], ["y"])]
+    outputs = [("y", F, ["b", 1, 32])]
+    if second_reader:
+        nodes.append(helper.make_node("Neg", ["t"], ["z"]))
+        outputs.append(("z", F, ["b", 1, None, 8]))
+    inits = {"unit": np.array([0, -1, 1, 8], np.int64), "zero": np.array([0], np.int64),
+             "one": np.array([1], np.int64), "minus": np.array([-1], np.int64)}
+    return make_model(nodes, [("x", F, x_shape)], outputs, inits)
+
+
+def test_unit_transpose_into_a_reshape_goes() -> None:
+    model = _into_reshape_model()
+    out, n = apply(model, TransposeToReshape())
+    assert n == 1 and "Transpose" not in op_counts(out)
+    assert_equivalent(model, out, feeds=_feeds((3, 4, 1, 8)))
+
+
+@pytest.mark.parametrize("kw", [{"target_at_moved_axis": True}, {"second_reader": True}])
+def test_unit_transpose_into_a_reshape_refusals(kw) -> None:
+    """A computed target element (maybe 0: a copy) at an axis the Transpose moves; another reader of it."""
+    out, n = apply(_into_reshape_model(**kw), TransposeToReshape())
+    assert n == 0 and op_counts(out)["Transpose"] == 1
+
+
+@needs_torch
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_static_one_token_decode_no_more_nodes_than_onnxslim(name) -> None:
+    """The decode step exported with a static one-token query (batch dynamic): no Transpose of the length-1
+    query or of the attention output is left, and no more non-Constant nodes than onnxslim's."""
+    onnxslim = pytest.importorskip("onnxslim")
+    model = onnx.load(zoo_decode_model(name))
+    dim = model.graph.input[0].type.tensor_type.shape.dim[1]
+    dim.Clear()
+    dim.dim_value = 1
+    report = Report()
+    out = k3opt.optimize(model, verify=True, report=report)
+    assert report.verification["status"] == "passed"
+    assert op_counts(out).get("Transpose", 0) == 2  # k^T, one per layer
+
+    def count(m):
+        return sum(1 for n in m.graph.node if n.op_type != "Constant")
+
+    assert count(out) <= count(onnxslim.slim(model))

@@ -20,12 +20,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ...graph.ir import Graph, Node, as_constant
+from ...graph.ir import Graph, Node, as_constant, is_graph_output
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
-from .._rewire import NodeRewritePass
+from .._rewire import NodeRewritePass, bypass
 from .._shared.op_kinds import perm_of
-from ..analysis.fold_shapes import Dim, DimAnalysis, tensor_dims
+from ..analysis.fold_shapes import Dim, DimAnalysis, shape_elements, tensor_dims
 
 
 def reshape_target(dims: Sequence[Dim], perm: Sequence[int]) -> Optional[list[int]]:
@@ -49,6 +49,35 @@ def reshape_target(dims: Sequence[Dim], perm: Sequence[int]) -> Optional[list[in
     return target
 
 
+def keeps_order(dims: Sequence[Dim], perm: Sequence[int]) -> bool:
+    """``Transpose(x, perm)`` of ``x`` of ``dims`` lays the elements out in x's order (it moves only unit dims)."""
+    kept = [p for p in perm if dims[p] != 1]
+    return len(dims) == len(perm) and sorted(perm) == list(range(len(perm))) and kept == sorted(kept)
+
+
+def _into_reshape(graph: Graph, node: Node, perm: Sequence[int], dims: Sequence[Dim], dead: list[Node]) -> bool:
+    """A Transpose moving only unit dims, whose one reader is a Reshape of it, goes: the Reshape reads the
+    elements in the same order from the Transpose's input. Only where every target element that may be 0 (a 0,
+    or computed) stands at an axis the Transpose keeps in place: a 0 copies that axis of the Reshape's input.
+    The decode step's ``Reshape(Transpose(o, [0,2,1,3]), [B, 1, -1])`` of a one-token attention output is the case
+    whose reshape target (the moved dim unknown beside a copied one) :func:`reshape_target` cannot spell."""
+    out = node.outputs[0]
+    if not keeps_order(dims, perm) or len(out.outputs) != 1 or is_graph_output(graph, out):
+        return False
+    reader = out.outputs[0]
+    if reader.op != "Reshape" or (reader.domain or "") not in ("", "ai.onnx") or len(reader.inputs) != 2 \
+            or reader.inputs[0] is not out or reader.inputs[1] is out:
+        return False
+    if not reader.attrs.get("allowzero", 0):
+        elements = shape_elements(reader.inputs[1])
+        if elements is None:
+            return False
+        for i, e in enumerate(elements[0]):
+            if not (isinstance(e, int) and e != 0) and (i >= len(perm) or perm[i] != i):
+                return False
+    return bypass(graph, node, node.inputs[0], dead)
+
+
 @register_pass
 class TransposeToReshape(NodeRewritePass):
     name = "transpose-to-reshape"
@@ -67,7 +96,7 @@ class TransposeToReshape(NodeRewritePass):
         perm, dims = perm_of(node), tensor_dims(node.inputs[0])
         target = None if perm is None or dims is None else reshape_target(dims, perm)
         if target is None:
-            return False
+            return perm is not None and dims is not None and _into_reshape(graph, node, perm, dims, dead)
         node.op = "Reshape"
         node.attrs.clear()
         node.inputs.append(as_constant(ctx.fresh_name(f"{node.name or 'Transpose'}_shape"),
