@@ -116,7 +116,7 @@ def test_the_default_target_keeps_the_moe_blocks():
 # ----------------------------------------------------------------------------- hand-made blocks
 
 def moe_block(gate="softmax", renorm=True, escape=False, cross_rows=False, weights_input=False, dtype=T.FLOAT,
-              bias_add=False):
+              bias_add=False, moe_output=False):
     """A batched_mm MoE block as transformers exports it, on (T, H) tokens, plus the residual Add."""
     rng = np.random.default_rng(0)
     np_t = helper.tensor_dtype_to_np_dtype(dtype)
@@ -166,7 +166,8 @@ def moe_block(gate="softmax", renorm=True, escape=False, cross_rows=False, weigh
     if bias_add:  # a broadcast Add: (1, H) against (T, H), not a skip Finalize can take
         inits["bias"] = rng.standard_normal((1, HIDDEN)).astype(np_t)
         nodes[-1] = helper.make_node("Add", ["moe", "bias"], ["out"])
-    outputs = [("out", dtype, [TOKENS, HIDDEN])] + ([("h", dtype, [TOKENS * K, INTER])] if escape else [])
+    outputs = [("out", dtype, [TOKENS, HIDDEN])] + ([("h", dtype, [TOKENS * K, INTER])] if escape else []) + \
+        ([("moe", dtype, [TOKENS, HIDDEN])] if moe_output else [])
     return make_model(nodes, inputs, outputs, inits)
 
 
@@ -180,9 +181,10 @@ def test_finalize_takes_a_same_shape_add_but_not_a_broadcast_one():
     m = moe_block()
     _, report = lowered(m, feeds(m))
     assert "weighted combine + the following 1 Add(s)" in moe_lines(report)[1]
-    m = moe_block(bias_add=True)
-    out, report = lowered(m, feeds(m))
-    assert "weighted combine -> NPUMoeFinalizeRouting" in moe_lines(report)[1] and op_counts(out)["Add"] == 1
+    for variant in ({"bias_add": True}, {"moe_output": True}):  # a broadcast; a sum that is a graph output too
+        m = moe_block(**variant)
+        out, report = lowered(m, feeds(m))
+        assert "weighted combine -> NPUMoeFinalizeRouting" in moe_lines(report)[1] and op_counts(out)["Add"] == 1
 
 
 @pytest.mark.parametrize("renorm", [True, False])

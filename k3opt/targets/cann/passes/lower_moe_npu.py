@@ -31,8 +31,8 @@ from onnx import TensorProto
 from ..npu_contract import MOE_ALL_ROWS, MOE_MAX_K
 from ..target_form import STAGING_DOMAIN
 from ....graph import dtypes
-from ....graph.ir import (Graph, Node, Tensor, consumers, int_list, is_const, producer, replace_uses, set_input,
-                          toposort)
+from ....graph.ir import (Graph, Node, Tensor, consumers, int_list, is_const, is_graph_output, producer, replace_uses,
+                          set_input, toposort)
 from ....patterns import RewriteBuilder
 from ....patterns.rewriter import GraphEditor
 from ....pipeline.pass_base import PassContext, register_pass
@@ -119,7 +119,7 @@ class LowerMoeNPU(NPULowering):
         self._typed(erow, np.int32, flat)
         self._typed(eexp, np.int32, flat)
         eexp64 = self._typed(op.Cast(eexp, to=TensorProto.INT64), np.int64, flat)
-        last, skips, unflatten = self._chain(b)
+        last, skips, unflatten = self._chain(graph, b)
         flats = [s if s.shape is not None and len(s.shape) == 2 else
                  self._typed(op.Reshape(s, op.const(np.array([-1, b.hidden], np.int64))), s.dtype, b.x.shape)
                  for s in skips]
@@ -156,14 +156,15 @@ class LowerMoeNPU(NPULowering):
                 f"NPUMoeInitRouting; weighted combine{skip} -> NPUMoeFinalizeRouting")
 
     @staticmethod
-    def _chain(b: MoeBlock) -> tuple[Tensor, list[Tensor], Optional[Node]]:
+    def _chain(graph: Graph, b: MoeBlock) -> tuple[Tensor, list[Tensor], Optional[Node]]:
         """What Finalize can take over after the combine: up to two Adds of a same-shape operand (its ``x1``,
         ``x2``: a shared expert, the residual), across one Reshape back to (B, S, H). Returns the last tensor
-        taken, the Adds' other operands, and that Reshape (None if not taken)."""
+        taken, the Adds' other operands, and that Reshape (None if not taken). A value read elsewhere (a graph
+        output, a second reader) ends the chain: it must be replaced itself."""
         cur, skips, unflatten = b.combine.outputs[0], [], None
         while len(skips) < 2:
             readers = consumers(cur)
-            if len(readers) != 1:
+            if len(readers) != 1 or is_graph_output(graph, cur):
                 break
             r = readers[0]
             if r.op == "Reshape" and unflatten is None and r.outputs[0].shape is not None and \
