@@ -108,6 +108,19 @@ def test_default_target_and_opset_23_stay_equal_with_fewer_nodes(name, exporter,
     assert len(out.graph.node) < len(onnx.load(path).graph.node)
 
 
+def test_a_moe_export_compiles_with_the_stand_in_atc(tmp_path):
+    """`k3opt compile` end to end: the MoE ops pass the pre-flight check and the stand-in's argument grammar."""
+    from k3opt.cann_bridge import AtcOptions, compile_model
+    from tests.fake_atc import write_fake_atc
+
+    atc = write_fake_atc(tmp_path / "bin")
+    opts = AtcOptions(soc_version="Ascend910B3", input_shapes=("input_ids:1,8", "attention_mask:1,8"))
+    res = compile_model(str(moe_model("qwen2_moe", "torchscript")), tmp_path / "out" / "qwen2_moe", opts, atc=str(atc))
+    written = onnx.load(str(res.onnx_path), load_external_data=False)
+    assert res.om_path.is_file() and check_model(written) == []
+    assert all(op_counts(written).get(op) == 2 for op in _ROUTING)
+
+
 def test_the_default_target_keeps_the_moe_blocks():
     out = k3opt.optimize(str(moe_model("mixtral", "torchscript")))
     assert not any(op in op_counts(out) for op in _ROUTING) and op_counts(out)["TopK"] == 2
