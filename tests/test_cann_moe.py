@@ -89,7 +89,7 @@ def test_the_json_and_html_reports_say_per_block_and_per_mla_layer_what_was_lowe
 
 @pytest.mark.parametrize("name, exporter", [pytest.param(n, e, id=f"{n}-{e}",
                                                          marks=[pytest.mark.slow] if e == "dynamo" else [])
-                                            for n in ("mixtral", "deepseek_v3") for e in EXPORTERS])
+                                            for n in ("mixtral", "qwen2_moe", "deepseek_v3") for e in EXPORTERS])
 def test_decode_steps_lower_attention_and_moe_and_stay_equal(name, exporter):
     """One token after a cache of 6: the MoE routing of a one-token-per-row step, and (DeepSeek-V3) MLA."""
     out, report = lowered(str(moe_decode_model(name, exporter)), moe_decode_inputs(name))
