@@ -8,6 +8,8 @@ repaired where the repair is exact, and said in the report:
   contrib op, registered there for opsets 1-16) becomes the standard
   decomposition of opset 17's LayerNormalization (the same definition); the
   layer-norm fusion folds it back where the output opset has the op;
+- ``SimplifiedLayerNormalization`` in the default domain (onnxruntime's RMS
+  normalization, never an onnx op) becomes ``x / sqrt(mean(x^2) + eps) * scale``;
 - ``value_info`` entries without a tensor type are dropped (they say nothing);
 - at IR version < 4, initializers not listed as graph inputs are constants to
   onnxruntime; the IR version is raised to 4, where that is what they mean;
@@ -43,10 +45,9 @@ def repair(model: onnx.ModelProto, bodies: bool = True) -> list[str]:
         notes.append(f"input repaired: IR version raised from {model.ir_version} to 4 (its initializers not "
                      f"listed as graph inputs are constants, as onnxruntime reads them)")
         model.ir_version = 4
-    decomposed = _decompose_contrib_layernorm(model)
-    if decomposed:
-        notes.append(f"input repaired: {decomposed} LayerNormalization node{'s' if decomposed > 1 else ''} of the "
-                     f"default domain below opset 17 (onnxruntime's contrib op) written as opset 17's definition")
+    for op, count in _decompose_contrib_norms(model).items():
+        notes.append(f"input repaired: {count} {op} node{'s' if count > 1 else ''} of the default domain "
+                     f"(onnxruntime's contrib op, not onnx's at this opset) written in standard ops, as defined")
     if bodies:
         renamed = _rename_sibling_names(model.graph)
         if renamed:
@@ -116,26 +117,33 @@ def _default_opset(model: onnx.ModelProto) -> int:
     return max((o.version for o in model.opset_import if o.domain in _DEFAULT), default=1)
 
 
-def _decompose_contrib_layernorm(model: onnx.ModelProto) -> int:
-    """Write each default-domain LayerNormalization of a model below opset 17 as opset 17's function body
-    (computed in float32 for narrower inputs, as both definitions stash); returns how many."""
-    if _default_opset(model) >= 17:
-        return 0
-    count = 0
+#: onnxruntime's ops registered in the default domain that onnx's schemas lack there: op -> the opsets below which
+#: they are contrib ops (None: at every opset; LayerNormalization is standard from 17).
+_CONTRIB_NORMS = {"LayerNormalization": 17, "SimplifiedLayerNormalization": None}
+
+
+def _decompose_contrib_norms(model: onnx.ModelProto) -> dict[str, int]:
+    """Write each default-domain LayerNormalization of a model below opset 17, and SimplifiedLayerNormalization
+    (RMS normalization; never an onnx op) at any opset, as their definitions in standard ops (statistics in
+    float32 for narrower inputs, as onnxruntime stashes them); returns how many of each."""
+    opset = _default_opset(model)
+    wanted = {op for op, below in _CONTRIB_NORMS.items() if below is None or opset < below}
+    counts: dict[str, int] = {}
     for g in _graphs(model.graph):
-        if not any(n.op_type == "LayerNormalization" and n.domain in _DEFAULT for n in g.node):
+        if not any(n.op_type in wanted and n.domain in _DEFAULT for n in g.node):
             continue
         ranks, types = _known_types(g)
         nodes: list[onnx.NodeProto] = []
         for i, node in enumerate(g.node):
-            if node.op_type != "LayerNormalization" or node.domain not in _DEFAULT:
+            if node.op_type not in wanted or node.domain not in _DEFAULT:
                 nodes.append(node)
                 continue
-            nodes.extend(_layernorm_nodes(node, f"{node.name or 'LayerNormalization'}_{i}", ranks, types))
-            count += 1
+            centered = node.op_type == "LayerNormalization"
+            nodes.extend(_layernorm_nodes(node, f"{node.name or node.op_type}_{i}", ranks, types, centered, opset))
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
         del g.node[:]
         g.node.extend(nodes)
-    return count
+    return counts
 
 
 def _known_types(graph: onnx.GraphProto) -> tuple[dict[str, int], dict[str, int]]:
@@ -151,8 +159,11 @@ def _known_types(graph: onnx.GraphProto) -> tuple[dict[str, int], dict[str, int]
     return ranks, types
 
 
-def _layernorm_nodes(node: onnx.NodeProto, tag: str, ranks: dict[str, int], types: dict[str, int]) -> list:
-    """opset 17's LayerNormalization function body for ``node`` (outputs Y, Mean, InvStdDev as named)."""
+def _layernorm_nodes(node: onnx.NodeProto, tag: str, ranks: dict[str, int], types: dict[str, int],
+                     centered: bool = True, opset: int = 16) -> list:
+    """opset 17's LayerNormalization function body for ``node`` (outputs Y, Mean, InvStdDev as named); not
+    ``centered``: onnxruntime's SimplifiedLayerNormalization (outputs Y, InvStdDev), ``x / sqrt(mean(x^2) + eps)
+    * scale``. ReduceMean's axes are an input from opset 18 on."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     axis, eps = int(attrs.get("axis", -1)), float(attrs.get("epsilon", 1e-5))
     x = node.input[0]
@@ -161,9 +172,8 @@ def _layernorm_nodes(node: onnx.NodeProto, tag: str, ranks: dict[str, int], type
     elif x in ranks:
         axes = list(range(axis, ranks[x]))
     else:
-        raise InputError(f"LayerNormalization '{node.name}' of the default domain at an opset below 17 (onnxruntime's "
-                         f"contrib op) normalizes from axis {axis} of an input of unknown rank: k3opt cannot write "
-                         f"it in standard ONNX")
+        raise InputError(f"{node.op_type} '{node.name}' of the default domain (onnxruntime's contrib op) normalizes "
+                         f"from axis {axis} of an input of unknown rank: k3opt cannot write it in standard ONNX")
     dtype = types.get(x, TensorProto.FLOAT)
     wide = dtype in (TensorProto.FLOAT, TensorProto.DOUBLE)
     n = lambda suffix: f"{tag}/{suffix}"  # noqa: E731
@@ -177,13 +187,26 @@ def _layernorm_nodes(node: onnx.NodeProto, tag: str, ranks: dict[str, int], type
     out.append(helper.make_node("Constant", [], [eps_name],
                                 value=helper.make_tensor(eps_name, stash, [], [eps])))
     outputs = list(node.output) + [""] * (3 - len(node.output))
+    if not centered:  # (Y, InvStdDev): no Mean output
+        outputs = [outputs[0], "", outputs[1]]
     mean = outputs[1] if outputs[1] and wide else n("mean")
     inv = outputs[2] if outputs[2] and wide else n("inv_std")
+
+    def reduce_mean(x: str, y: str) -> onnx.NodeProto:
+        if opset < 18:
+            return helper.make_node("ReduceMean", [x], [y], axes=axes, keepdims=1)
+        return helper.make_node("ReduceMean", [x, n("axes")], [y], keepdims=1)
+
+    if opset >= 18:
+        out.append(helper.make_node("Constant", [], [n("axes")], value=helper.make_tensor(
+            n("axes"), TensorProto.INT64, [len(axes)], axes)))
+    if centered:
+        out += [reduce_mean(src, mean), helper.make_node("Sub", [src, mean], [n("d")])]
+    else:
+        out.append(helper.make_node("Identity", [src], [n("d")]))
     out += [
-        helper.make_node("ReduceMean", [src], [mean], axes=axes, keepdims=1),
-        helper.make_node("Sub", [src, mean], [n("d")]),
         helper.make_node("Mul", [n("d"), n("d")], [n("d2")]),
-        helper.make_node("ReduceMean", [n("d2")], [n("var")], axes=axes, keepdims=1),
+        reduce_mean(n("d2"), n("var")),
         helper.make_node("Add", [n("var"), eps_name], [n("var_eps")]),
         helper.make_node("Sqrt", [n("var_eps")], [n("std")]),
         helper.make_node("Div", [n("d"), n("std")], [n("norm")]),
