@@ -328,3 +328,48 @@ def test_keras_einsum_attention_fuses():
 def test_einsum_matmul_plan(equation, plan):
     from k3opt.passes.fusion.einsum_attention import matmul_plan
     assert matmul_plan(equation) == plan
+
+
+def _export_bmm_attention(path, layout: str) -> None:
+    """A torch module computing attention on [B*H, S, D] with torch.bmm, exported by TorchScript (opset 14)."""
+    import torch
+
+    torch.manual_seed(0)
+
+    class BmmAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(HID, 3 * HID)
+            self.out = torch.nn.Linear(HID, HID)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            if layout == "megatron":  # x: [S, B, HID] -> [S, B*H, D] -> [B*H, S, D]
+                s, b = x.shape[0], x.shape[1]
+                q, k, v = (t.reshape(s, b * H, D).transpose(0, 1) for t in (q, k, v))
+            else:  # x: [B, S, HID] -> [B, H, S, D] -> [B*H, S, D]
+                b, s = x.shape[0], x.shape[1]
+                q, k, v = (t.reshape(b, s, H, D).transpose(1, 2).reshape(b * H, s, D) for t in (q, k, v))
+            scores = torch.bmm(q, k.transpose(1, 2)) / (D ** 0.5)
+            o = torch.bmm(scores.softmax(-1), v)
+            if layout == "megatron":
+                o = o.transpose(0, 1).reshape(s, b, HID)
+            else:
+                o = o.reshape(b, H, s, D).transpose(1, 2).reshape(b, s, HID)
+            return self.out(o)
+
+    shape = (S, B, HID) if layout == "megatron" else (B, S, HID)
+    torch.onnx.export(BmmAttention().eval(), (torch.randn(*shape),), str(path), input_names=["x"],
+                      output_names=["y"], opset_version=14, dynamo=False)
+
+
+@pytest.mark.parametrize("layout", ["megatron", "bmm"])
+def test_exported_bmm_attention_fuses(layout, tmp_path):
+    pytest.importorskip("torch")
+    path = tmp_path / "m.onnx"
+    _export_bmm_attention(path, layout)
+    report = Report()
+    out = api.optimize(str(path), opset=23, verify=True, report=report)
+    assert report.verification["status"] == "passed"
+    ops = Counter(n.op_type for n in out.graph.node)
+    assert ops["Attention"] == 1 and ops["Softmax"] == 0, (ops, report.notes)
