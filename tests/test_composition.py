@@ -171,10 +171,11 @@ def test_opset23_output_reaches_the_npu(tmp_path):
 
 @needs_torch
 @pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "qwen2", "deepseek_v3", "vit"])
 @pytest.mark.parametrize("options", [{}, {"opset": 23}, {"target": "cann"}], ids=["default", "opset23", "cann"])
-def test_zoo_second_run_changes_nothing(name, options, tmp_path):
+def test_zoo_second_run_changes_nothing(name, exporter, options, tmp_path):
     first = tmp_path / "first.onnx"
-    api.optimize_file(zoo_model(name), first, **options)
+    api.optimize_file(zoo_model(name, exporter), first, **options)
     second = api.optimize(str(first), **options)
     assert canonical(second) == canonical(onnx.load(str(first)))

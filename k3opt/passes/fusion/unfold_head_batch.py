@@ -80,6 +80,8 @@ def _flattening(t3: Tensor, b: _Builder) -> Optional[tuple[Tensor, int]]:
     if dims is None or target is None or len(target[0]) != 3:
         return None
     e = target[0]
+    if 0 in e:  # a 0 copies the input's dim at its own index, which is not the one compared below
+        return None
     if len(dims) == 4 and _same(e[1], dims[2]) and _same(e[2], dims[3]):
         return x, 0
     if len(dims) == 4 and _same(e[0], dims[0]) and _same(e[2], dims[3]):
