@@ -47,6 +47,10 @@ def measure(original: Path, quantized: Path, tokens: int = 16, seed: int = 0) ->
     choice at each of those steps on the same prefix: the fraction it agrees on.
     """
     result: dict[str, Any] = {}
+    need = sum(p.stat().st_size + (Path(str(p) + ".data").stat().st_size if Path(str(p) + ".data").exists() else 0)
+               for p in (original, quantized))
+    if 3 * need > verify.available_memory():
+        return {"skipped": f"the two models ({need / 2**20:.0f} MB) would not fit in free memory three times"}
     try:
         fs, qs = verify.session(original), verify.session(quantized)
     except verify.Unrunnable as exc:
