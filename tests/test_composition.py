@@ -179,3 +179,23 @@ def test_zoo_second_run_changes_nothing(name, exporter, options, tmp_path):
     api.optimize_file(zoo_model(name, exporter), first, **options)
     second = api.optimize(str(first), **options)
     assert canonical(second) == canonical(onnx.load(str(first)))
+
+
+@pytest.mark.parametrize("kv", [KV, H])
+def test_opset23_attention_on_3d_inputs(kv):
+    """Attention-23 on (B, S, heads * D) inputs with q_num_heads/kv_num_heads: split into heads, equal."""
+    rng = np.random.default_rng(3)
+    inputs = [_vi("q", T.FLOAT, [B, S, H * D]), _vi("k", T.FLOAT, [B, S + P, kv * D]),
+              _vi("v", T.FLOAT, [B, S + P, kv * D]), _vi("mask", T.BOOL, [B, 1, S, S + P])]
+    node = h.make_node("Attention", ["q", "k", "v", "mask"], ["y"], q_num_heads=H, kv_num_heads=kv)
+    model = h.make_model(h.make_graph([node], "a3", inputs, [_vi("y", T.FLOAT, [B, S, H * D])]),
+                         opset_imports=[h.make_opsetid("", 23)], ir_version=10)
+    feeds = {n: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+             for i in inputs[:3] for n in [i.name]}
+    keep = rng.random((B, 1, S, S + P)) > 0.3
+    keep[..., 0] = True
+    feeds["mask"] = keep
+    report = Report()
+    out = api.optimize(model, opset=17, verify=True, input_data=feeds, report=report)
+    assert report.verification["status"] == "passed", report.verification
+    assert "Attention" not in {n.op_type for n in out.graph.node}

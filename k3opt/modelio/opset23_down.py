@@ -8,8 +8,8 @@ export they came from. onnx's own function bodies are not used: they write the h
 Reshapes of 3-D layouts the recognisers do not follow.
 
 What has no such form here is left as it is (the opset conversion then names it): ``RotaryEmbedding``
-interleaved, over part of the head, or on 3-D inputs; ``Attention`` on 3-D inputs, ``is_causal``,
-``softcap``, or its fourth output.
+interleaved, over part of the head, or on 3-D inputs; ``Attention`` with ``is_causal``, ``softcap``, or its
+fourth output (3-D q/k/v are split into heads by ``q_num_heads``/``kv_num_heads``).
 """
 from __future__ import annotations
 
@@ -163,10 +163,17 @@ def _attention(node: onnx.NodeProto, f: _Form) -> Optional[str]:
         return "its qk_matmul_output has no decomposed form here"
     ins = list(node.input) + [""] * (6 - len(node.input))
     q, k, v, mask, past_k, past_v = ins[:6]
-    qs, ks = f.shape(q), f.shape(k)
-    if qs is None or ks is None or len(qs) != 4 or len(ks) != 4 or qs[3] is None or qs[1] is None or ks[1] is None:
-        return "q and k are not 4-D (BNSD) with static heads and head size"
+    qs, ks, vs = f.shape(q), f.shape(k), f.shape(v)
     dtype = f.dtype(q)
+    three_d = qs is not None and ks is not None and vs is not None and len(qs) == len(ks) == len(vs) == 3
+    if three_d:  # (B, S, heads * D) with the head counts as attributes: split into BNSD
+        nq, nkv = int(a.get("q_num_heads", 0)), int(a.get("kv_num_heads", 0))
+        if not nq or not nkv or qs[2] is None or ks[2] is None or qs[2] % nq or ks[2] % nkv:
+            return "3-D q/k/v without static widths divisible by q_num_heads/kv_num_heads"
+        q, k, v = (_heads_split(f, t, n) for t, n in ((q, nq), (k, nkv), (v, nkv)))
+        qs, ks = [qs[0], nq, qs[1], qs[2] // nq], [ks[0], nkv, ks[1], ks[2] // nkv]
+    if qs is None or ks is None or len(qs) != 4 or len(ks) != 4 or qs[3] is None or qs[1] is None or ks[1] is None:
+        return "q and k are neither 4-D (BNSD) with static heads and head size nor 3-D with the head counts"
     if dtype is None:
         return "the query's type is unknown"
     heads, kv_heads, head = qs[1], ks[1], qs[3]
@@ -197,8 +204,18 @@ def _attention(node: onnx.NodeProto, f: _Form) -> Optional[str]:
     if mask:  # a query row with every key masked (-inf) gives 0, as Attention-23 defines (torch sdpa's guard)
         zero = f.const(np.array(0, _np_type(dtype)), "zero_probs")
         probs = f.add("Where", [f.add("IsNaN", [probs]), zero, probs])
-    f.add("MatMul", [probs, v], out=outs[0])
+    if not three_d:
+        f.add("MatMul", [probs, v], out=outs[0])
+        return None
+    y = f.add("Transpose", [f.add("MatMul", [probs, v])], perm=[0, 2, 1, 3])  # BNSD -> (B, S, heads * Dv)
+    f.add("Reshape", [y, f.const(np.array([0, 0, -1], np.int64), "merged_heads")], out=outs[0])
     return None
+
+
+def _heads_split(f: _Form, t: str, heads: int) -> str:
+    """(B, S, heads * D) -> (B, heads, S, D), as Attention-23 reads a 3-D input."""
+    split = f.add("Reshape", [t, f.const(np.array([0, 0, heads, -1], np.int64), "heads")])
+    return f.add("Transpose", [split], perm=[0, 2, 1, 3])
 
 
 def _through_expand(f: _Form, t: str, rank: Optional[int] = None) -> str:
