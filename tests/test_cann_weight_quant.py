@@ -139,3 +139,12 @@ def test_zoo_one_npu_op_per_quantized_matmul(tmp_path, name, exporter):
     ops = _ops(tmp_path / "c.onnx")
     assert ops["NPUWeightQuantBatchMatmulV2"] == len(report.layers) == 14 and ops["DequantizeLinear"] == 0
     assert any("verified" in line and "passed" in line for line in report.notes)
+
+
+def test_check_reports_that_atc_takes_no_dequantize_linear(tmp_path):
+    src = _mlp(tmp_path / "m.onnx")
+    quantize_file(src, tmp_path / "q.onnx", weights="int8", measure=False)
+    run = subprocess.run([sys.executable, "-m", "k3opt", "check", str(tmp_path / "q.onnx")], capture_output=True,
+                         text=True)
+    assert run.returncode != 0
+    assert "DequantizeLinear x2" in run.stdout + run.stderr and "AMCT" in run.stdout + run.stderr

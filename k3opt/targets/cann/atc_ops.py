@@ -24,7 +24,7 @@ _STANDARD_SINCE = {
     "Abs": 1, "Acos": 7, "Acosh": 9, "Add": 1, "And": 1, "ArgMax": 1, "ArgMin": 1, "Asin": 7, "Asinh": 9,
     "Atan": 7, "Atanh": 9, "AveragePool": 1, "BatchNormalization": 1, "BitShift": 11, "Cast": 1, "Ceil": 1,
     "Celu": 12, "Clip": 1, "Compress": 9, "Concat": 1, "Constant": 1, "ConstantOfShape": 9, "Conv": 1,
-    "ConvTranspose": 1, "Cos": 7, "Cosh": 9, "CumSum": 11, "DepthToSpace": 1, "DequantizeLinear": 10, "Div": 1,
+    "ConvTranspose": 1, "Cos": 7, "Cosh": 9, "CumSum": 11, "DepthToSpace": 1, "Div": 1,
     "Dropout": 1, "Einsum": 12, "Elu": 1, "Equal": 1, "Erf": 9, "Exp": 1, "Expand": 8, "EyeLike": 9,
     "Flatten": 1, "Floor": 1, "GRU": 1, "Gather": 1, "GatherElements": 11, "GatherND": 11, "Gemm": 1,
     "GlobalAveragePool": 1, "GlobalLpPool": 1, "GlobalMaxPool": 1, "Greater": 1, "GreaterOrEqual": 12,
@@ -33,7 +33,7 @@ _STANDARD_SINCE = {
     "LessOrEqual": 12, "Log": 1, "LogSoftmax": 1, "LpNormalization": 1, "LpPool": 1, "MatMul": 1, "Max": 1,
     "MaxPool": 1, "MaxRoiPool": 1, "MaxUnpool": 9, "Mean": 1, "MeanVarianceNormalization": 9, "Min": 1,
     "Mod": 10, "Mul": 1, "Multinomial": 7, "Neg": 1, "NonMaxSuppression": 10, "NonZero": 9, "Not": 1,
-    "OneHot": 9, "Or": 1, "PRelu": 1, "Pad": 1, "Pow": 1, "QuantizeLinear": 10, "RNN": 1, "Range": 11,
+    "OneHot": 9, "Or": 1, "PRelu": 1, "Pad": 1, "Pow": 1, "RNN": 1, "Range": 11,
     "Reciprocal": 1, "ReduceL1": 1, "ReduceL2": 1, "ReduceLogSum": 1, "ReduceLogSumExp": 1, "ReduceMax": 1,
     "ReduceMean": 1, "ReduceMin": 1, "ReduceProd": 1, "ReduceSum": 1, "ReduceSumSquare": 1, "Relu": 1,
     "Reshape": 1, "Resize": 10, "ReverseSequence": 10, "RoiAlign": 10, "Round": 11, "ScatterElements": 11,
@@ -41,6 +41,15 @@ _STANDARD_SINCE = {
     "Size": 1, "Slice": 1, "Softmax": 1, "Softplus": 1, "Softsign": 1, "SpaceToDepth": 1, "Split": 1,
     "Sqrt": 1, "Squeeze": 1, "Sub": 1, "Sum": 1, "Tan": 7, "Tanh": 1, "ThresholdedRelu": 10, "Tile": 1,
     "TopK": 1, "Transpose": 1, "Trilu": 14, "Unsqueeze": 1, "Where": 9, "Xor": 1,
+}
+
+#: Standard ops ATC does not take from ONNX, and why (``k3opt check`` says it): /work/shared/docs/atc-reference.md,
+#: "Weight-only quantization": Huawei's docs say a QuantizeLinear/DequantizeLinear model must be converted
+#: (AMCT) before ATC, and no QDQ plugin was found.
+NO_PARSER = {
+    op: "Huawei's docs say a QuantizeLinear/DequantizeLinear model must be converted (AMCT) before ATC; "
+        "`k3opt optimize --target cann` lowers a weight's DequantizeLinear -> MatMul to NPUWeightQuantBatchMatmulV2"
+    for op in ("DequantizeLinear", "QuantizeLinear")
 }
 
 #: Ops whose registered opsets differ from the default range (reference, "Which ONNX graphs ATC accepts").

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import onnx
 
-from .atc_ops import ACCEPTED_INPUT_DTYPES, ATC_PARSERS, MAX_OPSET, MIN_OPSET, NPU_DOMAIN_OPS
+from .atc_ops import ACCEPTED_INPUT_DTYPES, ATC_PARSERS, MAX_OPSET, MIN_OPSET, NO_PARSER, NPU_DOMAIN_OPS
 
 if TYPE_CHECKING:  # a type only: the bridge builds on the target, never the reverse
     from ...cann_bridge.atc_command import InputShape
@@ -87,7 +87,7 @@ def _op_findings(model: onnx.ModelProto) -> list[Finding]:
         elif domain != "ai.onnx":
             why = f"domain {domain} has no ATC parsers"
         elif known is None:
-            why = "not in k3opt's table of ATC parsers"
+            why = NO_PARSER.get(op, "not in k3opt's table of ATC parsers")
         else:
             why = f"ATC parses it only at opsets {_ranges(sorted(known))}"
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
