@@ -373,3 +373,50 @@ def test_exported_bmm_attention_fuses(layout, tmp_path):
     assert report.verification["status"] == "passed"
     ops = Counter(n.op_type for n in out.graph.node)
     assert ops["Attention"] == 1 and ops["Softmax"] == 0, (ops, report.notes)
+
+
+def test_softmax_wrapped_by_the_opset_13_adapter_unwraps_whatever_the_dims():
+    """onnx's Softmax 12 -> 13 adapter writes Reshape(Softmax(Flatten(x, 3)), Shape(x)): with x's dims unknown
+    the Reshape still restores x's shape (it is Shape(x)), so the Softmax is unwrapped to axis -1."""
+    nodes = [h.make_node("Flatten", ["x"], ["f"], axis=3), h.make_node("Softmax", ["f"], ["p"], axis=-1),
+             h.make_node("Shape", ["x"], ["s"]), h.make_node("Reshape", ["p", "s"], ["y"])]
+    graph = h.make_graph(nodes, "wrapped", [h.make_tensor_value_info("x", T.FLOAT, [None] * 4)],
+                         [h.make_tensor_value_info("y", T.FLOAT, None)])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+    x = np.random.default_rng(9).standard_normal((2, 4, 5, 6)).astype(np.float32)
+    report = Report()
+    out = api.optimize(model, verify=True, input_data={"x": x}, report=report)
+    assert report.verification["status"] == "passed"
+    assert [n.op_type for n in out.graph.node] == ["Softmax"]
+
+
+def test_hf_bert_exported_at_opset_11_fuses(tmp_path):
+    """transformers' eager BERT exported by TorchScript at opset 11 (Softmax(axis=3), raised to 13 by onnx's
+    adapter as Flatten/Softmax/Reshape): unwrapped, then fused into Attention at --opset 23."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=HID, num_hidden_layers=2, num_attention_heads=H,
+                                  intermediate_size=64, attn_implementation="eager")
+    bert = transformers.BertModel(cfg).eval()
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids, mask):
+            return self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    ids = torch.randint(0, 100, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.int64)
+    mask[1, 5:] = 0
+    path = tmp_path / "bert11.onnx"
+    torch.onnx.export(Wrapped().eval(), (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
+                      output_names=["y"], opset_version=11, dynamo=False,
+                      dynamic_axes={"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"}})
+    report = Report()
+    out = api.optimize(str(path), opset=23, verify=True, report=report)
+    assert report.verification["status"] == "passed"
+    ops = Counter(n.op_type for n in out.graph.node)
+    assert ops["Attention"] == 2 and ops["Softmax"] == 0, (ops, report.notes)

@@ -12,7 +12,7 @@ from ...graph.ir import Graph, Node, Tensor, all_graphs, producer
 PRODUCTS = frozenset({"MatMul", "Einsum", "Gemm", "MatMulInteger", "QLinearMatMul"})
 #: Ops that may stand between the products and the Softmax of an attention (scale, mask, casts, views).
 _BETWEEN = frozenset({"Mul", "Div", "Add", "Sub", "Where", "Cast", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
-                      "IsNaN", "Dropout", "Identity", "Expand", "Tanh", "Max", "Min", "Clip"})
+                      "IsNaN", "Dropout", "Identity", "Expand", "Tanh", "Max", "Min", "Clip", "Flatten"})
 _DEPTH = 4
 
 

@@ -38,7 +38,12 @@ def row_axis(x: Tensor, k: int) -> Optional[int]:
 
 
 def restores(reshape: Node, x: Tensor) -> bool:
-    """The Reshape's target is ``x``'s shape element by element (equal known dims or symbols, one -1 at most)."""
+    """The Reshape's target is ``x``'s shape element by element (equal known dims or symbols, one -1 at most),
+    or ``Shape(x)`` itself (onnx's Softmax 12 -> 13 adapter's spelling, whatever x's dims are)."""
+    shape = producer(reshape.inputs[1])
+    if shape is not None and shape.op == "Shape" and shape.inputs and shape.inputs[0] is x \
+            and shape.attrs.get("start", 0) == 0 and shape.attrs.get("end") is None:
+        return True
     elements = shape_elements(reshape.inputs[1])
     if x.shape is None or elements is None or len(elements[1]) != 1 or len(elements[0]) != len(x.shape):
         return False
