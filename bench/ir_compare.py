@@ -6,7 +6,7 @@
 - ``gs-eager``: ``onnx.load`` with all weights, ``gs.import_onnx``, ``gs.export_onnx``, ``onnx.save``;
 - ``gs-lazy``: k3opt's own route through the ``k3opt.graph`` boundary: ``k3opt.modelio.load`` (external
   data left on disk), ``modelio.import_graph`` (``k3opt.graph``'s import, weights as lazy values),
-  ``k3opt.api.export`` (``k3opt.graph``'s export), ``k3opt.modelio.save`` (copies the weights to the output);
+  ``k3opt.modelio.export_graph`` (``k3opt.graph``'s export), ``k3opt.modelio.save`` (copies the weights to the output);
 - ``onnx-ir-proto``: onnx-ir at that same boundary: ``k3opt.modelio.load``, ``onnx_ir.from_proto``,
   ``onnx_ir.to_proto``, ``k3opt.modelio.save`` (what replacing gs under ``k3opt.graph`` would cost);
 - ``onnx-ir``: ``onnx_ir.load`` (weights memory-mapped), ``onnx_ir.save``: onnx-ir's own file route.
@@ -43,7 +43,7 @@ def _gs_eager(src: Path, dst: Path, big: bool, lap) -> None:
 
 def _gs_lazy(src: Path, dst: Path, big: bool, lap) -> None:
     from k3opt import modelio
-    from k3opt.api import export
+    from k3opt.modelio import export_graph as export
 
     model = modelio.load(src)
     lap("load")

@@ -6,6 +6,7 @@ unusable input; see k3opt/errors.py.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 import traceback
 from pathlib import Path
@@ -28,14 +29,38 @@ from .cli_options import (
 from .errors import InputError, K3optError, UsageError, VerificationError
 from .interrupts import Interrupted, install as install_signal_handlers, restore as restore_signal_handlers
 from .report import Report
+from .targets import get_target
 
 EXIT_USAGE = 2
 # click >= 8.2 raises this for a group called without a command.
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+#: The commands defined outside this module, by name -> ``module:attribute`` of the click command; imported
+#: only when listed or run. A new command is one line here.
+COMMANDS = {
+    "check": "k3opt.cann_bridge.cli:check",
+    "compile": "k3opt.cann_bridge.cli:compile_cmd",
+    "export": "k3opt.export.cli:export_cmd",
+    "generate": "k3opt.llm.cli:generate_cmd",
+    "llm": "k3opt.llm.cli:llm_cmd",
+    "quantize": "k3opt.quantize.cli:quantize_cmd",
+    "split": "k3opt.blocks.cli:split_cmd",
+}
+
+
 class _Group(click.Group):
-    """A click group whose every failure is one line on stderr and exit 0/1/2."""
+    """A click group whose every failure is one line on stderr and exit 0/1/2, and whose :data:`COMMANDS` are
+    imported when used."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> Optional[click.Command]:
+        if cmd_name in COMMANDS and cmd_name not in self.commands:
+            module, _, attr = COMMANDS[cmd_name].partition(":")
+            self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+        return super().get_command(ctx, cmd_name)
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, **extra: Any) -> Any:
         extra.pop("standalone_mode", None)
@@ -136,10 +161,7 @@ def optimize_cmd(model: str, positional_output: Optional[str], output: Optional[
             click.echo(report.table(), err=True)
         raise
     if report_path:
-        if report.target == "cann":  # the page shows what ATC will make of the output
-            from .cann_bridge.compile import check_record
-
-            report.check = check_record(report.output)
+        report.check = get_target(report.target).check_record(report.output)  # what ATC will make of it
         report.write(report_path)
     if not quiet:
         for warning in report.warnings:
@@ -174,18 +196,3 @@ def passes_cmd(plugins: tuple[str, ...], quiet: bool, debug: bool) -> None:
         click.echo(f"{name:34} {cls.description}{suffix}")
         for key, text in cls.options.items():
             click.echo(f"{'':36}--pass-option {key}=...: {text}")
-
-
-def _add_package_commands() -> None:
-    from .blocks.cli import commands as block_commands
-    from .cann_bridge.cli import commands as cann_commands
-    from .export.cli import commands as export_commands
-    from .llm.cli import commands as llm_commands
-    from .quantize.cli import commands as quantize_commands
-
-    for command in (list(cann_commands) + list(export_commands) + list(llm_commands) + list(quantize_commands)
-                    + list(block_commands)):
-        main.add_command(command)
-
-
-_add_package_commands()

@@ -9,7 +9,7 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from k3opt import api, modelio
+from k3opt import modelio
 from k3opt.pipeline.pass_base import Pass, PassContext
 from k3opt.pipeline.manager import PassManager
 
@@ -52,7 +52,7 @@ def import_graph(model: onnx.ModelProto) -> gs.Graph:
 def export_graph(graph: gs.Graph, model: onnx.ModelProto) -> onnx.ModelProto:
     """``graph`` cleaned up, sorted and exported as ``k3opt.optimize`` does it (k3opt's fast export), with
     ``model``'s metadata and opset imports."""
-    return api.export(graph, model)
+    return modelio.export_graph(graph, model)
 
 
 def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], target: str = "onnx") -> tuple[onnx.ModelProto, PassManager, PassContext]:

@@ -185,7 +185,7 @@ def test_an_inexact_lowering_fails_the_verification_and_is_bisected(monkeypatch)
 def test_a_model_over_the_bound_skips_the_reference_verification_with_a_warning(monkeypatch):
     import k3opt.api
 
-    monkeypatch.setattr(k3opt.api, "REFERENCE_MAX_NODES", 1)
+    monkeypatch.setattr(k3opt.pipeline.run, "REFERENCE_MAX_NODES", 1)
     report = Report()
     k3opt.optimize(rms_model(eps=1e-6), target="cann", verify=True, report=report)
     assert report.lowering_verification["status"] == "skipped"

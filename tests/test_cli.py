@@ -165,3 +165,17 @@ def test_quiet_means_quiet_even_when_graphsurgeon_would_warn(tmp_path, capfd):
     code, out, err = invoke(["optimize", tmp_path / "dup.onnx", "-q"])
     captured = capfd.readouterr()
     assert (code, out, err, captured.out, captured.err) == (0, "", "", "", "")
+
+
+def test_every_table_command_is_listed_and_resolves_to_its_click_command():
+    """cli.COMMANDS: a command is one line (name -> module:attribute), imported when listed or run."""
+    import click
+
+    from k3opt import cli
+
+    ctx = click.Context(cli.main)
+    assert set(cli.COMMANDS) <= set(cli.main.list_commands(ctx)) and {"optimize", "passes"} <= set(
+        cli.main.list_commands(ctx))
+    for name in cli.COMMANDS:
+        command = cli.main.get_command(ctx, name)
+        assert isinstance(command, click.Command) and command.name == name

@@ -493,12 +493,12 @@ def test_tensor_map_is_gs_tensors_without_warnings():
 def test_optimized_zoo_model_exports_gs_bytes():
     """After the passes (shapes inferred, constants folded), on a real export."""
     import k3opt
-    from k3opt import api
+    from k3opt import modelio
     from k3opt.graph import gs_export
     from tests.zoo import zoo_model
 
     captured = {}
-    real = api.export
+    real = modelio.export_graph
 
     def capture(graph, model):
         out = real(graph, model)
@@ -508,7 +508,7 @@ def test_optimized_zoo_model_exports_gs_bytes():
 
     import unittest.mock
 
-    with unittest.mock.patch.object(api, "export", capture):
+    with unittest.mock.patch.object(modelio, "export_graph", capture):
         k3opt.optimize(str(zoo_model("gpt2", "torchscript")))
     assert captured["ours"] == captured["gs"]
 

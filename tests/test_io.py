@@ -512,4 +512,4 @@ def test_import_graph_told_of_no_external_tensors_skips_the_search_only(tmp_path
         assert type(modelio.import_graph(loaded.model, external).nodes[0].inputs[1]._values) is modelio.ExternalValues
     inline = weighted_model()
     told, searched = modelio.import_graph(inline, []), modelio.import_graph(inline)
-    assert k3opt.api.export(told, inline) == k3opt.api.export(searched, inline)
+    assert modelio.export_graph(told, inline) == modelio.export_graph(searched, inline)

@@ -46,6 +46,3 @@ def split_cmd(model: str, stages: Optional[int], layers: Optional[str], output: 
     click.echo(f"balance (largest / smallest stage): {manifest['balance']:.3f}")
     click.echo(f"verification: {v['status']}" + (f" ({v['reason']})" if v.get("reason") else ""))
     click.echo(f"wrote {output}/manifest.json")
-
-
-commands: list[click.Command] = [split_cmd]

@@ -152,6 +152,3 @@ def _with_soc(kwargs: dict[str, Any], soc_version: str) -> dict[str, Any]:
     if given is not None and given != soc_version:
         raise UsageError(f"--pass-option soc_version={given} contradicts --soc-version {soc_version}")
     return {**kwargs, "soc_version": soc_version}
-
-
-commands: list[click.Command] = [check, compile_cmd]

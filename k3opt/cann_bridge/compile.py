@@ -21,7 +21,7 @@ from .atc_command import AtcOptions, build_command, check_output_prefix, render,
 from .atc_locate import find_atc
 from .atc_run import raise_for_result, run_atc, summarize_fusion_result
 from ..targets.cann import target_form
-from ..targets.cann.compat import Finding, check_model
+from ..targets.cann.compat import Finding, check_model, check_record
 
 Echo = Callable[[str], None]
 
@@ -126,13 +126,6 @@ def compile_model(
     written = fusion.exists() and fusion.stat().st_mtime_ns != before
     summary = summarize_fusion_result(fusion) if written else []
     return CompileResult(om, onnx_path, cmd, report, findings, summary)
-
-
-def check_record(model: Union[str, os.PathLike], findings: Optional[list[Finding]] = None) -> dict:
-    """The report's ``check`` entry: ``k3opt check --target cann`` of the model file (its findings when known)."""
-    if findings is None:
-        findings = check_model(onnx.load(str(model), load_external_data=False), [], None)
-    return {"model": str(model), "findings": [str(f) for f in findings]}
 
 
 def _locate(atc: Optional[str], dry_run: bool) -> str:

@@ -69,6 +69,3 @@ def export_cmd(source: str, task: Optional[str], exporter: str, export_opset: Op
         for warning in report.warnings:
             click.echo(f"k3opt: warning: {warning}", err=True)
         click.echo(report.table() if report.after else f"wrote {report.output}")
-
-
-commands: list[click.Command] = [export_cmd]

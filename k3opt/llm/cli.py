@@ -100,6 +100,3 @@ def _runner(pair: str, threads: int) -> Any:
 
     evaluator: Optional[Any] = reference_evaluator(Manifest.read(pair).target)  # None: onnxruntime runs it
     return PairRunner(pair, threads=threads, evaluator=evaluator)
-
-
-commands: list[click.Command] = [llm_cmd, generate_cmd]

@@ -19,6 +19,7 @@ from .constant_nodes import lift_constant_nodes
 from .external import (EXTERNAL_THRESHOLD, ExternalValues, PathLike, all_tensors, external_info,
                        external_tensor, inline_copy, is_weight, read_external_bytes, tensor_nbytes,
                        weights_as_inputs)
+from .exporting import export_graph
 from .loading import Loaded, import_graph, load, read_model
 from .output_paths import check_output_path, check_outputs, data_path
 from .repair import input_checker_fault, repair
@@ -29,7 +30,7 @@ from .validation import MAX_GRAPH_DEPTH, check_graph, validate
 
 __all__ = ["EXTERNAL_THRESHOLD", "MAX_GRAPH_DEPTH", "PROTO_LIMIT", "SPILL_PREFIX", "ExternalValues", "Loaded",
            "PathLike", "all_tensors", "check_graph", "check_output_path", "check_outputs", "data_path", "defer_spill",
-           "deferred_regions", "external_info", "external_tensor", "forget_deferred", "import_graph", "inline_copy",
+           "deferred_regions", "export_graph", "external_info", "external_tensor", "forget_deferred", "import_graph", "inline_copy",
            "inline_size", "input_checker_fault", "is_weight", "lift_constant_nodes", "load", "materialize", "materialize_all", "proto_size",
            "read_external_bytes", "repair", "read_model", "save", "spill_constant", "tensor_nbytes", "validate",
            "weights_as_inputs"]

@@ -30,7 +30,6 @@ def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     """``model`` (quantized, any opset) with its DequantizeLinear -> MatMul pairs lowered, the NPU nodes still
     in the staging domain (``optimize --target cann`` brings the model to opset 17 after its passes and moves
     them to the default domain); and the lowering lines."""
-    from ..api import export
 
     ctx = PassContext(opset=opsets.model_opset(model), target="cann")
     with graph_scope():
@@ -41,7 +40,7 @@ def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
         lowering = LowerWeightQuantNPU()
         lowering.run(graph, ctx)
         lowering.finish(graph, ctx)
-        out = export(graph, model)
+        out = modelio.export_graph(graph, model)
     return out, list(ctx.notes)
 
 

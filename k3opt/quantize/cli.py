@@ -48,6 +48,3 @@ def quantize_cmd(model: str, output: str, weights: str, group_size: Optional[int
         write_text(report_path, json.dumps(report.__dict__, indent=2, default=str))
     if not quiet:
         click.echo("\n".join(report.lines()))
-
-
-commands = [quantize_cmd]

@@ -81,6 +81,11 @@ class Target:
     #: What :meth:`own_ops` finds, for messages ("NPU ops").
     ops_kind: ClassVar[str] = "ops"
 
+    def check_record(self, path: "str | Path") -> Optional[dict]:
+        """The report's ``check`` entry for a written file: what the target's toolchain will make of it (cann:
+        ``k3opt check``'s findings), or None when there is nothing to check."""
+        return None
+
     def finish(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """The exported, lowered model in the target's form; raises CompileError when it breaks the target's
         invariants."""

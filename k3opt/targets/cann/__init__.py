@@ -52,6 +52,11 @@ class CannTarget(Target):
             stage_npu_nodes(model)
             report.notes.append(f"NPU nodes of the input kept as they are ({', '.join(ops)})")
 
+    def check_record(self, path: "str | Path") -> Optional[dict]:
+        from .compat import check_record
+
+        return check_record(path)
+
     def finish(self, model: onnx.ModelProto) -> onnx.ModelProto:
         from .target_form import finish_model
 

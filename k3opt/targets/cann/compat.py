@@ -9,7 +9,8 @@ whose dtype ATC rejects.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+import os
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 import onnx
 
@@ -137,3 +138,10 @@ def check_model(model: onnx.ModelProto, input_shapes: Sequence[InputShape] = (),
                 dynamic_option: Optional[str] = None) -> list[Finding]:
     """Everything ATC will refuse in ``model`` given these ``--input-shape``s; empty when clean."""
     return _opset_findings(model) + _op_findings(model) + _input_findings(model, input_shapes, dynamic_option)
+
+
+def check_record(model: Union[str, os.PathLike], findings: Optional[list[Finding]] = None) -> dict:
+    """The report's ``check`` entry: ``k3opt check --target cann`` of the model file (its findings when known)."""
+    if findings is None:
+        findings = check_model(onnx.load(str(model), load_external_data=False), [], None)
+    return {"model": str(model), "findings": [str(f) for f in findings]}

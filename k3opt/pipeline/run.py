@@ -1,0 +1,476 @@
+"""One optimization run: :class:`Run`, its stages read top to bottom in :meth:`Run.optimize`.
+
+load -> fix inputs -> reference (the original kept for verification) -> opset up -> import + passes + export ->
+opset down -> verify -> lower (the target's lowering passes, form and reference check) -> write
+(:meth:`Run.write`). The api builds what the run is given (the target, the pass instances, the options) and
+calls it; the run imports nothing above the pipeline but what the target and the passes hand it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import onnx
+
+from .. import modelio
+from ..errors import InputError, InvalidOutputError, OutputError, UnverifiableError, UsageError, VerificationError
+from ..graph.lifetime import graph_scope
+from ..graph import ir
+from ..modelio import opset as opsets
+from ..modelio.opset23_down import decompose_opset23
+from ..modelio.traced_experts import traced_experts_warnings
+from ..report import ModelSummary, Report
+from . import shapes, verify as verifier, verify_dims
+from .manager import PassManager
+from .pass_base import Pass, PassContext
+
+ModelLike = Union[onnx.ModelProto, str, os.PathLike]
+ProgressSink = Optional[Callable[[str], None]]
+
+#: Bounds for verifying a lowered model with a reference evaluator (onnx's: pure Python per node, and it
+#: keeps every intermediate value): larger models are skipped with a warning.
+REFERENCE_MAX_NODES = 20_000
+REFERENCE_MAX_BYTES = 512 << 20
+
+
+
+def _after_lowering(p: Any) -> bool:
+    """Passes of the pipeline that run again after a target's lowering (cleanups and fold-constants): what the
+    lowering of many layers repeats or leaves foldable is done there, so a second run finds nothing to do."""
+    return type(p).__module__.startswith("k3opt.passes.cleanup.") or p.name == "fold-constants"
+
+
+class Run:
+    """One optimization run: the target, the passes, the report, progress sink and verification settings; the
+    model's state between the stages lives on the run (``self.model``, ``self.out``...)."""
+
+    #: The stages, in the order :meth:`optimize` runs them (``write`` is :meth:`write`, for a file).
+    STAGES = ("load", "fix_inputs", "reference", "opset_up", "run_passes", "opset_down", "verify", "lower")
+
+    def __init__(
+        self, target: Any, passes: Sequence[Pass], report: Report, *, opset: Optional[int] = None,
+        input_shapes: Optional[shapes.InputShapes] = None, verify: bool = False, progress: ProgressSink = None,
+        rtol: Optional[float] = None, atol: Optional[float] = None, input_data: Any = None, seed: int = 0,
+        verify_memory: Optional[int] = None, pass_options: Optional[dict[str, Any]] = None,
+    ):
+        self.target = target
+        self.report = report
+        report.target = target.name
+        self.opset, self.input_shapes, self.verify_wanted = opset, input_shapes, verify
+        self.progress = progress
+        self.rtol, self.atol, self.input_data, self.seed = rtol, atol, input_data, seed
+        self.verify_memory = verify_memory  # bytes; over it, verification goes block by block (k3opt.blocks)
+        self.pass_options = dict(pass_options or {})
+        # Target lowerings run after the verified passes; one for another target stays, to be skipped with a note.
+        self.lowering = [p for p in passes if p.lowering and (p.targets is None or target in p.targets)]
+        self.pipeline = [p for p in passes if p not in self.lowering]
+        if self.lowering:  # what lowering several layers repeats (one mask per layer...) is merged in the lowering
+            self.lowering += [type(p)() for p in self.pipeline if _after_lowering(p)]
+        #: The graph inputs' dims before --input-shape fixed some (verification sizes the rest to agree).
+        self.declared_dims: Optional[dict[str, list]] = None
+        #: Absolute paths of the input's external-data files (the output must not clobber them).
+        self.source_files: set[str] = set()
+        #: Size the optimized proto for the report (optimize_file takes the saved files' sizes).
+        self.measure_output = True
+        #: (feeds, onnxruntime's outputs of the original, output names), once verification ran them.
+        self._expected: Optional[tuple[dict, list, list[str]]] = None
+        # The model between the stages.
+        self.model: Optional[onnx.ModelProto] = None
+        self.out: Optional[onnx.ModelProto] = None
+        self.external: list = []
+        self.bodies = True
+        self.opset_before = 0
+        self.original: Optional[bytes] = None  # the model as given, runnable, for verification
+        self.start: Optional[bytes] = None  # what the passes started from, for bisection
+        self.blockwise: Any = None
+        self.down = False
+        self.decomposed = 0
+        self.before_down: Optional[onnx.ModelProto] = None
+        self.ctx: Optional[PassContext] = None
+        self.manager: Optional[PassManager] = None
+
+    @contextlib.contextmanager
+    def step(self, message: str, key: str) -> Iterator[None]:
+        """Time a step into the report and announce it to the progress sink."""
+        if self.progress is not None:
+            self.progress(message)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.report.timings[key] = self.report.timings.get(key, 0.0) + time.perf_counter() - t0
+
+    def optimize(self, model: ModelLike) -> onnx.ModelProto:
+        """Run the stages on ``model`` (a proto, never mutated, or a path); the optimized proto."""
+        self.load(model)
+        self.fix_inputs()
+        self.reference()
+        self.opset_up()
+        self.run_passes()
+        self.opset_down()
+        self.verify()
+        self.lower()
+        assert self.out is not None
+        # optimize_file measures the files it writes instead (sizing the proto costs a pass over it)
+        size = modelio.proto_size(self.out) if self.measure_output else 0
+        self.report.after = ModelSummary.of(self.out, size, opsets.model_opset(self.out))
+        return self.out
+
+    def load(self, model: ModelLike) -> None:
+        """Read and check the model (external weights stay on disk), repair what can be, let the target adopt it."""
+        report = self.report
+        with self.step("loading", "load"):
+            on_disk = None if isinstance(model, onnx.ModelProto) else model
+            self.model, self.external, self.bodies = _load(model, report)
+            report.notes.extend(modelio.repair(self.model, self.bodies))
+            report.warnings.extend(traced_experts_warnings(self.model))
+            self.target.adopt_input(self.model, report)
+            self.source_files = {modelio.external_info(t)["location"] for t in self.external}
+            self.opset_before = opsets.model_opset(self.model)
+            size = modelio.proto_size(self.model, None if on_disk is None else os.path.getsize(on_disk),
+                                      self.external)
+            report.before = ModelSummary.of(self.model, size, self.opset_before)
+
+    def fix_inputs(self) -> None:
+        """--input-shape, after noting the declared dims (verification sizes the others to agree)."""
+        self.declared_dims = verify_dims.declared_dims(self.model) if self.verify_wanted else None
+        shapes.fix_inputs(self.model, self.input_shapes)
+
+    def reference(self) -> None:
+        """Keep the model as given for verification: runnable bytes, or a block-wise verifier for a big one."""
+        if not self.verify_wanted:
+            return
+        from ..blocks import run_hook as block_hook
+
+        self.blockwise = block_hook.start(self, self.model, self.verify_memory)
+        if self.blockwise is None:
+            with self.step("preparing verification", "verify"):  # serializing a big model takes seconds
+                self.original = self._runnable_original(self.model)
+
+    def opset_up(self) -> None:
+        """Up before the passes (fusions may need the newer opset); down comes after them (opset.converts_down)."""
+        model, opset, target, report = self.model, self.opset, self.target, self.report
+        self.down = opsets.converts_down(model, opset, target=target)
+        self.decomposed = self._decompose_opset23(model, opsets.wanted_opset(model, opset, target=target)
+                                                  ) if self.down else 0
+        if not self.down:
+            with self.step("converting opset", "opset"):
+                model, notes = opsets.convert(
+                    model, opset, target=target, bodies=self.bodies,
+                    needs_newer=lambda ops, v: any(p.min_opset > v and p.could_apply(ops) for p in self.pipeline))
+                report.notes.extend(notes)
+        # Verification compares with the model as given; bisection restarts from the converted one (in place).
+        self.start = self.original
+        if self.original is not None and (opsets.model_opset(model) != self.opset_before or self.decomposed):
+            self.start = verifier.runnable_bytes(model)
+        self.model = model  # the conversion touches no external tensor: self.external still holds
+
+    def run_passes(self) -> None:
+        """Import the graph, run the passes to a fixed point, export; the report gets their statistics."""
+        model, report = self.model, self.report
+        ctx = self.ctx = PassContext(
+            opset=opsets.model_opset(model), target=self.target, options=dict(self.pass_options),
+            output_opset=opsets.wanted_opset(model, self.opset, target=self.target) if self.down else None)
+        refresher = shapes.ShapeRefresher()
+        manager = self.manager = PassManager(self.pipeline, shape_inference=refresher, progress=self._pass_progress())
+        with self.step("running passes", "passes"), graph_scope():
+            # fold-constants' first step, done on the proto: the lifted literals are never inferred or imported
+            lifted = modelio.lift_constant_nodes(model) if not self.bodies and manager.lifts_constants_first(ctx) else []
+            graph = modelio.import_graph(model, self.external)
+            tensors = ir.tensor_map(graph)  # one walk for the run's fresh names and the seed's shapes
+            graphs = None if self.bodies else [graph]  # validation saw no body: none to walk for
+            ctx.names = ir.NameScope(graph, tensors, graphs)
+            ctx.names.reserve(lifted)
+            if any(p.needs_shapes for p in self.pipeline):  # the manager then skips a first refresh
+                ctx.shapes_available = refresher.seed(graph, model, tensors)
+            manager.run(graph, ctx, graphs=graphs, lifted=len(lifted))
+            self.out = modelio.export_graph(graph, model)
+        report.passes = [manager.stats[p.name].as_dict() for p in self.pipeline]
+        report.rounds = manager.rounds
+        report.counters = {k: v for k, v in sorted(ctx.counters.items()) if v}
+        report.sites = ctx.site_records()
+        self._refresher_notes = refresher.notes
+
+    def opset_down(self) -> None:
+        """Down to a lower wanted opset after the passes (they often make the constants it needs)."""
+        if self.down:
+            with self.step("converting opset", "opset"):
+                self.before_down = self.out
+                if self.original is not None:  # the conversion works in place; verification needs the passes' output
+                    self.before_down = onnx.ModelProto()
+                    self.before_down.CopyFrom(self.out)
+                self.out, notes = opsets.convert(self.out, self.opset, target=self.target)
+                self.report.notes.extend(notes)
+        assert self.ctx is not None
+        self.report.notes.extend(self._refresher_notes + [n for n in self.ctx.notes if n not in self.report.notes])
+
+    def verify(self) -> None:
+        """Compare with the model as given in onnxruntime (whole, or block by block); raise on divergence."""
+        if self.original is not None:
+            with self.step("verifying", "verify"):
+                self._verify(self.original, self.start, self.out, self.manager, self.pipeline, self.ctx,
+                             self.before_down)
+        elif self.blockwise is not None:
+            with self.step("verifying block by block", "verify"):
+                self.blockwise.finish(self.before_down or self.out, self.manager, self.pipeline, self.ctx)
+
+    def lower(self) -> None:
+        """The target's lowering passes on the verified model, its form, and the reference evaluator's check."""
+        if self.lowering or self.target.lowers:
+            with self.step(f"lowering for {self.target}", "lower"):
+                self.out, lowered_by = self._lower(self.out, self.lowering, self.target)
+            if self.original is not None and self.lowering:
+                with self.step("verifying the lowering", "verify_lowering"):
+                    self._verify_lowering(self.out, *lowered_by)
+
+    def write(self, model: onnx.ModelProto, src: Union[str, os.PathLike], out: Path, *, overwrite: bool,
+              external_data: Optional[bool], fsync: bool) -> list[Path]:
+        """Save ``model`` to ``out`` atomically, checked as the target wants; the files written."""
+        report = self.report
+        if not overwrite:
+            for path in (out, modelio.data_path(out)):
+                if os.path.abspath(path) in self.source_files:
+                    raise OutputError(f"{path}: is an external-data file of the input; pass --overwrite to replace it")
+        with self.step("saving", "save"):
+            # merged weights are written straight into the output's data file, never spilled first
+            try:
+                return modelio.save(model, out, external_data=external_data, fsync=fsync,
+                                    check=self.target.written_check(report))
+            except InvalidOutputError:
+                fault = modelio.input_checker_fault(src)  # a fault k3opt could not repair is the input's
+                if fault is not None:
+                    raise InputError(f"the input fails onnx's checker: {fault}; nothing was written") from None
+                fault = verifier.load_fault(Path(src))  # nor is one onnxruntime finds in the input too
+                if fault is not None:
+                    raise InputError(f"the input {src} does not load in onnxruntime: {fault}; nothing was written"
+                                     ) from None
+                raise
+
+    def _decompose_opset23(self, model: onnx.ModelProto, wanted: int) -> int:
+        """Below opset 23, write its Attention/RMSNormalization/RotaryEmbedding nodes decomposed (in place), for
+        the passes to lower or re-fuse; returns how many."""
+        if wanted >= 23:
+            return 0
+        done, kept = decompose_opset23(model)
+        if done:
+            self.report.notes.append(f"{done} opset-23 node(s) (Attention, RMSNormalization, RotaryEmbedding) "
+                                     f"written in their decomposed form for opset {wanted}")
+        self.report.notes.extend(kept)
+        return done
+
+    def _lower(self, model: onnx.ModelProto, lowering: list, target: Any) -> tuple[onnx.ModelProto, tuple]:
+        """Run the target's lowering passes on the verified ``model`` (its notes are the report's lowering
+        lines), export, and put the result in the target's form (:meth:`Target.finish`).
+
+        Returns the lowered model and what :meth:`_verify_lowering` needs to bisect a divergence.
+        """
+        ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options))
+        refresher = shapes.ShapeRefresher()
+        manager = PassManager(lowering, shape_inference=refresher, progress=self._pass_progress())
+        with graph_scope():
+            graph = modelio.import_graph(model)
+            manager.run(graph, ctx)
+            out = target.finish(modelio.export_graph(graph, model))
+        self.report.passes += [manager.stats[p.name].as_dict() for p in lowering]
+        self.report.lowering = list(ctx.notes)
+        self.report.notes.extend(n for n in refresher.notes if n not in self.report.notes)
+        for key, value in ctx.counters.items():
+            if value:
+                self.report.counters[key] = self.report.counters.get(key, 0) + value
+        return out, (model, manager, lowering, ctx)
+
+    def _verify_lowering(self, out: onnx.ModelProto, before: onnx.ModelProto, manager: PassManager, lowering: list,
+                         ctx: PassContext) -> None:
+        """Compare the lowered model, run by the target's reference evaluator, with onnxruntime's outputs of
+        the original (same inputs); on divergence bisect the lowering steps and raise VerificationError."""
+        report = self.report
+        evaluate = ctx.target.reference_evaluator()
+        why = "onnxruntime did not run the original" if self._expected is None else None
+        if why is None and evaluate is None:
+            why = f"no reference evaluator for target {ctx.target}"
+        if why is None and (len(out.graph.node) > REFERENCE_MAX_NODES or modelio.proto_size(out) > REFERENCE_MAX_BYTES):
+            why = (f"the lowered model is over the reference evaluator's bound ({REFERENCE_MAX_NODES} nodes, "
+                   f"{REFERENCE_MAX_BYTES >> 20} MB): onnx's reference evaluator is slow and keeps every value")
+        if why is not None:
+            report.lowering_verification = verifier.skipped(why)
+            report.warnings.append(f"verification of the lowering skipped: {why}")
+            return
+        assert self._expected is not None and evaluate is not None
+        feeds, expected, names = self._expected
+        rtol, atol = self.rtol, self.atol
+        loosest = max((p.tolerance for p in lowering if getattr(p, "tolerance", None) and manager.stats[p.name].rewrites),
+                      default=None)  # a lowering through float16 is verified at fp16's tolerance, unless one is given
+        if loosest is not None and rtol is None and atol is None:
+            rtol, atol = loosest
+
+        def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
+            try:
+                model = onnx.load_from_string(verifier.runnable_bytes(candidate))
+                actual = evaluate(model).run(None, dict(feeds))
+            except Exception as exc:  # an op the reference refuses (outside its documented contract) fails too
+                why = verifier.first_line(exc)
+                return verifier.failed(f"the reference evaluator cannot run the lowered model: {why}",
+                                       rtol, atol)
+            if [o.name for o in candidate.graph.output] != names:
+                return verifier.failed("the lowered model's outputs are not the original's", rtol, atol)
+            return verifier.compare(expected, actual, names, rtol=rtol, atol=atol)
+
+        result = report.lowering_verification = result_of(out)
+        if result["status"] == "passed":
+            return
+        start = verifier.runnable_bytes(before)  # the lowering's input, its weights inlined for fresh imports
+        culprit = self._bisect(start, False, manager, lowering, ctx,
+                               lambda candidate: result_of(ctx.target.finish(candidate)), result)
+        detail = verifier.failure_detail(result)
+        raise VerificationError(f"the lowered model differs from the original under the {ctx.target} reference "
+                                f"evaluator ({detail}){culprit}")
+
+    def _pass_progress(self) -> ProgressSink:
+        if self.progress is None:
+            return None
+        progress = self.progress
+
+        def announce(msg: str) -> None:  # the manager says "round N: pass-name"
+            round_, _, name = msg.partition(": ")
+            progress(f"running pass {name} ({round_})" if name else msg)
+
+        return announce
+
+    def _runnable_original(self, model: onnx.ModelProto) -> Optional[bytes]:
+        try:
+            return verifier.runnable_bytes(model)
+        except verifier.Unrunnable as exc:
+            self._skip_verification(str(exc))
+            return None
+
+    def _input_name(self) -> str:
+        return self.report.input or "model"
+
+    def _skip_verification(self, reason: str) -> None:
+        self.report.verification = verifier.skipped(reason)
+        self.report.warnings.append(f"verification skipped: {reason}")
+
+    def _verify(self, original: bytes, start: bytes, out: onnx.ModelProto, manager: PassManager,
+                pipeline: list, ctx: PassContext, before_down: Optional[onnx.ModelProto] = None) -> None:
+        """Compare original and optimized; on divergence bisect and raise VerificationError.
+
+        ``start`` is the model the passes started from (``original`` after an upward opset
+        conversion); ``before_down`` the passes' output when the opset was then converted down.
+        """
+        proto = onnx.load_from_string(original)
+        names = [o.name for o in proto.graph.output]
+        try:
+            reference = verifier.reference_session(original)
+        except verifier.Unrunnable as exc:  # an op onnxruntime lacks: nothing can run it
+            return self._skip_verification(f"original model: {exc}")
+        except Exception as exc:  # noqa: BLE001 -- ORT's own error types: the input is at fault, not k3opt
+            if verifier.out_of_memory(exc) or isinstance(exc, ImportError):
+                raise _no_memory("loading the original", exc) from None
+            raise InputError(f"the input {self._input_name()} does not load in onnxruntime: "
+                             f"{verifier.first_line(exc)}; nothing was written") from None
+        try:
+            feeds = verifier.make_feeds(proto, seed=self.seed, input_data=self.input_data,
+                                        declared=self.declared_dims, run=lambda f: verifier.run(reference, f))
+        except verifier.Unrunnable as exc:
+            return self._skip_verification(f"original model: {exc}")
+        except verify_dims.NoConsistentSizes as exc:  # ORT runs the original at no size tried: nothing to compare
+            if self.input_data is not None:
+                raise UsageError(f"--input-data: onnxruntime cannot run the input on these arrays: "
+                                 f"{verifier.first_line(exc.error)}") from None
+            raise UnverifiableError(f"verification cannot run: {exc.describe()}; nothing was written "
+                                    "(--no-verify writes the model unverified)") from None
+        expected = feeds.outputs
+        sized = verify_dims.shapes_note(feeds)
+        if sized:
+            self.report.notes.append(sized)
+        self._expected = (feeds, expected, names)
+
+        def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
+            try:
+                actual = verifier.run(verifier.session(candidate), feeds)
+            except verifier.Unrunnable:
+                raise
+            except Exception as exc:  # the optimized model does not run: that is a failure
+                if verifier.out_of_memory(exc):  # ... unless the machine ran out of memory (or threads)
+                    raise _no_memory("running the optimized model") from None
+                return verifier.failed(f"onnxruntime cannot run the optimized model: {verifier.first_line(exc)}",
+                                       self.rtol, self.atol)
+            if [o.name for o in candidate.graph.output] != names:
+                return verifier.failed("the optimized model's outputs are not the original's", self.rtol, self.atol)
+            return verifier.compare(expected, actual, names, rtol=self.rtol, atol=self.atol)
+
+        try:
+            result = result_of(out)
+        except verifier.Unrunnable as exc:
+            return self._skip_verification(f"optimized model: {exc}")
+        self.report.verification = result
+        if feeds.sizes:
+            result["sizes"] = dict(feeds.sizes)
+        if result["status"] == "passed":
+            return None
+        if before_down is not None and result_of(before_down)["status"] == "passed":
+            self.report.verification["first_diverging_pass"] = "opset conversion"
+            culprit = f"; the opset conversion to {opsets.model_opset(out)} after the passes diverges"
+        else:
+            if self.progress is not None:
+                self.progress("finding the first diverging pass")
+            culprit = self._bisect(start, start is not original, manager, pipeline, ctx, result_of)
+        detail = verifier.failure_detail(result)
+        raise VerificationError(f"optimized model differs from the original ({detail}){culprit}")
+
+    def _bisect(self, start: bytes, converted: bool, manager: PassManager, pipeline: list, ctx: PassContext,
+                result_of: Callable[[onnx.ModelProto], dict], record: Optional[dict] = None) -> str:
+        """Re-run the passes on fresh imports, stopping after k steps, to find the first bad step.
+
+        Step 0 (no pass) is a candidate when the opset was converted: the converter may be the culprit.
+        The culprit is written into ``record`` (default: the report's verification).
+        """
+        record = self.report.verification if record is None else record
+        candidates = ([0] if converted else []) + [i + 1 for i, s in enumerate(manager.steps) if s.rewrites]
+
+        def diverges(k: int) -> bool:
+            model = onnx.load_from_string(start)
+            with graph_scope():
+                graph = modelio.import_graph(model)
+                fresh = PassContext(opset=ctx.opset, target=ctx.target, options=dict(ctx.options),
+                                    output_opset=ctx.output_opset)
+                PassManager([type(p)() for p in pipeline], shape_inference=shapes.ShapeRefresher()).run(
+                    graph, fresh, max_steps=k)
+                candidate = modelio.export_graph(graph, model)
+            try:
+                return result_of(candidate)["status"] != "passed"
+            except verifier.Unrunnable:
+                return True
+
+        step = verifier.first_diverging_step(candidates, diverges)
+        if step is None:
+            return ""
+        if step == 0:
+            record["first_diverging_pass"] = "opset conversion"
+            return f"; the opset conversion to {ctx.opset} already diverges"
+        bad = manager.steps[step - 1]
+        record["first_diverging_pass"] = bad.name
+        return f"; first diverging pass: {bad.name} (round {bad.round})"
+
+
+def _no_memory(step: str, exc: Optional[BaseException] = None) -> UnverifiableError:
+    """Verification stopped by the machine (memory, threads, onnxruntime's library not mapped), not the model."""
+    why = f" ({verifier.first_line(exc)})" if isinstance(exc, ImportError) else ""
+    return UnverifiableError(f"verification cannot run: onnxruntime ran out of memory {step}{why}; nothing was "
+                             "written (--no-verify writes the model unverified)")
+
+
+def _load(model: ModelLike, report: Report) -> modelio.Loaded:
+    """A checked copy of a model proto, or the model file read (external data left on disk)."""
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        found = modelio.validate(copy, os.getcwd())
+        return modelio.Loaded(copy, found.external, found.bodies)
+    if isinstance(model, (str, os.PathLike)):
+        report.input = str(model)
+        return modelio.read_model(model)
+    raise UsageError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}")
