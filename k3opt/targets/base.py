@@ -35,6 +35,8 @@ class Target:
     fuses_to_standard_ops: ClassVar[bool] = True
     #: How matmul-add fuses a rank > 2 MatMul + Add when its ``matmul_add_nd`` option is ``auto``.
     matmul_add_nd: ClassVar[str] = "keep"
+    #: The target runs a MatMul best on 2-D operands (unflatten-matmul leaves flattened ones as they are).
+    prefers_2d_matmuls: ClassVar[bool] = False
     #: matmul-add also fuses a rank-2 MatMul + Add whose weight or bias is computed (into a Gemm).
     fuses_computed_matmul_add: ClassVar[bool] = True
     #: The target has its own attention lowering (einsum-attention then unfolds Einsum attentions for it at any

@@ -48,7 +48,7 @@ class UnflattenMatMul(NodeRewritePass):
     ops = frozenset({"MatMul"})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        if ctx.target == "cann":
+        if ctx.target.prefers_2d_matmuls:  # cann: ATC's MatMul/Gemm on the flattened 2-D form
             return 0
         with ctx.analysis(DimAnalysis, graph):
             return super().run(graph, ctx)

@@ -29,6 +29,7 @@ class CannTarget(Target):
     fixed_opset = CANN_OPSET
     fuses_to_standard_ops = False
     matmul_add_nd = "flatten"
+    prefers_2d_matmuls = True
     fuses_computed_matmul_add = False
     runs_castlike = False
     honours_gemm_scales = False  # ATC's Gemm: alpha/beta other than 1 are not known to be honoured
