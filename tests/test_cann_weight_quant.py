@@ -148,3 +148,43 @@ def test_check_reports_that_atc_takes_no_dequantize_linear(tmp_path):
                          text=True)
     assert run.returncode != 0
     assert "DequantizeLinear x2" in run.stdout + run.stderr and "AMCT" in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("attrs,scale_shape,opset", [({"axis": 1}, (16,), 17), ({"axis": 0}, (64,), 17), ({}, (), 17),
+                                                     ({"axis": 0, "block_size": 32}, (2, 16), 21)])
+def test_reference_dequantize_linear_matches_onnxruntime_at_every_opset(attrs, scale_shape, opset):
+    import onnxruntime as ort
+
+    q = RNG.integers(-8, 8, (64, 16)).astype(np.int8)
+    s = (RNG.random(scale_shape) + 0.1).astype(np.float32)
+    z = RNG.integers(-3, 3, scale_shape).astype(np.int8)
+    graph = helper.make_graph([helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], **attrs)], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(q, "q"), numpy_helper.from_array(np.asarray(s), "s"),
+                               numpy_helper.from_array(np.asarray(z), "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})[0]
+    np.testing.assert_array_equal(evaluator(model).run(None, {})[0], want)
+
+
+def test_a_dequantize_linear_outside_the_contract_is_kept_with_its_reason_and_verified(tmp_path):
+    """Per-row (axis 0) scales are not the kernel's per-channel (axis 1) ones: kept, and the lowered model (which
+    still holds it, at opset 17) verifies under the reference evaluator."""
+    k, n = 64, 32
+    q = RNG.integers(-127, 128, (k, n)).astype(np.int8)
+    nodes = [helper.make_node("DequantizeLinear", ["q", "s0"], ["w0"], axis=0),
+             helper.make_node("MatMul", ["x", "w0"], ["h"], name="rows"),
+             helper.make_node("DequantizeLinear", ["q2", "s1"], ["w1"], axis=1),
+             helper.make_node("MatMul", ["h", "w1"], ["y"], name="cols")]
+    inits = [numpy_helper.from_array(q, "q"), numpy_helper.from_array((RNG.random(k) * 0.01).astype(np.float32), "s0"),
+             numpy_helper.from_array(RNG.integers(-127, 128, (n, n)).astype(np.int8), "q2"),
+             numpy_helper.from_array((RNG.random(n) * 0.01).astype(np.float32), "s1")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", n])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "q.onnx"))
+    report = k3opt.optimize_file(tmp_path / "q.onnx", tmp_path / "c.onnx", target="cann", verify=True)
+    assert any("'rows' kept with its DequantizeLinear: per-axis scales over axis 0" in line for line in report.lowering)
+    assert any("1 of 2" in line for line in report.lowering)
+    assert report.lowering_verification["status"] == "passed"
+    ops = _ops(tmp_path / "c.onnx")
+    assert ops["DequantizeLinear"] == 1 and ops["NPUWeightQuantBatchMatmulV2"] == 1

@@ -53,3 +53,29 @@ class NPUWeightQuantBatchMatmulV2(OpRun):
             o = None if offset is None else offset.astype(np.float32).reshape(1, -1)
         wf = w.astype(np.float32) if o is None else w.astype(np.float32) + o
         return ((x.astype(np.float32) @ (wf * s)).astype(x.dtype),)
+
+
+@reference_op("DequantizeLinear", domains=("",))
+class DequantizeLinear(OpRun):
+    """The standard op at every opset (per-tensor, per-axis, and opset 21's blocked form): onnx 1.23's reference
+    evaluator has no DequantizeLinear below opset 19, and a cann model is at 16/17, so a weight's
+    DequantizeLinear the lowering kept could not be verified. ``y = (x - zero_point) * scale``, in scale's dtype."""
+
+    def _run(self, x, scale, zero_point=None, axis=1, block_size=0, output_dtype=0, precision=0):  # noqa: D102
+        xf = np.asarray(x).astype(np.float32)
+        s = np.asarray(scale)
+        axis = axis % xf.ndim if xf.ndim else 0
+
+        def spread(v: np.ndarray) -> np.ndarray:
+            """``v`` (a scale or zero point) broadcastable to x: per tensor, per axis, or per block."""
+            v = np.asarray(v).astype(np.float32)
+            if v.size == 1 and not block_size:
+                return v.reshape(())
+            if block_size:
+                return np.repeat(v, block_size, axis=axis)
+            shape = [1] * xf.ndim
+            shape[axis] = -1
+            return v.reshape(shape)
+
+        zf = spread(zero_point) if zero_point is not None else np.float32(0)
+        return (((xf - zf) * spread(s)).astype(s.dtype),)
