@@ -15,7 +15,6 @@ import onnx
 from . import modelio
 from .graph import G_LOGGER
 from .pipeline import shapes
-from .pipeline.pass_base import build_pipeline, check_pass_options
 from .pipeline.run import ModelLike, Run
 from .report import Report
 from .targets import get_target
@@ -97,9 +96,9 @@ def _run(report: Report, passes: Optional[Sequence[str]] = None, skip: Sequence[
     report.target = found.name
     from .plugins import run_plugins
 
-    with run_plugins(list(plugins)):  # this run's plugins only: the registry is as it was afterwards
-        pipeline = build_pipeline(list(passes) if passes is not None else None, tuple(skip), found)
-        pass_options = check_pass_options(options)
+    with run_plugins(list(plugins)) as registry:  # a copy of the process's registry, with this run's plugins
+        pipeline = registry.build_pipeline(list(passes) if passes is not None else None, tuple(skip), found)
+        pass_options = registry.check_options(options)
     return Run(found, pipeline, report, opset=opset, input_shapes=input_shapes, verify=verify,
                pass_options=pass_options, **settings)
 

@@ -185,11 +185,10 @@ def _output_of(model: str, positional: Optional[str], option: Optional[str]) -> 
 @run_options
 def passes_cmd(plugins: tuple[str, ...], quiet: bool, debug: bool) -> None:
     """List every pass (built-in and plugin) in pipeline order with its description."""
-    from .pipeline.pass_base import registered_passes
     from .plugins import run_plugins
 
-    with run_plugins(list(plugins)):  # this command's plugins only
-        passes = registered_passes()
+    with run_plugins(list(plugins)) as registry:  # this command's plugins only
+        passes = registry.ordered()
     for name, cls in passes.items():
         tags = [t for t in ("" if cls.default else "not default", f"plugin {cls.plugin}" if cls.plugin else "") if t]
         suffix = f" [{', '.join(tags)}]" if tags else ""

@@ -17,9 +17,11 @@ it) and can be skipped by name. Anything that goes wrong while loading is a
 :class:`~k3opt.errors.PluginError` naming the plugin, and leaves no pass of
 it half-registered.
 
-Which plugins are active is a run's own business: ``optimize(plugins=...)`` and ``--plugin`` use them for that
-run only (:func:`run_plugins`; the next run has them only if it asks again). Installed entry points and
-:func:`load_plugins` called directly are for the whole process, like direct registration.
+Which plugins are active is a run's own business: ``optimize(plugins=...)`` and ``--plugin`` register them into
+that run's copy of the pass registry only (:func:`run_plugins`; the next run has them only if it asks again).
+Installed entry points and :func:`load_plugins` called directly are for the whole process, like direct
+registration. A plugin is imported once per process; what it registered is recorded and registered again into
+each later run that asks for it.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from .errors import K3optError, PluginError
-from .pipeline import pass_base as base
+from .pipeline import pass_base as base, registry
 
 ENTRY_POINT_GROUP = "k3opt.plugins"
 #: Set to 1 to skip entry-point discovery (a broken installed plugin must not lock users out).
@@ -61,17 +63,14 @@ _entry_points_done = False
 
 
 @contextlib.contextmanager
-def run_plugins(specs: Sequence[Union[str, object]] = ()) -> Iterator[None]:
-    """The pass registry with ``specs``' plugins for one run; on exit the registry is as it was before."""
+def run_plugins(specs: Sequence[Union[str, object]] = ()) -> Iterator[registry.PassRegistry]:
+    """One run's pass registry: a copy of the process's with ``specs``' plugins, current for the block."""
     from .passes import load_builtin_passes
 
-    load_builtin_passes()  # built-ins and installed plugins belong to every run: before the snapshot
-    before = base.registry_snapshot()
-    try:
+    load_builtin_passes()  # built-ins and installed plugins belong to every run: before the copy
+    with registry.using(registry.PROCESS.copy()) as run_registry:
         load_plugins(specs)
-        yield
-    finally:
-        base.restore_registry(before)
+        yield run_registry
 
 
 def load_plugins(specs: Sequence[Union[str, object]]) -> None:
@@ -98,12 +97,12 @@ def _use(name: str, key: str, loader: Callable[[], Any]) -> None:
 
 
 def _replay(key: str, name: str) -> None:
-    """Register again what loading the plugin ``key`` registered (into a registry a run restored since)."""
+    """Register again what loading the plugin ``key`` registered (into a run's registry, or one that lost it)."""
     record = _records[key]
     for other in record.includes:
         _replay(other, name)
     for pass_name, cls in record.passes:
-        current = base.registry_snapshot().get(pass_name)
+        current = registry.current().entries().get(pass_name)
         if current is cls:
             continue
         if current is not None and not issubclass(cls, current):  # it only ever replaces a set it grew
@@ -128,7 +127,8 @@ def load_entry_point_plugins() -> None:
         return
     for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         try:
-            _use(ep.name, f"ep:{ep.value}", ep.load)
+            with registry.using(registry.PROCESS):  # installed plugins belong to every run
+                _use(ep.name, f"ep:{ep.value}", ep.load)
         except PluginError as exc:
             _entry_point_error = PluginError(f"{exc} (installed entry point '{ep.value}'; set {DISABLE_ENV}=1 "
                                              "to run without installed plugins)")
@@ -168,19 +168,22 @@ def _import_file(path: Path) -> types.ModuleType:
 
 
 def _activate(name: str, key: str, loader: Callable[[], Any]) -> None:
-    """Load one plugin, register what it provides, mark its passes, record it; all or nothing."""
-    before, n_objects = base.registry_snapshot(), len(_objects)
+    """Load one plugin into a trial copy of the current registry, mark its passes, record it; the copy replaces
+    the registry's entries only when all of it loaded (all or nothing)."""
+    target, n_objects = registry.current(), len(_objects)
+    before = target.entries()
     includes: list[str] = []
     try:
-        _register(loader(), name, key, includes)
+        with registry.using(target.copy()) as trial:
+            _register(loader(), name, key, includes)
     except (Exception, SystemExit) as exc:  # sys.exit() in a plugin is its failure, not the run's end
-        base.restore_registry(before)
         del _objects[n_objects:]
         if isinstance(exc, PluginError) and f"plugin '{name}'" in str(exc):
             raise
         detail = str(exc) if isinstance(exc, K3optError) else f"{type(exc).__name__}: {exc}"
         raise PluginError(f"plugin '{name}' failed to load: {detail}") from exc
-    added = tuple((n, cls) for n, cls in base.registry_snapshot().items() if before.get(n) is not cls)
+    target.replace_entries(trial)
+    added = tuple((n, cls) for n, cls in target.entries().items() if before.get(n) is not cls)
     for _, cls in added:
         if cls.plugin is None:
             cls.plugin = name

@@ -23,7 +23,7 @@ from k3opt import plugins
 from k3opt.cli import main as cli
 from k3opt.errors import PluginError, UsageError
 from k3opt.passes import load_builtin_passes
-from k3opt.pipeline import pass_base as base
+from k3opt.pipeline import pass_base as base, registry as pass_registry
 from k3opt.patterns import Rule, register_rules, rule
 from tests.helpers import assert_equivalent, make_model, op_counts
 
@@ -48,12 +48,11 @@ register_rules(Rule("neg-relu", pattern, rewrite), name="{name}", after="fold-co
 def registry(monkeypatch):
     """Every test starts from the built-in registry and no loaded plugins, and leaves it so."""
     load_builtin_passes()
-    saved = dict(base._REGISTRY)
+    saved = pass_registry.PROCESS.copy()
     monkeypatch.setattr(plugins, "_records", {})
     monkeypatch.setattr(plugins, "_objects", [])
     yield
-    base._REGISTRY.clear()
-    base._REGISTRY.update(saved)
+    pass_registry.PROCESS.replace_entries(saved)
 
 
 def model() -> onnx.ModelProto:
@@ -83,6 +82,20 @@ def test_file_plugin_through_api_placed_after_named_pass(tmp_path):
         assert base.registered_passes()["t-negrelu"].plugin == "negrelu_file"
     assert "t-negrelu" not in base.registered_passes()
     assert op_counts(k3opt.optimize(model(), plugins=[str(path)], skip=["t-negrelu"])) == {"Neg": 1, "Relu": 1}
+
+
+def test_a_run_registers_its_plugins_into_its_own_copy_of_the_registry(tmp_path):
+    """The process registry never holds a run's plugin, even while the run is going (nothing to put back)."""
+    path = write(tmp_path, "negrelu_own", NEG_RELU_PLUGIN.format(name="t-own"))
+    before = pass_registry.PROCESS.entries()
+    with plugins.run_plugins([str(path)]) as run_registry:
+        assert run_registry is not pass_registry.PROCESS and "t-own" in run_registry.entries()
+        assert pass_registry.PROCESS.entries() == before
+        with plugins.run_plugins([]) as other:  # a second run started meanwhile does not see it either
+            assert "t-own" not in other.entries()
+    with plugins.run_plugins([str(path)]) as again:  # imported once; registered again from its record
+        assert again.entries()["t-own"] is run_registry.entries()["t-own"]
+    assert pass_registry.PROCESS.entries() == before
 
 
 def test_module_and_attribute_specs(tmp_path, monkeypatch):

@@ -10,14 +10,15 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from ..pipeline import registry
 from ..pipeline.pass_base import Pass, PassContext, build_pipeline, get_pass, register_pass, registered_passes
 
 __all__ = ["Pass", "PassContext", "build_pipeline", "get_pass", "register_pass", "registered_passes"]
 
 #: The packages whose modules are the built-in passes (walked in this order).
 _PASS_PACKAGES = ("k3opt.passes", "k3opt.targets.cann.passes")
-# Process-wide, not run state: the built-in modules are imported once, and every run starts from the registry
-# they fill (a run's plugins are added and removed around it, k3opt.plugins.run_plugins).
+# Process-wide, not run state: the built-in modules are imported once, into the process registry every run
+# starts from a copy of (k3opt.pipeline.registry).
 _LOADED = False
 
 
@@ -26,12 +27,17 @@ def load_builtin_passes() -> None:
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        for package in _PASS_PACKAGES:
-            root = importlib.import_module(package)
-            depth = package.count(".") + 1
-            for info in sorted(pkgutil.walk_packages(root.__path__, f"{package}."), key=lambda i: i.name):
-                if not info.ispkg and not any(part.startswith("_") for part in info.name.split(".")[depth:]):
-                    importlib.import_module(info.name)
+        with registry.using(registry.PROCESS):
+            _import_pass_modules()
     from ..plugins import load_entry_point_plugins
 
     load_entry_point_plugins()
+
+
+def _import_pass_modules() -> None:
+    for package in _PASS_PACKAGES:
+        root = importlib.import_module(package)
+        depth = package.count(".") + 1
+        for info in sorted(pkgutil.walk_packages(root.__path__, f"{package}."), key=lambda i: i.name):
+            if not info.ispkg and not any(part.startswith("_") for part in info.name.split(".")[depth:]):
+                importlib.import_module(info.name)

@@ -3,7 +3,7 @@
 One pass, one job (LLVM/MLIR style). A pass declares what it needs (shapes,
 a minimum opset, a target); the pass manager honours that and keeps the
 statistics. Built-in passes and plugins register through the same
-:func:`register_pass`.
+:func:`register_pass`, into the current :class:`~k3opt.pipeline.registry.PassRegistry`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, ClassVar, Collection, Optional, Type
 
-from ..errors import UsageError
+from . import registry
 from ..graph.ir import Graph, Node, NameScope, all_graphs
 from .analyses import A, AnalysisManager
 from .op_census import OpCensus
@@ -201,11 +201,6 @@ class Pass:
         the graph. Default: nothing."""
 
 
-#: The registry every run starts from: built-ins, installed plugins, passes registered in code. A run's own
-#: plugins are registered for that run only (k3opt.plugins.run_plugins puts the entries back after it).
-_REGISTRY: dict[str, Type[Pass]] = {}
-
-
 def register_pass(
     cls: Type[Pass],
     *,
@@ -214,103 +209,46 @@ def register_pass(
     plugin: Optional[str] = None,
     replace: bool = False,
 ) -> Type[Pass]:
-    """Add a pass class to the registry (usable as a class decorator).
+    """Add a pass class to the current registry (usable as a class decorator): the process's, or while a run
+    loads its plugins, the run's (:mod:`k3opt.pipeline.registry`).
 
     ``before``/``after`` name a registered pass; the new pass's ``order`` is
     set just before/after it. ``plugin`` marks who registered it (shown by
     ``k3opt passes``). Re-registering a name is an error unless ``replace``.
     """
-    if not cls.name:
-        raise UsageError(f"pass class {cls.__name__} has no name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls and not replace:
-        raise UsageError(f"a pass named '{cls.name}' is already registered")
-    anchor = before or after
-    if anchor is not None:
-        if anchor not in _REGISTRY:
-            raise UsageError(f"pass '{cls.name}' asks to run next to unknown pass '{anchor}'")
-        base = _REGISTRY[anchor].order
-        siblings = [p.order for p in _REGISTRY.values() if p is not cls]
-        if before:
-            lower = max([o for o in siblings if o < base], default=base - 1)
-            cls.order = (lower + base) / 2
-        else:
-            upper = min([o for o in siblings if o > base], default=base + 1)
-            cls.order = (base + upper) / 2
-    if plugin is not None:
-        cls.plugin = plugin
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def registry_snapshot() -> dict[str, Type[Pass]]:
-    """The registry as it is now, for :func:`restore_registry`.
-
-    Registering only ever changes the registry's entries (a class is complete when registered; rules added to
-    a rule set make a new class), so the entries are the whole state.
-    """
-    return dict(_REGISTRY)
-
-
-def restore_registry(snapshot: dict[str, Type[Pass]]) -> None:
-    """Put the registry back as :func:`registry_snapshot` saw it (a failed plugin's half, a run's plugins)."""
-    _REGISTRY.clear()
-    _REGISTRY.update(snapshot)
+    return registry.current().register(cls, before=before, after=after, plugin=plugin, replace=replace)
 
 
 def unregister_pass(name: str) -> None:
-    """Remove a pass from the registry (tests and plugin reloads)."""
-    _REGISTRY.pop(name, None)
+    """Remove a pass from the current registry (tests and plugin reloads)."""
+    registry.current().unregister(name)
+
+
+def _load_builtins() -> None:
+    # Found by name at run time: the built-in passes build on the pipeline, never the reverse.
+    importlib.import_module("k3opt.passes").load_builtin_passes()
 
 
 def registered_passes() -> dict[str, Type[Pass]]:
-    """Every registered pass by name, in pipeline order (built-ins loaded first)."""
-    from ..passes import load_builtin_passes
-
-    load_builtin_passes()
-    return dict(sorted(_REGISTRY.items(), key=lambda kv: (kv[1].order, kv[0])))
+    """Every pass of the current registry by name, in pipeline order (built-ins loaded first)."""
+    _load_builtins()
+    return registry.current().ordered()
 
 
 def get_pass(name: str) -> Type[Pass]:
-    passes = registered_passes()
-    if name not in passes:
-        raise UsageError(f"unknown pass '{name}'; known passes: {', '.join(passes)}")
-    return passes[name]
+    _load_builtins()
+    return registry.current().get(name)
 
 
 def check_pass_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` parsed by their passes' :attr:`Pass.option_values`; UsageError for a key no registered
-    pass reads (a typo would otherwise be silently ignored) or a value its parser refuses."""
-    passes = registered_passes().values()
-    known = {key: cls.name for cls in passes for key in cls.options}
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        listing = ", ".join(f"{key} ({owner})" for key, owner in sorted(known.items())) or "none"
-        raise UsageError(f"unknown pass option(s) {', '.join(unknown)}; known: {listing}")
-    parsers = {key: parse for cls in passes for key, parse in cls.option_values.items()}
-    parsed = dict(options)
-    for key, value in options.items():
-        if key in parsers:
-            try:
-                parsed[key] = parsers[key](value)
-            except ValueError as exc:
-                raise UsageError(f"--pass-option {key}={value}: {exc}") from None
-    return parsed
+    """``options`` parsed by their passes' :attr:`Pass.option_values` (:meth:`PassRegistry.check_options`)."""
+    _load_builtins()
+    return registry.current().check_options(options)
 
 
 def build_pipeline(
-    passes: Optional[list[str]] = None, skip: tuple[str, ...] | list[str] = (), target: str = "onnx"
+    passes: Optional[list[str]] = None, skip: tuple[str, ...] | list[str] = (), target: Any = "onnx"
 ) -> list[Pass]:
     """Instances for ``passes`` (exactly those, in the order given) or the default pipeline less ``skip``."""
-    known = registered_passes()
-    for name in list(passes or []) + list(skip):
-        if name not in known:
-            raise UsageError(f"unknown pass '{name}'; known passes: {', '.join(known)}")
-    if passes is not None:
-        chosen = [known[n] for n in passes if n not in skip]
-    else:
-        chosen = [
-            cls
-            for cls in known.values()
-            if cls.default and cls.name not in skip and (cls.targets is None or target in cls.targets)
-        ]
-    return [cls() for cls in chosen]
+    _load_builtins()
+    return registry.current().build_pipeline(passes, skip, target)
