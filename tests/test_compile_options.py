@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from k3opt import api
-from k3opt.cann_bridge.soc_support import family, missing_kernel
+from k3opt.targets.cann.soc_support import family, missing_kernel
 from k3opt.cli import main
 from k3opt.report import Report
 from tests.test_composition import opset23_model

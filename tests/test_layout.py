@@ -74,3 +74,32 @@ def test_the_cann_bridge_does_not_import_the_api():
     wrong = [f"{p.relative_to(_ROOT)}: {'.'.join(parts)}" for p in sorted((_ROOT / "cann_bridge").glob("*.py"))
              for parts in _imported_modules(p) if parts[:1] == ("api",)]
     assert wrong == []
+
+
+def _runtime_imports(path: pathlib.Path) -> list[tuple[str, ...]]:
+    """The k3opt modules ``path`` imports relatively at run time (``if TYPE_CHECKING:`` blocks left out), as parts
+    below k3opt."""
+    import ast
+
+    package = path.relative_to(_ROOT).parts[:-1]
+    found: list[tuple[str, ...]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found.append(package[:len(package) - (node.level - 1)] + tuple((node.module or "").split(".")))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return [tuple(p for p in parts if p) for parts in found]
+
+
+def test_the_targets_import_nothing_above_them():
+    """targets/ builds on passes, patterns, pipeline, modelio and graph; the api, the CLI and the ATC driver build
+    on the targets, never the reverse (the api <-> cann_bridge cycle of issue #27 in another form)."""
+    above = ("api", "cli", "cli_options", "cann_bridge", "export", "llm", "quantize", "blocks", "plugins")
+    wrong = [f"{p.relative_to(_ROOT)}: {'.'.join(parts)}" for p in sorted((_ROOT / "targets").rglob("*.py"))
+             for parts in _runtime_imports(p) if parts[:1] and parts[0] in above]
+    assert wrong == []

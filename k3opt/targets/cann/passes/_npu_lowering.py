@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Optional
 
-from ....cann_bridge.soc_support import missing_kernel
+from ..soc_support import missing_kernel
 from ....graph.ir import Graph
 from ....patterns import Rule
 from ....pipeline.analyses import Shapes
