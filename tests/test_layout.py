@@ -14,6 +14,20 @@ def test_only_the_graph_package_imports_onnx_graphsurgeon():
     assert outside == []
 
 
+#: onnx-graphsurgeon's private fields k3opt would reach (a Constant's stored values, export dtype...), read or
+#: written as ``x._field`` or through getattr/setattr with the name.
+_GS_PRIVATE = re.compile(r"(?<!\bself)\.(_values|_export_dtype|_local_tensor_copies|_merge_subgraph_functions)\b"
+                         r"|attr\([^)]*[\"'](_values|_export_dtype)[\"']")
+
+
+def test_only_the_graph_package_touches_onnx_graphsurgeon_private_fields():
+    """graph.ir gives the passes what they need (stored_values, store_values, set_input, ...) (issue #27)."""
+    outside = [f"{p.relative_to(_ROOT)}:{i}: {line.strip()}" for p in sorted(_ROOT.rglob("*.py"))
+               if p.relative_to(_ROOT).parts[0] != "graph"
+               for i, line in enumerate(p.read_text().splitlines(), 1) if _GS_PRIVATE.search(line)]
+    assert outside == []
+
+
 _K3OPT_IMPORT = re.compile(r"^\s*(?:from\s+(\.+|k3opt\.?)([\w.]*)\s+import\s+([\w, ]+)|import\s+k3opt\.([\w.]+))", re.M)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -99,6 +99,17 @@ def is_graph_output(graph: Graph, t: Tensor) -> bool:
 def declared_symbols(graph: Graph) -> frozenset[str]:
     """The symbolic dims (``dim_param``) the graph's inputs and outputs declare: sizes chosen at run time."""
     return frozenset(d for t in [*graph.inputs, *graph.outputs] for d in (t.shape or ()) if isinstance(d, str))
+
+
+def stored_values(c: gs.Constant) -> Any:
+    """What gs constant ``c`` holds, not loaded: a numpy array, or a lazy loader (``LazyValues``, k3opt's
+    external or spilled values) with ``dtype``, ``shape`` and ``nbytes``, and ``tensor`` for a model's own."""
+    return c._values
+
+
+def store_values(c: gs.Constant, values: Any) -> None:
+    """Make ``values`` (an array, or a lazy loader as :func:`stored_values` returns) what ``c`` holds."""
+    c._values = values
 
 
 def peek(c: gs.Constant) -> np.ndarray:

@@ -15,7 +15,7 @@ from .. import graph as gs
 from ..errors import InputError
 from ..graph import LazyValues
 from ..graph import gs_roundtrip
-from ..graph.ir import all_graphs
+from ..graph.ir import all_graphs, store_values, stored_values
 from .external import ExternalValues, PathLike, all_tensors
 from .validation import MAX_GRAPH_DEPTH, validate
 
@@ -49,8 +49,9 @@ def import_graph(model: onnx.ModelProto, external: Optional[list[TensorProto]] =
 def _read_lazily(t: object) -> None:
     """Make a gs constant whose TensorProto keeps its data in a file read it through :class:`ExternalValues`
     (the location is absolute inside k3opt, which onnx's own reader refuses)."""
-    if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues) and uses_external_data(t._values.tensor):
-        t._values = ExternalValues(t._values.tensor)
+    values = stored_values(t) if isinstance(t, gs.Constant) else None
+    if isinstance(values, LazyValues) and uses_external_data(values.tensor):
+        store_values(t, ExternalValues(values.tensor))
         # Once a pass loads the values, gs must export them inline (save()
         # moves big ones out again), not as "external" without a location.
         t.data_location = None

@@ -22,7 +22,7 @@ from ..errors import UsageError
 from ..graph.gs_export import import_domains, node_bytes, write_value_info
 from ..graph.wire import field, varint
 from ..modelio import EXTERNAL_THRESHOLD, inline_copy, is_weight
-from ..graph.ir import declared_symbols, tensor_map
+from ..graph.ir import declared_symbols, stored_values, tensor_map
 
 InputShapes = Union[Mapping[str, Sequence[int]], Sequence[str]]
 
@@ -276,11 +276,11 @@ def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]
     fields = [io.SerializeToString()]  # first: the weights' inputs follow the graph's own
     long_io = _has_long_vector(io)
     for t in (tensors if tensors is not None else tensor_map(graph)).values():
-        if not isinstance(t, gs.Constant) or isinstance(t._values, SparseValues):
+        if not isinstance(t, gs.Constant) or isinstance(stored_values(t), SparseValues):
             continue
-        if getattr(t._values, "nbytes", 0) >= EXTERNAL_THRESHOLD:
+        if getattr(stored_values(t), "nbytes", 0) >= EXTERNAL_THRESHOLD:
             fields.append(_weight_input_field(t))
-            shape = t._values.shape
+            shape = stored_values(t).shape
             long_io = long_io or (len(shape) == 1 and shape[0] > DATA_PROP_MAX_LEN)
         else:  # small: shape constants, axes... inference reads their values
             fields.append(_initializer_field(t))
@@ -398,8 +398,9 @@ def _initializer_field(t: gs.Constant) -> bytes:
 
 def _weight_input_field(t: gs.Constant) -> bytes:
     """A big constant as a typed graph input: inference needs only its type."""
-    shape = [int(d) for d in t._values.shape]
-    vi = onnx.helper.make_tensor_value_info(t.name, dtypes.onnx_type(t._values.dtype), shape)
+    values = stored_values(t)
+    shape = [int(d) for d in values.shape]
+    vi = onnx.helper.make_tensor_value_info(t.name, dtypes.onnx_type(values.dtype), shape)
     return field(_GRAPH_INPUT, vi.SerializeToString())
 
 

@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 from onnx import TensorProto
 from ...graph import LazyValues, dtypes
 
-from ...graph.ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses
+from ...graph.ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses, stored_values
 from ...pipeline.analyses import Shapes
 from ...pipeline.option_values import byte_size
 from ...pipeline.pass_base import Pass, PassContext, register_pass
@@ -80,7 +80,8 @@ def _digest(value: np.ndarray) -> Hashable:
 def _const_bytes(c: gs.Constant, limit: Optional[int] = None) -> bytes:
     """The bytes of the constant's array (the first ``limit`` of them when given); from its ``raw_data`` when
     that is the same bytes, so the array is not built."""
-    proto = getattr(c._values, "tensor", None) if type(c._values) is LazyValues else None
+    values = stored_values(c)
+    proto = getattr(values, "tensor", None) if type(values) is LazyValues else None
     itemsize = _RAW_AS_ARRAY.get(proto.data_type) if isinstance(proto, TensorProto) else None
     if itemsize and proto.HasField("raw_data") and not proto.HasField("segment") \
             and proto.data_location != TensorProto.EXTERNAL:
@@ -159,7 +160,7 @@ _UNSEEN = object()
 
 
 def _external(values: object) -> bool:
-    """Whether a constant's values (``Constant._values``) live in external data."""
+    """Whether a constant's values (:func:`~k3opt.graph.ir.stored_values`) live in external data."""
     proto = getattr(values, "tensor", None)
     return isinstance(proto, TensorProto) and proto.data_location == TensorProto.EXTERNAL
 
@@ -226,7 +227,7 @@ class EliminateCommonSubexpressions(Pass):
             for t in node.inputs:
                 if id(t) not in seen and isinstance(t, gs.Constant):
                     seen.add(id(t))
-                    values = t._values  # what Constant.dtype and .shape read, read once
+                    values = stored_values(t)  # what Constant.dtype and .shape read, read once
                     if values.nbytes <= limit and not _external(values):
                         groups.setdefault((values.dtype, tuple(values.shape)), {})[id(t)] = t
         merged = 0

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import numpy as np
 from ... import graph as gs
 
-from ...graph.ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank
+from ...graph.ir import Graph, Node, const_tensor, disconnect, is_graph_output, peek, rank, stored_values
 from ...graph.dtypes import PACKED_BITS, onnx_type
 from ...modelio.concat_values import concat_last_axis
 from ...patterns.matcher import describe
@@ -60,9 +60,9 @@ def _worth_merging(graph: Graph, group: list[tuple[Node, gs.Constant]], target: 
     """n siblings become one MatMul and a Split (and their n bias Adds one Add): a pair without the bias merge
     keeps the node count and only adds the Split, which copies the whole merged output (onnxruntime CPU:
     SwiGLU's gate/up pair merged made a Llama prefill of 512 tokens 4-10 % slower, docs/benchmarks.md), so
-    the onnx target leaves it. The cann target merges it (``Target.merges_projection_pairs``): Ascend's LLM implementations run gate and up as one
-    matmul (MindIE/ATB's merged gate_up weight, torch_npu's npu_swiglu over the merged output), one bigger
-    Cube call instead of two."""
+    the onnx target leaves it. The cann target merges it (``Target.merges_projection_pairs``): Ascend's LLM
+    implementations run gate and up as one matmul (MindIE/ATB's merged gate_up weight, torch_npu's npu_swiglu
+    over the merged output), one bigger Cube call instead of two."""
     if len(group) > 2 or (len(group) == 2 and target.merges_projection_pairs):
         return True
     return len(group) == 2 and all(_bias_add(graph, n, w) is not None for n, w in group)
@@ -123,7 +123,7 @@ def _merge(graph: Graph, ctx: PassContext, group: list[tuple[Node, gs.Constant]]
 
     merged_w = gs.Constant(
         ctx.fresh_name(f"{base}_merged_weight"),
-        concat_last_axis([w._values for w in weights]),
+        concat_last_axis([stored_values(w) for w in weights]),
     )
     mm_out = variable("merged")
     new = [gs.Node("MatMul", ctx.fresh_name(f"{base}_merged"), inputs=[x, merged_w], outputs=[mm_out])]
