@@ -99,8 +99,10 @@ def _run(report: Report, passes: Optional[Sequence[str]] = None, skip: Sequence[
     with run_plugins(list(plugins)) as registry:  # a copy of the process's registry, with this run's plugins
         pipeline = registry.build_pipeline(list(passes) if passes is not None else None, tuple(skip), found)
         pass_options = registry.check_options(options)
+    from .blocks import run_hook
+
     return Run(found, pipeline, report, opset=opset, input_shapes=input_shapes, verify=verify,
-               pass_options=pass_options, **settings)
+               pass_options=pass_options, blockwise=run_hook.start, **settings)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from .cli_options import (
 from .errors import InputError, K3optError, UsageError, VerificationError
 from .interrupts import Interrupted, install as install_signal_handlers, restore as restore_signal_handlers
 from .report import Report
+from .report_html import write_report
 from .targets import get_target
 
 EXIT_USAGE = 2
@@ -156,13 +157,13 @@ def optimize_cmd(model: str, positional_output: Optional[str], output: Optional[
                       progress=progress_for({"quiet": quiet}), **optimize_kwargs(params))
     except VerificationError:
         if report_path:
-            report.write(report_path)
+            write_report(report, report_path)
         if not quiet:
             click.echo(report.table(), err=True)
         raise
     if report_path:
         report.check = get_target(report.target).check_record(report.output)  # what ATC will make of it
-        report.write(report_path)
+        write_report(report, report_path)
     if not quiet:
         for warning in report.warnings:
             click.echo(f"k3opt: warning: {warning}", err=True)

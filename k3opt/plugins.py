@@ -3,7 +3,7 @@
 Three ways in (docs/writing-rules.md walks through each):
 
 1. an installed package declaring the entry point group ``k3opt.plugins``
-   (discovered when the pass registry is first used);
+   (discovered when a run first builds its pass registry);
 2. :func:`load_plugins` with a path to a ``.py`` file, a dotted module name,
    ``module:attribute``, or an object (``--plugin`` / ``optimize(plugins=...)``);
 3. direct registration in code: ``k3opt.register_pass`` or
@@ -65,9 +65,7 @@ _entry_points_done = False
 @contextlib.contextmanager
 def run_plugins(specs: Sequence[Union[str, object]] = ()) -> Iterator[registry.PassRegistry]:
     """One run's pass registry: a copy of the process's with ``specs``' plugins, current for the block."""
-    from .passes import load_builtin_passes
-
-    load_builtin_passes()  # built-ins and installed plugins belong to every run: before the copy
+    _load_process_passes()  # built-ins and installed plugins belong to every run: before the copy
     with registry.using(registry.PROCESS.copy()) as run_registry:
         load_plugins(specs)
         yield run_registry
@@ -76,9 +74,7 @@ def run_plugins(specs: Sequence[Union[str, object]] = ()) -> Iterator[registry.P
 def load_plugins(specs: Sequence[Union[str, object]]) -> None:
     """Register each plugin (paths, module names, ``module:attr`` or objects), loading it the first time;
     raise PluginError on failure."""
-    from .passes import load_builtin_passes
-
-    load_builtin_passes()  # plugins anchor their passes before/after built-ins
+    _load_process_passes()  # plugins anchor their passes before/after built-ins
     for spec in specs:
         if isinstance(spec, (str, os.PathLike)):
             name, key, loader = _resolve(os.fspath(spec))
@@ -86,6 +82,14 @@ def load_plugins(specs: Sequence[Union[str, object]]) -> None:
             name = getattr(spec, "__name__", None) or _str_attr(spec, "name") or type(spec).__name__
             key, loader = f"obj:{id(spec)}", (lambda obj=spec: obj)
         _use(name, key, loader)
+
+
+def _load_process_passes() -> None:
+    """The built-in passes, then the installed entry points, into the process registry (once each)."""
+    from .passes import load_builtin_passes
+
+    load_builtin_passes()
+    load_entry_point_plugins()
 
 
 def _use(name: str, key: str, loader: Callable[[], Any]) -> None:

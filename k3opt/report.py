@@ -67,21 +67,9 @@ class Report:
         return dataclasses.asdict(self)
 
     def write_json(self, path: str | Path) -> None:
-        """Write ``as_dict`` as JSON (OutputError when the file cannot be written)."""
-        _write(path, json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n")
-
-    def write_html(self, path: str | Path) -> None:
-        """Write the report as one self-contained HTML page (see k3opt/report_html.py)."""
-        from .report_html import render
-
-        _write(path, render(self))
-
-    def write(self, path: str | Path) -> None:
-        """``--report F``: an HTML page for ``.html``/``.htm``, JSON otherwise."""
-        if Path(path).suffix.lower() in (".html", ".htm"):
-            self.write_html(path)
-        else:
-            self.write_json(path)
+        """Write ``as_dict`` as JSON (OutputError when the file cannot be written); ``--report F.html`` is
+        :func:`k3opt.report_html.write_report`'s."""
+        write_report_text(path, json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n")
 
     def table(self) -> str:
         """The compact before/after summary the CLI prints."""
@@ -122,7 +110,8 @@ class Report:
         return "\n".join(lines)
 
 
-def _write(path: str | Path, text: str) -> None:
+def write_report_text(path: str | Path, text: str) -> None:
+    """Write a report's text (OutputError when the file cannot be written)."""
     from .modelio.output_paths import write_text
 
     try:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import html
 import math
 from itertools import groupby
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .report import Report, size_text
+from .report import Report, size_text, write_report_text
 from .pipeline.verify import summary_line
 
 _CSS = """
@@ -39,6 +40,14 @@ details{margin:2px 0 6px}summary{cursor:pointer}
 .reason{color:#3a4252}.site{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
 .empty{color:#777}
 """
+
+
+def write_report(report: Report, path: str | Path) -> None:
+    """``--report F``: an HTML page for ``.html``/``.htm``, JSON otherwise (OutputError when it cannot be written)."""
+    if Path(path).suffix.lower() in (".html", ".htm"):
+        write_report_text(path, render(report))
+    else:
+        report.write_json(path)
 
 
 def render(report: Report) -> str:

@@ -102,7 +102,11 @@ def _runtime_imports(path: pathlib.Path) -> list[tuple[str, ...]]:
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
             return
         if isinstance(node, ast.ImportFrom) and node.level:
-            found.append(package[:len(package) - (node.level - 1)] + tuple((node.module or "").split(".")))
+            base = package[:len(package) - (node.level - 1)] + tuple((node.module or "").split("."))
+            if not any(base):  # from the package root: the module each name comes from
+                found.extend((_ROOT_NAMES.get(a.name, a.name),) for a in node.names)
+            else:
+                found.append(base)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -116,4 +120,41 @@ def test_the_targets_import_nothing_above_them():
     above = ("api", "cli", "cli_options", "cann_bridge", "export", "llm", "quantize", "blocks", "plugins")
     wrong = [f"{p.relative_to(_ROOT)}: {'.'.join(parts)}" for p in sorted((_ROOT / "targets").rglob("*.py"))
              for parts in _runtime_imports(p) if parts[:1] and parts[0] in above]
+    assert wrong == []
+
+
+#: The layers, bottom up: a module imports only from its own layer or below (names imported from the package
+#: root count as the module defining them). docs/design.md draws them.
+_LAYERS = [
+    ("errors", "interrupts"),
+    ("graph",),
+    ("modelio",),
+    ("pipeline", "report"),
+    ("patterns",),
+    ("passes",),
+    ("targets",),
+    ("api", "plugins", "report_html", "blocks"),  # the run's facade and the services it hands the run
+    ("cann_bridge", "export", "llm", "quantize", "cli_options", "blocks.cli", "blocks.compile_stages"),
+    ("cli",),
+    ("entry", "__main__"),
+]
+_ROOT_NAMES = {"optimize": "api", "optimize_file": "api", "Pass": "pipeline", "PassContext": "pipeline",
+               "register_pass": "pipeline", "__version__": "errors"}
+
+
+def _layer(parts: tuple[str, ...]) -> int:
+    names = [".".join(parts[:n]).removesuffix(".py") for n in range(len(parts), 0, -1)]
+    return next(i for name in names for i, layer in enumerate(_LAYERS) if name in layer)
+
+
+def test_the_layers_hold_by_import():
+    """graph <- modelio <- pipeline <- patterns <- passes <- targets <- api <- cann_bridge/export <- cli (#27)."""
+    wrong = []
+    for p in sorted(_ROOT.rglob("*.py")):
+        me = p.relative_to(_ROOT).parts
+        if me == ("__init__.py",):
+            continue
+        for parts in _runtime_imports(p):
+            if _layer(parts) > _layer(me):
+                wrong.append(f"{'/'.join(me)} imports {'.'.join(parts)}")
     assert wrong == []

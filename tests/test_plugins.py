@@ -227,7 +227,8 @@ def _fake_entry_points(monkeypatch, *specs: tuple[str, str]):
 def test_entry_point_discovered_with_example_plugin(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLE))
     _fake_entry_points(monkeypatch, ("gelu", "k3opt_gelu.rules:register"))
-    passes = base.registered_passes()
+    with plugins.run_plugins([]) as run_registry:  # installed plugins join every run's registry
+        passes = run_registry.ordered()
     assert passes["fuse-gelu"].plugin == "gelu"
     k3opt.plugins.load_plugins(["k3opt_gelu.rules:register"])  # same hook by a second route: loaded once
 
@@ -236,10 +237,12 @@ def test_broken_entry_point_fails_every_time_unless_disabled(monkeypatch, tmp_pa
     _fake_entry_points(monkeypatch, ("bad", "no_such_module_k3opt:register"))
     for _ in range(2):
         with pytest.raises(PluginError, match=f"plugin 'bad' failed to load.*{plugins.DISABLE_ENV}=1"):
-            base.registered_passes()
+            with plugins.run_plugins([]):
+                pass
     _fake_entry_points(monkeypatch, ("bad", "no_such_module_k3opt:register"))
     monkeypatch.setenv(plugins.DISABLE_ENV, "1")
-    assert "fold-constants" in base.registered_passes()
+    with plugins.run_plugins([]) as run_registry:
+        assert "fold-constants" in run_registry.entries()
 
 
 def _env_with(*paths: Path) -> dict:

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 import k3opt
 from k3opt.cli import main
 from k3opt.report import Report
+from k3opt.report_html import write_report
 from tests.cann_models import rms_model
 from tests.test_layer_norm import ln_model
 
@@ -49,8 +50,8 @@ def _run(model, tmp_path, **kw) -> tuple[dict, str]:
     onnx.save(model, src)
     report = Report()
     k3opt.optimize_file(src, tmp_path / "out.onnx", report=report, **kw)
-    report.write(tmp_path / "r.json")
-    report.write(tmp_path / "r.html")
+    write_report(report, tmp_path / "r.json")
+    write_report(report, tmp_path / "r.html")
     return json.loads((tmp_path / "r.json").read_text()), (tmp_path / "r.html").read_text()
 
 

@@ -16,6 +16,7 @@ from ..cli_options import check_outputs, graph_options, optimize_kwargs, progres
 from ..errors import InputError, UsageError
 from ..modelio.traced_experts import traced_experts_warnings
 from ..report import Report
+from ..report_html import write_report
 from .atc_command import AtcOptions, parse_input_shape
 from ..targets.cann.compat import check_model
 from .compile import compile_model
@@ -134,7 +135,7 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
                                report=report, **_with_soc(optimize_kwargs(kw), soc_version))
     finally:
         if report_path and report.before is not None:  # nothing to report before the optimization ran
-            report.write(report_path)
+            write_report(report, report_path)
     if say is None:
         return
     if dry_run:

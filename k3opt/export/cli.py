@@ -16,6 +16,7 @@ from ..cli_options import (check_outputs, optimize_kwargs, output_options, pipel
                            verify_options)
 from ..errors import K3optError, VerificationError
 from ..report import Report
+from ..report_html import write_report
 from .exporters import EXPORTERS, INSTALL_HINT
 from .from_transformers import TASKS, from_transformers
 
@@ -64,7 +65,7 @@ def export_cmd(source: str, task: Optional[str], exporter: str, export_opset: Op
         raise
     finally:
         if report_path:
-            report.write(report_path)
+            write_report(report, report_path)
     if not quiet:
         for warning in report.warnings:
             click.echo(f"k3opt: warning: {warning}", err=True)

@@ -23,15 +23,13 @@ _LOADED = False
 
 
 def load_builtin_passes() -> None:
-    """Import every pass module once (idempotent), then the installed ``k3opt.plugins`` entry points."""
+    """Import every pass module once (idempotent), into the process registry (installed plugins join it when a
+    run builds its registry: :func:`k3opt.plugins.run_plugins`)."""
     global _LOADED
     if not _LOADED:
         _LOADED = True
         with registry.using(registry.PROCESS):
             _import_pass_modules()
-    from ..plugins import load_entry_point_plugins
-
-    load_entry_point_plugins()
 
 
 def _import_pass_modules() -> None:

@@ -55,6 +55,7 @@ class Run:
         input_shapes: Optional[shapes.InputShapes] = None, verify: bool = False, progress: ProgressSink = None,
         rtol: Optional[float] = None, atol: Optional[float] = None, input_data: Any = None, seed: int = 0,
         verify_memory: Optional[int] = None, pass_options: Optional[dict[str, Any]] = None,
+        blockwise: Optional[Callable[["Run", onnx.ModelProto, Optional[int]], Any]] = None,
     ):
         self.target = target
         self.report = report
@@ -63,6 +64,8 @@ class Run:
         self.progress = progress
         self.rtol, self.atol, self.input_data, self.seed = rtol, atol, input_data, seed
         self.verify_memory = verify_memory  # bytes; over it, verification goes block by block (k3opt.blocks)
+        #: ``(run, model, budget) -> block verifier or None`` (k3opt.blocks.run_hook.start, handed in by the api).
+        self.start_blockwise = blockwise
         self.pass_options = dict(pass_options or {})
         # Target lowerings run after the verified passes; one for another target stays, to be skipped with a note.
         self.lowering = [p for p in passes if p.lowering and (p.targets is None or target in p.targets)]
@@ -143,9 +146,8 @@ class Run:
         """Keep the model as given for verification: runnable bytes, or a block-wise verifier for a big one."""
         if not self.verify_wanted:
             return
-        from ..blocks import run_hook as block_hook
-
-        self.blockwise = block_hook.start(self, self.model, self.verify_memory)
+        if self.start_blockwise is not None:
+            self.blockwise = self.start_blockwise(self, self.model, self.verify_memory)
         if self.blockwise is None:
             with self.step("preparing verification", "verify"):  # serializing a big model takes seconds
                 self.original = self._runnable_original(self.model)
