@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from onnx import TensorProto as T, helper as h, numpy_helper as nh
 
 from k3opt import api, modelio
+from k3opt.errors import InputError
 from k3opt.cli import main
 
 
@@ -96,7 +97,7 @@ def test_contrib_layernorm_all_outputs_and_positive_axis():
 def test_contrib_layernorm_of_unknown_rank_is_refused_with_a_reason():
     model = contrib_layernorm(16, T.FLOAT, axis=1)
     model.graph.input[0].type.tensor_type.ClearField("shape")
-    with pytest.raises(api.InputError, match="unknown rank"):
+    with pytest.raises(InputError, match="unknown rank"):
         api.optimize(model)
 
 
