@@ -152,3 +152,15 @@ def test_cli_verify_memory(tmp_path):
     bad = CliRunner().invoke(main, ["optimize", str(split_model("qwen2")), "-o", str(out), "--overwrite",
                                     "--verify-memory", "lots"])
     assert bad.exit_code == 2 and "--verify-memory" in bad.output
+
+
+@needs_torch
+def test_external_data_weights_are_streamed_per_block(tmp_path):
+    from k3opt import modelio
+
+    src = tmp_path / "ext.onnx"
+    modelio.save(modelio.read_model(split_model("llama", True)).model, src, external_data=True)
+    report = k3opt.optimize_file(src, tmp_path / "out.onnx", verify=True, verify_memory=100_000)
+    v = report.verification
+    assert v["status"] == "passed" and [b["covers"] for b in v["blocks"]] == \
+        ["embeddings", "layer 0", "layer 1", "layer 2", "layer 3", "head"]

@@ -156,3 +156,18 @@ def test_target_cann_lowers_then_cuts(tmp_path):
     ops = {n.op_type for s in manifest["stages"]
            for n in onnx.load(tmp_path / "c" / s["file"], load_external_data=False).graph.node}
     assert {"NPURmsNorm", "NPUPromptFlashAttention"} <= ops
+
+
+@needs_torch
+def test_external_data_model_over_the_budget_splits_and_verifies_layer_by_layer(tmp_path):
+    """Weights in a data file, the budget under the model: the whole model and the written stages run one
+    layer at a time, weights read from the data files for each layer's run."""
+    from k3opt import modelio
+
+    src = tmp_path / "ext.onnx"
+    modelio.save(modelio.read_model(export("llama", True)).model, src, external_data=True)
+    manifest = split_model(src, tmp_path / "s", 3, verify_memory=100_000)
+    assert manifest["verification"]["status"] == "passed"
+    env = chained(tmp_path / "s", split_inputs("llama", True))
+    want = verifier.run(verifier.session(onnx.load(src)), split_inputs("llama", True))
+    np.testing.assert_array_equal(env["logits"], want[0])

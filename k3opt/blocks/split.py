@@ -133,7 +133,7 @@ def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Se
         manifest = _manifest(Path(model), blocks, ranges, cuts, types, sizes, files)
         if verify:
             say("verifying the stages chained against the whole model")
-            manifest["verification"] = _verify(proto, blocks, files, types, verify_memory, input_data, seed,
+            manifest["verification"] = _verify(proto, boundaries, files, types, verify_memory, input_data, seed,
                                                rtol, atol)
             if manifest["verification"]["status"] == "failed":
                 raise VerificationError("the stages chained differ from the whole model ("
@@ -238,18 +238,25 @@ def _manifest(source: Path, blocks: list[Block], ranges: list[range], cuts: list
             "balance": max(sizes) / max(min(sizes), 1)}
 
 
-def _verify(model: onnx.ModelProto, blocks: list[Block], files: list[Path], types: Mapping[str, onnx.ValueInfoProto],
-            budget: Optional[int], input_data: Any, seed: int, rtol: Optional[float],
-            atol: Optional[float]) -> dict[str, Any]:
-    """The written stages, chained in onnxruntime (each from its file), against the whole model."""
+def _verify(model: onnx.ModelProto, boundaries: list[str], files: list[Path],
+            types: Mapping[str, onnx.ValueInfoProto], budget: Optional[int], input_data: Any, seed: int,
+            rtol: Optional[float], atol: Optional[float]) -> dict[str, Any]:
+    """The written stages, chained in onnxruntime, against the whole model.
+
+    A model within the budget runs whole and each stage from its file (external data beside it). A bigger
+    one runs layer by layer, the whole model's blocks and each written stage's (read back from its file,
+    cut at the layer boundaries inside it): one layer's weights in memory at a time either way.
+    """
     budget = DEFAULT_BUDGET if budget is None else budget
     names = [o.name for o in model.graph.output]
+    small = 3 * modelio.proto_size(model) <= budget
     whole: Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]
-    if 3 * modelio.proto_size(model) <= budget:
+    if small:
         session = verifier.session(model)
         whole = lambda feeds: verifier.run(session, feeds)  # noqa: E731
-    else:  # the whole model, block by block (the stages' cuts are its blocks: one block's weights at a time)
-        whole = lambda feeds: _run_blocks(model, blocks, types, feeds)  # noqa: E731
+    else:
+        fine = partition(model.graph, boundaries)
+        whole = lambda feeds: _run_blocks(model, fine, types, feeds)  # noqa: E731
     try:
         feeds = verifier.make_feeds(model, seed=seed, input_data=input_data, run=whole)
     except verifier.Unrunnable as exc:
@@ -259,18 +266,27 @@ def _verify(model: onnx.ModelProto, blocks: list[Block], files: list[Path], type
     expected = feeds.outputs if feeds.outputs is not None else whole(feeds)
     env = dict(feeds)
     for f in files:
-        session = verifier.session(f)  # from the file: its external data beside it
-        wanted = [i.name for i in session.get_inputs()]
-        env.update(zip([o.name for o in session.get_outputs()], verifier.run(session, {n: env[n] for n in wanted})))
-        del session
+        if small:
+            session = verifier.session(f)  # from the file: its external data beside it
+            wanted = [i.name for i in session.get_inputs()]
+            env.update(zip([o.name for o in session.get_outputs()],
+                           verifier.run(session, {n: env[n] for n in wanted})))
+            del session
+            continue
+        stage = modelio.read_model(f).model
+        made = {y for n in stage.graph.node for y in n.output}
+        inner = partition(stage.graph, [b for b in boundaries if b in made])
+        _run_blocks(stage, inner, value_types(stage), env, into=env)
     return verifier.compare(expected, [env[n] for n in names], names, rtol=rtol, atol=atol)
 
 
 def _run_blocks(model: onnx.ModelProto, blocks: list[Block], types: Mapping[str, onnx.ValueInfoProto],
-                feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    env = dict(feeds)
+                feeds: Mapping[str, np.ndarray], into: Optional[dict] = None) -> list[np.ndarray]:
+    """``model`` run block by block on ``feeds`` (values land in ``into`` when given); its outputs."""
+    env = dict(feeds) if into is None else into
     for block in blocks:
-        env.update(run_block(block_model(model, block, types), env))
+        if block.outputs:  # a stage ending at a boundary leaves an empty block after it
+            env.update(run_block(block_model(model, block, types), env))
     return [env[o.name] for o in model.graph.output]
 
 
