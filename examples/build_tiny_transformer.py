@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-VOCAB, HIDDEN, HEADS, FFN, LAYERS, MAX_POS = 100, 32, 4, 64, 2, 64
+VOCAB, HIDDEN, HEADS, FFN, LAYERS, MAX_POS = 100, 32, 4, 64, 2, 512
 
 
 class _Builder:

@@ -740,6 +740,9 @@ def shape_elements(t: Tensor, depth: int = MAX_SHAPE_DEPTH) -> Optional[Elements
 
 
 def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
+    c = const_tensor(t)
+    if c is not None and not _may_be_shape(c):
+        return None  # told by its dtype and shape alone: a weight's data is never read here
     v = _const(t)
     if v is not None:
         v = np.asarray(v)
@@ -787,6 +790,20 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         elements = [e for p in parts for e in p[0]]
         return elements, (len(elements),)
     return None
+
+
+def _may_be_shape(c) -> bool:
+    """Could constant ``c`` be a shape computation's elements (integer, rank <= 1, at most
+    :data:`MAX_SHAPE_ELEMENTS`)? Asked of its metadata, before any data is read."""
+    shape = c.shape
+    if shape is None or len(shape) > 1 or (shape and not isinstance(shape[0], int)):
+        return False
+    if shape and shape[0] > MAX_SHAPE_ELEMENTS:
+        return False
+    try:
+        return np.dtype(c.dtype).kind in "iu"
+    except TypeError:  # None, or a type numpy lacks (bfloat16, 4-bit...): not a shape
+        return False
 
 
 def _reshaped_elements(node: Node, depth: int) -> Optional[Elements]:
