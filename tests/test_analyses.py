@@ -8,8 +8,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from k3opt.graph.ir import as_constant, replace_uses, set_output, watching_edits
-from k3opt.passes.analysis import fold_shapes
-from k3opt.passes.analysis.fold_shapes import DimAnalysis, dim_at, shape_elements
+from k3opt.graph.symbolic import dims as fold_shapes
+from k3opt.graph.symbolic.dims import dim_at, shape_elements
+from k3opt.pipeline.analyses import DimAnalysis
 from k3opt.pipeline.analyses import Analysis, AnalysisManager, Shapes
 from k3opt.pipeline.manager import PassManager
 from k3opt.pipeline.pass_base import Pass, PassContext

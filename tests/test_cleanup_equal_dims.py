@@ -76,7 +76,7 @@ def test_declared_symbols_untraced_give_the_traced_keys(name):
     import onnx_graphsurgeon as gs
 
     from k3opt.passes.cleanup.merge_equal_dims import _dim_key
-    from k3opt.passes.analysis.fold_shapes import DimAnalysis
+    from k3opt.pipeline.analyses import DimAnalysis
 
     graph = gs.import_onnx(onnx.shape_inference.infer_shapes(onnx.load(zoo_model(name, "torchscript"))))
     gathers = [n for n in graph.nodes if n.op == "Gather" and len(n.outputs) == 1]

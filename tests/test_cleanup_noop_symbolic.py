@@ -144,7 +144,7 @@ def test_rank_check_decides_every_reshape_as_tracing_does(name):
     import onnx_graphsurgeon as gs
 
     from k3opt.passes.cleanup.remove_noop_ops import _same_reshape
-    from k3opt.passes.analysis.fold_shapes import DimAnalysis
+    from k3opt.pipeline.analyses import DimAnalysis
 
     graph = gs.import_onnx(onnx.shape_inference.infer_shapes(onnx.load(zoo_model(name, "torchscript"))))
     reshapes = [n for n in graph.nodes if n.op == "Reshape"]

@@ -18,8 +18,9 @@ from onnx import TensorProto as T, helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 import k3opt
-from k3opt.passes.analysis import fold_shapes
-from k3opt.passes.analysis.fold_shapes import DimAnalysis, DimMemo, dim_at, shape_elements
+from k3opt.graph.symbolic import dims as fold_shapes
+from k3opt.graph.symbolic.dims import DimMemo, dim_at, shape_elements
+from k3opt.pipeline.analyses import DimAnalysis
 from k3opt.graph import small_constants
 from k3opt.graph.ir import as_constant, replace_uses, watching_edits
 from tests.helpers import make_model

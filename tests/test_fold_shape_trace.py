@@ -7,8 +7,9 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper
 
-from k3opt.passes.analysis import fold_shapes
-from k3opt.passes.analysis.fold_shapes import DimAnalysis, dim_at, naming_unknown_dims
+from k3opt.graph.symbolic import dims as fold_shapes
+from k3opt.graph.symbolic.dims import dim_at, naming_unknown_dims
+from k3opt.pipeline.analyses import DimAnalysis
 from tests.helpers import assert_equivalent, assert_optimizes_within, make_model, op_counts
 from tests.test_fold_constants import fold
 from tests.zoo import needs_torch, zoo_inputs, zoo_model
@@ -296,7 +297,7 @@ def test_unknown_dims_are_named_only_within_the_block():
 def test_products_of_sums_are_not_spelled():
     """``(past + 1) * 2`` has no spelling (a sum symbol's terms would be read apart): unknown; ``batch * 5``
     and a lone sum are symbols, and they cancel in a quotient."""
-    from k3opt.passes.analysis.fold_shapes import dim_product
+    from k3opt.graph.symbolic.dims import dim_product
 
     assert dim_product(2, ["past + 1"]) is None and dim_product(1, ["past + 1"]) == "past + 1"
     assert dim_product(5, ["batch"]) == "batch * 5" and dim_product(3, []) == 3

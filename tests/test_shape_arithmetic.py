@@ -7,7 +7,8 @@ import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
 from k3opt import modelio
-from k3opt.passes.analysis.fold_shapes import DimAnalysis, shape_elements
+from k3opt.graph.symbolic.dims import shape_elements
+from k3opt.pipeline.analyses import DimAnalysis
 
 F, I64 = T.FLOAT, T.INT64
 CONSTS = {"i0": np.array(0, np.int64), "st": np.array([0], np.int64), "en": np.array([2], np.int64),

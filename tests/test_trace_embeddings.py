@@ -1,5 +1,5 @@
 """Dim tracing through an embedding block's ops (Gather, GatherElements, Expand, ``position_ids[:, :S]``'s Slice),
-its refusals, and the input symbols written for the NPU lowering (k3opt.passes.analysis.input_dims)."""
+its refusals, and the input symbols written for the NPU lowering (k3opt.graph.symbolic.input_dims)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +9,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T, helper
 
-from k3opt.passes.analysis.fold_shapes import DimAnalysis, dim_at
-from k3opt.passes.analysis.input_dims import input_dims_written
+from k3opt.graph.symbolic.dims import dim_at
+from k3opt.pipeline.analyses import DimAnalysis
+from k3opt.graph.symbolic.input_dims import input_dims_written
 from tests.helpers import make_model
 
 F, I64 = T.FLOAT, T.INT64

@@ -12,7 +12,7 @@ from k3opt.errors import UnverifiableError
 from k3opt.pipeline import verify
 from k3opt.cli import main
 from k3opt.report import Report
-from k3opt.pipeline.dim_relations import Lin, parse_dim, relations
+from k3opt.graph.symbolic.relations import Lin, parse_dim, relations
 from k3opt.pipeline.verify_dims import NoConsistentSizes, declared_dims
 from tests.helpers import make_model, run_ort
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import ClassVar, Collection, Sequence, TypeVar
 
 from ..graph.ir import Graph, Tensor
+from ..graph.symbolic import dims
 
 #: An analysis class's instances (what ``get`` returns for it).
 A = TypeVar("A", bound="Analysis")
@@ -55,6 +56,34 @@ class Shapes(Analysis):
         super().__init__(graph)
         #: A rewrite since inference may let a fresh inference know more (see the class docstring).
         self.sharpened = False
+
+
+class DimAnalysis(Analysis):
+    """Traced dims of a graph's tensors (:mod:`k3opt.graph.symbolic`), computed on demand and remembered by the
+    run (a :class:`~k3opt.graph.symbolic.dims.DimMemo`).
+
+    A pass asks ``ctx.analysis(DimAnalysis, graph)`` and calls :func:`~k3opt.graph.symbolic.dims.tensor_dims`,
+    ``dim_at``, ``shape_elements``, ``fold_shape_value``... within ``with`` it: each traced dim is then
+    computed once, and the symbols the graph's inputs declare (``input_symbols``) are not traced.
+    What a pass changes through the graph-editing helpers is forgotten as it happens (:meth:`edited`);
+    the pass manager drops the analysis after a pass that rewrote (see ``Pass.preserves``).
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__(graph)
+        self.memo = dims.DimMemo(dims.input_symbols(graph))
+        self._tokens: list = []
+
+    def edited(self, tensors: Sequence[Tensor]) -> bool:
+        self.memo.forget(tensors)
+        return True
+
+    def __enter__(self) -> "DimAnalysis":
+        self._tokens.append(dims.activate(self.memo))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dims.deactivate(self._tokens.pop())
 
 
 class AnalysisManager:

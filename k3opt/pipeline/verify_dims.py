@@ -9,7 +9,7 @@ new. Random sizes chosen per symbol break that, so the sizes are solved:
    dim gets its own). Equal dim_params are one symbol. A dim fixed by
    ``--input-shape`` (the model then has a number where it declared a
    symbol) or given by ``--input-data`` pins its symbol.
-2. :mod:`k3opt.pipeline.dim_relations` walks the graph for the equations it imposes
+2. :mod:`k3opt.graph.symbolic.relations` walks the graph for the equations it imposes
    (broadcasts, MatMul, Concat sums, declared ``value_info`` dims).
 3. The pins and equations are solved (Gaussian elimination); the free
    symbols get the base size (2, then 3), the others follow.
@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import numpy as np
 import onnx
 
-from .dim_relations import Dim, Lin, relations
+from ..graph.symbolic.relations import Dim, Lin, relations
 
 #: Distinct assignments run at most before giving up.
 MAX_TRIES = 48

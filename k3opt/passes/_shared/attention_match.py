@@ -42,7 +42,7 @@ from ...graph.ir import Graph, NameScope, Node, Tensor, is_graph_output, produce
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.rule_pass import sweep
 from ...patterns.schema import attr_value
-from ..analysis import fold_shapes
+from ...graph.symbolic import dims as symbolic
 from .._shared.shape_refs import is_dim_of, ref_size, same_size, shape_refs, small_const, small_ints
 from ...pipeline.pass_base import PassContext
 
@@ -150,7 +150,7 @@ def analyze(m: Match) -> Optional[AttentionMatch]:
     try:
         # Dims traced once per match; the symbols the graph declares (batch, sequence) are not traced, and
         # unknown ones are named (a head split's -1 of a flattened batch cancels against the batch it reads).
-        with fold_shapes.naming_unknown_dims(m.graph):
+        with symbolic.naming_unknown_dims(m.graph):
             return _analyze(m)
     except _Decline as why:
         m.fail(str(why))
@@ -391,13 +391,13 @@ def _key_heads(ref: object, k: Tensor) -> bool:
     rank-5 repeat ``(B, Nkv, rep, S, D)``."""
     if checks.rank(k) == 4:
         return is_dim_of(ref, k, 1)
-    kv, rep = fold_shapes.dim_at(k, 1), fold_shapes.dim_at(k, 2)
+    kv, rep = symbolic.dim_at(k, 1), symbolic.dim_at(k, 2)
     return isinstance(ref, int) and isinstance(kv, int) and isinstance(rep, int) and ref == kv * rep
 
 
 def _merged(ref: object, k: Tensor) -> bool:
     """``ref`` is the static product of ``k``'s dims 0 and 1 (the batch and heads merged)."""
-    b, n = fold_shapes.dim_at(k, 0), fold_shapes.dim_at(k, 1)
+    b, n = symbolic.dim_at(k, 0), symbolic.dim_at(k, 1)
     return isinstance(ref, int) and isinstance(b, int) and isinstance(n, int) and ref == b * n
 
 
@@ -427,7 +427,7 @@ class _Repeat:
 
     def heads(self) -> Optional[int]:
         """The heads after the repeat (H * rep), when static."""
-        h = self.target[1] if self.target[1] != 1 else fold_shapes.dim_at(self.x, 1)
+        h = self.target[1] if self.target[1] != 1 else symbolic.dim_at(self.x, 1)
         h = ref_size(h)
         return h * self.rep if isinstance(h, int) and h > 0 else None
 
@@ -473,11 +473,11 @@ class _PermutedDims:
         self.x, self.perm = x, perm
 
     def __getitem__(self, i: int) -> object:
-        return fold_shapes.dim_at(self.x, self.perm[i])
+        return symbolic.dim_at(self.x, self.perm[i])
 
 
 def _static(t: Tensor, axis: int, what: str) -> int:
-    d = fold_shapes.dim_at(t, axis)
+    d = symbolic.dim_at(t, axis)
     if not isinstance(d, int) or d <= 0:
         raise _Decline(f"{what} is not static")
     return d
@@ -485,7 +485,7 @@ def _static(t: Tensor, axis: int, what: str) -> int:
 
 def _heads(t: Tensor, scores: Tensor) -> Optional[int]:
     """q's head count: its static dim 1, else the scores' (they have q's heads unless q broadcasts)."""
-    for d in (fold_shapes.dim_at(t, 1), fold_shapes.dim_at(scores, 1)):
+    for d in (symbolic.dim_at(t, 1), symbolic.dim_at(scores, 1)):
         if isinstance(d, int) and d > 0:
             return d
     return None
@@ -493,7 +493,7 @@ def _heads(t: Tensor, scores: Tensor) -> Optional[int]:
 
 def _kv_heads(x: Tensor, repeat: Optional[_Repeat], q_heads: Optional[int], what: str) -> Optional[int]:
     """The head count of k or v (None when not static), checked against q's."""
-    d = fold_shapes.dim_at(x, 1)
+    d = symbolic.dim_at(x, 1)
     d = d if isinstance(d, int) and d > 0 else None
     if repeat is not None and repeat.rep > 1:
         if q_heads is None or repeat.heads() != q_heads:
@@ -628,7 +628,7 @@ def _size_of(t: Tensor) -> int:
 def _causal(keep: np.ndarray, q: Tensor, k_dims: "_PermutedDims") -> bool:
     """``keep`` is exactly the bottom-right aligned causal triangle of the (static) q and k lengths, in every
     leading slice, with at least as many keys as queries (so every query row keeps a key)."""
-    sq, skv = fold_shapes.dim_at(q, 2), k_dims[2]
+    sq, skv = symbolic.dim_at(q, 2), k_dims[2]
     if keep.ndim < 2 or not isinstance(sq, int) or not isinstance(skv, int) or skv < sq \
             or keep.shape[-2:] != (sq, skv):
         return False

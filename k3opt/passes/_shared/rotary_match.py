@@ -41,7 +41,8 @@ from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.matcher import is_empty
 from ...patterns.rule_pass import sweep
 from ...pipeline.pass_base import PassContext
-from ..analysis.fold_shapes import Dim, DimAnalysis, dim_at, shape_elements
+from ...graph.symbolic.dims import Dim, dim_at, shape_elements
+from ...pipeline.analyses import DimAnalysis
 
 #: Element types RotaryEmbedding-23 takes (and the NPU op: fp16, bf16, fp32).
 _FUSABLE_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)

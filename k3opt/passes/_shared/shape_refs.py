@@ -14,7 +14,7 @@ from ...graph import ir
 from ...graph.ir import Node, Tensor, producer
 from ...graph.small_constants import small_const_value
 from ...patterns import checks
-from ..analysis import fold_shapes
+from ...graph.symbolic import dims as symbolic
 
 
 def shape_refs(t: Tensor) -> Optional[list]:
@@ -92,5 +92,5 @@ def same_size(a: object, b: object) -> bool:
 def ref_size(ref: object) -> object:
     """What is known of a ref's size: a number, a symbol, or None."""
     if isinstance(ref, tuple):
-        return fold_shapes.dim_at(ref[1], ref[2]) if ref[0] == "dim" else None
+        return symbolic.dim_at(ref[1], ref[2]) if ref[0] == "dim" else None
     return ref

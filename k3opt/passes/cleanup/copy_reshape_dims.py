@@ -25,7 +25,8 @@ from ...graph.ir import Graph, Node, Tensor, as_constant, is_const, producer, se
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass
-from ..analysis.fold_shapes import Dim, DimAnalysis, dim_at, shape_elements
+from ...graph.symbolic.dims import Dim, dim_at, shape_elements
+from ...pipeline.analyses import DimAnalysis
 
 #: How far back the target's and the input's dims are traced: a CNN's batch size is often lost by shape
 #: inference at a Resize and found again a dozen ops upstream (cached per tensor within a run).
@@ -97,7 +98,7 @@ def _sharpens(node: Node, target: list[Optional[int]]) -> bool:
     lacks (a number, or a 0 copying a known input dim, where the data propagation of the old target lost it).
 
     A -1 that inference may now compute (the 0s cancel symbolic dims) is not counted: dim tracing reads that
-    quotient already (``fold_shapes._reshaped_dim``), and counting it costs the 64-layer Llama a third
+    quotient already (``k3opt.graph.symbolic.dims._reshaped_dim``), and counting it costs the 64-layer Llama a third
     inference and a round for value_info only."""
     out, x = node.outputs[0].shape, node.inputs[0].shape
     if out is None or len(out) != len(target):

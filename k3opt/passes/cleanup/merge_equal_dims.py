@@ -18,7 +18,8 @@ from ...graph.ir import Graph, Node, Tensor, producer, toposort
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import bypass, remove
-from ..analysis.fold_shapes import DimAnalysis, inferred_picked, shape_elements
+from ...graph.symbolic.dims import inferred_picked, shape_elements
+from ...pipeline.analyses import DimAnalysis
 
 
 def _dim_key(node: Node) -> object:

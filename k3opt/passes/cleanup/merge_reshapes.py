@@ -19,7 +19,8 @@ import numpy as np
 from ...graph.ir import Graph, Node, as_constant, int_list, set_input
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, chain_producer, detach
-from ..analysis.fold_shapes import DimAnalysis, dim_at
+from ...graph.symbolic.dims import dim_at
+from ...pipeline.analyses import DimAnalysis
 
 
 def resolved_target(first: Node, target: list[int]) -> Optional[list[int]]:

@@ -17,7 +17,8 @@ from ...graph.ir import Graph, Node, Tensor, producer, set_input
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass
-from ..analysis.fold_shapes import BROADCASTING, DimAnalysis, dim_at, shape_elements
+from ...graph.symbolic.dims import BROADCASTING, dim_at, shape_elements
+from ...pipeline.analyses import DimAnalysis
 
 
 def _given_by_others(target: list, others: list[Tensor]) -> bool:

@@ -36,7 +36,8 @@ import numpy as np
 from ...graph.ir import Graph, Node, Tensor, const_tensor, producer, rank
 from ...pipeline.pass_base import PassContext, register_pass
 from ...graph.small_constants import small_const_value, small_int_list
-from ..analysis.fold_shapes import DimAnalysis, dim_at, shape_elements
+from ...graph.symbolic.dims import dim_at, shape_elements
+from ...pipeline.analyses import DimAnalysis
 from ...graph.dtypes import onnx_type
 from .._rewire import NodeRewritePass, bypass, cast_target
 

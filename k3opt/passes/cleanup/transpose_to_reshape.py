@@ -25,7 +25,8 @@ from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, bypass
 from .._shared.op_kinds import perm_of
-from ..analysis.fold_shapes import Dim, DimAnalysis, shape_elements, tensor_dims
+from ...graph.symbolic.dims import Dim, shape_elements, tensor_dims
+from ...pipeline.analyses import DimAnalysis
 
 
 def reshape_target(dims: Sequence[Dim], perm: Sequence[int]) -> Optional[list[int]]:

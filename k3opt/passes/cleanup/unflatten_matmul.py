@@ -20,7 +20,8 @@ from ...graph.ir import Graph, Node, Tensor, const_tensor, is_graph_output, prod
 from ...graph.small_constants import small_int_list
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass
-from ..analysis.fold_shapes import DimAnalysis, dim_at
+from ...graph.symbolic.dims import dim_at
+from ...pipeline.analyses import DimAnalysis
 
 
 def _reshape_readers_only(graph: Graph, t: Tensor) -> bool:

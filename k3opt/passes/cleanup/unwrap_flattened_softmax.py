@@ -19,7 +19,8 @@ from typing import Optional
 from ...graph.ir import Graph, Node, Tensor, producer, set_input
 from ...pipeline.pass_base import PassContext, register_pass
 from .._rewire import NodeRewritePass, bypass, single_use
-from ..analysis.fold_shapes import DimAnalysis, dim_at, shape_elements
+from ...graph.symbolic.dims import dim_at, shape_elements
+from ...pipeline.analyses import DimAnalysis
 
 WRAPPED_OPS = frozenset({"Softmax", "LogSoftmax", "Hardmax"})
 

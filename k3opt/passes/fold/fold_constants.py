@@ -6,7 +6,7 @@ One run repeats three sweeps until nothing changes:
    output directly, which must stay nodes to keep the output a node output;
    when this pass runs first, the run has lifted the small ones already, on
    the model before its import: :mod:`k3opt.modelio.constant_nodes`);
-2. shape computations fold from inferred shapes (:mod:`.fold_shapes`), so a
+2. shape computations fold from inferred shapes (:mod:`k3opt.graph.symbolic.dims`), so a
    model exported with static input shapes loses its shape subgraphs;
 3. nodes whose inputs are all constant are grouped into connected subgraphs
    and each group is evaluated in one onnxruntime session; if that fails,
@@ -39,7 +39,8 @@ from .._shared.op_kinds import RANDOM_OPS
 from ..fold._eval import EvalError, as_array, run_ort, run_reference
 from ..fold._guard import too_big
 from ...graph.small_constants import remember_value
-from ..analysis.fold_shapes import DimAnalysis, fold_shape_value
+from ...graph.symbolic.dims import fold_shape_value
+from ...pipeline.analyses import DimAnalysis
 from ..fold._starts import is_constant, start_nodes, still_in
 
 FOLDABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "com.microsoft"})

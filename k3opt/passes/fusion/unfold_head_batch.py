@@ -34,7 +34,8 @@ from ...graph.ir import (Graph, Node, Tensor, as_constant, const_scalar, disconn
 from ...patterns.schema import attr_value
 from ...pipeline.pass_base import Pass, PassContext, register_pass
 from .._rewire import detach, remove
-from ..analysis.fold_shapes import DimAnalysis, shape_elements, tensor_dims
+from ...graph.symbolic.dims import shape_elements, tensor_dims
+from ...pipeline.analyses import DimAnalysis
 
 _DEFAULT = ("", "ai.onnx")
 

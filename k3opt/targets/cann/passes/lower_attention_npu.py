@@ -47,8 +47,8 @@ from ..target_form import CANN_OPSET, FLASH_OPSET, NPU_DOMAIN, STAGING_DOMAIN, o
 from ....errors import UsageError
 from ....graph.ir import Graph, Node, Tensor, is_const, producer
 from ....patterns import RewriteBuilder, checks
-from ....passes.analysis import fold_shapes
-from ....passes.analysis.input_dims import input_dims_written
+from ....graph.symbolic import dims as symbolic
+from ....graph.symbolic.input_dims import input_dims_written
 from ....passes._shared.shape_refs import shape_refs
 from ....passes._shared.attention_match import AttentionMatch, apply_attention, attention_rules
 from ....pipeline.analyses import Shapes
@@ -85,7 +85,7 @@ def dim_refs(t: Tensor, depth: int = _DEPTH) -> Optional[list]:
         axis = int(n.attrs.get("axis", 0)) % len(own)
         src = dim_refs(n.inputs[0], depth - 1)
         inner = None if src is None else [r if i == axis else src[i] for i, r in enumerate(own)]
-    elif n.op in fold_shapes.UNARY_SAME_SHAPE and t is n.outputs[0]:  # a norm's mean/inv-std outputs differ
+    elif n.op in symbolic.UNARY_SAME_SHAPE and t is n.outputs[0]:  # a norm's mean/inv-std outputs differ
         inner = dim_refs(n.inputs[0], depth - 1)
     elif n.op == "Reshape" and len(n.inputs) == 2:
         target = [_canonical(r, depth - 1) for r in (shape_refs(n.inputs[1]) or [])]
@@ -270,7 +270,7 @@ class LowerAttentionNPU(Pass):
     def _rewrite(self, op: RewriteBuilder, am: AttentionMatch) -> Optional[Tensor]:
         heads = am.q_num_heads or static_dim(am.q, 1)
         kv_heads = am.kv_num_heads or static_dim(am.v, 1)
-        sq, skv = fold_shapes.dim_at(am.q, 2), fold_shapes.dim_at(am.k, 2)
+        sq, skv = symbolic.dim_at(am.q, 2), symbolic.dim_at(am.k, 2)
         # sparse_mode 3 (bottom-right causal) only where no row is fully masked (Sq <= Skv); else a full mask
         causal = am.causal_only and isinstance(sq, int) and isinstance(skv, int) and sq <= skv
         why = self._refusal(am, heads, kv_heads, causal)
@@ -324,11 +324,11 @@ class LowerAttentionNPU(Pass):
         assert keep is not None
         rank = checks.rank(keep)
         head_axis = (rank or 0) - 3  # the head axis under ONNX's right-aligned broadcasting
-        if rank is not None and rank <= 4 and (head_axis < 0 or fold_shapes.dim_at(keep, head_axis) == 1):
+        if rank is not None and rank <= 4 and (head_axis < 0 or symbolic.dim_at(keep, head_axis) == 1):
             return keep
         n = producer(keep) if rank is not None and rank <= 4 else None
         inner = n.inputs[0] if n is not None and n.op == "Expand" else None  # broadcasts like the Expand's result
-        if inner is not None and checks.rank(inner) == rank and fold_shapes.dim_at(inner, head_axis) == 1:
+        if inner is not None and checks.rank(inner) == rank and symbolic.dim_at(inner, head_axis) == 1:
             return inner
         return ("the mask's head axis is not provably 1: PromptFlashAttention takes (B|1, 1, Sq, Skv) masks, "
                 "one for all heads")

@@ -41,7 +41,7 @@ from ..target_form import STAGING_DOMAIN
 from ....graph.ir import Graph, Tensor
 from ....patterns import RewriteBuilder
 from ....pipeline.pass_base import PassContext, register_pass
-from ....passes.analysis.fold_shapes import dim_at
+from ....graph.symbolic.dims import dim_at
 from ....passes._shared.rotary_match import RotaryMatch, apply_rules, rotary_rules
 from ._npu_lowering import NPULowering
 

@@ -33,10 +33,8 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from ...graph.ir import Graph, Node, Tensor, as_int_list, const_tensor, peek, producer
-from ...graph.small_constants import constant_value, is_small, small_const_value, small_int_list
-from ...pipeline.analyses import Analysis
-from .._rewire import unsqueeze_axes
+from ..ir import Graph, Node, Tensor, as_int_list, const_tensor, peek, producer
+from ..small_constants import constant_value, is_small, small_const_value, small_int_list
 
 #: Longest integer constant read as part of a shape computation.
 MAX_SHAPE_ELEMENTS = 64
@@ -84,7 +82,7 @@ def dim_at(t: Tensor, i: int, depth: int = MAX_SHAPE_DEPTH) -> Dim:
 
 
 class DimMemo:
-    """What tracing found, kept while its :class:`DimAnalysis` is active, and which results read which tensors.
+    """What tracing found, kept while it is active (:func:`activate`), and which results read which tensors.
 
     Tracing re-walks the same producers for every Shape of a deep model. A
     result is remembered per tensor and slot (slot: the dim, -1 for shape
@@ -181,39 +179,33 @@ class DimMemo:
             todo.extend(self._readers.pop(tid, ()))
 
 
-class DimAnalysis(Analysis):
-    """Traced dims of a graph's tensors, computed on demand and remembered by the run (a :class:`DimMemo`).
-
-    A pass asks ``ctx.analysis(DimAnalysis, graph)`` and calls :func:`tensor_dims`, :func:`dim_at`,
-    :func:`shape_elements`, :func:`fold_shape_value`... within ``with`` it: each traced dim is then
-    computed once, and the symbols the graph's inputs declare (:func:`input_symbols`) are not traced.
-    What a pass changes through the graph-editing helpers is forgotten as it happens (:meth:`edited`);
-    the pass manager drops the analysis after a pass that rewrote (see ``Pass.preserves``).
-    """
-
-    def __init__(self, graph: Graph) -> None:
-        super().__init__(graph)
-        self.memo = DimMemo(input_symbols(graph))
-        self._tokens: list[Token] = []
-
-    def edited(self, tensors: Sequence[Tensor]) -> bool:
-        self.memo.forget(tensors)
-        return True
-
-    def __enter__(self) -> "DimAnalysis":
-        self._tokens.append(_active.set(self.memo))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _active.reset(self._tokens.pop())
-
-
-#: The memo of the :class:`DimAnalysis` active in this context (thread, task), else None.
+#: The memo active in this context (thread, task), else None (see :func:`activate`).
 _active: ContextVar[Optional[DimMemo]] = ContextVar("k3opt_dim_memo", default=None)
 
 
+def activate(memo: DimMemo) -> Token:
+    """Make ``memo`` the one tracing uses in this context, until :func:`deactivate` with the token returned."""
+    return _active.set(memo)
+
+
+def deactivate(token: Token) -> None:
+    """Undo the :func:`activate` that returned ``token``."""
+    _active.reset(token)
+
+
+@contextmanager
+def remembering(graph: Graph, memo: Optional[DimMemo] = None) -> Iterator[DimMemo]:
+    """``memo`` (default: a fresh :class:`DimMemo` of ``graph``'s input symbols) active in the block."""
+    memo = DimMemo(input_symbols(graph)) if memo is None else memo
+    token = activate(memo)
+    try:
+        yield memo
+    finally:
+        deactivate(token)
+
+
 def _remembered(t: Tensor, slot: int, depth: int, compute: Callable[[], object]) -> object:
-    """``compute()``, once per ``(t, slot, depth)`` while a :class:`DimAnalysis` is active."""
+    """``compute()``, once per ``(t, slot, depth)`` while a memo is active."""
     memo = _active.get()
     return compute() if memo is None else memo.get(t, slot, depth, compute)
 
@@ -259,7 +251,7 @@ _naming: ContextVar[bool] = ContextVar("k3opt_dim_naming", default=False)
 
 @contextmanager
 def naming_unknown_dims(graph: Graph) -> Iterator[DimMemo]:
-    """A fresh :class:`DimAnalysis` of ``graph``, active in the block, in which a dim nothing pins is the
+    """A fresh :class:`DimMemo` of ``graph``, active in the block, in which a dim nothing pins is the
     symbol ``<tensor id:axis>`` instead of None.
 
     The name stands for that one size, so two paths that reach the same unknown dim (a Reshape's -1 of a
@@ -269,8 +261,8 @@ def naming_unknown_dims(graph: Graph) -> Iterator[DimMemo]:
     """
     token = _naming.set(True)
     try:
-        with DimAnalysis(graph) as dims:
-            yield dims.memo
+        with remembering(graph) as memo:
+            yield memo
     finally:
         _naming.reset(token)
 
@@ -311,7 +303,7 @@ def dim_sum(parts: Sequence[Dim]) -> Dim:
 
 def _dim_at(t: Tensor, i: int, depth: int) -> Dim:
     """Dim ``i`` of ``t``: a number when inference says so, or a symbol the graph declares while a
-    :class:`DimAnalysis` is active, else what the producer says, else inference's symbol or None.
+    memo is active, else what the producer says, else inference's symbol or None.
 
     A symbol a graph input declares (:func:`input_symbols`) is a size chosen
     at run time: no producer pins it to a number (inference would have
@@ -763,8 +755,9 @@ def _shape_elements(t: Tensor, depth: int) -> Optional[Elements]:
         inner = shape_elements(node.inputs[0], depth - 1)
         for x in node.inputs[1:]:
             _read(x)  # the axes
-        # unsqueeze_axes(node), with an axes input read through the remembered small values
-        axes = unsqueeze_axes(node) if "axes" in node.attrs or len(node.inputs) < 2 else as_int_list(_const(node.inputs[1]))
+        # the axes (attribute before opset 13), an axes input read through the remembered small values
+        axes = ([int(a) for a in node.attrs["axes"]] if "axes" in node.attrs else
+                None if len(node.inputs) < 2 else as_int_list(_const(node.inputs[1])))
         if inner is None or inner[1] != () or axes not in ([0], [-1]):
             return None
         return inner[0], (1,)

@@ -4,11 +4,11 @@ tracing proves to be them.
 Shape inference loses the batch of a dynamo BERT's or ViT's residual stream at its first broadcast (the
 embeddings plus the position embeddings, ``position_ids[:, :S]``), and every layer's q/k/v then has a batch
 and sequence that only tracing through every earlier layer recovers: more than the tracing depth
-(:data:`~k3opt.passes.analysis.fold_shapes.MAX_SHAPE_DEPTH`) past the first layers. Walking the nodes in
+(:data:`~k3opt.graph.symbolic.dims.MAX_SHAPE_DEPTH`) past the first layers. Walking the nodes in
 order and writing each proven ``batch``/``sequence`` into the tensor's shape makes it a declared symbol,
 which tracing takes as it is: a dim read in any layer is then found a few producers up, in linear time.
 
-Exact: a written dim is what :func:`~k3opt.passes.analysis.fold_shapes.dim_at` proves, the size the graph's
+Exact: a written dim is what :func:`~k3opt.graph.symbolic.dims.dim_at` proves, the size the graph's
 input declares. The shapes are restored when the block ends (the optimizer's output keeps inference's).
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from ...graph.ir import Graph
-from .fold_shapes import DimAnalysis, dim_at, input_symbols
+from ..ir import Graph
+from .dims import dim_at, input_symbols, remembering
 
 
 @contextmanager
@@ -28,7 +28,7 @@ def input_dims_written(graph: Graph) -> Iterator[int]:
     saved = []
     try:
         if declared:
-            with DimAnalysis(graph):
+            with remembering(graph):
                 for node in graph.nodes:
                     for t in node.outputs:
                         shape = t.shape

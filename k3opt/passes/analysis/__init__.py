@@ -1,1 +1,0 @@
-"""Analyses several passes share: the dim analysis (fold_shapes) traces symbolic dims and small shape values."""
