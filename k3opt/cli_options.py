@@ -159,12 +159,17 @@ _PASS_OPTION = click.option("--pass-option", "pass_options", multiple=True, call
                             help="Set a pass option, e.g. matmul_add_nd=flatten (repeatable; `k3opt passes` lists them).")
 
 
+def target_option(help: str) -> Callable[[F], F]:
+    """``--target``: one of the targets (:func:`k3opt.targets.names`), the default first."""
+    return click.option("--target", type=click.Choice(target_names()), default=target_names()[0], show_default=True,
+                        help=help)
+
+
 def pipeline_options(f: F) -> F:
     """--passes, --skip, --target, --opset, --input-shape, --plugin, --pass-option."""
     return _apply(f, [
         _PASSES, _SKIP,
-        click.option("--target", type=click.Choice(target_names()), default=target_names()[0], show_default=True,
-                     help="; ".join(f"{t.name}: {t.summary}" for t in all_targets()) + "."),
+        target_option("; ".join(f"{t.name}: {t.summary}" for t in all_targets()) + "."),
         _OPSET,
         click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D1,D2",
                      help="Fix an input's dimensions, e.g. input_ids:1,128 (repeatable)."),

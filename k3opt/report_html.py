@@ -16,6 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from .report import Report, size_text, write_report_text
 from .pipeline.verify import summary_line
+from .targets import get_target
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;background:#f4f5f7;color:#1d2330}
@@ -54,8 +55,9 @@ def render(report: Report) -> str:
     """The whole page for ``report`` (a str of HTML5)."""
     columns = f'<div class="cols"><section>{_ops(report)}</section><section>{_passes(report)}</section></div>'
     parts = [_header(report), _verification(report), columns, _sites(report)]
-    if report.target == "cann" or report.lowering or report.check:
-        parts.append(_cann(report))
+    target = get_target(report.target)
+    if target.lowers or report.lowering or report.check:
+        parts.append(_lowering(report, target.name.upper()))
     parts.append(_notes(report))
     title = f"k3opt report: {report.input or 'model'}"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -199,8 +201,9 @@ def _without_status(line: str, v: dict[str, Any]) -> str:
     return line[len(v["status"]):].strip(" ()") if line.startswith(v["status"]) else line
 
 
-def _cann(r: Report) -> str:
-    lines = ["<h2>CANN lowering</h2>"]
+def _lowering(r: Report, title: str) -> str:
+    """The target's lowering and the check of the written file (``k3opt check``'s findings)."""
+    lines = [f"<h2>{_e(title)} lowering</h2>"]
     if r.lowering:
         lines.append("<ul>" + "".join(f'<li data-lowering="{_e(x)}">{_e(x)}</li>' for x in r.lowering) + "</ul>")
     else:

@@ -1,6 +1,6 @@
 """Targets are objects found by name; the core asks their traits, never their names."""
+import ast
 import pathlib
-import re
 
 import pytest
 
@@ -10,9 +10,8 @@ from k3opt.pipeline.pass_base import PassContext
 from k3opt.targets import Target, get_target, names
 
 _ROOT = pathlib.Path(k3opt.__file__).parent
-_NAME_TEST = re.compile(r"""(==|!=)\s*["'](onnx|cann)["']|["'](onnx|cann)["']\s*(==|!=)""")
-#: The layers below the targets, and the run: none of them may test a target by name.
-_CORE = ("graph", "modelio", "pipeline", "patterns", "passes", "api.py", "cli_options.py")
+#: Where a target's name may decide something: the targets themselves.
+_OWNERS = ("targets",)
 
 
 def test_the_targets_are_found_by_name_the_default_first():
@@ -31,9 +30,48 @@ def test_a_target_equals_its_name_so_plugins_comparing_names_keep_working():
     assert PassContext(opset=17).target is get_target("onnx")
 
 
-def test_no_core_module_tests_a_target_by_name():
-    files = [p for part in _CORE for p in (sorted((_ROOT / part).rglob("*.py")) if (_ROOT / part).is_dir()
-                                           else [_ROOT / part])]
-    found = [f"{p.relative_to(_ROOT)}:{i}: {line.strip()}" for p in files
-             for i, line in enumerate(p.read_text().splitlines(), 1) if _NAME_TEST.search(line)]
+def _strings(node: ast.AST) -> list[str]:
+    """The string constants ``node`` is, or holds as a tuple/list/set literal."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [v for e in node.elts for v in _strings(e)]
+    return []
+
+
+def _name_tests(tree: ast.AST, targets: set[str]) -> list[ast.AST]:
+    """The places in ``tree`` that decide by a target's name: a comparison with a name (``target == "cann"``,
+    ``t in ("onnx", "cann")``), a ``case "cann":``, a dict keyed by names, a hard-coded list of names
+    (``click.Choice(["onnx", "cann"])``: ``k3opt.targets.names()`` lists them)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            hit = any(v in targets for side in (node.left, *node.comparators) for v in _strings(side))
+        elif isinstance(node, ast.MatchValue):
+            hit = any(v in targets for v in _strings(node.value))
+        elif isinstance(node, ast.Dict):
+            hit = any(v in targets for k in node.keys if k is not None for v in _strings(k))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            hit = sum(v in targets for v in _strings(node)) >= 2
+        else:
+            hit = False
+        if hit:
+            found.append(node)
+    return found
+
+
+def test_no_code_outside_the_targets_tests_a_target_by_name():
+    """Outside k3opt/targets/ the code asks a Target's traits and hooks, never its name (issue #27): a new target
+    is one new folder."""
+    targets = set(names())
+    found = [f"{p.relative_to(_ROOT)}:{node.lineno}: {ast.unparse(node)}" for p in sorted(_ROOT.rglob("*.py"))
+             if p.relative_to(_ROOT).parts[0] not in _OWNERS
+             for node in _name_tests(ast.parse(p.read_text()), targets)]
     assert found == []
+
+
+@pytest.mark.parametrize("code", ['if target == "cann": pass', 'ok = "onnx" != t.name', 'x = t in ("cann",)',
+                                  'match t:\n    case "cann": pass', 'choices = ["onnx", "cann"]',
+                                  'opts = {"cann": 1}'])
+def test_the_name_test_finder_finds_each_form(code: str):
+    assert len(_name_tests(ast.parse(code), {"onnx", "cann"})) == 1

@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 import click
 
-from ..cli_options import progress_for, run_options
+from ..cli_options import progress_for, run_options, target_option
 from .run_hook import parse_size
 from .split import parse_layers, split_model
 
@@ -19,8 +19,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> O
 @click.option("--stages", type=click.IntRange(1), help="Number of stages (one per card), balanced by bytes.")
 @click.option("--layers", metavar="A-B,C-D", help="The stages' decoder-layer ranges by hand, e.g. 0-7,8-15.")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Output folder (stages + manifest.json).")
-@click.option("--target", type=click.Choice(["onnx", "cann"]), default="onnx", show_default=True,
-              help="cann: optimize and lower for Ascend first, then cut the lowered model.")
+@target_option("cann: optimize and lower for Ascend first, then cut the lowered model.")
 @click.option("--max-stage-bytes", callback=_size, metavar="SIZE", help="Refuse a stage over this (per-card memory).")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Chain the stages in onnxruntime against the whole model.")

@@ -26,6 +26,7 @@ from ..errors import InputError, OutputError, UsageError, VerificationError
 from ..graph import dtypes
 from ..modelio.temp_folders import TempFolder
 from ..pipeline import verify as verifier
+from ..targets import get_target
 from . import plan
 from .run_hook import DEFAULT_BUDGET
 from .session import block_model, run_block, value_types
@@ -72,20 +73,19 @@ def split_model(
         raise OutputError(f"{out}: its folder {out.parent} does not exist")
     options = dict(layers=layers, max_stage_bytes=max_stage_bytes, verify=verify, verify_memory=verify_memory,
                    input_data=input_data, seed=seed, rtol=rtol, atol=atol, progress=progress)
-    if target == "onnx":
+    found = get_target(target)
+    if not found.lowers:
         return _split(Path(model), out, stages, **options)
-    if target != "cann":
-        raise UsageError(f"unknown target '{target}'; choose onnx or cann")
     from ..api import optimize_file
 
     temp = TempFolder.next_to(out)
     try:
-        lowered = temp.path / f"{Path(model).stem}.cann.onnx"
-        report = optimize_file(model, lowered, target="cann", verify=verify, verify_memory=verify_memory,
+        lowered = temp.path / f"{Path(model).stem}.{found.name}.onnx"
+        report = optimize_file(model, lowered, target=found.name, verify=verify, verify_memory=verify_memory,
                                input_data=input_data, seed=seed, rtol=rtol, atol=atol, progress=progress)
         manifest = _split(lowered, out, stages, **dict(options, verify=False))
         manifest["source"] = str(model)
-        manifest["target"] = "cann"
+        manifest["target"] = found.name
         manifest["verification"] = dict(report.verification or verifier.skipped("--no-verify"),
                                         note="the whole model's optimization and lowering; stages of NPU ops "
                                              "are not run again in onnxruntime")

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import click
 import numpy as np
 
-from ..cli_options import progress_for, run_options
+from ..cli_options import progress_for, run_options, target_option
 from ..errors import UsageError
 
 
@@ -21,8 +21,7 @@ from ..errors import UsageError
 @click.option("--max-seq", type=click.IntRange(2), required=True, help="Cache length L: prompt + new tokens.")
 @click.option("--max-batch", type=click.IntRange(1), default=1, show_default=True,
               help="Largest batch; one static decode graph per power of two below it, and it.")
-@click.option("--target", type=click.Choice(["onnx", "cann"]), default="onnx", show_default=True,
-              help="cann: lower attention, RMSNorm and RoPE to Ascend ops (flash attention with the valid length).")
+@target_option("cann: lower attention, RMSNorm and RoPE to Ascend ops (flash attention with the valid length).")
 @click.option("--exporter", type=click.Choice(["torchscript", "dynamo"]), default="torchscript", show_default=True,
               help="For a checkpoint folder or config JSON: how to export its decode step first.")
 @click.option("--no-verify", is_flag=True, help="Skip the check that the pair generates the original's tokens.")

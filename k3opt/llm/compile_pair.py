@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import onnx
 
 from ..errors import CompileError, UsageError
+from ..targets import get_target
 from .manifest import Manifest
 
 
@@ -52,7 +53,7 @@ def compile_pair(folder: Path, output: Path, soc_version: str, *, atc: Optional[
 
     say = echo or (lambda line: None)
     manifest = Manifest.read(folder)
-    if manifest.target != "cann":
+    if get_target(manifest.target).compiler != "atc":
         raise UsageError(f"{folder}: a pair for target {manifest.target}; build it with k3opt llm --target cann "
                          "to compile it for Ascend")
     plans = atc_options(manifest, soc_version, **atc_extra)

@@ -22,10 +22,10 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import InputError, OutputError, UsageError, VerificationError
+from ..targets import get_target
 from .cache_form import CacheLayout, recognise
 from .manifest import Manifest, Entry, batch_sizes
 from .rewrite import POSITION, decode_graph, position_table, prefill_graph
-from .valid_lengths import pass_valid_lengths
 
 WEIGHTS = "weights.bin"
 #: Tensors at least this big go to the shared weights file (smaller ones stay in each graph).
@@ -71,6 +71,7 @@ def build_pair(source: Any, out_dir: Any, *, max_seq: int, max_batch: int = 1, t
         raise UsageError(f"--max-seq must be at least 2, not {max_seq}")
     if max_batch < 1:
         raise UsageError(f"--max-batch must be at least 1, not {max_batch}")
+    found = get_target(target)
     out = Path(out_dir)
     _check_out_dir(out, overwrite)
     model, configured = load_source(source, exporter, progress)
@@ -92,8 +93,7 @@ def build_pair(source: Any, out_dir: Any, *, max_seq: int, max_batch: int = 1, t
         say(f"writing the decode graph for batch {b}")
         decodes[b] = k3opt.optimize(decode_graph(model, max_seq, b), target=target, verify=verify,
                                     input_data=_decode_feeds(layout, model, max_seq, b, vocab))
-        if target == "cann":  # checked with the tokens: under the reference ops when verify
-            pass_valid_lengths(decodes[b])
+        found.bound_cache_reads(decodes[b], POSITION)  # checked with the tokens: under the reference ops
     logits = next(o.name for o in model.graph.output if o.name not in {e.present for e in layout.entries})
     manifest = Manifest(
         target=target, max_seq=max_seq, max_batch=max_batch,

@@ -20,21 +20,16 @@ from typing import Any, Optional, Union
 from .. import modelio
 from ..errors import InputError, UsageError
 from ..modelio.opset import convert, model_opset
+from ..targets import Target, get_target
 from . import rtn
 from .rewrite import quantize_site, stored_bytes
 from .select import select
 
 
-def verifier_line(result: dict) -> str:
-    from ..pipeline.verify import summary_line
-
-    return summary_line(result)
-
 #: Bits per weight type.
 WEIGHTS = {"int4": 4, "int8": 8}
 #: Opset DequantizeLinear needs: per-axis since 13, blocked (and int4) since 21.
 PER_AXIS_OPSET, BLOCKED_OPSET = 13, 21
-TARGETS = ("onnx", "cann")
 
 
 @dataclass
@@ -76,29 +71,30 @@ class QuantReport:
 def scheme_for(weights: str, group_size: Optional[int], symmetric: bool, clip: bool = True,
                target: str = "onnx") -> rtn.Scheme:
     """The :class:`rtn.Scheme` of the options, or UsageError: int4 defaults to groups of 128, int8 to
-    per-channel (group 0); a group is a power of two from 16 (onnxruntime's n-bit kernel), from 32 for cann
-    (the NPU kernel takes multiples of 32)."""
+    per-channel (group 0); a group is a power of two from 16 (onnxruntime's n-bit kernel) that the target's
+    kernel takes (cann: multiples of 32)."""
     if weights not in WEIGHTS:
         raise UsageError(f"--weights {weights!r}: choose int4 or int8")
-    if target not in TARGETS:
-        raise UsageError(f"--target {target!r}: choose onnx or cann")
+    found = get_target(target)
     bits = WEIGHTS[weights]
     group = (128 if bits == 4 else 0) if group_size is None else group_size
     if bits == 4 and group == 0:
         raise UsageError("--weights int4 needs a group size (32, 64 or 128)")
     if group and (group < 16 or group & (group - 1)):
         raise UsageError(f"--group-size {group}: a power of two from 16 (32, 64, 128...), or 0 for per-channel")
-    if group and target == "cann" and group % 32:
-        raise UsageError(f"--group-size {group}: the NPU kernel takes groups that are multiples of 32")
+    why = found.quant_group_refusal(group) if group else None
+    if why:
+        raise UsageError(f"--group-size {group}: {why}")
     return rtn.Scheme(bits, group, symmetric, clip)
 
 
 def quantize_model(model, scheme: rtn.Scheme, *, opset: Optional[int] = None, lm_head: bool = False,
-                   embedding: bool = False, report: Optional[QuantReport] = None, target: str = "onnx"):
+                   embedding: bool = False, report: Optional[QuantReport] = None, target: "str | Target" = "onnx"):
     """Quantize ``model`` (a ModelProto read by :func:`k3opt.modelio.read_model`: external locations
     absolute) in place and return it; quantized weights live in the process's spill file until saved.
     Raises UsageError/InputError, before changing anything, for what cannot be done."""
-    report = report or QuantReport(f"int{scheme.bits}", scheme.group, scheme.symmetric, "onnx")
+    found = get_target(target)
+    report = report or QuantReport(f"int{scheme.bits}", scheme.group, scheme.symmetric, found.name)
     needed = BLOCKED_OPSET if (scheme.group or scheme.bits == 4) else PER_AXIS_OPSET
     if opset is not None and opset < needed:
         raise UsageError(f"int{scheme.bits}{' per-group' if scheme.group else ''} needs DequantizeLinear of "
@@ -121,28 +117,14 @@ def quantize_model(model, scheme: rtn.Scheme, *, opset: Optional[int] = None, lm
         if scheme.group and k % scheme.group:
             raise UsageError(f"--group-size {scheme.group} does not divide the input dim {k} of weight "
                              f"'{site.name}'")
-        if target == "cann" and site.kind != "embedding":
-            why = _npu_refusal(k, n, scheme)
-            if why:
-                raise UsageError(f"--target cann: weight '{site.name}' ({k} x {n}) breaks the NPU kernel's "
-                                 f"contract: {why}")
+        why = found.quant_weight_refusal(k, n, scheme.bits) if site.kind != "embedding" else None
+        if why:
+            raise UsageError(f"--target {found.name}: weight '{site.name}' ({k} x {n}) {why}")
     for site in chosen.sites:
         report.layers[site.name] = quantize_site(model, site, scheme)
     if model_opset(model) >= BLOCKED_OPSET or scheme.bits == 4:
         model.ir_version = max(model.ir_version, 10)  # INT4 and opset 21 need IR 10
     return model
-
-
-def _npu_refusal(k: int, n: int, scheme: rtn.Scheme) -> Optional[str]:
-    """Why NPUWeightQuantBatchMatmulV2 cannot take a (k, n) weight of ``scheme`` (see
-    docs/passes/lower-weight-quant-npu.md), or None."""
-    from ..targets.cann.npu_contract import WQBMM_INT4_PER_INT32, WQBMM_MAX_DIM
-
-    if k > WQBMM_MAX_DIM or n > WQBMM_MAX_DIM:
-        return f"k and n must be at most {WQBMM_MAX_DIM}"
-    if scheme.bits == 4 and n % WQBMM_INT4_PER_INT32:
-        return f"int4 is packed {WQBMM_INT4_PER_INT32} to an int32 along n"
-    return None
 
 
 def quantize_file(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *, weights: str = "int4",
@@ -152,22 +134,23 @@ def quantize_file(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *,
                   external_data: Optional[bool] = None) -> QuantReport:
     """Quantize the model file ``src`` into ``dst``; returns the :class:`QuantReport`.
 
-    ``target="cann"``: the quantized model then goes through ``k3opt optimize --target cann`` (lowered to
-    NPUWeightQuantBatchMatmulV2 and verified under the reference ops). ``measure``: run both models in
+    A target that lowers (``target="cann"``): the quantized model then goes through ``k3opt optimize --target``
+    (cann: lowered to NPUWeightQuantBatchMatmulV2 and verified under the reference ops). ``measure``: run both models in
     onnxruntime for the logits error and the greedy-token agreement over ``tokens`` generated tokens.
     Nothing is written on error.
     """
     scheme = scheme_for(weights, group_size, symmetric, clip, target)
-    if target == "cann" and embedding:
-        raise UsageError("--quantize-embedding with --target cann: k3opt has no NPU lowering for a quantized Gather")
-    if target == "cann" and opset is not None:
-        raise UsageError("--opset applies to --target onnx (the cann target's opset is fixed)")
+    found = get_target(target)
+    if embedding and found.quantized_gather_refusal:
+        raise UsageError(f"--quantize-embedding with --target {found.name}: {found.quantized_gather_refusal}")
+    if found.fixed_opset is not None and opset is not None:
+        raise UsageError(f"--opset does not apply to --target {found.name} (its opset is fixed)")
     out = modelio.check_output_path(dst, src, overwrite)
-    report = QuantReport(weights, scheme.group, symmetric, target)
+    report = QuantReport(weights, scheme.group, symmetric, found.name)
     loaded = modelio.read_model(src)
     report.size_before = stored_bytes(Path(src))
     model = quantize_model(loaded.model, scheme, opset=opset, lm_head=lm_head, embedding=embedding, report=report,
-                           target=target)
+                           target=found)
 
     def check(path: Path) -> None:
         if measure:
@@ -177,7 +160,7 @@ def quantize_file(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *,
 
     if external_data is None:  # the quantized weights sit in the spill file: inline them unless the input was not
         external_data = bool(loaded.external) or modelio.proto_size(model) > modelio.PROTO_LIMIT
-    if target == "onnx":
+    if not found.lowers:
         modelio.save(model, out, external_data=external_data, check=check)
     else:
         folder = Path(tempfile.mkdtemp(prefix=".k3opt-quant-", dir=out.parent))
@@ -185,25 +168,25 @@ def quantize_file(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *,
             qdq, npu = folder / "quantized.onnx", folder / "npu.onnx"
             modelio.save(model, qdq, external_data=external_data, check=check)
             from ..api import optimize_file
-            from . import cann
 
-            if model_opset(model) < BLOCKED_OPSET:  # per-channel int8: the cann pipeline lowers and verifies it
-                done = optimize_file(qdq, out, target="cann", verify=True, overwrite=overwrite,
+            if model_opset(model) < BLOCKED_OPSET:  # per-channel int8: the target's run lowers and verifies it
+                done = optimize_file(qdq, out, target=found.name, verify=True, overwrite=overwrite,
                                      external_data=external_data)
                 report.notes += [line for line in done.lowering if "WeightQuant" in line]
                 return _finish(report, out)
-            lowered, lines = cann.lower(modelio.read_model(qdq).model)
+            lowered, lines = found.lower_quantized(modelio.read_model(qdq).model)
             report.notes += lines
             modelio.save(lowered, npu, external_data=external_data)
-            optimize_file(npu, out, target="cann", verify=False, overwrite=overwrite, external_data=external_data)
+            optimize_file(npu, out, target=found.name, verify=False, overwrite=overwrite,
+                          external_data=external_data)
             try:
-                result = cann.verify(qdq, out)
+                line = found.verify_quantized(qdq, out)
             except BaseException:
                 for path in (out, modelio.data_path(out)):
                     path.unlink(missing_ok=True)
                 raise
-            report.notes.append("NPU form verified against the quantized model under the reference ops: "
-                                + verifier_line(result))
+            if line:
+                report.notes.append(line)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     return _finish(report, out)

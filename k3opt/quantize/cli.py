@@ -6,7 +6,7 @@ from typing import Optional
 
 import click
 
-from ..cli_options import check_outputs, run_options
+from ..cli_options import check_outputs, run_options, target_option
 
 
 @click.command("quantize")
@@ -17,8 +17,7 @@ from ..cli_options import check_outputs, run_options
 @click.option("--group-size", type=click.IntRange(0), default=None,
               help="Rows of k per scale: 32, 64, 128 (int4 default 128); 0 or unset for int8: per-channel.")
 @click.option("--symmetric", is_flag=True, help="No zero point (default: asymmetric, with a zero point).")
-@click.option("--target", type=click.Choice(["onnx", "cann"]), default="onnx", show_default=True,
-              help="onnx: DequantizeLinear -> MatMul; cann: then NPUWeightQuantBatchMatmulV2 via optimize --target cann.")
+@target_option("onnx: DequantizeLinear -> MatMul; cann: then NPUWeightQuantBatchMatmulV2 via optimize --target cann.")
 @click.option("--opset", type=click.IntRange(13), default=None,
               help="Output opset (--target onnx; int4 and groups need 21, int8 per-channel 13).")
 @click.option("--no-clip-search", is_flag=True, help="Plain round-to-nearest over each group's full range.")

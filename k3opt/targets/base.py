@@ -50,6 +50,12 @@ class Target:
     runs_castlike: ClassVar[bool] = True
     #: The run has a lowering stage (the target's form and invariants) even when no lowering pass is selected.
     lowers: ClassVar[bool] = False
+    #: The ahead-of-time compiler the target's files are made for (cann: ``"atc"``, driven by
+    #: :mod:`k3opt.cann_bridge`); None: they run as written.
+    compiler: ClassVar[Optional[str]] = None
+    #: Why ``k3opt quantize --quantize-embedding`` cannot serve the target (no lowering of a quantized Gather),
+    #: or None.
+    quantized_gather_refusal: ClassVar[Optional[str]] = None
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, str):
@@ -87,6 +93,32 @@ class Target:
         """The report's ``check`` entry for a written file: what the target's toolchain will make of it (cann:
         ``k3opt check``'s findings), or None when there is nothing to check."""
         return None
+
+    def quant_group_refusal(self, group: int) -> Optional[str]:
+        """Why the target's weight-quantized matmul cannot take ``group`` rows of k per scale, or None."""
+        return None
+
+    def quant_weight_refusal(self, k: int, n: int, bits: int) -> Optional[str]:
+        """Why the target's weight-quantized matmul cannot take a (k, n) weight of ``bits`` bits, or None."""
+        return None
+
+    def lower_quantized(self, model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+        """``k3opt quantize``'s model, at an opset above the target's (blocked DequantizeLinear is opset 21), with
+        what the target's run could not take down lowered first; and the lowering's report lines. Only called
+        for a target that :attr:`lowers`."""
+        return model, []
+
+    def verify_quantized(self, quantized: Path, lowered: Path) -> Optional[str]:
+        """Check the written file ``lowered`` (the run of :meth:`lower_quantized`'s model, not verified by it)
+        against the quantized model file it came from; the report line, or None when there is nothing to check.
+        Raises VerificationError."""
+        return None
+
+    def bound_cache_reads(self, decode: onnx.ModelProto, position: str) -> int:
+        """Let the attentions of a static-cache decode step (``k3opt llm``'s serving pair; ``position`` the graph
+        input holding the step's slot) skip the cache slots past it, in place; returns how many it bounded.
+        Changes no number: the step's mask hides those slots."""
+        return 0
 
     def finish(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """The exported, lowered model in the target's form; raises CompileError when it breaks the target's

@@ -5,6 +5,8 @@
 - :mod:`.atc_ops`, :mod:`.compat`: what ATC's ONNX parser accepts, and the pre-flight check against it.
 - :mod:`.passes`: the lowering passes (``lower-*-npu``, ``conv1d-to-conv2d``).
 - :mod:`.reference`: numpy implementations of every NPU op k3opt emits, for onnx's reference evaluator.
+- :mod:`.weight_quant`, :mod:`.valid_lengths`: what ``k3opt quantize`` and ``k3opt llm`` ask of the target
+  (the quantized weights' lowering and its check; the serving pair's bounded cache reads).
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ class CannTarget(Target):
     lowers_attention = True
     merges_projection_pairs = True
     lowers = True
+    compiler = "atc"
+    quantized_gather_refusal = "k3opt has no NPU lowering for a quantized Gather"
     ops_kind = "NPU ops"
 
     def own_ops(self, model: onnx.ModelProto) -> list[str]:
@@ -57,6 +61,43 @@ class CannTarget(Target):
         from .compat import check_record
 
         return check_record(path)
+
+    def quant_group_refusal(self, group: int) -> Optional[str]:
+        from .npu_contract import WQBMM_GROUP_MULTIPLE
+
+        return f"the NPU kernel takes groups that are multiples of {WQBMM_GROUP_MULTIPLE}" \
+            if group % WQBMM_GROUP_MULTIPLE else None
+
+    def quant_weight_refusal(self, k: int, n: int, bits: int) -> Optional[str]:
+        """NPUWeightQuantBatchMatmulV2's limits (docs/passes/lower-weight-quant-npu.md)."""
+        from .npu_contract import WQBMM_INT4_PER_INT32, WQBMM_MAX_DIM
+
+        if k > WQBMM_MAX_DIM or n > WQBMM_MAX_DIM:
+            return f"breaks the NPU kernel's contract: k and n must be at most {WQBMM_MAX_DIM}"
+        if bits == 4 and n % WQBMM_INT4_PER_INT32:
+            return f"breaks the NPU kernel's contract: int4 is packed {WQBMM_INT4_PER_INT32} to an int32 along n"
+        return None
+
+    def lower_quantized(self, model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+        """The DequantizeLinear -> MatMul pairs lowered to NPUWeightQuantBatchMatmulV2 at the quantized opset."""
+        from .weight_quant import lower
+
+        return lower(model)
+
+    def verify_quantized(self, quantized: Path, lowered: Path) -> Optional[str]:
+        """The lowered file under the NPU reference ops against the quantized one in onnxruntime (fp16's
+        tolerance)."""
+        from ...pipeline.verify import summary_line
+        from .weight_quant import verify
+
+        return ("NPU form verified against the quantized model under the reference ops: "
+                + summary_line(verify(quantized, lowered)))
+
+    def bound_cache_reads(self, decode: onnx.ModelProto, position: str) -> int:
+        """NPUPromptFlashAttention's ``actual_seq_lengths_kv`` = position + 1 (:mod:`.valid_lengths`)."""
+        from .valid_lengths import pass_valid_lengths
+
+        return pass_valid_lengths(decode, position)
 
     def finish(self, model: onnx.ModelProto) -> onnx.ModelProto:
         from .target_form import finish_model

@@ -1,4 +1,5 @@
-"""``k3opt quantize --target cann``: the quantized model's DequantizeLinear -> MatMul pairs lowered to
+"""``k3opt quantize --target cann`` (the cann target's :meth:`~k3opt.targets.base.Target.lower_quantized` and
+``verify_quantized``): the quantized model's DequantizeLinear -> MatMul pairs lowered to
 ``NPUWeightQuantBatchMatmulV2`` while the model is still at the opset its DequantizeLinear needs.
 
 Blocked (int4) DequantizeLinear exists from opset 21 only, and the cann target is opset 17: the pairs are
@@ -15,15 +16,15 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .. import modelio
-from ..errors import VerificationError
-from ..graph import ir
-from ..graph.lifetime import graph_scope
-from ..modelio import opset as opsets
-from ..pipeline import shapes
-from ..pipeline import verify as verifier
-from ..pipeline.pass_base import PassContext
-from ..targets.cann.passes.lower_weight_quant_npu import FP16_TOLERANCE, LowerWeightQuantNPU
+from ... import modelio
+from ...errors import VerificationError
+from ...graph import ir
+from ...graph.lifetime import graph_scope
+from ...modelio import opset as opsets
+from ...pipeline import shapes
+from ...pipeline import verify as verifier
+from ...pipeline.pass_base import PassContext
+from .passes.lower_weight_quant_npu import FP16_TOLERANCE, LowerWeightQuantNPU
 
 
 def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
@@ -47,7 +48,7 @@ def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
 def verify(quantized: Path, lowered: Path, seed: int = 0) -> dict[str, Any]:
     """Compare the lowered file (NPU reference ops) with the quantized one (onnxruntime) on seeded inputs;
     raises VerificationError beyond fp16's tolerance."""
-    from ..targets.cann.reference import evaluator
+    from .reference import evaluator
 
     proto = onnx.load(str(quantized))
     reference = verifier.session(quantized)

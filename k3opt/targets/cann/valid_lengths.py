@@ -1,10 +1,10 @@
 """Hand the decode graph's flash attentions the cache's valid length, so the kernel reads no slot past it.
 
-In a lowered (``--target cann``) decode graph every attention reads the whole
-fixed cache ``[B, Hkv, L, D]``; the graph's own mask already hides the slots
-past ``position``. ``NPUPromptFlashAttention`` also takes
-``actual_seq_lengths_kv`` (input 7 in the plugin's groups, [PFA-plugin] in
-:mod:`k3opt.targets.cann.npu_contract`): per batch, the keys from that length
+The cann target's :meth:`~k3opt.targets.base.Target.bound_cache_reads`, for ``k3opt llm``'s serving pair. In a
+lowered decode graph every attention reads the whole fixed cache ``[B, Hkv, L, D]``; the graph's own mask
+already hides the slots past ``position`` (the graph input holding the step's slot).
+``NPUPromptFlashAttention`` also takes ``actual_seq_lengths_kv`` (input 7 in the plugin's groups,
+[PFA-plugin] in :mod:`k3opt.targets.cann.npu_contract`): per batch, the keys from that length
 on are not computed ([PFA-doc] "actualSeqLengthsKv"; one value applies to
 every batch). Passing ``position + 1`` changes no number (those keys were
 masked) and lets the kernel skip the cache's unwritten tail: torchair's Llama
@@ -19,15 +19,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .rewrite import POSITION
-
 _PFA = "NPUPromptFlashAttention"
 _KV_LENGTHS = 6  # input index of actual_seq_lengths_kv
 
 
-def pass_valid_lengths(model: onnx.ModelProto) -> int:
+def pass_valid_lengths(model: onnx.ModelProto, position: str) -> int:
     """Set ``actual_seq_lengths_kv = position + 1`` on every PromptFlashAttention of decode graph ``model``
-    (in place) that has no lengths and no quantization inputs; returns how many it set."""
+    (in place) that has no lengths and no quantization inputs; ``position`` names the graph input holding the
+    step's cache slot. Returns how many it set."""
     graph = model.graph
     one, length = "k3opt_llm/one_slot", "k3opt_llm/valid_length"
     count = 0
@@ -42,5 +41,5 @@ def pass_valid_lengths(model: onnx.ModelProto) -> int:
         count += 1
     if count:
         graph.initializer.append(numpy_helper.from_array(np.array([1], dtype=np.int64), one))
-        graph.node.insert(0, helper.make_node("Add", [POSITION, one], [length], name=length))
+        graph.node.insert(0, helper.make_node("Add", [position, one], [length], name=length))
     return count
