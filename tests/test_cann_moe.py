@@ -129,11 +129,15 @@ def test_the_default_target_keeps_the_moe_blocks():
 # ----------------------------------------------------------------------------- hand-made blocks
 
 def moe_block(gate="softmax", renorm=True, escape=False, cross_rows=False, weights_input=False, dtype=T.FLOAT,
-              bias_add=False, moe_output=False):
-    """A batched_mm MoE block as transformers exports it, on (T, H) tokens, plus the residual Add."""
+              bias_add=False, moe_output=False, tied=False):
+    """A batched_mm MoE block as transformers exports it, on (T, H) tokens, plus the residual Add. ``tied``: the
+    router's columns of experts 0, 1 and 2 are equal, so every token's scores tie three ways."""
     rng = np.random.default_rng(0)
     np_t = helper.tensor_dtype_to_np_dtype(dtype)
-    inits = {"wr": rng.standard_normal((HIDDEN, EXPERTS)).astype(np_t),
+    router = rng.standard_normal((HIDDEN, EXPERTS)).astype(np_t)
+    if tied:
+        router[:, 1] = router[:, 2] = router[:, 0]
+    inits = {"wr": router,
              "wg": rng.standard_normal((EXPERTS, INTER, HIDDEN)).astype(np_t),
              "wd": rng.standard_normal((EXPERTS, HIDDEN, INTER)).astype(np_t),
              "k": np.array([K], np.int64), "last": np.array([-1], np.int64), "one": np.array([1], np.int64),
@@ -213,6 +217,21 @@ def test_a_softmax_gated_block_becomes_the_three_moe_ops(renorm):
     assert ("renormalised" in moe_lines(report)[1]) == renorm
 
 
+def test_tied_router_scores_pick_the_experts_onnx_topk_picks():
+    """Three experts tie on every token: ONNX TopK takes the lower indices first, and so must the gating op's
+    reference (docs/cann.md, "Ties"); a different choice routes tokens to other experts and fails verification."""
+    m = moe_block(tied=True)
+    x = feeds(m)["x"]
+    probs = np.exp(x @ _initializer(m, "wr"))
+    assert np.all(probs[:, 0] == probs[:, 1]) and np.all(probs[:, 1] == probs[:, 2])
+    out, _ = lowered(m, {"x": x})
+    assert op_counts(out).get("NPUMoeGatingTopKSoftmax") == 1
+
+
+def _initializer(model, name):
+    return next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == name)
+
+
 def test_float16_block_is_lowered_and_verified():
     m = moe_block(dtype=T.FLOAT16)
     out, _ = lowered(m, feeds(m))
@@ -270,12 +289,21 @@ def unrolled_block():
 
 
 def test_the_unrolled_all_experts_form_is_recognised_and_stays_with_the_reason():
+    """Refused: the block keeps every node it had (the lowering adds and removes nothing), and the reason is the
+    block's line in the text, JSON and HTML reports."""
+    from k3opt.report_html import render
+
     m = unrolled_block()
     out, report = lowered(m, feeds(m))
-    assert not any(op in op_counts(out) for op in _ROUTING) and op_counts(out)["ScatterElements"] == 1
+    without = k3opt.optimize(m, target="cann", skip=["lower-moe-npu"])
+    assert op_counts(out) == op_counts(without) and not any(op in op_counts(out) for op in _ROUTING)
+    assert op_counts(out)["ScatterElements"] == 1
     lines = moe_lines(report)
     assert lines[0].startswith("NPU MoE routing: 0 of 1 MoE block(s) lowered")
-    assert "all 4 experts computed on every token and masked by a dense routing matrix" in lines[1], lines
+    why = "all 4 experts computed on every token and masked by a dense routing matrix"
+    assert lines[1].startswith("MoE block at 'dense_routing' kept decomposed: ") and why in lines[1], lines
+    data, page = report.as_dict(), render(report)
+    assert lines[1] in data["lowering"] and f'data-lowering="{html.escape(lines[1], quote=True)}"' in page
 
 
 # ----------------------------------------------------------------------------- reference ops
@@ -290,6 +318,24 @@ def test_gating_reference_follows_the_documented_formula():
     assert rows.tolist() == [[0, 3], [1, 4], [2, 5]]  # [MGS-doc]: arange(N*k).reshape(k, N).T
     with pytest.raises(MoeReferenceError, match="k = 5"):
         gating_top_k_softmax(x, 5)
+
+
+def test_gating_reference_breaks_ties_as_onnx_topk():
+    """Equal scores: the reference op's experts and their order are onnxruntime's TopK(Softmax(x)) ones."""
+    import onnxruntime as ort
+
+    x = np.array([[1, 1, 1, 0], [2, 0, 2, 2], [0, 3, 3, 0], [5, 5, 5, 5]], np.float32)
+    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["p"], axis=-1),
+                               helper.make_node("TopK", ["p", "k"], ["v", "i"], axis=-1)], "g",
+                              [helper.make_tensor_value_info("x", T.FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("v", T.FLOAT, [4, 3]),
+                               helper.make_tensor_value_info("i", T.INT64, [4, 3])],
+                              [onnx.numpy_helper.from_array(np.array([3], np.int64), "k")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    want_v, want_i = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    y, idx, _ = gating_top_k_softmax(x, 3)
+    assert idx.tolist() == want_i.tolist() == [[0, 1, 2], [0, 2, 3], [1, 2, 0], [0, 1, 2]]
+    np.testing.assert_allclose(y, want_v, rtol=1e-6)
 
 
 def test_init_routing_reference_on_the_documented_example():

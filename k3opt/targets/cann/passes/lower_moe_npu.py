@@ -19,7 +19,8 @@ Not lowered (the report says so per block): a gate that is not a softmax -- Deep
 sigmoid gate has no ONNX parser (MoeGatingTopK); its indices are cast to int32 and the row indices built
 in the graph, and the permutation and combine are still lowered. The expert FFNs stay batched MatMuls
 (GroupedMatmul has no ONNX parser). Ties in the router's top-k: the reference op, like ONNX TopK, takes the
-lower expert index first; the kernel's order among equal scores is not documented.
+lower expert index first, as the kernel's documented sort does (Ascend C Sort32: "score[j] ... 排在前面" for
+i > j); MrgSort's and WholeReduceMax's tie order is not documented (docs/cann.md, "Ties in the router's scores").
 """
 from __future__ import annotations
 
