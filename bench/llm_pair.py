@@ -3,9 +3,10 @@
 ``python -m bench.llm_pair [--models llama,qwen2,gpt2,deepseek_v3] [--max-seq 512] [--position 480]
 [--prompt 480] [--rounds 7] [--runs 20] [--hidden 256] [--vocab 8192] [--out DIR]``
 
-Per model (seeded random weights, a transformers config of ``--hidden`` and ``--vocab``, two layers, exported
-by ``k3opt.export.from_transformers(use_cache=True)``, cached in ``$K3OPT_BENCH_CACHE/llm``), in onnxruntime
-CPU with one thread, ORT_ENABLE_ALL, in one process with the sessions' runs interleaved round by round:
+Per model (a transformers config of ``--hidden`` and ``--vocab``, two layers, seeded random weights each
+perturbed so that no norm scale is 1 and no bias 0; exported by ``k3opt.export.from_transformers(use_cache=True)``,
+cached in ``$K3OPT_BENCH_CACHE/llm``), in onnxruntime CPU with one thread, ORT_ENABLE_ALL, in one process with
+the sessions' runs interleaved round by round:
 
 - **decode**: one token at cache position ``--position`` of ``--max-seq``: the pair's ``decode_b1`` (fixed
   cache, ScatterElements write) against the export's own step with a past of ``--position`` tokens, as
@@ -57,15 +58,34 @@ def config(family: str, hidden: int, vocab: int, max_seq: int) -> Any:
     raise SystemExit(f"unknown model {family!r}; choose from {', '.join(FAMILIES)}")
 
 
+def model(family: str, hidden: int, vocab: int, max_seq: int) -> Any:
+    """The seeded random-weight model of ``family``, every weight perturbed (as tests/zoo.py does).
+
+    transformers initializes norm scales to 1 and biases to 0; k3opt drops a Mul by 1 or an Add of 0, which
+    stops onnxruntime fusing the norm (its SimplifiedLayerNormalization needs the scale's Mul): a trained
+    model has neither, so the benchmark's must not either.
+    """
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(config(family, hidden, vocab, max_seq)).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return hf
+
+
 def decode_step(family: str, hidden: int, vocab: int, max_seq: int) -> Path:
     """The cached decode-step export of ``family`` (exported on first use)."""
     from k3opt.export import from_transformers
 
-    path = CACHE / "llm" / f"{family}-h{hidden}-v{vocab}-s{max_seq}.onnx"
+    path = CACHE / "llm" / f"{family}-h{hidden}-v{vocab}-s{max_seq}-w1.onnx"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.onnx")
-        from_transformers(config(family, hidden, vocab, max_seq), tmp, use_cache=True, seq_len=3, optimize=False)
+        from_transformers(model(family, hidden, vocab, max_seq), tmp, use_cache=True, seq_len=3, optimize=False)
         tmp.replace(path)
     return path
 
