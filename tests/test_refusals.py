@@ -5,6 +5,8 @@ Each case: the exit code, one line on stderr with the fragment, no traceback, th
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -36,6 +38,12 @@ def impossible_reshape() -> onnx.ModelProto:
                      [("y", TensorProto.FLOAT, None)], [helper.make_tensor("s", TensorProto.INT64, [2], [4, 4])])
 
 
+def concat_without_axis() -> onnx.ModelProto:
+    """Concat with no ``axis`` (required): onnx's checker and onnxruntime refuse it."""
+    return unchecked([helper.make_node("Concat", ["x", "x"], ["y"])], [("x", TensorProto.FLOAT, [2])],
+                     [("y", TensorProto.FLOAT, [4])])
+
+
 def symbolic_model() -> onnx.ModelProto:
     nodes = [helper.make_node("Add", ["a", "b"], ["y"])]
     return make_model(nodes, [("a", TensorProto.FLOAT, ["batch", "seq"]), ("b", TensorProto.FLOAT, ["batch", "seq"])],
@@ -47,8 +55,8 @@ def folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     onnx.save(good_model(), "m.onnx")
     onnx.save(mixed_types(), "mixed.onnx")
-    onnx.save(impossible_reshape(), "reshape.onnx")
     onnx.save(symbolic_model(), "sym.onnx")
+    onnx.save(concat_without_axis(), "concat.onnx")
     np.savez("wrong_shape.npz", x=np.ones((3, 3), np.float32))
     np.savez("strings.npz", x=np.array(["a"] * 16).reshape(2, 8))
     np.save("one.npy", np.ones((2, 8), np.float32))
@@ -61,6 +69,10 @@ CASES = [
     # item 4: the input is at fault, not the optimized model
     (["mixed.onnx"], "the input mixed.onnx does not load in onnxruntime: "),
     (["mixed.onnx", "--no-verify"], "the input mixed.onnx does not load in onnxruntime: "),
+    # item 8: invalid inputs refused, verified or not
+    (["concat.onnx"], "Required attribute 'axis' is missing"),
+    (["concat.onnx", "--no-verify"], "Required attribute 'axis' is missing"),
+    (["concat.onnx", "--no-verify", "--passes", "fold-constants"], "Required attribute 'axis' is missing"),
     (["sym.onnx", "--input-shape", "a:1,128", "--input-shape", "a:1,64"], "'a' given twice, as 1,128 and 1,64"),
     (["sym.onnx", "--input-shape", "a:1,128", "--input-shape", "b:1,64"],
      "dimension 'seq' is 128 for 'a' but 64 for 'b'"),
@@ -70,7 +82,6 @@ CASES = [
     (["m.onnx", "--input-data", "wrong_shape.npz"], "'x' has shape [3, 3], the graph input takes [2, 8]"),
     (["m.onnx", "--input-data", "strings.npz"], "'x' cannot be float32"),
     (["m.onnx", "--input-data", "one.npy"], "one array (.npy)"),
-    (["reshape.onnx"], "--no-verify writes the model unverified"),
     # item 6: option values
     (["m.onnx", "--pass-option", "fold_max_bytes=-5"], "fold_max_bytes=-5: expected a number of bytes"),
     (["m.onnx", "--pass-option", "fold_max_bytes=abc"], "fold_max_bytes=abc: expected a number of bytes"),
@@ -161,17 +172,79 @@ def test_duplicate_initializer_names_are_refused(folder):
     assert snapshot(folder) == before
 
 
+def gather_out_of_range() -> onnx.ModelProto:
+    """Gather of index 7 from 3 rows: loads, but onnxruntime cannot run it."""
+    return unchecked([helper.make_node("Gather", ["d", "i"], ["y"], name="pick")], [("d", TensorProto.FLOAT, [3])],
+                     [("y", TensorProto.FLOAT, [1])], [onnx.numpy_helper.from_array(np.array([7]), "i")])
+
+
+def computed_out_of_range() -> onnx.ModelProto:
+    """The index of :func:`gather_out_of_range` computed (5 + 2): no constant to check before running it."""
+    nodes = [helper.make_node("Add", ["a", "b"], ["i"]), helper.make_node("Gather", ["d", "i"], ["y"])]
+    return unchecked(nodes, [("d", TensorProto.FLOAT, [3])], [("y", TensorProto.FLOAT, [1])],
+                     [onnx.numpy_helper.from_array(np.array([5]), "a"), onnx.numpy_helper.from_array(np.array([2]), "b")])
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-verify"], ["--passes", "fold-constants", "--no-verify"]])
 @pytest.mark.parametrize("model, fragment", [
-    (lambda: unchecked([helper.make_node("Gather", ["d", "i"], ["y"])], [("d", TensorProto.FLOAT, [3])],
-                       [("y", TensorProto.FLOAT, [1])], [onnx.numpy_helper.from_array(np.array([7]), "i")]),
-     "indices element out of data bounds"),
-    (impossible_reshape, "Reshape"),
+    (gather_out_of_range, "Gather node 'pick' cannot run: index 7 is out of range for axis 0 of size 3 (valid: -3 to 2)"),
+    (impossible_reshape, "Reshape node 'y' cannot run: input [2, 3] has 6 elements, target shape [4, 4] takes 16"),
 ])
-def test_inputs_onnxruntime_cannot_run_are_refused_not_written_unverified(folder, model, fragment):
+def test_nodes_that_cannot_run_are_refused_before_any_pass(folder, model, fragment, flags):
+    """Item 8: found on static shapes and constants, with or without verification, whatever passes run."""
     onnx.save(model(), "bad.onnx")
     before = snapshot(folder)
+    code, out, err = invoke(["optimize", "bad.onnx", "o.onnx", *flags])
+    assert_one_line_error(code, out, err, 2, f"bad.onnx: {fragment}")
+    assert snapshot(folder) == before
+
+
+def reshape_to(target: list[int], allowzero: int = 0, opset: int = 17) -> onnx.ModelProto:
+    shape = helper.make_tensor("s", TensorProto.INT64, [len(target)], target)
+    model = unchecked([helper.make_node("Reshape", ["x", "s"], ["y"], allowzero=allowzero)],
+                      [("x", TensorProto.FLOAT, [2, 3, 4])], [("y", TensorProto.FLOAT, None)], [shape])
+    model.opset_import[0].version = opset
+    return model
+
+
+@pytest.mark.parametrize("target, allowzero", [([4, -1], 0), ([0, 12], 0), ([0, 0, -1], 0), ([24], 0), ([-1], 0),
+                                               ([2, 3, 4], 1), ([6, 1, 4], 0), ([0, 0, 0, 1], 0)])
+def test_reshapes_onnxruntime_runs_are_kept(target, allowzero):
+    out = k3opt.optimize(reshape_to(target, allowzero), verify=True)
+    assert out.graph.output[0].name == "y"
+
+
+@pytest.mark.parametrize("target, allowzero, why", [
+    ([5, -1], 0, "24 elements, not a multiple of the 5"),
+    ([-1, -1], 0, "more than one -1"),
+    ([2, -3, 4], 0, "negative size other than -1"),
+    ([1, 0, 0, 0], 0, "copies (0) a dim of input [2, 3, 4], which has only 3"),
+    ([0, 24], 1, "takes 0"),
+    ([2, 3, 5], 0, "takes 30"),
+])
+def test_reshapes_onnxruntime_refuses_are_refused(target, allowzero, why):
+    model = reshape_to(target, allowzero)
+    with pytest.raises(Exception):  # onnxruntime agrees: the original cannot run
+        verify.run(verify.session(model), {"x": np.ones((2, 3, 4), np.float32)})
+    with pytest.raises(k3opt.InputError, match=re.escape(why)):
+        k3opt.optimize(model)
+
+
+@pytest.mark.parametrize("indices, axis", [([-3, 2, 0], 0), ([[1, -1]], 1), ([], 0)])
+def test_gathers_in_range_are_kept(indices, axis):
+    table = onnx.numpy_helper.from_array(np.arange(9, dtype=np.float32).reshape(3, 3), "t")
+    model = unchecked([helper.make_node("Gather", ["t", "i"], ["g"], axis=axis), helper.make_node("Add", ["g", "x"], ["y"])],
+                      [("x", TensorProto.FLOAT, [1])], [("y", TensorProto.FLOAT, None)],
+                      [table, onnx.numpy_helper.from_array(np.array(indices, np.int64), "i")])
+    k3opt.optimize(model, verify=True)
+
+
+def test_an_input_onnxruntime_cannot_run_is_refused_not_written_unverified(folder):
+    """A fault no static check proves (a computed index) is onnxruntime's to find: verification cannot run."""
+    onnx.save(computed_out_of_range(), "bad.onnx")
+    before = snapshot(folder)
     code, out, err = invoke(["optimize", "bad.onnx", "o.onnx"])
-    assert_one_line_error(code, out, err, 2, fragment)
+    assert_one_line_error(code, out, err, 2, "indices element out of data bounds")
     assert "--no-verify" in err
     assert snapshot(folder) == before
 

@@ -115,7 +115,13 @@ def convert(
 #: onnx version-converter adapters that change what the op computes, by (op, one opset, the next): Scan 8
 #: has a batch axis that Scan 9 lacks, and onnx's adapter (either way) only rewrites the declared shapes, so
 #: the converted Scan reads the batch axis as its sequence axis (onnx's test_scan_sum then fails to run).
-INEXACT_ADAPTERS = {("Scan", 8, 9): "onnx's converter changes its batch axis into the sequence axis"}
+#: Dropout's mask: at opsets 7-9 a float tensor, bool from 10; in inference onnxruntime fills it with zeros
+#: (False) below opset 12 and with True from 12. Inexact only where the mask is read (:func:`_reads_mask`).
+INEXACT_ADAPTERS = {
+    ("Scan", 8, 9): "onnx's converter changes its batch axis into the sequence axis",
+    ("Dropout", 9, 10): "its mask output turns from float to bool",
+    ("Dropout", 11, 12): "its inference mask turns from all False to all True in onnxruntime",
+}
 
 
 def model_ops(model: onnx.ModelProto) -> set[str]:
@@ -131,15 +137,28 @@ def inexact_conversion(model: onnx.ModelProto, current: int, wanted: int) -> Opt
         why = _blocked_dequantize(model)
         if why:
             return why
-    crossed = {op: why for (op, before, after), why in INEXACT_ADAPTERS.items() if low <= before and after <= high}
+    crossed: dict[str, str] = {}
+    for (op, before, after), why in INEXACT_ADAPTERS.items():
+        if low <= before and after <= high:
+            crossed[op] = f"{crossed[op]}; {why}" if op in crossed else why
     if not crossed:
         return None
     for graph in all_graphs(model.graph):
         for node in graph.node:
-            if node.op_type in crossed and node.domain in _DEFAULT_DOMAINS:
+            if node.op_type in crossed and node.domain in _DEFAULT_DOMAINS and (
+                    node.op_type != "Dropout" or _reads_mask(model, node)):
                 where = f" (node '{node.name}')" if node.name else ""
                 return f"op {node.op_type}{where} has no exact conversion: {crossed[node.op_type]}"
     return None
+
+
+def _reads_mask(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
+    """Is this Dropout's mask output read (by a node, in any graph, or as a graph output)?"""
+    mask = node.output[1] if len(node.output) > 1 else ""
+    if not mask:
+        return False
+    return any(o.name == mask for o in model.graph.output) or any(
+        mask in n.input for g in all_graphs(model.graph) for n in g.node)
 
 
 def _blocked_dequantize(model: onnx.ModelProto) -> Optional[str]:

@@ -23,7 +23,8 @@ from ..modelio import opset as opsets
 from ..modelio.opset23_down import decompose_opset23
 from ..modelio.traced_experts import traced_experts_warnings
 from ..report import ModelSummary, Report
-from . import shapes, verify as verifier, verify_dims
+from . import shapes, static_faults, verify as verifier, verify_dims
+from .random_outputs import random_outputs
 from .manager import PassManager
 from .pass_base import Pass, PassContext
 
@@ -80,6 +81,8 @@ class Run:
         self.measure_output = True
         #: (feeds, onnxruntime's outputs of the original, output names), once verification ran them.
         self._expected: Optional[tuple[dict, list, list[str]]] = None
+        #: Outputs of the original whose values change on every run: compared by type and shape only.
+        self._random: dict[str, str] = {}
         # The model between the stages.
         self.model: Optional[onnx.ModelProto] = None
         self.out: Optional[onnx.ModelProto] = None
@@ -188,6 +191,7 @@ class Run:
             ctx.names.reserve(lifted)
             if any(p.needs_shapes for p in self.pipeline):  # the manager then skips a first refresh
                 ctx.shapes_available = refresher.seed(graph, model, tensors)
+            static_faults.check(graph, self._input_name())  # before a pass folds or moves the faulty node
             manager.run(graph, ctx, graphs=graphs, lifted=len(lifted))
             self.out = modelio.export_graph(graph, model)
         report.passes = [manager.stats[p.name].as_dict() for p in self.pipeline]
@@ -318,7 +322,7 @@ class Run:
                                        rtol, atol)
             if [o.name for o in candidate.graph.output] != names:
                 return verifier.failed("the lowered model's outputs are not the original's", rtol, atol)
-            return verifier.compare(expected, actual, names, rtol=rtol, atol=atol)
+            return verifier.compare(expected, actual, names, rtol=rtol, atol=atol, random=self._random)
 
         result = report.lowering_verification = result_of(out)
         if result["status"] == "passed":
@@ -364,6 +368,15 @@ class Run:
         """
         proto = onnx.load_from_string(original)
         names = [o.name for o in proto.graph.output]
+        random = self._random = random_outputs(proto)
+        if random and set(random) >= set(names):
+            first = next(iter(random.values()))
+            raise UnverifiableError(f"verification cannot run: every output depends on the unseeded random node "
+                                    f"{first}, whose values differ on every run; nothing was written (--no-verify "
+                                    "writes the model unverified; a seed attribute makes it comparable)")
+        if random:
+            self.report.warnings.append(f"output(s) {', '.join(repr(n) for n in random)} compared by type and shape "
+                                        f"only: they depend on the unseeded random node {next(iter(random.values()))}")
         try:
             reference = verifier.reference_session(original)
         except verifier.Unrunnable as exc:  # an op onnxruntime lacks: nothing can run it
@@ -402,12 +415,16 @@ class Run:
                                        self.rtol, self.atol)
             if [o.name for o in candidate.graph.output] != names:
                 return verifier.failed("the optimized model's outputs are not the original's", self.rtol, self.atol)
-            return verifier.compare(expected, actual, names, rtol=self.rtol, atol=self.atol)
+            return verifier.compare(expected, actual, names, rtol=self.rtol, atol=self.atol, random=random)
 
         try:
             result = result_of(out)
-        except verifier.Unrunnable as exc:
-            return self._skip_verification(f"optimized model: {exc}")
+        except verifier.Unrunnable as exc:  # onnxruntime ran the original: what it lacks, k3opt brought in
+            opset = opsets.model_opset(out)
+            at = f" at opset {opset}" if opset != self.opset_before else ""
+            raise UnverifiableError(f"verification cannot run: onnxruntime runs the input but not the optimized "
+                                    f"model{at} ({exc}); nothing was written (--no-verify writes the model "
+                                    "unverified)") from None
         self.report.verification = result
         if feeds.sizes:
             result["sizes"] = dict(feeds.sizes)

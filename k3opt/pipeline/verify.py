@@ -289,9 +289,12 @@ def _index_limits(graph: onnx.GraphProto) -> dict[str, int]:
 
 def compare(
     expected: Sequence[np.ndarray], actual: Sequence[np.ndarray], names: Sequence[str], *,
-    rtol: Optional[float] = None, atol: Optional[float] = None,
+    rtol: Optional[float] = None, atol: Optional[float] = None, random: Optional[Mapping[str, str]] = None,
 ) -> dict[str, Any]:
     """Per-output errors; ``status`` is "passed" or "failed".
+
+    ``random``: outputs whose values change on every run (name -> the random node they depend on,
+    :mod:`.random_outputs`): compared by shape and element type only.
 
     An element passes when ``|actual - expected| <= atol + rtol * |expected|``.
     Each output records ``tol_fraction``, the worst element's error divided by
@@ -310,6 +313,12 @@ def compare(
         if a.shape != b.shape:
             entry.update(max_abs=float("inf"), max_rel=float("inf"), tol_fraction=float("inf"), passed=False,
                          detail=f"shape {list(b.shape)} instead of {list(a.shape)}")
+        elif random and name in random:
+            same = a.dtype == b.dtype
+            worst = 0.0 if same else float("inf")
+            entry.update(max_abs=worst, max_rel=worst, tol_fraction=worst, passed=same,
+                         detail=f"values not compared: random ({random[name]})" if same
+                         else f"element type {b.dtype} instead of {a.dtype}")
         elif not np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_:
             same = bool(np.array_equal(a, b))
             worst = 0.0 if same else float("inf")

@@ -4,11 +4,9 @@ from __future__ import annotations
 from typing import Optional
 
 from ...graph.ir import Node, rank
+from ...pipeline.random_outputs import RANDOM_OPS
 
-#: Ops whose result is not a function of their inputs: never folded, never merged as common subexpressions.
-RANDOM_OPS = frozenset(
-    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
-)
+__all__ = ["RANDOM_OPS", "perm_of"]
 
 
 def perm_of(node: Node) -> Optional[list[int]]:
