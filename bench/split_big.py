@@ -5,7 +5,8 @@ wall time and peak RSS, VmHWM):
 
 - ``k3opt optimize --no-verify`` and ``k3opt optimize`` (verification on by default: block by block, the
   model being over ``--verify-memory``): the ratio of their wall times and the verified run's peak RSS;
-- ``k3opt split --stages N``: peak RSS against the model's size, the stages' bytes and largest / smallest.
+- ``k3opt split --stages N``: peak RSS against the model's size, the stages' bytes, where the cuts fall
+  (kind, layer, sublayer) and largest / smallest.
 
 The children are k3opt's CLI (no bench payload): ``exit`` is their exit code.
 """
@@ -63,6 +64,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "split": {"exit": split.returncode, "wall_s": split.wall_s, "peak_rss_mb": split.peak_rss_mb,
                   "peak_over_model": split.peak_rss_mb * 2**20 / size, "stages": len(stages),
                   "stage_bytes": [s["bytes"] for s in stages], "layers": [s["layers"] for s in stages],
+                  "cuts": [f"{c['kind']} {c['layer']} {c['part']}".strip() for c in manifest.get("cuts", [])],
                   "balance": manifest.get("balance"), "verification": (manifest.get("verification") or {}).get("status"),
                   "error": split.error[-300:] if split.returncode else ""},
     }

@@ -2,6 +2,9 @@
 run whose model is over --verify-memory (forced here on small 4-layer exports with a tiny budget)."""
 from __future__ import annotations
 
+import itertools
+import random
+
 import numpy as np
 import onnx
 import pytest
@@ -12,7 +15,7 @@ import k3opt
 from k3opt.blocks import plan
 from k3opt.blocks.run_hook import parse_size
 from k3opt.blocks.session import block_model, run_block, value_types
-from k3opt.blocks.structure import NoLayers, find_boundaries, partition
+from k3opt.blocks.structure import NoLayers, find_boundaries, find_stack, partition
 from k3opt.cli import main
 from k3opt.errors import UsageError, VerificationError
 from k3opt.pipeline import pass_base as base
@@ -77,6 +80,74 @@ def test_plan_groups_under_a_limit_and_balances_exactly():
     assert max(sum(sizes[i] for i in r) for r in stages) == 950  # no cut at these boundaries does better
     with pytest.raises(ValueError):
         plan.balanced([1, 2], 3)
+
+
+def _best_by_enumeration(sizes, parts, within, extra):
+    """The cut plan.balanced promises, found by trying every cut."""
+    cuts = []
+    for starts in itertools.combinations(range(1, len(sizes)), parts - 1):
+        bounds = [0, *starts, len(sizes)]
+        totals = [sum(sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
+        cuts.append((totals, sum(extra[j - 1] for j in starts)))
+    fits = [(t, c) for t, c in cuts if within is not None and max(t) <= within * min(t)]
+    if fits:  # fewest costly cuts within the ratio, then the smallest largest part, then the largest smallest
+        return min((c, max(t), -min(t)) for t, c in fits)
+    return min((max(t) / min(t), c) for t, c in cuts)  # else the most even, fewest costly cuts among those
+
+
+def test_plan_balanced_equals_trying_every_cut():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(2, 9)
+        parts = rng.randint(1, min(n, 4))
+        sizes = [rng.randint(1, 20) for _ in range(n)]
+        extra = [rng.choice((0, 0, 1)) for _ in range(n - 1)]
+        within = rng.choice((None, 1.1, 1.3, 2.0))
+        ranges = plan.balanced(sizes, parts, within=within, extra=extra)
+        assert [r.start for r in ranges][0] == 0 and ranges[-1].stop == n
+        assert all(a.stop == b.start and len(a) for a, b in zip(ranges, ranges[1:]))
+        totals = [sum(sizes[i] for i in r) for r in ranges]
+        cost = sum(extra[r.start - 1] for r in ranges[1:])
+        want = _best_by_enumeration(sizes, parts, within, extra)
+        got = (cost, max(totals), -min(totals)) if len(want) == 3 else (max(totals) / min(totals), cost)
+        assert got == want, (sizes, parts, within, extra)
+
+
+def test_plan_prefers_layer_boundaries_among_equal_cuts():
+    # units: a layer's attention (1) and MLP (3) halves; a cut between halves (rank 1) ties with the layer cut
+    sizes, rank = [1, 3, 1, 3], [1, 0, 1]
+    assert [r.start for r in plan.balanced([2, 2, 2, 2], 2, rank=[1, 0, 1])] == [0, 2]
+    assert [r.start for r in plan.balanced(sizes, 2, within=1.1, rank=rank)] == [0, 2]
+
+
+@needs_torch
+@pytest.mark.parametrize("name,decode", CASES)
+def test_every_cut_point_is_a_boundary_the_blocks_chain_through(name, decode):
+    """Layer boundaries, the stream between a layer's attention and MLP, and the activations inside them that a
+    cut hands on with the stream: the model cut at all of them at once runs equal to the whole."""
+    model = onnx.load(split_model(name, decode))
+    stack = find_stack(model.graph, inner=True)
+    assert stack.boundaries == find_boundaries(model.graph)
+    for layer in range(1, LAYERS):
+        kinds = [(p.kind, p.part) for p in stack.points if p.layer == layer]
+        assert kinds[0] == ("layer", "") and ("sublayer", "attention") in kinds
+        assert ("inner", "attention") in kinds  # the attention's output before its projection
+        if name != "deepseek_v3" or layer == 0:  # a SwiGLU / GELU MLP; DeepSeek's MoE has none
+            assert kinds[-1] == ("inner", "mlp")
+    cuts = [stack.boundaries[0]] + [p.tensor for p in stack.points] + [stack.boundaries[-1]]
+    blocks = partition(model.graph, cuts)
+    feeds = split_inputs(name, decode)
+    env = dict(feeds)
+    types = value_types(model)
+    ends = [None] + [(p.kind, p.part) for p in stack.points] + [None, None]  # what block k ends at
+    for k, b in enumerate(blocks):
+        env.update(run_block(block_model(model, b, types), env))
+        if decode:  # a layer's cache stays with its attention's core
+            presents = [x for x in b.outputs if x.startswith("present")]
+            assert len(presents) == (2 if ends[k] == ("inner", "attention") else 0)
+    whole = verifier.run(verifier.session(model), feeds)
+    for out, want in zip(model.graph.output, whole):
+        np.testing.assert_array_equal(env[out.name], want)
 
 
 def test_parse_size():

@@ -22,9 +22,11 @@ from .fake_atc import recorded_argv, write_fake_atc
 from .split_models import DECODE_NAMES, LAYERS, NAMES, split_inputs, split_model as export
 from .zoo import needs_torch
 
-CASES = [pytest.param(n, False, s, id=f"{n}-prefill-{s}") for n in NAMES for s in (2, 3)] + \
-        [pytest.param(n, True, s, id=f"{n}-decode-{s}") for n in DECODE_NAMES for s in (2, 3)]
-
+CASES = [pytest.param(n, False, s, None, id=f"{n}-prefill-{s}") for n in NAMES for s in (2, 3)] + \
+        [pytest.param(n, True, s, None, id=f"{n}-decode-{s}") for n in DECODE_NAMES for s in (2, 3)]
+#: balance 2: 3 stages of 4 layers cut between a layer's attention and its MLP (the default 1.1 cuts inside them)
+MID_LAYER = [pytest.param(n, d, 3, 2.0, id=f"{n}-{'decode' if d else 'prefill'}-3-mid-layer")
+             for n in NAMES for d in (False, True) if not d or n in DECODE_NAMES]
 
 def chained(folder: Path, feeds: dict) -> dict:
     """The stages of ``folder`` run in manifest order from their files, each fed from the graph inputs and
@@ -42,11 +44,11 @@ def chained(folder: Path, feeds: dict) -> dict:
 
 
 @needs_torch
-@pytest.mark.parametrize("name,decode,stages", CASES)
-def test_stages_chained_equal_the_whole_model(name, decode, stages, tmp_path):
+@pytest.mark.parametrize("name,decode,stages,balance", CASES + MID_LAYER)
+def test_stages_chained_equal_the_whole_model(name, decode, stages, balance, tmp_path):
     src = export(name, decode)
     out = tmp_path / "stages"
-    manifest = split_model(src, out, stages)
+    manifest = split_model(src, out, stages, **({} if balance is None else {"balance": balance}))
     assert manifest["verification"]["status"] == "passed"
     assert len(manifest["stages"]) == stages
     whole = onnx.load(src)
@@ -60,11 +62,16 @@ def test_stages_chained_equal_the_whole_model(name, decode, stages, tmp_path):
     assert sum(len(n) for n in nodes) == len(whole.graph.node) + sum(s["copied_constants"] for s in manifest["stages"])
     layers = [s["layers"] for s in manifest["stages"]]
     assert layers[0][0] == 0 and layers[-1][1] == LAYERS - 1
-    assert all(a[1] + 1 == b[0] for a, b in zip(layers, layers[1:]))
+    for (a, b), cut in zip(zip(layers, layers[1:]), manifest["cuts"]):  # a layer cut inside is in both stages
+        assert b[0] == (a[1] + 1 if cut["kind"] == "layer" else a[1]) == cut["layer"]
+        assert cut["tensor"] in cut["hands"] or cut["kind"] != "layer"
+    if balance is not None:  # the stream between a layer's attention and its MLP
+        assert [(c["kind"], c["part"]) for c in manifest["cuts"]] == [("sublayer", "attention"), ("layer", "")]
     for s in manifest["stages"]:
         assert (out / s["data"]).is_file() and s["device"] == s["index"]
-        if decode:  # each stage has exactly its layers' caches (GPT-2's stage 0 reads layer 0's for positions)
-            own = [f"past_key_values.{i}.{p}" for i in range(s["layers"][0], s["layers"][1] + 1) for p in ("key", "value")]
+        if decode:  # a layer's caches are the stage's holding its attention: the first holding the layer
+            own = [f"past_key_values.{i}.{p}" for i in range(s["layers"][0], s["layers"][1] + 1)
+                   if s["index"] == 0 or layers[s["index"] - 1][1] < i for p in ("key", "value")]
             assert sorted(s["cache_inputs"]) == sorted(own)
             assert sorted(s["cache_outputs"]) == sorted(n.replace("past_key_values", "present") for n in own)
 
@@ -171,3 +178,24 @@ def test_external_data_model_over_the_budget_splits_and_verifies_layer_by_layer(
     env = chained(tmp_path / "s", split_inputs("llama", True))
     want = verifier.run(verifier.session(onnx.load(src)), split_inputs("llama", True))
     np.testing.assert_array_equal(env["logits"], want[0])
+
+
+@needs_torch
+def test_cli_balance_decides_whether_cuts_go_inside_a_sublayer(tmp_path):
+    """3 stages of 4 equal layers: within 1.1 takes a cut inside an attention and one inside an MLP (each hands
+    on one activation besides the stream); within 2 the stream between attention and MLP is enough."""
+    src = str(export("qwen2"))
+    runner = CliRunner()
+    tight = runner.invoke(main, ["split", src, "--stages", "3", "-o", str(tmp_path / "a")])
+    assert tight.exit_code == 0, tight.output
+    assert "cut inside layer 1's attention: hands on" in tight.output and "cut inside layer 2's mlp" in tight.output
+    manifest = read_manifest(tmp_path / "a")
+    assert manifest["balance"] <= 1.1 and {c["kind"] for c in manifest["cuts"]} == {"inner"}
+    inner = manifest["cuts"][1]
+    assert inner["tensor"] in inner["hands"] and len(inner["hands"]) == 2  # the activation and the stream
+    loose = runner.invoke(main, ["split", src, "--stages", "3", "--balance", "2", "-o", str(tmp_path / "b")])
+    assert loose.exit_code == 0, loose.output
+    assert "cut after layer 1's attention" in loose.output and "inside" not in loose.output
+    assert 1.1 < read_manifest(tmp_path / "b")["balance"] <= 2
+    bad = runner.invoke(main, ["split", src, "--stages", "3", "--balance", "0.5", "-o", str(tmp_path / "c")])
+    assert bad.exit_code == 2 and "--balance" in bad.output

@@ -1,4 +1,4 @@
-"""``k3opt split MODEL --stages N -o OUT_DIR``: pipeline stages cut at decoder-layer boundaries (docs/split.md)."""
+"""``k3opt split MODEL --stages N -o OUT_DIR``: pipeline stages cut on the residual stream (docs/split.md)."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -7,7 +7,7 @@ import click
 
 from ..cli_options import progress_for, run_options, target_option
 from .run_hook import parse_size
-from .split import parse_layers, split_model
+from .split import DEFAULT_BALANCE, parse_layers, split_model
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[int]:
@@ -20,6 +20,9 @@ def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> O
 @click.option("--layers", metavar="A-B,C-D", help="The stages' decoder-layer ranges by hand, e.g. 0-7,8-15.")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Output folder (stages + manifest.json).")
 @target_option("cann: optimize and lower for Ascend first, then cut the lowered model.")
+@click.option("--balance", type=click.FloatRange(1.0), default=DEFAULT_BALANCE, show_default=True, metavar="RATIO",
+              help="Largest / smallest stage to aim for: cuts that hand on an activation besides the residual "
+                   "stream are used only when the stream cuts cannot reach it.")
 @click.option("--max-stage-bytes", callback=_size, metavar="SIZE", help="Refuse a stage over this (per-card memory).")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Chain the stages in onnxruntime against the whole model.")
@@ -32,7 +35,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> O
 @run_options
 def split_cmd(model: str, stages: Optional[int], layers: Optional[str], output: str, target: str,
               max_stage_bytes: Optional[int], quiet: bool, debug: bool, **kw: Any) -> None:
-    """Cut MODEL at decoder-layer boundaries into pipeline stages, one ONNX model per card, with a manifest."""
+    """Cut MODEL into pipeline stages (at layer boundaries, or inside layers for balance), one ONNX model per card."""
     progress = progress_for({"quiet": quiet})
     manifest = split_model(model, output, stages, layers=parse_layers(layers) if layers else None,
                            max_stage_bytes=max_stage_bytes, target=target, progress=progress, **kw)
@@ -42,6 +45,10 @@ def split_cmd(model: str, stages: Optional[int], layers: Optional[str], output: 
         click.echo(f"stage {s['index']}: layers {s['layers'][0]}-{s['layers'][1]}, {s['bytes'] / 2**20:.1f} MB, "
                    f"{s['nodes']} nodes, {len(s['inputs'])} inputs, {len(s['outputs'])} outputs -> {s['file']}")
     v = manifest["verification"]
+    for c in manifest["cuts"]:
+        if c["kind"] != "layer":
+            where = "after" if c["kind"] == "sublayer" else "inside"
+            click.echo(f"cut {where} layer {c['layer']}'s {c['part']}: hands on {', '.join(c['hands'])}")
     click.echo(f"balance (largest / smallest stage): {manifest['balance']:.3f}")
     click.echo(f"verification: {v['status']}" + (f" ({v['reason']})" if v.get("reason") else ""))
     click.echo(f"wrote {output}/manifest.json")

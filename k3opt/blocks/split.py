@@ -1,15 +1,18 @@
-"""``split``: a transformer cut at decoder-layer boundaries into pipeline stages, one ONNX model per card.
+"""``split``: a transformer cut into pipeline stages, one ONNX model per card.
 
 Each stage is a valid ONNX model with its own external data (weights streamed from the source, never all in
 memory), its inputs the tensors it reads from the graph inputs or earlier stages and its outputs those that
 later stages or the graph outputs read. The embeddings go to the first stage and the final norm and lm_head
-to the last; each layer's KV-cache inputs and outputs go with the layer. Stages are balanced by weight
-bytes plus the KV-cache bytes of static cache inputs (:func:`k3opt.blocks.plan.balanced`: the cut whose
-largest stage is smallest), or given by hand as layer ranges. A manifest (``manifest.json``) records the
-stage order, the tensors handed from stage to stage (names, dtypes, shapes), the cache tensors each stage
-owns, its bytes and its device index. Stages with IR version 10 or later also carry ONNX's own pipeline
-metadata (a ``configuration`` and each node's ``pipeline_stage``). Verification runs the written stages in
-sequence in onnxruntime against the whole model (run block by block when over ``verify_memory``).
+to the last; each layer's KV-cache inputs and outputs go with its attention. The stages meet at the cut points
+of :func:`k3opt.blocks.structure.find_stack`: layer boundaries, the stream between a layer's attention and
+its MLP, and, only where those cannot bring the stages within ``balance``, an activation inside a sublayer.
+They are balanced by weight bytes plus the KV-cache bytes of static cache inputs
+(:func:`k3opt.blocks.plan.balanced`), or given by hand as layer ranges. A manifest (``manifest.json``)
+records the stage order, the cuts (where, of which kind, what they hand on), the tensors handed from stage
+to stage (names, dtypes, shapes), the cache tensors each stage owns, its bytes and its device index. Stages
+with IR version 10 or later also carry ONNX's own pipeline metadata (a ``configuration`` and each node's
+``pipeline_stage``). Verification runs the written stages in sequence in onnxruntime against the whole model
+(run block by block when over ``verify_memory``).
 """
 from __future__ import annotations
 
@@ -30,12 +33,14 @@ from ..targets import get_target
 from . import plan
 from .run_hook import DEFAULT_BUDGET
 from .session import block_model, run_block, value_types
-from .structure import Block, find_boundaries, partition
+from .structure import Block, CutPoint, Stack, find_stack, partition
 
 MANIFEST = "manifest.json"
 FORMAT = "k3opt-pipeline/1"
 CONFIGURATION = "k3opt-pipeline"
 _PIPELINE_IR = 10  # onnx's DeviceConfigurationProto and NodeDeviceConfigurationProto.pipeline_stage
+#: --balance: the largest / smallest stage a split aims for (issue #32: stages within 10% of each other).
+DEFAULT_BALANCE = 1.1
 
 
 def parse_layers(text: str) -> list[tuple[int, int]]:
@@ -54,7 +59,7 @@ def parse_layers(text: str) -> list[tuple[int, int]]:
 def split_model(
     model: str | os.PathLike, out_dir: str | os.PathLike, stages: Optional[int] = None, *,
     layers: Optional[Sequence[tuple[int, int]]] = None, max_stage_bytes: Optional[int] = None,
-    verify: bool = True, verify_memory: Optional[int] = None, input_data: Any = None, seed: int = 0,
+    balance: float = DEFAULT_BALANCE, verify: bool = True, verify_memory: Optional[int] = None, input_data: Any = None, seed: int = 0,
     rtol: Optional[float] = None, atol: Optional[float] = None, overwrite: bool = False, target: str = "onnx",
     progress: Optional[Callable[[str], None]] = None,
 ) -> dict[str, Any]:
@@ -71,7 +76,7 @@ def split_model(
                           f"{out}: exists and is not a folder")
     if not out.parent.is_dir():
         raise OutputError(f"{out}: its folder {out.parent} does not exist")
-    options = dict(layers=layers, max_stage_bytes=max_stage_bytes, verify=verify, verify_memory=verify_memory,
+    options = dict(layers=layers, max_stage_bytes=max_stage_bytes, balance=balance, verify=verify, verify_memory=verify_memory,
                    input_data=input_data, seed=seed, rtol=rtol, atol=atol, progress=progress)
     found = get_target(target)
     if not found.lowers:
@@ -96,24 +101,16 @@ def split_model(
 
 
 def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Sequence[tuple[int, int]]],
-           max_stage_bytes: Optional[int], verify: bool, verify_memory: Optional[int], input_data: Any, seed: int,
+           max_stage_bytes: Optional[int], balance: float, verify: bool, verify_memory: Optional[int], input_data: Any, seed: int,
            rtol: Optional[float], atol: Optional[float], progress: Optional[Callable[[str], None]]) -> dict[str, Any]:
     say = progress or (lambda _msg: None)
     say("loading")
     loaded = modelio.read_model(model)
     proto = loaded.model
-    boundaries = find_boundaries(proto.graph)  # raises NoLayers
-    count = len(boundaries) - 1
-    fine = partition(proto.graph, boundaries)
+    stack = find_stack(proto.graph)  # raises NoLayers
     types = _inferred_types(proto)
-    unit_bytes = [b.weight_bytes + _cache_bytes(b, types) for b in fine]
-    # layer i is fine block i + 1; the embeddings join layer 0, the head the last layer
-    units = [unit_bytes[i + 1] for i in range(count)]
-    units[0] += unit_bytes[0]
-    units[-1] += unit_bytes[-1]
-    ranges = _ranges(units, count, stages, layers)
-    cuts = [boundaries[r[-1] + 1] for r in ranges[:-1]]
-    blocks = partition(proto.graph, cuts)
+    cuts = _choose_cuts(proto.graph, stack, types, stages, layers, balance)
+    blocks = partition(proto.graph, [c.tensor for c in cuts])
     sizes = [b.weight_bytes + _cache_bytes(b, types) for b in blocks]
     if max_stage_bytes is not None and max(sizes) > max_stage_bytes:
         worst = int(np.argmax(sizes))
@@ -130,10 +127,10 @@ def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Se
             path = staged / f"stage{i}.onnx"
             modelio.save(stage, path, external_data=True)
             files.append(path)
-        manifest = _manifest(Path(model), blocks, ranges, cuts, types, sizes, files)
+        manifest = _manifest(Path(model), blocks, cuts, len(stack.boundaries) - 1, types, sizes, files)
         if verify:
             say("verifying the stages chained against the whole model")
-            manifest["verification"] = _verify(proto, boundaries, files, types, verify_memory, input_data, seed,
+            manifest["verification"] = _verify(proto, stack.boundaries, files, types, verify_memory, input_data, seed,
                                                rtol, atol)
             if manifest["verification"]["status"] == "failed":
                 raise VerificationError("the stages chained differ from the whole model ("
@@ -149,22 +146,48 @@ def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Se
     return manifest
 
 
-def _ranges(units: list[int], count: int, stages: Optional[int],
-            layers: Optional[Sequence[tuple[int, int]]]) -> list[range]:
+#: Among equally balanced cuts, layer boundaries first, then the stream between sublayers.
+_RANK = {"layer": 0, "sublayer": 1, "inner": 2}
+
+
+def _choose_cuts(graph: onnx.GraphProto, stack: Stack, types: Mapping[str, onnx.ValueInfoProto],
+                 stages: Optional[int], layers: Optional[Sequence[tuple[int, int]]],
+                 balance: float) -> list[CutPoint]:
+    """Where the stages meet: at the given layer ranges' starts, or the balanced cut (:func:`_balanced_cuts`)."""
+    count = len(stack.boundaries) - 1
     if layers:
         ranges = [range(a, b + 1) for a, b in layers]
-        flat = [i for r in ranges for i in r]
-        if flat != list(range(count)):
+        if [i for r in ranges for i in r] != list(range(count)):
             raise UsageError(f"--layers must cover layers 0..{count - 1} in order, each once; got "
                              + ",".join(f"{r.start}-{r.stop - 1}" for r in ranges))
         if stages is not None and stages != len(ranges):
             raise UsageError(f"--stages {stages} but --layers gives {len(ranges)} ranges")
-        return ranges
+        starts = {p.layer: p for p in stack.points if p.kind == "layer"}
+        return [starts[r.start] for r in ranges[1:]]
     if stages is None or stages < 1:
         raise UsageError("give --stages N (N >= 1) or --layers")
     if stages > count:
         raise UsageError(f"{stages} stages but the model has {count} decoder layers: at most {count} stages")
-    return plan.balanced(units, stages)
+    cuts, ratio = _balanced_cuts(graph, stack, types, stages, balance)
+    if ratio > balance:  # the stream alone cannot: cuts inside sublayers too, as few as reach the balance
+        cuts, ratio = _balanced_cuts(graph, find_stack(graph, inner=True), types, stages, balance)
+    return cuts
+
+
+def _balanced_cuts(graph: onnx.GraphProto, stack: Stack, types: Mapping[str, onnx.ValueInfoProto], stages: int,
+                   balance: float) -> tuple[list[CutPoint], float]:
+    """The cut among ``stack.points`` of :func:`k3opt.blocks.plan.balanced` (by weight bytes plus static
+    KV-cache bytes), and its largest / smallest stage."""
+    points = stack.points
+    fine = partition(graph, [stack.boundaries[0]] + [p.tensor for p in points] + [stack.boundaries[-1]])
+    sizes = [b.weight_bytes + _cache_bytes(b, types) for b in fine]
+    units = sizes[1:-1]  # unit j lies between points j - 1 and j; the embeddings and the head join the ends
+    units[0] += sizes[0]
+    units[-1] += sizes[-1]
+    ranges = plan.balanced(units, stages, within=balance, extra=[p.hands for p in points],
+                           rank=[_RANK[p.kind] for p in points])
+    totals = [sum(units[i] for i in r) for r in ranges]
+    return [points[r.start - 1] for r in ranges[1:]], max(totals) / max(min(totals), 1)
 
 
 def _inferred_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
@@ -216,26 +239,30 @@ def _tensor(name: str, types: Mapping[str, onnx.ValueInfoProto]) -> dict[str, An
     return {"name": name, "dtype": str(dtypes.numpy_dtype(t.elem_type)), "shape": shape}
 
 
-def _manifest(source: Path, blocks: list[Block], ranges: list[range], cuts: list[str],
+def _manifest(source: Path, blocks: list[Block], cuts: list[CutPoint], count: int,
               types: Mapping[str, onnx.ValueInfoProto], sizes: list[int], files: list[Path]) -> dict[str, Any]:
     made = {}
     for i, b in enumerate(blocks):
         made.update((y, i) for y in b.outputs)
+    firsts = [0] + [c.layer for c in cuts]
+    lasts = [c.layer - 1 if c.kind == "layer" else c.layer for c in cuts] + [count - 1]
     stages = []
-    for i, (b, r, f) in enumerate(zip(blocks, ranges, files)):
+    for i, (b, f) in enumerate(zip(blocks, files)):
         inputs = [dict(_tensor(n, types), **{"from": made.get(n, "graph")}) for n in b.inputs]
         readers = {n: [j for j, later in enumerate(blocks) if n in later.inputs] for n in b.outputs}
         outputs = [dict(_tensor(n, types), to=readers[n]) for n in b.outputs]
         stages.append({
             "index": i, "device": i, "file": f.name, "data": modelio.data_path(f).name,
-            "layers": [r.start, r.stop - 1], "nodes": len(b.nodes) + len(b.copied), "copied_constants": len(b.copied),
+            "layers": [firsts[i], lasts[i]], "nodes": len(b.nodes) + len(b.copied), "copied_constants": len(b.copied),
             "weight_bytes": b.weight_bytes, "bytes": sizes[i],
             "cache_inputs": [n for n in b.inputs if n.startswith("past")],
             "cache_outputs": [n for n in b.outputs if n.startswith("present")],
             "inputs": inputs, "outputs": outputs,
         })
-    return {"format": FORMAT, "source": str(source), "boundaries": cuts, "stages": stages,
-            "balance": max(sizes) / max(min(sizes), 1)}
+    return {"format": FORMAT, "source": str(source), "boundaries": [c.tensor for c in cuts],
+            "cuts": [{"tensor": c.tensor, "layer": c.layer, "kind": c.kind, "part": c.part,
+                      "hands": [n for n in blocks[k + 1].inputs if made.get(n) == k]} for k, c in enumerate(cuts)],
+            "stages": stages, "balance": max(sizes) / max(min(sizes), 1)}
 
 
 def _verify(model: onnx.ModelProto, boundaries: list[str], files: list[Path],

@@ -4,7 +4,9 @@ The residual stream is the longest chain of ``Add(r, f(r))`` nodes (``r`` read b
 the sublayer ``f``, by its other operand). A sublayer that holds an attention (a fused attention op, or a
 Softmax feeding a MatMul of two activations) starts a decoder layer, so the layer boundaries are the
 stream tensors entering each attention sublayer, plus the last one (the final norm and the head follow).
-Nothing here reads a weight: it works on the structure of a model of any size, original or optimized
+:func:`find_stack` also lists where else a pipeline split may cut: the stream between a layer's sublayers,
+and activations inside a sublayer that are all a cut there hands on besides the stream. Nothing here reads
+a weight: it works on the structure of a model of any size, original or optimized
 (k3opt's passes keep the residual Adds and their output names).
 
 :func:`partition` puts every node in one block: block 0 computes the first boundary (the embeddings),
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import onnx
 
@@ -112,17 +114,94 @@ class _Index:
         return seen
 
 
+@dataclasses.dataclass(frozen=True)
+class CutPoint:
+    """A tensor a split may cut the stack at (the next stage receives it), and where it lies."""
+
+    tensor: str
+    layer: int  # the layer it starts (kind "layer") or lies in
+    kind: str  # "layer": a layer boundary; "sublayer": the stream after a sublayer; "inner": inside a sublayer
+    part: str  # the sublayer it follows ("sublayer") or lies in ("inner"): "attention" or "mlp"; "" for "layer"
+    hands: int  # activations it hands on besides the residual stream (1 for "inner", else 0)
+
+
+@dataclasses.dataclass
+class Stack:
+    """A decoder stack's layer boundaries (:func:`find_boundaries`) and every place a split may cut it."""
+
+    boundaries: list[str]
+    points: list[CutPoint]  # in order; neither before layer 0 nor after the last layer (the tables join them)
+
+
 def find_boundaries(graph: onnx.GraphProto) -> list[str]:
     """The residual-stream tensors at the decoder-layer boundaries, in order; raises NoLayers."""
+    return find_stack(graph).boundaries
+
+
+def find_stack(graph: onnx.GraphProto, inner: bool = False) -> Stack:
+    """The layer boundaries and cut points of ``graph``; raises NoLayers.
+
+    The cut points are the layer boundaries after layer 0 and, inside each layer, the stream between its
+    sublayers (after the attention's residual Add: the layer's KV cache stays with its attention). With
+    ``inner``, also the activations inside a sublayer that are, with the stream, all a cut there hands on
+    (:func:`_inner_points`: in a SwiGLU MLP, ``act(gate(x)) * up(x)`` before the down projection).
+    """
     index = _Index(graph)
     chain, segments = _residual_chain(index)
     if len(chain) < 3:
         raise NoLayers("no layer structure found: looked for a residual stream (a chain of at least two "
                        "Add(x, f(x)) nodes between decoder layers)")
-    starts = [i for i, seg in enumerate(segments) if _has_attention(index, seg)]
-    if not starts:  # no attention (an MLP stack): every sublayer is a layer
-        return chain
-    return [chain[i] for i in starts] + [chain[-1]]
+    attention = [_has_attention(index, seg) for seg in segments]
+    starts = [i for i, a in enumerate(attention) if a] or list(range(len(segments)))
+    sizes = {t.name: tensor_nbytes(t) for t in graph.initializer} if inner else {}
+    side = _side_nodes(index, set(chain)) if inner else set()
+    points = []
+    for layer, start in enumerate(starts):
+        end = starts[layer + 1] if layer + 1 < len(starts) else len(segments)
+        if layer:
+            points.append(CutPoint(chain[start], layer, "layer", "", 0))
+        for i in range(start, end):
+            part = "attention" if attention[i] else "mlp"
+            if inner:
+                add = index.producer[chain[i + 1]]
+                points += [CutPoint(t, layer, "inner", part, 1) for t in _inner_points(index, segments[i], add, side,
+                                                                                       sizes)]
+            if i + 1 < end:
+                points.append(CutPoint(chain[i + 1], layer, "sublayer", part, 0))
+    return Stack([chain[i] for i in starts] + [chain[-1]], points)
+
+
+def _inner_points(index: _Index, segment: set[int], add: int, side: set[int], sizes: Mapping[str, int]) -> list[str]:
+    """Tensors ``t`` of a sublayer (its nodes ``segment``, its residual Add ``add``) such that ``t`` is the only
+    tensor the nodes ``t`` depends on hand to the rest of the sublayer (side computations and constants are
+    copied, not handed), with weights of at least 1 KiB on both sides: a cut at ``t`` hands on ``t`` and the
+    stream. Of the tensors splitting the weights the same way, the last in graph order."""
+    graph = index.graph
+    members = [i for i in sorted(segment) if i not in side and graph.node[i].op_type != "Constant"]
+    inside = set(members)
+
+    def weights(nodes: Iterable[int]) -> frozenset[str]:
+        return frozenset(x for i in nodes for x in index.inputs[i] if sizes.get(x, 0) >= EXTERNAL_THRESHOLD)
+
+    found: dict[frozenset[str], tuple[int, str]] = {}
+    for p in members:
+        outs = [y for y in graph.node[p].output if y]
+        if len(outs) != 1:
+            continue
+        above: set[int] = set()
+        todo = [p]
+        while todo:
+            q = todo.pop()
+            if q in above or q not in inside:
+                continue
+            above.add(q)
+            todo += [index.producer[x] for x in index.inputs[q] if x in index.producer]
+        below = (inside - above) | {add}
+        handed = {y for q in above for y in graph.node[q].output if any(c in below for c in index.consumers.get(y, ()))}
+        first, rest = weights(above), weights(inside - above)
+        if handed == set(outs) and first and rest - first:
+            found[first] = (p, outs[0])
+    return [t for _, t in sorted(found.values())]
 
 
 def _residual_chain(index: _Index) -> tuple[list[str], list[set[int]]]:
