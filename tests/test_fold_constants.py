@@ -405,3 +405,37 @@ def test_size_guard_counts_huge_sizes_exactly(op, bound, expected):
 
     assert predicted_elements(node, value) == expected
     assert too_big(node, value, {})
+
+
+H = T.FLOAT16
+_FP16_EDGES = {  # constant float16 subgraphs that overflow or leave the function's domain: (nodes, a, folds)
+    "Exp overflows": ([helper.make_node("Exp", ["a"], ["c"])], [11.5, 1.0, -20.0], False),
+    "Sqrt of a negative": ([helper.make_node("Sqrt", ["a"], ["c"])], [-4.0, 4.0, 0.0], True),
+    "Log of zero and a negative": ([helper.make_node("Log", ["a"], ["c"])], [0.0, -1.0, 2.0], True),
+    "Mul overflows midway": ([helper.make_node("Mul", ["a", "a"], ["m"]), helper.make_node("Div", ["m", "a"], ["c"])],
+                             [300.0, 2.0, -300.0], False),
+    "Mul in range": ([helper.make_node("Mul", ["a", "a"], ["m"]), helper.make_node("Div", ["m", "a"], ["c"])],
+                     [3.0, 2.0, -4.0], True),
+    "ReduceSum overflows": ([helper.make_node("ReduceSum", ["a"], ["c"], keepdims=1)], [60000.0, 60000.0, -1.0], False),
+    "Softmax of large values": ([helper.make_node("Softmax", ["a"], ["c"])], [60000.0, 1.0, -60000.0], True),
+    "Pow to infinity": ([helper.make_node("Pow", ["a", "a"], ["c"])], [10.0, 0.5, -2.0], False),
+    "Exp underflows": ([helper.make_node("Exp", ["a"], ["c"])], [-12.0, 1.0, 0.0], False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_FP16_EDGES))
+def test_float16_folding_computes_what_onnxruntime_computes(case):
+    """Issue #26 item 8: onnxruntime computes float16 arithmetic in float32 (no float16 kernels on CPU), so
+    a folded float16 constant must hold what the unfolded model gives, bit for bit, next to any input:
+    where one rounding more (an overflow to inf, an underflow) changes the result, the fold declines."""
+    nodes, values, folds = _FP16_EDGES[case]
+    shape = [1] if "ReduceSum" in case else [3]
+    model = make_model([*nodes, helper.make_node("Add", ["x", "c"], ["y"])], [("x", H, shape)],
+                       [("y", H, [3])], {"a": np.array(values, np.float16)})
+    out, _ = fold(model)
+    assert (op_counts(out) == {"Add": 1}) == folds, op_counts(out)
+    for x in (0.0, -65504.0, 1e-3):
+        feeds = {"x": np.full(shape, x, np.float16)}
+        expected, actual = run_ort(model, feeds)[0], run_ort(out, feeds)[0]
+        assert expected.dtype == actual.dtype == np.float16
+        assert np.array_equal(expected, actual, equal_nan=True), (x, expected, actual)

@@ -110,8 +110,8 @@ def test_movers_after_the_session(monkeypatch):
     inits = {"s": np.array([3, 4], np.int64), "a0": np.array([-1], np.int64)}
     graph = _graph(nodes, inits, 17)
     sessions = []
-    real = fold_eval._sub_model
-    monkeypatch.setattr(fold_eval, "_sub_model", lambda g, ns, *a: sessions.append([n.op for n in ns]) or real(g, ns, *a))
+    real = fold_eval.sub_model
+    monkeypatch.setattr(fold_eval, "sub_model", lambda g, ns, *a: sessions.append([n.op for n in ns]) or real(g, ns, *a))
     fast = run_ort(graph, graph.nodes, ["d1", "di"], {})
     assert sessions == [["Max"]]
     assert fast["d1"].tolist() == [[3], [4]] and fast["di"].tolist() == [3, 4]

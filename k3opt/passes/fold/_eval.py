@@ -52,7 +52,7 @@ def const_proto(t: Tensor) -> TensorProto:
     return proto
 
 
-def _sub_model(
+def sub_model(
     graph: Graph,
     nodes: Sequence[Node],
     outputs: Sequence[str],
@@ -180,7 +180,7 @@ def _in_session(graph: Graph, nodes: Sequence[Node], outputs: Sequence[str], kno
     """``outputs`` of ``nodes`` from one onnxruntime session (none for no nodes and no outputs)."""
     if not nodes and not outputs:
         return {}
-    model = _sub_model(graph, nodes, outputs, known)
+    model = sub_model(graph, nodes, outputs, known)
     try:
         values = run_model(model)
     except Exception as exc:  # any ORT failure means "not foldable this way"
@@ -193,7 +193,7 @@ def run_reference(graph: Graph, node: Node, known: dict) -> dict[str, object]:
     from onnx.reference import ReferenceEvaluator
 
     outputs = [t.name for t in node.outputs if t.name]
-    model = _sub_model(graph, [node], outputs, known)
+    model = sub_model(graph, [node], outputs, known)
     try:
         values = ReferenceEvaluator(model).run(None, {})
     except Exception as exc:

@@ -11,7 +11,9 @@ One run repeats three sweeps until nothing changes:
 3. nodes whose inputs are all constant are grouped into connected subgraphs
    and each group is evaluated in one onnxruntime session; if that fails,
    node by node in onnxruntime, then in ``onnx.reference``; a node that
-   still fails is left as it is (and not retried).
+   still fails is left as it is (and not retried). A group computing in
+   float16/bfloat16 folds only the values its float32 twin agrees with
+   (:mod:`._low_precision`: onnxruntime computes such runs in float32).
 
 Refused: DequantizeLinear (folding it would store a quantized weight back in
 float, 4-8x its size), random ops, training-mode Dropout, ops of custom domains, ops that
@@ -38,6 +40,7 @@ from .._rewire import detach, is_used, remove
 from .._shared.op_kinds import RANDOM_OPS
 from ..fold._eval import EvalError, as_array, run_ort, run_reference
 from ..fold._guard import too_big
+from ..fold._low_precision import disagreeing
 from ...graph.small_constants import remember_value
 from ...graph.symbolic.dims import fold_shape_value
 from ...pipeline.analyses import DimAnalysis
@@ -152,8 +155,14 @@ class FoldConstants(Pass):
         for group in groups:
             members = {id(n) for n in group}
             values = everything if everything is not None else self._evaluate(graph, group)
+            handed_on = {t.name: values.get(t.name) for node in group for t in node.outputs
+                         if t.name and _escapes(graph, t, members)}
+            refused = disagreeing(graph, group, handed_on)
             for node in group:
                 for t in node.outputs:
+                    if t.name in refused:  # onnxruntime computes it otherwise: left to the runtime, not retried
+                        self._failed[id(node)] = node
+                        continue
                     arr = as_array(values.get(t.name)) if t.name else None
                     if arr is not None and _escapes(graph, t, members) and _install(graph, ctx, t, arr, installed):
                         changed += 1
