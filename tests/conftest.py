@@ -6,7 +6,8 @@ from typing import Callable, Iterator, Type
 
 import pytest
 
-from k3opt.pipeline.pass_base import Pass, register_pass, registered_passes, unregister_pass
+from k3opt.pipeline.pass_base import Pass, register_pass, unregister_pass
+from k3opt.plugins import registered_passes
 
 ROOT = Path(__file__).resolve().parent.parent
 

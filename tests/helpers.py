@@ -12,6 +12,7 @@ from onnx import TensorProto, helper
 from k3opt import modelio
 from k3opt.pipeline.pass_base import Pass, PassContext
 from k3opt.pipeline.manager import PassManager
+from k3opt.targets import get_target
 
 _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
        TensorProto.INT64: np.int64, TensorProto.INT32: np.int32, TensorProto.BOOL: np.bool_}
@@ -60,7 +61,7 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], target: str = "on
     does it; returns (model, manager, ctx)."""
     graph = import_graph(model)
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    ctx = PassContext(opset=opset, target=target)
+    ctx = PassContext(opset=opset, target=get_target(target))
     pm = PassManager(list(passes))
     pm.run(graph, ctx)
     return export_graph(graph, model), pm, ctx

@@ -13,7 +13,8 @@ from onnx.reference import ReferenceEvaluator
 from k3opt.pipeline import shapes
 from k3opt.graph.ir import NameScope
 from k3opt.passes._shared.attention_match import AttentionMatch, apply_attention, attention_rules
-from k3opt.pipeline.pass_base import PassContext, get_pass
+from k3opt.pipeline.pass_base import PassContext
+from k3opt.plugins import get_pass
 from tests.helpers import assert_equivalent, make_model, op_counts, random_feeds, run_passes
 
 B, NQ, S, D = 2, 4, 5, 8

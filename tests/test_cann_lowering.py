@@ -16,6 +16,7 @@ from k3opt.cann_bridge import finish_model, invariant_violations
 from k3opt.pipeline.pass_base import PassContext
 from k3opt.passes.cleanup.castlike_to_cast import CastLikeToCast
 from k3opt.report import Report
+from k3opt.targets import get_target
 from tests.cann_models import decompose_npu_rmsnorm, rms_model, rmsnorm_nodes
 from tests.helpers import assert_equivalent, make_model, op_counts
 
@@ -150,7 +151,7 @@ def test_cast_like_with_unknown_dtype_is_kept_and_reported():
                        [("y", TensorProto.FLOAT16, [2])])
     graph = modelio.import_graph(model)
     graph.inputs[1].dtype = None
-    ctx = PassContext(opset=17, target="cann")
+    ctx = PassContext(opset=17, target=get_target("cann"))
     assert CastLikeToCast().run(graph, ctx) == 0
     CastLikeToCast().finish(graph, ctx)
     assert ctx.notes == ["1 CastLike kept for cann, which has no CastLike parser (dtype of the second input "

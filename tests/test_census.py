@@ -310,7 +310,7 @@ def test_a_sweep_skipped_for_a_missing_link_finds_what_a_full_sweep_finds(monkey
 
 @pytest.mark.parametrize("name,exporter", [("bert", "torchscript"), ("llama", "dynamo"), ("gpt2", "dynamo")])
 def test_a_rule_judged_impossible_matches_nowhere(name, exporter):
-    from k3opt.pipeline.pass_base import registered_passes
+    from k3opt.plugins import registered_passes
 
     graph = gs.import_onnx(onnx.load(str(zoo_model(name, exporter))))
     present = {n.op for n in graph.nodes}

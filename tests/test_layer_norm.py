@@ -15,7 +15,7 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 import k3opt.api
-from k3opt.pipeline.pass_base import get_pass
+from k3opt.plugins import get_pass
 from k3opt.report import Report
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 from tests.zoo import EXPORTERS, needs_torch, zoo_inputs, zoo_model, zoo_torch_model

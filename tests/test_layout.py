@@ -159,3 +159,25 @@ def test_the_layers_hold_by_import():
             if _layer(parts) > _layer(me):
                 wrong.append(f"{'/'.join(me)} imports {'.'.join(parts)}")
     assert wrong == []
+
+
+def test_the_pipeline_never_imports_the_passes():
+    """pipeline/ builds the registry's tools, never its contents: it imports neither the passes nor the targets,
+    not even by name at run time (the registry loop of issue #27: pass_base imported ``k3opt.passes`` to load the
+    built-ins, and PassContext ``k3opt.targets`` to look a target's name up)."""
+    wrong = [f"{p.relative_to(_ROOT)}:{i}: {line.strip()}" for p in sorted((_ROOT / "pipeline").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"""(import_module|__import__)\(\s*["'](k3opt)?\.+(passes|targets)\b""", line)]
+    assert wrong == []
+
+
+def test_importing_every_built_in_pass_registers_nothing():
+    """Built-in passes are found in their modules (discover_passes), not registered as an import side effect."""
+    import subprocess
+    import sys
+
+    code = ("from k3opt.targets import builtin_passes; from k3opt.pipeline import registry; "
+            "found = builtin_passes(); assert len(found) > 40, len(found); "
+            "assert registry.PROCESS.entries() == {}, sorted(registry.PROCESS.entries())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -8,7 +8,8 @@ from onnx import TensorProto, helper
 import k3opt
 from k3opt.errors import PluginError, UsageError
 from k3opt.pipeline.analyses import Shapes
-from k3opt.pipeline.pass_base import Pass, PassContext, build_pipeline
+from k3opt.pipeline.pass_base import Pass, PassContext
+from k3opt.plugins import build_pipeline
 from k3opt.pipeline.manager import PassManager
 from tests.conftest import Crash, DropOneIdentity
 from tests.helpers import assert_equivalent, make_model, op_counts
@@ -182,7 +183,7 @@ def test_register_before_after_and_duplicates(register):
         name = "test-drop-one-identity"
 
     register(Before, before="test-drop-one-identity")
-    names = list(k3opt.passes.registered_passes())
+    names = list(k3opt.plugins.registered_passes())
     assert names.index("test-before") < names.index("test-drop-one-identity")
     with pytest.raises(UsageError, match="already registered"):
         register(Clash)

@@ -11,6 +11,7 @@ from k3opt.pipeline.pass_base import PassContext
 from k3opt.passes.cleanup.eliminate_common_subexpressions import EliminateCommonSubexpressions
 from k3opt.passes.fusion.matmul_add import FuseMatMulAdd, nd_mode
 from k3opt.passes.fusion.merge_sibling_matmuls import MergeSiblingMatMuls
+from k3opt.targets import get_target
 from tests.helpers import assert_equivalent, make_model, op_counts, random_feeds, run_passes
 
 F = TensorProto.FLOAT
@@ -112,9 +113,9 @@ def test_nd_kept_by_default_for_onnx_target():
 
 def test_nd_mode_option():
     assert nd_mode(PassContext(opset=17)) == "keep"
-    assert nd_mode(PassContext(opset=17, target="cann")) == "flatten"
+    assert nd_mode(PassContext(opset=17, target=get_target("cann"))) == "flatten"
     assert nd_mode(PassContext(opset=17, options={"matmul_add_nd": "flatten"})) == "flatten"
-    assert nd_mode(PassContext(opset=17, target="cann", options={"matmul_add_nd": "keep"})) == "keep"
+    assert nd_mode(PassContext(opset=17, target=get_target("cann"), options={"matmul_add_nd": "keep"})) == "keep"
     with pytest.raises(UsageError):
         nd_mode(PassContext(opset=17, options={"matmul_add_nd": "always"}))
 

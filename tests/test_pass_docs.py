@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from k3opt.passes import registered_passes
+from k3opt.plugins import registered_passes
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 _ROW = re.compile(r"^\| (\d+(?:\.\d+)?) \| \[([a-z0-9-]+)\]\(passes/([a-z0-9-]+)\.md\) \|", re.M)

@@ -13,7 +13,8 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 from k3opt.errors import PluginError, UsageError
-from k3opt.pipeline.pass_base import PassContext, build_pipeline, registered_passes, unregister_pass
+from k3opt.pipeline.pass_base import PassContext, unregister_pass
+from k3opt.plugins import build_pipeline, registered_passes
 from k3opt.pipeline.manager import PassManager
 from k3opt.patterns import Rule, RuleError, RuleSetPass, register_rules, rule, rules_pass
 from tests.helpers import assert_equivalent, export_graph, import_graph, make_model, op_counts, run_passes

@@ -22,7 +22,6 @@ import k3opt
 from k3opt import plugins
 from k3opt.cli import main as cli
 from k3opt.errors import PluginError, UsageError
-from k3opt.passes import load_builtin_passes
 from k3opt.pipeline import pass_base as base, registry as pass_registry
 from k3opt.patterns import Rule, register_rules, rule
 from tests.helpers import assert_equivalent, make_model, op_counts
@@ -47,10 +46,7 @@ register_rules(Rule("neg-relu", pattern, rewrite), name="{name}", after="fold-co
 @pytest.fixture(autouse=True)
 def registry(monkeypatch):
     """Every test starts from the built-in registry and no loaded plugins, and leaves it so."""
-    load_builtin_passes()
-    saved = pass_registry.PROCESS.copy()
-    monkeypatch.setattr(plugins, "_records", {})
-    monkeypatch.setattr(plugins, "_objects", [])
+    saved = plugins.process_registry().copy()
     yield
     pass_registry.PROCESS.replace_entries(saved)
 
@@ -77,10 +73,10 @@ def test_file_plugin_through_api_placed_after_named_pass(tmp_path):
     path = write(tmp_path, "negrelu_file", NEG_RELU_PLUGIN.format(name="t-negrelu"))
     assert_fused(k3opt.optimize(model(), plugins=[str(path)]))
     with plugins.run_plugins([str(path)]):  # the registry a run with the plugin sees
-        names = list(base.registered_passes())
+        names = list(plugins.registered_passes())
         assert names[names.index("fold-constants") + 1] == "t-negrelu"
-        assert base.registered_passes()["t-negrelu"].plugin == "negrelu_file"
-    assert "t-negrelu" not in base.registered_passes()
+        assert plugins.registered_passes()["t-negrelu"].plugin == "negrelu_file"
+    assert "t-negrelu" not in plugins.registered_passes()
     assert op_counts(k3opt.optimize(model(), plugins=[str(path)], skip=["t-negrelu"])) == {"Neg": 1, "Relu": 1}
 
 
@@ -93,8 +89,9 @@ def test_a_run_registers_its_plugins_into_its_own_copy_of_the_registry(tmp_path)
         assert pass_registry.PROCESS.entries() == before
         with plugins.run_plugins([]) as other:  # a second run started meanwhile does not see it either
             assert "t-own" not in other.entries()
-    with plugins.run_plugins([str(path)]) as again:  # imported once; registered again from its record
-        assert again.entries()["t-own"] is run_registry.entries()["t-own"]
+    with plugins.run_plugins([str(path)]) as again:  # executed again for this run: its own class
+        assert again.entries()["t-own"] is not run_registry.entries()["t-own"]
+        assert again.entries()["t-own"].plugin == "negrelu_own"
     assert pass_registry.PROCESS.entries() == before
 
 
@@ -110,7 +107,7 @@ def test_module_and_attribute_specs(tmp_path, monkeypatch):
         """)
     k3opt.optimize(model(), plugins=["negrelu_mod_a", "negrelu_mod_b:make"], passes=[])
     with plugins.run_plugins(["negrelu_mod_a", "negrelu_mod_b:make"]):
-        passes = base.registered_passes()
+        passes = plugins.registered_passes()
         assert passes["t-mod-a"].plugin == "negrelu_mod_a"
         assert passes["negrelu_mod_b:make"].plugin == "negrelu_mod_b:make"  # a list of rules: one pass, plugin's name
     assert_fused(k3opt.optimize(model(), plugins=["negrelu_mod_b:make"], passes=["negrelu_mod_b:make"]))
@@ -126,7 +123,7 @@ class NegReluPass(base.Pass):
 def test_object_specs_rule_pass_class_and_callable():
     single = Rule("t-obj-rule", lambda op, x: op.Relu(op.Neg(x)), lambda op, m: op.Neg(op.Min(m["x"], 0.0)))
     k3opt.plugins.load_plugins([single, NegReluPass, lambda: None])
-    passes = base.registered_passes()
+    passes = plugins.registered_passes()
     assert passes["t-obj-rule"].plugin == "t-obj-rule" and passes["t-obj-pass"].plugin == "NegReluPass"
     assert_fused(k3opt.optimize(model(), passes=["t-obj-rule"]))
     k3opt.plugins.load_plugins([single])  # loading the same plugin again is a no-op
@@ -151,7 +148,7 @@ def test_cli_optimize_and_passes_with_plugin(tmp_path):
 
 def test_two_runs_in_one_process_with_different_plugins_are_independent(tmp_path, monkeypatch):
     """A plugin asked for by run 1 is not in run 2 unless run 2 asks again; asked again, it is there again,
-    also when its module registered at import (loaded once, registered per run)."""
+    also when its module registered at import (executed for each run that asks, into that run's registry)."""
     monkeypatch.syspath_prepend(str(tmp_path))
     imports = tmp_path / "imports.log"
     write(tmp_path, "negrelu_once", NEG_RELU_PLUGIN.format(name="t-once")
@@ -161,15 +158,16 @@ def test_two_runs_in_one_process_with_different_plugins_are_independent(tmp_path
     for run in range(2):
         assert_fused(k3opt.optimize(model(), plugins=["negrelu_once"]))
         assert k3opt.optimize(model()) == plain, f"run {run}: the plugin of the run before leaked"
-        assert "t-once" not in base.registered_passes()
-    assert imports.read_text() == "x"  # imported once; its registrations replayed for the second run
+        assert "t-once" not in plugins.registered_passes()
+    assert imports.read_text() == "xx"  # executed for each run that asked: nothing recorded, nothing replayed
+    assert "negrelu_once" not in sys.modules  # a run's plugin module is the run's own
 
 
 def test_a_failed_run_leaves_no_plugin_behind(tmp_path):
     path = write(tmp_path, "negrelu_fail", NEG_RELU_PLUGIN.format(name="t-fail-run"))
     with pytest.raises(UsageError):
         k3opt.optimize(model(), plugins=[str(path)], passes=["no-such-pass"])
-    assert "t-fail-run" not in base.registered_passes()
+    assert "t-fail-run" not in plugins.registered_passes()
 
 
 def test_two_runs_with_different_pass_options_are_independent():
@@ -193,8 +191,8 @@ def test_an_open_rule_set_grown_by_a_run_plugin_shrinks_back(tmp_path):
                        name="t-grow")
         """)
     with plugins.run_plugins([str(grow)]):
-        assert [r.name for r in base.registered_passes()["t-grow"].rules] == ["t-grow-a", "t-grow-b"]
-    assert base.registered_passes()["t-grow"] is first and [r.name for r in first.rules] == ["t-grow-a"]
+        assert [r.name for r in plugins.registered_passes()["t-grow"].rules] == ["t-grow-a", "t-grow-b"]
+    assert plugins.registered_passes()["t-grow"] is first and [r.name for r in first.rules] == ["t-grow-a"]
 
 
 # --- route 3: direct registration ------------------------------------------------------------------
@@ -210,7 +208,7 @@ def test_direct_registration_with_rule_decorator():
         def rewrite(op, m):
             return op.Neg(op.Min(m["x"], 0.0))
 
-    assert list(base.registered_passes())[0] == "t-direct-neg-relu"
+    assert list(plugins.registered_passes())[0] == "t-direct-neg-relu"
     assert_fused(k3opt.optimize(model()))
 
 
@@ -327,7 +325,7 @@ def test_failed_plugin_leaves_nothing_registered(tmp_path):
     path = write(tmp_path, "half", NEG_RELU_PLUGIN.format(name="t-half") + "raise ValueError('late')\n")
     with pytest.raises(PluginError, match="plugin 'half'"):
         plugins.load_plugins([str(path)])
-    assert "t-half" not in base.registered_passes()
+    assert "t-half" not in plugins.registered_passes()
 
 
 RULE_FAILURES = {  # where -> (extra plugin code, the Rule(...) expression using it)

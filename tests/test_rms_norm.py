@@ -11,7 +11,8 @@ from onnx import TensorProto as TP
 
 from k3opt.graph.ir import NameScope
 from k3opt.passes._shared.norm_match import NormMatch, OrderedRulesPass, affine_input, norm_input
-from k3opt.pipeline.pass_base import PassContext, get_pass
+from k3opt.pipeline.pass_base import PassContext
+from k3opt.plugins import get_pass
 from k3opt.passes._shared.norm_match import rmsnorm_rules
 from tests.helpers import assert_equivalent, op_counts, run_passes
 from tests.test_layer_norm import (H, RNG, Net, affine, assert_bf16_equivalent, attrs, export_fp16, needs_torch,

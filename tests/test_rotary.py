@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto as TP
 
 import k3opt.api
-from k3opt.pipeline.pass_base import get_pass
+from k3opt.plugins import get_pass
 from k3opt.report import Report
 from tests.helpers import assert_equivalent, op_counts, random_feeds, run_passes
 from tests.test_layer_norm import RNG, Net, attrs, needs_torch, zoo_cases

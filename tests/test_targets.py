@@ -7,6 +7,7 @@ import pytest
 import k3opt
 from k3opt.errors import UsageError
 from k3opt.pipeline.pass_base import PassContext
+from k3opt.pipeline.target_traits import TargetTraits
 from k3opt.targets import Target, get_target, names
 
 _ROOT = pathlib.Path(k3opt.__file__).parent
@@ -25,9 +26,18 @@ def test_the_targets_are_found_by_name_the_default_first():
 def test_a_target_equals_its_name_so_plugins_comparing_names_keep_working():
     cann = get_target("cann")
     assert cann == "cann" and cann != "onnx" and str(cann) == "cann" and cann in ("cann",)
-    ctx = PassContext(opset=17, target="cann")
+    ctx = PassContext(opset=17, target=cann)
     assert ctx.target is cann and ctx.target == "cann"
-    assert PassContext(opset=17).target is get_target("onnx")
+
+
+def test_a_pass_context_without_a_target_has_standard_onnx_traits():
+    """pipeline sits below the targets: a context made without one reads the base traits, standard ONNX's answers
+    (the onnx target's), and a name is refused rather than looked up."""
+    default, onnx_target = PassContext(opset=17).target, get_target("onnx")
+    assert all(getattr(default, trait) == getattr(onnx_target, trait) for trait in vars(TargetTraits)
+               if not trait.startswith("_") and trait != "name")
+    with pytest.raises(TypeError, match="get_target"):
+        PassContext(opset=17, target="cann")
 
 
 def _strings(node: ast.AST) -> list[str]:

@@ -11,7 +11,8 @@ import onnx
 
 from ..errors import PluginError
 from ..graph.ir import Graph, NameScope, producer
-from ..pipeline.pass_base import Pass, PassContext, register_pass, registered_passes
+from ..pipeline import registry
+from ..pipeline.pass_base import Pass, PassContext, register_pass
 from .builder import NodeOutput, OrPattern, ValuePattern
 from .rule import Rule, RuleApplier, RuleError
 
@@ -194,7 +195,7 @@ def register_rules(
         if len(rules) > 1:
             raise TypeError("register_rules with several rules needs name=")
         name = rules[0].name
-    existing = registered_passes().get(name)
+    existing = registry.current().entries().get(name)
     if existing is not None and getattr(existing, "open_set", False) and before is None and after is None:
         # A new class, not the registered one changed: the registry's entries stay its whole state (a run's
         # plugins are undone by putting the entries back).

@@ -2,19 +2,22 @@
 
 One pass, one job (LLVM/MLIR style). A pass declares what it needs (shapes,
 a minimum opset, a target); the pass manager honours that and keeps the
-statistics. Built-in passes and plugins register through the same
-:func:`register_pass`, into the current :class:`~k3opt.pipeline.registry.PassRegistry`.
+statistics. Built-in passes are found in their modules (:func:`discover_passes`); plugins and code
+register passes with :func:`register_pass`, into the current :class:`~k3opt.pipeline.registry.PassRegistry`.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import pkgutil
 from typing import Any, Callable, ClassVar, Collection, Optional, Type
 
 from . import registry
 from ..graph.ir import Graph, Node, NameScope, all_graphs
 from .analyses import A, AnalysisManager
 from .op_census import OpCensus
+from .target_traits import STANDARD, TargetTraits
 
 
 @dataclasses.dataclass
@@ -29,9 +32,9 @@ class PassContext:
     """
 
     opset: int
-    #: The run's :class:`k3opt.targets.Target` (a name is looked up when the context is made); it compares equal
-    #: to its name, and passes read its traits (``ctx.target.fuses_to_standard_ops``...) rather than the name.
-    target: Any = "onnx"
+    #: The run's target (a :class:`k3opt.targets.Target`; standard ONNX's traits when none is given): passes read
+    #: its traits (``ctx.target.fuses_to_standard_ops``...), never its name (it compares equal to its name).
+    target: TargetTraits = STANDARD
     output_opset: Optional[int] = None
     shapes_available: bool = False
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -53,8 +56,8 @@ class PassContext:
     analyses: AnalysisManager = dataclasses.field(default_factory=AnalysisManager, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.target, str):  # found by name at run time, as passes are: pipeline sits below targets
-            self.target = importlib.import_module("k3opt.targets").get_target(self.target)
+        if not isinstance(self.target, TargetTraits):  # pipeline sits below the targets: it cannot look names up
+            raise TypeError(f"PassContext(target={self.target!r}): a Target, e.g. k3opt.targets.get_target(name)")
 
     @property
     def emit_opset(self) -> int:
@@ -224,31 +227,21 @@ def unregister_pass(name: str) -> None:
     registry.current().unregister(name)
 
 
-def _load_builtins() -> None:
-    # Found by name at run time: the built-in passes build on the pipeline, never the reverse.
-    importlib.import_module("k3opt.passes").load_builtin_passes()
+def discover_passes(package: str) -> list[Type[Pass]]:
+    """The pass classes of ``package``: every :class:`Pass` subclass with a name that a module of the package
+    holds under a public name (modules and names starting with ``_`` are helpers), in module order.
 
-
-def registered_passes() -> dict[str, Type[Pass]]:
-    """Every pass of the current registry by name, in pipeline order (built-ins loaded first)."""
-    _load_builtins()
-    return registry.current().ordered()
-
-
-def get_pass(name: str) -> Type[Pass]:
-    _load_builtins()
-    return registry.current().get(name)
-
-
-def check_pass_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` parsed by their passes' :attr:`Pass.option_values` (:meth:`PassRegistry.check_options`)."""
-    _load_builtins()
-    return registry.current().check_options(options)
-
-
-def build_pipeline(
-    passes: Optional[list[str]] = None, skip: tuple[str, ...] | list[str] = (), target: Any = "onnx"
-) -> list[Pass]:
-    """Instances for ``passes`` (exactly those, in the order given) or the default pipeline less ``skip``."""
-    _load_builtins()
-    return registry.current().build_pipeline(passes, skip, target)
+    A pass module defines its passes and nothing registers them: adding a pass is adding a module. The api
+    layer finds the built-ins this way (``k3opt.passes``, each target's ``passes/``) for the process registry.
+    """
+    root = importlib.import_module(package)
+    depth = package.count(".") + 1
+    found: list[Type[Pass]] = []
+    for info in sorted(pkgutil.walk_packages(root.__path__, f"{package}."), key=lambda i: i.name):
+        if info.ispkg or any(part.startswith("_") for part in info.name.split(".")[depth:]):
+            continue
+        for attr, value in vars(importlib.import_module(info.name)).items():
+            if (not attr.startswith("_") and inspect.isclass(value) and issubclass(value, Pass) and value.name
+                    and value not in found):
+                found.append(value)
+    return found

@@ -1,15 +1,17 @@
-"""Pass registries: the process's (built-ins, installed plugins, passes registered in code) and each run's.
+"""Pass registries: the process's and each run's, and how built-in passes are found.
 
-A run gets a copy of the process registry (:meth:`PassRegistry.copy`) with its own plugins added
-(``k3opt.plugins.run_plugins``), made current for the run with :func:`using`; nothing is put back afterwards,
-because nothing of the process registry changed. :func:`k3opt.pipeline.pass_base.register_pass` registers into
-the current registry.
+The built-in passes are found, not registered: :func:`k3opt.pipeline.pass_base.discover_passes` walks a
+package's modules for the pass classes they hold (the api layer walks ``k3opt.passes`` and each target's
+``passes/``; ``pipeline`` never imports the passes). The process registry (:data:`PROCESS`) holds them, the installed plugins and the passes registered in
+code; each run gets a copy of it with its own plugins added (``k3opt.plugins.run_plugins``), made current for
+the run with :func:`using`: nothing of the process registry changes. :func:`k3opt.pipeline.pass_base.register_pass`
+registers into the current registry.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 from ..errors import UsageError
 
@@ -17,20 +19,46 @@ from ..errors import UsageError
 class PassRegistry:
     """Pass classes by name, and what the run needs of them: the ordered list, a pipeline, option checks."""
 
-    def __init__(self, passes: Optional[Mapping[str, type]] = None):
+    def __init__(self, passes: Optional[Mapping[str, type]] = None, *,
+                 plugins: Optional[Mapping[str, object]] = None, awaits_builtins: bool = False):
         self._passes: dict[str, type] = dict(passes or {})
+        #: The plugins loaded into this registry, by key (``k3opt.plugins``: a plugin loads once per registry),
+        #: each with what identifies it (an object plugin is kept: its key is its id).
+        self.plugins: dict[str, object] = dict(plugins or {})
+        # Registrations made before the built-ins are in (the process registry only, until its first use): they
+        # are checked and placed, in order, when :meth:`add_builtins` brings the passes they may name.
+        self._waiting: Optional[list[tuple[type, dict[str, Any]]]] = [] if awaits_builtins else None
 
     def copy(self) -> "PassRegistry":
-        """A registry with the same entries (a class is complete when registered, so entries are all its state)."""
-        return PassRegistry(self._passes)
+        """A registry with the same entries and plugins (a class is complete when registered: entries are all
+        its state)."""
+        self._check_complete()
+        return PassRegistry(self._passes, plugins=self.plugins)
 
     def entries(self) -> dict[str, type]:
-        """The entries by name, as registered (a copy)."""
-        return dict(self._passes)
+        """The entries by name, as registered (a copy; with the registrations waiting for the built-ins)."""
+        entries = dict(self._passes)
+        entries.update((cls.name, cls) for cls, _ in self._waiting or ())
+        return entries
 
     def replace_entries(self, other: "PassRegistry") -> None:
-        """Take ``other``'s entries (a plugin loaded into a trial copy, accepted whole)."""
-        self._passes = dict(other._passes)
+        """Take ``other``'s entries and plugins (a plugin loaded into a trial copy, accepted whole)."""
+        self._passes, self.plugins = dict(other._passes), dict(other.plugins)
+
+    @property
+    def has_builtins(self) -> bool:
+        """Whether the built-in passes are in (always, but for the process registry before its first use)."""
+        return self._waiting is None
+
+    def add_builtins(self, classes: Iterable[type]) -> None:
+        """Add the built-in passes, then register, in order, what was registered before them."""
+        waiting, self._waiting = self._waiting or [], None
+        for cls in classes:
+            if cls.name in self._passes:
+                raise RuntimeError(f"two built-in passes are named '{cls.name}'")
+            self._passes[cls.name] = cls
+        for cls, how in waiting:
+            self.register(cls, **how)
 
     def register(self, cls: type, *, before: Optional[str] = None, after: Optional[str] = None,
                  plugin: Optional[str] = None, replace: bool = False) -> type:
@@ -38,6 +66,9 @@ class PassRegistry:
         before/after it; ``plugin`` marks who registered it. Re-registering a name is an error unless ``replace``."""
         if not cls.name:
             raise UsageError(f"pass class {cls.__name__} has no name")
+        if self._waiting is not None:
+            self._waiting.append((cls, dict(before=before, after=after, plugin=plugin, replace=replace)))
+            return cls
         known = self._passes
         if cls.name in known and known[cls.name] is not cls and not replace:
             raise UsageError(f"a pass named '{cls.name}' is already registered")
@@ -60,9 +91,12 @@ class PassRegistry:
 
     def unregister(self, name: str) -> None:
         self._passes.pop(name, None)
+        if self._waiting:
+            self._waiting = [(cls, how) for cls, how in self._waiting if cls.name != name]
 
     def ordered(self) -> dict[str, type]:
         """Every pass by name, in pipeline order."""
+        self._check_complete()
         return dict(sorted(self._passes.items(), key=lambda kv: (kv[1].order, kv[0])))
 
     def get(self, name: str) -> type:
@@ -104,10 +138,15 @@ class PassRegistry:
                       if cls.default and cls.name not in skip and (cls.targets is None or target in cls.targets)]
         return [cls() for cls in chosen]
 
+    def _check_complete(self) -> None:
+        if self._waiting is not None:
+            raise RuntimeError("the built-in passes are not in this registry yet (k3opt.plugins.process_registry)")
 
-#: The registry every run starts from (a copy of it): built-ins, installed plugins, passes registered in code.
-PROCESS = PassRegistry()
-# Which registry register_pass fills and registered_passes reads: a run's while its plugins load and it runs.
+
+#: The registry every run starts from (a copy of it): the built-ins (added by ``k3opt.plugins`` on first use,
+#: see :meth:`PassRegistry.add_builtins`), installed plugins, passes registered in code.
+PROCESS = PassRegistry(awaits_builtins=True)
+# Which registry register_pass fills and the registry queries read: a run's while its plugins load and it runs.
 _CURRENT: contextvars.ContextVar[Optional[PassRegistry]] = contextvars.ContextVar("k3opt_registry", default=None)
 
 

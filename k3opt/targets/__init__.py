@@ -16,7 +16,7 @@ import pkgutil
 from ..errors import UsageError
 from .base import Target
 
-__all__ = ["Target", "all_targets", "get_target", "names"]
+__all__ = ["Target", "all_targets", "builtin_passes", "get_target", "names"]
 
 
 @functools.lru_cache(maxsize=None)  # the modules of this package: fixed for the process
@@ -40,3 +40,11 @@ def get_target(target: "str | Target") -> Target:
         if t.name == target:
             return t
     raise UsageError(f"unknown target '{target}'; choose one of {', '.join(names())}")
+
+
+def builtin_passes() -> list[type]:
+    """Every built-in pass class: k3opt's capability folders (:func:`k3opt.passes.builtin_passes`), then each
+    target's own (:meth:`Target.own_passes`)."""
+    from ..passes import builtin_passes as capability_passes
+
+    return capability_passes() + [cls for t in all_targets() for cls in t.own_passes()]

@@ -1,4 +1,5 @@
-"""What a target is: the traits the passes read and the hooks the run calls, with standard ONNX's answers.
+"""What a target is: the hooks the run and the tools call, with standard ONNX's answers (the traits the passes
+read are :class:`~k3opt.pipeline.target_traits.TargetTraits`, below the passes).
 
 A target is one module or package of :mod:`k3opt.targets` holding a ``TARGET`` instance of a :class:`Target`
 subclass; :func:`k3opt.targets.get_target` finds it by name. The passes never import a target: they read the
@@ -6,23 +7,24 @@ traits of the one the run hands them in ``PassContext.target``.
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 import onnx
 
 from ..errors import UsageError
+from ..pipeline.target_traits import TargetTraits
 
 if TYPE_CHECKING:
     from ..report import Report
 
 
-class Target:
-    """A target of the run. Compares equal to its name, so ``ctx.target == "cann"`` in a plugin keeps working;
-    k3opt's own code asks the traits below instead."""
+class Target(TargetTraits):
+    """A target of the run: the traits the passes read (:class:`~k3opt.pipeline.target_traits.TargetTraits`) and
+    what the run and the tools ask of it. Compares equal to its name, so ``ctx.target == "cann"`` in a plugin keeps
+    working; k3opt's own code asks the traits and hooks instead."""
 
-    #: The name ``--target`` takes.
-    name: ClassVar[str] = ""
     #: One line for ``--target``'s help.
     summary: ClassVar[str] = ""
     #: The target of a run that names none (exactly one target has it).
@@ -30,24 +32,6 @@ class Target:
     #: The output opset, when the target fixes it (``--opset`` must then agree); None: ``--opset`` or the
     #: model's, raised to at least 17.
     fixed_opset: ClassVar[Optional[int]] = None
-    #: The fusions may emit opset 23's standard Attention, RMSNormalization and RotaryEmbedding; False: they
-    #: leave those decomposed (the target's lowering passes decide).
-    fuses_to_standard_ops: ClassVar[bool] = True
-    #: How matmul-add fuses a rank > 2 MatMul + Add when its ``matmul_add_nd`` option is ``auto``.
-    matmul_add_nd: ClassVar[str] = "keep"
-    #: The target runs a MatMul best on 2-D operands (unflatten-matmul leaves flattened ones as they are).
-    prefers_2d_matmuls: ClassVar[bool] = False
-    #: matmul-add also fuses a rank-2 MatMul + Add whose weight or bias is computed (into a Gemm).
-    fuses_computed_matmul_add: ClassVar[bool] = True
-    #: The target has its own attention lowering (einsum-attention then unfolds Einsum attentions for it at any
-    #: opset, not only where opset 23's Attention can take them).
-    lowers_attention: ClassVar[bool] = False
-    #: merge-sibling-matmuls also merges a pair of bias-less projections (gate/up): worth one bigger matmul.
-    merges_projection_pairs: ClassVar[bool] = False
-    #: A Gemm's alpha and beta other than 1 are honoured (fold-scalar-scale may set them).
-    honours_gemm_scales: ClassVar[bool] = True
-    #: The target runs CastLike (else castlike-to-cast notes the ones it could not rewrite).
-    runs_castlike: ClassVar[bool] = True
     #: The run has a lowering stage (the target's form and invariants) even when no lowering pass is selected.
     lowers: ClassVar[bool] = False
     #: The ahead-of-time compiler the target's files are made for (cann: ``"atc"``, driven by
@@ -57,19 +41,14 @@ class Target:
     #: or None.
     quantized_gather_refusal: ClassVar[Optional[str]] = None
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            return other == self.name
-        return isinstance(other, Target) and other.name == self.name
+    def own_passes(self) -> list[type]:
+        """The target's own passes (its lowerings): the pass classes of its ``passes/`` package, if it has one."""
+        from ..pipeline.pass_base import discover_passes
 
-    def __hash__(self) -> int:
-        return hash(self.name)
-
-    def __str__(self) -> str:
-        return self.name
-
-    def __repr__(self) -> str:
-        return f"<target {self.name}>"
+        module = type(self).__module__
+        if importlib.util.find_spec(module).submodule_search_locations is None:  # a module: no passes/ in it
+            return []
+        return discover_passes(f"{module}.passes") if importlib.util.find_spec(f"{module}.passes") else []
 
     def own_ops(self, model: onnx.ModelProto) -> list[str]:
         """The op types in ``model`` (bodies included) that only this target runs: a file it wrote."""

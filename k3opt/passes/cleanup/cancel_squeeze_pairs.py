@@ -14,7 +14,7 @@ from typing import Optional
 
 from ...graph.ir import Graph, Node, rank
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, bypass, chain_producer, detach, unsqueeze_axes
 
 PAIRS = {"Squeeze": "Unsqueeze", "Unsqueeze": "Squeeze"}
@@ -27,7 +27,6 @@ def _normalized(axes: Optional[list[int]], r: Optional[int]) -> Optional[frozens
     return frozenset(norm) if len(set(norm)) == len(norm) else None
 
 
-@register_pass
 class CancelSqueezePairs(NodeRewritePass):
     name = "cancel-squeeze-pairs"
     description = "Squeeze(Unsqueeze(x, a), a) and Unsqueeze(Squeeze(x, a), a) become x."

@@ -11,12 +11,11 @@ parser, so ``k3opt check`` will list it too).
 from __future__ import annotations
 
 from ...graph.ir import Graph, Node
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from ...graph.dtypes import onnx_type
 from .._rewire import NodeRewritePass
 
 
-@register_pass
 class CastLikeToCast(NodeRewritePass):
     name = "castlike-to-cast"
     description = "CastLike to a known type becomes Cast (a constant operand then folds)."

@@ -23,7 +23,7 @@ import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, as_constant, is_const, producer, set_input
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass
 from ...graph.symbolic.dims import Dim, dim_at, shape_elements
 from ...pipeline.analyses import DimAnalysis
@@ -56,7 +56,6 @@ def target_elements(t: Tensor) -> Optional[list[object]]:
     return out
 
 
-@register_pass
 class CopyReshapeDims(NodeRewritePass):
     name = "copy-reshape-dims"
     description = ("A run-time Reshape target of known numbers and copies of the input's own dims (or one "

@@ -36,7 +36,7 @@ from ...graph import LazyValues, dtypes
 from ...graph.ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses, stored_values
 from ...pipeline.analyses import Shapes
 from ...pipeline.option_values import byte_size
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 from .._rewire import can_replace, detach_all, remove
 from .._shared.op_kinds import RANDOM_OPS
 
@@ -165,7 +165,6 @@ def _external(values: object) -> bool:
     return isinstance(proto, TensorProto) and proto.data_location == TensorProto.EXTERNAL
 
 
-@register_pass
 class EliminateCommonSubexpressions(Pass):
     name = "eliminate-common-subexpressions"
     description = "Merge nodes with the same op, attributes and inputs, and equal constants."

@@ -11,7 +11,6 @@ from __future__ import annotations
 from onnx import TensorProto as T
 
 from ...graph.ir import Graph, Node, set_input
-from ...pipeline.pass_base import register_pass
 from ...graph.dtypes import onnx_type
 from .._rewire import ChainPass, cast_target, detach
 
@@ -40,7 +39,6 @@ def lossless(src: int, dst: int) -> bool:
     return False
 
 
-@register_pass
 class MergeCastChains(ChainPass):
     name = "merge-cast-chains"
     description = "Merge Cast(Cast(x)) when the middle type holds every value of x's type."

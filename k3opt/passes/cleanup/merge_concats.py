@@ -10,7 +10,7 @@ from typing import Optional
 
 from ...graph.ir import Graph, Node, producer, rank
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, detach, single_use
 
 
@@ -23,7 +23,6 @@ def concat_axis(node: Node) -> Optional[int]:
     return axis + r if axis < 0 and r is not None else axis
 
 
-@register_pass
 class MergeConcats(NodeRewritePass):
     name = "merge-concats"
     description = "Splice a Concat on the same axis (read only there) into the Concat reading it."

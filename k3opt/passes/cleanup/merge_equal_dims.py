@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ...graph.ir import Graph, Node, Tensor, producer, toposort
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 from .._rewire import bypass, remove
 from ...graph.symbolic.dims import inferred_picked, shape_elements
 from ...pipeline.analyses import DimAnalysis
@@ -33,7 +33,6 @@ def _dim_key(node: Node) -> object:
     return picked[0][0], picked[1]
 
 
-@register_pass
 class MergeEqualDims(Pass):
     name = "merge-equal-dims"
     description = "Gathers of Shapes that read the same symbolic dim become one value."

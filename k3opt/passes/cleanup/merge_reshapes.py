@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, as_constant, int_list, set_input
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, chain_producer, detach
 from ...graph.symbolic.dims import dim_at
 from ...pipeline.analyses import DimAnalysis
@@ -46,7 +46,6 @@ def resolved_target(first: Node, target: list[int]) -> Optional[list[int]]:
     return out
 
 
-@register_pass
 class MergeReshapes(NodeRewritePass):
     name = "merge-reshapes"
     description = "Merge consecutive Reshapes whose second shape does not depend on the first."

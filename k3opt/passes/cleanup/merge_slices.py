@@ -16,7 +16,7 @@ import numpy as np
 
 from ...graph.ir import Graph, Node, as_constant, int_list, rank, set_input
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, chain_producer, detach
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -68,7 +68,6 @@ def compose(inner: tuple[int, int, int], outer: tuple[int, int, int], size: obje
     return min(s1 + s2, INT64_MAX), min(e1, s1 + e2, INT64_MAX), 1
 
 
-@register_pass
 class MergeSlices(NodeRewritePass):
     name = "merge-slices"
     description = "Merge consecutive Slices with constant parameters into one."

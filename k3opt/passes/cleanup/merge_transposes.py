@@ -7,12 +7,10 @@ middle tensor has another reader or is a graph output.
 from __future__ import annotations
 
 from ...graph.ir import Graph, Node, set_input
-from ...pipeline.pass_base import register_pass
 from .._rewire import ChainPass, bypass, detach
 from .._shared.op_kinds import perm_of
 
 
-@register_pass
 class MergeTransposes(ChainPass):
     name = "merge-transposes"
     description = "Compose consecutive Transposes into one (or none)."

@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, as_constant, rank, set_input
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, chain_producer, detach, unsqueeze_axes
 
 
@@ -29,7 +29,6 @@ def merged_axes(x_rank: int, a1: list[int], a2: list[int]) -> Optional[list[int]
     return sorted(n2 | {rest[j] for j in n1})
 
 
-@register_pass
 class MergeUnsqueezes(NodeRewritePass):
     name = "merge-unsqueezes"
     description = "Merge consecutive Unsqueezes into one."

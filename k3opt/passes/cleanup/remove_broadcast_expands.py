@@ -15,7 +15,7 @@ from typing import Optional
 
 from ...graph.ir import Graph, Node, Tensor, producer, set_input
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass
 from ...graph.symbolic.dims import BROADCASTING, dim_at, shape_elements
 from ...pipeline.analyses import DimAnalysis
@@ -37,7 +37,6 @@ def _given_by_others(target: list, others: list[Tensor]) -> bool:
     return True
 
 
-@register_pass
 class RemoveBroadcastExpands(NodeRewritePass):
     name = "remove-broadcast-expands"
     description = "An Expand read by broadcasting ops whose other operands already give its shape goes."

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ...graph.ir import Graph, Node, outer_refs, producer
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 from .._rewire import detach_all, remove
 
 
@@ -31,7 +31,6 @@ def live_nodes(graph: Graph) -> set[int]:
     return live
 
 
-@register_pass
 class RemoveDeadNodes(Pass):
     name = "remove-dead-nodes"
     description = "Remove nodes (and with them initializers and value_info) that reach no graph output."

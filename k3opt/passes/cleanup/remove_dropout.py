@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...graph.ir import Graph, Node, const_scalar
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, bypass, is_used
 
 
@@ -24,7 +24,6 @@ def inference_mode(node: Node, opset: int) -> bool:
     return len(ins) < 3 or not ins[2].name or const_scalar(ins[2]) == 0.0
 
 
-@register_pass
 class RemoveDropout(NodeRewritePass):
     name = "remove-dropout"
     description = "Remove inference-time Dropout whose mask is unused."

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from ...graph.ir import Graph, Node
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, bypass
 
 
-@register_pass
 class RemoveIdentity(NodeRewritePass):
     name = "remove-identity"
     description = "Remove Identity nodes (graph outputs keep their names)."

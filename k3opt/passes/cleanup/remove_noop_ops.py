@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, const_tensor, producer, rank
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from ...graph.small_constants import small_const_value, small_int_list
 from ...graph.symbolic.dims import dim_at, shape_elements
 from ...pipeline.analyses import DimAnalysis
@@ -230,7 +230,6 @@ CHECKS: dict[str, Callable[[Node], Optional[Tensor]]] = {
 }
 
 
-@register_pass
 class RemoveNoopOps(NodeRewritePass):
     name = "remove-noop-ops"
     description = "Remove nodes that provably return their input unchanged."

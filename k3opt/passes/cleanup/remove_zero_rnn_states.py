@@ -16,7 +16,7 @@ import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, const_tensor, const_value, new_variable, producer, set_input
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass
 
 #: Ops whose output elements are all elements of their first input (or of every data input, Concat).
@@ -45,7 +45,6 @@ def all_zero(t: Tensor, depth: int = 8) -> bool:
     return bool(data) and all(all_zero(x, depth - 1) for x in data)
 
 
-@register_pass
 class RemoveZeroRnnStates(NodeRewritePass):
     name = "remove-zero-rnn-states"
     description = "An all-zero initial_h/initial_c of RNN/GRU/LSTM becomes the omitted input (its default)."

@@ -15,7 +15,7 @@ import numpy as np
 from ... import graph as gs
 
 from ...graph.ir import Graph, Node, Tensor, const_value, int_list, is_graph_output, replace_uses
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, detach
 
 
@@ -56,7 +56,6 @@ def _positions(graph: Graph, seq: Tensor, n: int) -> Optional[dict[int, list[Nod
     return by_pos
 
 
-@register_pass
 class SequenceToSplit(NodeRewritePass):
     name = "sequence-to-split"
     description = "Replace SplitToSequence + SequenceAt with Split."

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from ...graph.ir import Graph, Node, producer, set_input
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass
 
 
-@register_pass
 class SwapWhereNot(NodeRewritePass):
     name = "swap-where-not"
     description = "Where(Not(c), a, b) -> Where(c, b, a)."

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...graph.ir import Graph, Node, as_constant, is_graph_output
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, bypass
 from .._shared.op_kinds import perm_of
 from ...graph.symbolic.dims import Dim, shape_elements, tensor_dims
@@ -79,7 +79,6 @@ def _into_reshape(graph: Graph, node: Node, perm: Sequence[int], dims: Sequence[
     return bypass(graph, node, node.inputs[0], dead)
 
 
-@register_pass
 class TransposeToReshape(NodeRewritePass):
     name = "transpose-to-reshape"
     description = "A Transpose that only moves dims of size 1 becomes a Reshape (which then merges with its neighbours)."

@@ -18,7 +18,7 @@ from typing import Optional
 
 from ...graph.ir import Graph, Node, Tensor, const_tensor, is_graph_output, producer, rank, set_input
 from ...graph.small_constants import small_int_list
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass
 from ...graph.symbolic.dims import dim_at
 from ...pipeline.analyses import DimAnalysis
@@ -41,7 +41,6 @@ def _split_on_last(node: Node) -> bool:
     return node.op == "Split" and (node.domain or "") in ("", "ai.onnx") and int(node.attrs.get("axis", 0)) in (1, -1)
 
 
-@register_pass
 class UnflattenMatMul(NodeRewritePass):
     name = "unflatten-matmul"
     description = "Reshape(x, [-1, K]) -> MatMul(W) -> Reshape: the MatMul reads x (rank >= 3) itself."

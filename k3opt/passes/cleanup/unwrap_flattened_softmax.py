@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...graph.ir import Graph, Node, Tensor, producer, set_input
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, bypass, single_use
 from ...graph.symbolic.dims import dim_at, shape_elements
 from ...pipeline.analyses import DimAnalysis
@@ -53,7 +53,6 @@ def restores(reshape: Node, x: Tensor) -> bool:
     return all(e == -1 or (e is not None and e == dim_at(x, i)) for i, e in enumerate(elements[0]))
 
 
-@register_pass
 class UnwrapFlattenedSoftmax(NodeRewritePass):
     name = "unwrap-flattened-softmax"
     description = "Reshape(Softmax(Flatten(x, k)), shape(x)) -> Softmax(x, j) when x[k:] has one dim above 1."

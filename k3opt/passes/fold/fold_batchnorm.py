@@ -22,7 +22,7 @@ import numpy as np
 
 from ...graph.ir import Graph, Node, const_value, is_graph_output
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from ..fold._channel_affine import (CONVOLUTIONS, MAX_CHANNEL_ELEMENTS, RefusalNotes, channel_operand, channel_producer,
                               fold_into, out_channels, out_rank)
 from .._rewire import NodeRewritePass
@@ -49,7 +49,6 @@ def batchnorm_affine(node: Node, channels: int) -> tuple[Optional[tuple[np.ndarr
     return (a, bias - mean * a), ""
 
 
-@register_pass
 class FoldBatchNorm(RefusalNotes, NodeRewritePass):
     name = "fold-batchnorm"
     description = "Fold inference BatchNormalization (and per-channel constant Mul) into the Conv/ConvTranspose/Gemm/MatMul before it."

@@ -35,7 +35,7 @@ from ...graph.ir import (
     producer, replace_uses, set_output,
 )
 from ...pipeline.option_values import byte_size, count
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 from .._rewire import detach, is_used, remove
 from .._shared.op_kinds import RANDOM_OPS
 from ..fold._eval import EvalError, as_array, run_ort, run_reference
@@ -51,7 +51,6 @@ SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "Slice", "Equal"})
 MAX_SWEEPS = 32
 
 
-@register_pass
 class FoldConstants(Pass):
     name = "fold-constants"
     description = "Evaluate constant subgraphs and statically known shape computations at compile time."

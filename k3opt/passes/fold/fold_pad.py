@@ -26,7 +26,7 @@ import numpy as np
 
 from ...graph.ir import Graph, Node, const_tensor, const_value, int_list, producer, set_input
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from ..fold._channel_affine import RefusalNotes
 from .._rewire import NodeRewritePass, detach, is_used, single_use
 
@@ -93,7 +93,6 @@ def non_negative(t) -> bool:
     return False
 
 
-@register_pass
 class FoldPad(RefusalNotes, NodeRewritePass):
     name = "fold-pad"
     description = "Fold a constant-mode Pad of the spatial axes into the Conv/AveragePool/MaxPool reading it."

@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, as_constant, const_value, is_const, producer, rank, set_input
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, bypass, can_replace, single_use
 
 
@@ -57,7 +57,6 @@ def _scaled(t: Tensor, s: float, ctx: PassContext) -> Tensor:
     return as_constant(ctx.fresh_name(f"{t.name}_scaled"), (value * np.asarray(s, value.dtype)).astype(value.dtype))
 
 
-@register_pass
 class FoldScalarScale(NodeRewritePass):
     name = "fold-scalar-scale"
     description = "A constant scalar Mul/Div of a Gemm/MatMul(+bias) result goes into its alpha/beta or weight."

@@ -17,7 +17,7 @@ import numpy as np
 from ... import graph as gs
 
 from ...graph.ir import Graph, Node, Tensor, all_graphs, const_tensor, const_value
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 from .._rewire import detach, remove
 
 
@@ -59,7 +59,6 @@ def _names_outside(root: Graph, branch: Graph) -> set[str]:
     return names
 
 
-@register_pass
 class InlineConstantIf(Pass):
     name = "inline-constant-if"
     description = "Replace an If whose condition is a constant by the nodes of the branch it takes."

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from ...graph.ir import Graph, Node
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import PassContext, register_pass
+from ...pipeline.pass_base import PassContext
 from ..fold._channel_affine import CONVOLUTIONS, RefusalNotes, channel_operand, fold_into
 from .._rewire import NodeRewritePass
 
 BIASED = CONVOLUTIONS | {"Gemm"}
 
 
-@register_pass
 class MergeConvBias(RefusalNotes, NodeRewritePass):
     name = "merge-conv-bias"
     description = "Merge an Add of a per-channel constant after a Conv/ConvTranspose/Gemm into its bias."

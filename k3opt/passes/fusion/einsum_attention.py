@@ -17,7 +17,7 @@ from typing import Optional
 
 from ... import graph as gs
 from ...graph.ir import Graph, Node, Tensor, producer, replace_uses
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 from .._rewire import detach, remove
 
 ATTENTION_OPSET = 23
@@ -95,7 +95,6 @@ def _rewrite(graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bo
     return True
 
 
-@register_pass
 class EinsumAttention(Pass):
     """The Einsums around an attention's Softmax -> Transpose + MatMul (where an attention op can follow)."""
 

@@ -39,7 +39,7 @@ from ...patterns import RewriteBuilder, checks
 from ...graph.symbolic import dims as symbolic
 from .._shared.attention_sites import attention_sites, why_unrecognised
 from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 from ._left_decomposed import note_left_decomposed
 
 #: First opset with Attention in the default domain.
@@ -174,7 +174,6 @@ def _fitted_mask(op: RewriteBuilder, am: AttentionMatch, mask: Tensor, cached: b
     return op.Expand(mask, shape)
 
 
-@register_pass
 class FuseAttention(Pass):
     """Scaled dot-product attention -> Attention for --target onnx at opset >= 23; otherwise counted."""
 

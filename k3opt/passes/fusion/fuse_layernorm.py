@@ -14,7 +14,6 @@ from typing import Any
 from ...graph.ir import Tensor
 from ...patterns import PatternBuilder, RewriteBuilder
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import register_pass
 from .._shared.norm_match import TAILS, NormMatch, OrderedRulesPass, affine_input, maybe_cast, norm_input, rms_core, tail_rules
 
 
@@ -36,7 +35,6 @@ def to_layer_normalization(op: RewriteBuilder, nm: NormMatch) -> Tensor:
 RULES = tail_rules("layernorm", layer_norm_core, TAILS, True, to_layer_normalization,
                    "decomposed LayerNorm -> LayerNormalization")
 
-@register_pass
 class FuseLayerNorm(OrderedRulesPass):
     """Decomposed LayerNorms (every exporter spelling, fp16/bf16 Casts) -> LayerNormalization."""
 

@@ -36,7 +36,7 @@ import re
 from ...graph.ir import Graph, Node, Tensor
 from ...patterns import RewriteBuilder
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 from .._shared.norm_match import NormMatch, affine_input, apply_in_order, norm_input, rms_norm_core, rmsnorm_rules, tail_rules
 from ._left_decomposed import note_left_decomposed
 
@@ -69,7 +69,6 @@ def find_rmsnorms(graph: Graph, ctx: PassContext) -> list[Node]:
     return list(found.values())
 
 
-@register_pass
 class FuseRMSNorm(Pass):
     """RMSNorm -> RMSNormalization for --target onnx at opset >= 23; otherwise counted and left decomposed."""
 

@@ -25,7 +25,7 @@ import numpy as np
 from ...graph.ir import Graph, Node, Tensor, producer
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 from .._shared.rotary_match import RotaryMatch, apply_rules, concat_axis, rotary_rules, slice_last, unsqueeze_axes
 from ._left_decomposed import note_left_decomposed
 
@@ -145,7 +145,6 @@ def find_rotaries(graph: Graph, ctx: PassContext) -> list[Node]:
 
 
 
-@register_pass
 class FuseRotary(Pass):
     """Rotary embeddings -> RotaryEmbedding for --target onnx at opset >= 23; otherwise counted and kept."""
 

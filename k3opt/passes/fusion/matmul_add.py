@@ -145,4 +145,5 @@ FuseMatMulAdd = rules_pass(
     options={"matmul_add_nd": "rank > 2 pairs: auto (flatten for --target cann, keep for onnx), flatten, keep"},
     option_values={"matmul_add_nd": choice(*ND_MODES)},
     description="MatMul + per-column bias -> Gemm (rank > 2: flatten-Gemm-restore, option matmul_add_nd)",
+    register=False,
 )

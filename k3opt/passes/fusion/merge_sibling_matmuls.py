@@ -25,7 +25,7 @@ from ...graph.dtypes import PACKED_BITS, onnx_type
 from ...modelio.concat_values import concat_last_axis
 from ...patterns.matcher import describe
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 
 
 def _projection_weight(node: Node) -> Optional[gs.Constant]:
@@ -153,7 +153,6 @@ def _merge(graph: Graph, ctx: PassContext, group: list[tuple[Node, gs.Constant]]
     return new, nodes
 
 
-@register_pass
 class MergeSiblingMatMuls(Pass):
     """Merge MatMuls with constant 2-D weights that read the same activation (see module doc)."""
 

@@ -32,7 +32,7 @@ from ... import graph as gs
 from ...graph.ir import (Graph, Node, Tensor, as_constant, const_scalar, disconnect, is_graph_output, producer,
                          replace_uses)
 from ...patterns.schema import attr_value
-from ...pipeline.pass_base import Pass, PassContext, register_pass
+from ...pipeline.pass_base import Pass, PassContext
 from .._rewire import detach, remove
 from ...graph.symbolic.dims import shape_elements, tensor_dims
 from ...pipeline.analyses import DimAnalysis
@@ -250,7 +250,6 @@ def _rebuild(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node], b:
     return True
 
 
-@register_pass
 class UnfoldHeadBatch(Pass):
     """Rank-3 attention (heads folded into the batch) -> the rank-4 form the attention recogniser reads."""
 

@@ -24,6 +24,7 @@ from ...modelio import opset as opsets
 from ...pipeline import shapes
 from ...pipeline import verify as verifier
 from ...pipeline.pass_base import PassContext
+from .. import get_target
 from .passes.lower_weight_quant_npu import FP16_TOLERANCE, LowerWeightQuantNPU
 
 
@@ -32,7 +33,7 @@ def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     in the staging domain (``optimize --target cann`` brings the model to opset 17 after its passes and moves
     them to the default domain); and the lowering lines."""
 
-    ctx = PassContext(opset=opsets.model_opset(model), target="cann")
+    ctx = PassContext(opset=opsets.model_opset(model), target=get_target("cann"))
     with graph_scope():
         graph = modelio.import_graph(model)
         tensors = ir.tensor_map(graph)

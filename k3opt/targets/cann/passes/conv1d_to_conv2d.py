@@ -16,7 +16,7 @@ import numpy as np
 from .... import graph as gs
 
 from ....graph.ir import Graph, Node, as_constant, const_tensor, const_value, new_variable, set_input
-from ....pipeline.pass_base import PassContext, register_pass
+from ....pipeline.pass_base import PassContext
 from ....passes._rewire import NodeRewritePass
 
 
@@ -29,7 +29,6 @@ def _axes_node(op: str, x, out, ctx: PassContext, base: str) -> Node:
     return gs.Node(op, name, attrs={"axes": [2]}, inputs=[x], outputs=[out])
 
 
-@register_pass
 class Conv1dToConv2d(NodeRewritePass):
     name = "conv1d-to-conv2d"
     description = "For Ascend: a 1-D Conv becomes Unsqueeze, 2-D Conv (height 1), Squeeze (as msit's Conv1d2Conv2d)."

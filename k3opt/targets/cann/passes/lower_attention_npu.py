@@ -53,7 +53,7 @@ from ....passes._shared.shape_refs import shape_refs
 from ....passes._shared.attention_match import AttentionMatch, apply_attention, attention_rules
 from ....pipeline.analyses import Shapes
 from ....pipeline.option_values import choice
-from ....pipeline.pass_base import Pass, PassContext, register_pass
+from ....pipeline.pass_base import Pass, PassContext
 
 FORMS = ("auto", "opset16", "npu")
 #: Float types in which a mask fill the recogniser accepts (<= half the lowest value) swamps any realistic score.
@@ -204,7 +204,6 @@ def reads_cache(k: Tensor) -> bool:
     return False
 
 
-@register_pass
 class LowerAttentionNPU(Pass):
     """Attention -> NPUPromptFlashAttention / NPUIncreFlashAttention (target cann) where the plugin makes it exact."""
 

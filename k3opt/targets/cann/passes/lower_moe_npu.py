@@ -36,7 +36,7 @@ from ....graph.ir import (Graph, Node, Tensor, consumers, int_list, is_const, is
                           set_input, toposort)
 from ....patterns import RewriteBuilder
 from ....patterns.rewriter import GraphEditor
-from ....pipeline.pass_base import PassContext, register_pass
+from ....pipeline.pass_base import PassContext
 from ....passes._shared.moe_match import MoeBlock, find_moe_blocks, find_unrolled_blocks
 from ._npu_lowering import NPULowering
 
@@ -56,7 +56,6 @@ def refusal(b: MoeBlock) -> Optional[str]:
     return None
 
 
-@register_pass
 class LowerMoeNPU(NPULowering):
     """MoE routing -> NPUMoeGatingTopKSoftmax / NPUMoeInitRouting / NPUMoeFinalizeRouting (target cann)."""
 

@@ -19,7 +19,7 @@ from ....graph import dtypes
 from ....graph.ir import Graph, Tensor
 from ....patterns import RewriteBuilder
 from ....passes._shared.norm_match import NormMatch, affine_input, apply_in_order, norm_input
-from ....pipeline.pass_base import PassContext, register_pass
+from ....pipeline.pass_base import PassContext
 from ....passes._shared.norm_match import rmsnorm_rules
 from ._npu_lowering import NPULowering
 
@@ -47,7 +47,6 @@ def refusal(epsilon: float, x_dtype: Any, gamma_dtype: Any) -> Optional[str]:
     return None
 
 
-@register_pass
 class LowerRMSNormNPU(NPULowering):
     """RMSNorm -> NPURmsNorm (target cann) where the plugin's fixed eps and kernels make it exact."""
 

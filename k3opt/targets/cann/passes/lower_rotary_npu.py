@@ -40,7 +40,7 @@ from ..npu_contract import ROPE_HALF, ROPE_INTERLEAVE, ROPE_MAX_HEAD_DIM
 from ..target_form import STAGING_DOMAIN
 from ....graph.ir import Graph, Tensor
 from ....patterns import RewriteBuilder
-from ....pipeline.pass_base import PassContext, register_pass
+from ....pipeline.pass_base import PassContext
 from ....graph.symbolic.dims import dim_at
 from ....passes._shared.rotary_match import RotaryMatch, apply_rules, rotary_rules
 from ._npu_lowering import NPULowering
@@ -74,7 +74,6 @@ def _angles(op: RewriteBuilder, rm: RotaryMatch, t: Tensor, batch: Optional[Tens
     return t if batch is None else op.Expand(t, batch)
 
 
-@register_pass
 class LowerRotaryNPU(NPULowering):
     """Rotary embedding -> NPURotaryPositionEmbedding mode 0 (mode 1 for GPT-J's interleaved form; target cann)
     where the plugin's contract is met."""

@@ -29,7 +29,7 @@ from ..target_form import STAGING_DOMAIN
 from ....graph.ir import Graph, Node, const_tensor, const_value, disconnect, new_constant, new_variable, producer
 from ....passes._rewire import detach, remove
 from ....pipeline.analyses import Shapes
-from ....pipeline.pass_base import Pass, PassContext, register_pass
+from ....pipeline.pass_base import Pass, PassContext
 
 NPU_OP = "NPUWeightQuantBatchMatmulV2"
 #: The tolerance (rtol, atol) the lowering is verified with: the activations are float16 through the op.
@@ -90,7 +90,6 @@ def _operands(dq: Node, x_dtype) -> tuple[np.ndarray, np.ndarray, Optional[np.nd
     return weight, scale.astype(half), None if offset is None else np.asarray(offset).astype(half), group
 
 
-@register_pass
 class LowerWeightQuantNPU(Pass):
     """DequantizeLinear -> MatMul -> NPUWeightQuantBatchMatmulV2 (target cann)."""
 
