@@ -94,6 +94,8 @@ class Run:
         self.blockwise: Any = None
         self.down = False
         self.decomposed = 0
+        #: Types of the decomposed opset-23 nodes' outputs, as the ops define them (every shape refresh gets them).
+        self.shape_facts: shapes.ShapeFacts = {}
         self.before_down: Optional[onnx.ModelProto] = None
         self.ctx: Optional[PassContext] = None
         self.manager: Optional[PassManager] = None
@@ -179,7 +181,7 @@ class Run:
         ctx = self.ctx = PassContext(
             opset=opsets.model_opset(model), target=self.target, options=dict(self.pass_options),
             output_opset=opsets.wanted_opset(model, self.opset, target=self.target) if self.down else None)
-        refresher = shapes.ShapeRefresher()
+        refresher = shapes.ShapeRefresher(self.shape_facts)
         manager = self.manager = PassManager(self.pipeline, shape_inference=refresher, progress=self._pass_progress())
         with self.step("running passes", "passes"), graph_scope():
             # fold-constants' first step, done on the proto: the lifted literals are never inferred or imported
@@ -260,7 +262,7 @@ class Run:
         the passes to lower or re-fuse; returns how many."""
         if wanted >= 23:
             return 0
-        done, kept = decompose_opset23(model)
+        done, kept, self.shape_facts = decompose_opset23(model)
         if done:
             self.report.notes.append(f"{done} opset-23 node(s) (Attention, RMSNormalization, RotaryEmbedding) "
                                      f"written in their decomposed form for opset {wanted}")
@@ -274,7 +276,7 @@ class Run:
         Returns the lowered model and what :meth:`_verify_lowering` needs to bisect a divergence.
         """
         ctx = PassContext(opset=opsets.model_opset(model), target=target, options=dict(self.pass_options))
-        refresher = shapes.ShapeRefresher()
+        refresher = shapes.ShapeRefresher(self.shape_facts)
         manager = PassManager(lowering, shape_inference=refresher, progress=self._pass_progress())
         with graph_scope():
             graph = modelio.import_graph(model)
@@ -456,7 +458,7 @@ class Run:
                 graph = modelio.import_graph(model)
                 fresh = PassContext(opset=ctx.opset, target=ctx.target, options=dict(ctx.options),
                                     output_opset=ctx.output_opset)
-                PassManager([type(p)() for p in pipeline], shape_inference=shapes.ShapeRefresher()).run(
+                PassManager([type(p)() for p in pipeline], shape_inference=shapes.ShapeRefresher(self.shape_facts)).run(
                     graph, fresh, max_steps=k)
                 candidate = modelio.export_graph(graph, model)
             try:

@@ -169,13 +169,24 @@ def inferred_types(graph: onnx.GraphProto) -> Inferred:
     return Inferred(types, protos, long, graph)
 
 
+#: Types a run knows of some of its tensors by an op's definition, by name (see :class:`ShapeRefresher`).
+ShapeFacts = Mapping[str, onnx.TypeProto]
+
+
 class ShapeRefresher:
     """``(graph) -> bool`` for the PassManager: refresh tensor shapes/dtypes in place.
 
     Failures are recorded in ``notes`` (once each) instead of raised.
+
+    ``facts``: types known of tensors by the definition of the op that computed them before the run wrote it
+    decomposed (:mod:`k3opt.modelio.opset23_down`), given to onnx's inference as the value_info of those
+    tensors wherever the graph still has them: a pass keeps a value under its name, so its shape holds, and
+    inference carries the symbols on where the decomposed form's broadcasts would lose them. Inference that
+    fails with them is tried again without them, for good (and noted).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, facts: Optional[ShapeFacts] = None) -> None:
+        self.facts = dict(facts or {})
         self.notes: list[str] = []
         self.calls = 0
         #: The last inference propagated data (no long 1-D tensor): it is tried first next time.
@@ -185,7 +196,7 @@ class ShapeRefresher:
 
     def __call__(self, graph: gs.Graph) -> bool:
         tensors = tensor_map(graph)  # one walk of the graph for export and update
-        return self._refresh(graph, tensors, lambda: export_for_inference(graph, tensors))
+        return self._refresh(graph, tensors, lambda: export_for_inference(graph, tensors, self.facts))
 
     def seed(self, graph: gs.Graph, model: onnx.ModelProto, tensors: Optional[dict[str, gs.Tensor]] = None) -> bool:
         """Refresh ``graph`` freshly imported from ``model`` by inferring ``model`` itself.
@@ -199,7 +210,7 @@ class ShapeRefresher:
         ``tensors``: ``tensor_map(graph)`` when the caller has it.
         """
         tensors = tensor_map(graph) if tensors is None else tensors
-        return self._refresh(graph, tensors, lambda: model_for_inference(model), True)
+        return self._refresh(graph, tensors, lambda: model_for_inference(model, self.facts), True)
 
     def _refresh(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], model: Callable[[], Light],
                  propagate_first: bool = False) -> bool:
@@ -207,11 +218,24 @@ class ShapeRefresher:
         try:
             inferred, self._short = _infer(model(), propagate_first or self._short)
         except Exception as exc:  # onnx raises many types here; a failure only loses shapes
-            inferred = self._tolerant(graph, tensors, exc)
+            inferred = self._without_facts(graph, tensors) if self.facts else None
+            if inferred is None:
+                inferred = self._tolerant(graph, tensors, exc)
             if inferred is None:
                 return False
         apply_shapes(graph, inferred, tensors, self._types)
         return True
+
+    def _without_facts(self, graph: gs.Graph, tensors: dict[str, gs.Tensor]) -> Optional[Inferred]:
+        """Inference without the facts, which are dropped for good when it succeeds; None when it fails too."""
+        try:
+            inferred = self._infer_graph(graph, tensors, True)
+        except Exception:  # noqa: BLE001 -- not the facts' fault: the usual fallback follows
+            return None
+        self._note(f"the decomposed opset-23 nodes' output shapes ({len(self.facts)}) contradict shape inference: "
+                   "not used")
+        self.facts = {}
+        return inferred
 
     def _tolerant(self, graph: gs.Graph, tensors: dict[str, gs.Tensor], exc: Exception) -> Optional[Inferred]:
         """Inference after strict inference failed with ``exc``.
@@ -258,10 +282,12 @@ class ShapeRefresher:
             self.notes.append(note)
 
 
-def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]] = None) -> Light:
+def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]] = None,
+                         facts: Optional[ShapeFacts] = None) -> Light:
     """The graph as a model for onnx shape inference, built without reading any big weight.
 
-    No value_info (stale after rewrites: everything is re-inferred), and
+    No value_info (stale after rewrites: everything is re-inferred) but ``facts`` (see
+    :class:`ShapeRefresher`) of the tensors the graph computes, and
     constants of 1 KB or more are typed graph inputs instead of initializers.
     The bytes are the graph's fields serialized one by one and joined
     (protobuf merges repeated fields in order), which parses as the model
@@ -273,9 +299,12 @@ def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]
         write_value_info(t, io.input)
     for t in graph.outputs:
         write_value_info(t, io.output)
+    tensors = tensors if tensors is not None else tensor_map(graph)
+    if facts:
+        _add_facts(io, facts, {n for n, t in tensors.items() if not isinstance(t, gs.Constant) and t.inputs})
     fields = [io.SerializeToString()]  # first: the weights' inputs follow the graph's own
     long_io = _has_long_vector(io)
-    for t in (tensors if tensors is not None else tensor_map(graph)).values():
+    for t in tensors.values():
         if not isinstance(t, gs.Constant) or isinstance(stored_values(t), SparseValues):
             continue
         if getattr(stored_values(t), "nbytes", 0) >= EXTERNAL_THRESHOLD:
@@ -298,8 +327,16 @@ def export_for_inference(graph: gs.Graph, tensors: Optional[dict[str, gs.Tensor]
     return Light(_model_bytes(head, fields), long_io)
 
 
-def model_for_inference(model: onnx.ModelProto) -> Light:
-    """``io.weights_as_inputs(model)`` without value_info (everything is re-inferred, as after an export), serialized.
+def _add_facts(io: onnx.GraphProto, facts: ShapeFacts, computed: set[str]) -> None:
+    """Append to ``io.value_info`` the facts of the names in ``computed`` that are no graph output (declared)."""
+    outputs = {vi.name for vi in io.output}
+    io.value_info.extend(onnx.helper.make_value_info(name, tp) for name, tp in facts.items()
+                         if name in computed and name not in outputs)
+
+
+def model_for_inference(model: onnx.ModelProto, facts: Optional[ShapeFacts] = None) -> Light:
+    """``io.weights_as_inputs(model)`` without value_info (everything is re-inferred, as after an export) but
+    ``facts`` (see :func:`export_for_inference`), serialized.
 
     Joined from the model's parts like :func:`export_for_inference`:
     weights_as_inputs copies the whole model, weights included, only to drop
@@ -313,6 +350,8 @@ def model_for_inference(model: onnx.ModelProto) -> Light:
     declared = {vi.name for vi in g.input}
     rest.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                       for t in big.values() if t.name not in declared)
+    if facts:
+        _add_facts(rest, facts, {o for n in g.node for o in n.output})
     fields = [rest.SerializeToString()]
     fields += [field(_GRAPH_INITIALIZER, _inline_bytes(t)) for t in g.initializer if t.name not in big]
     nodes = list(map(onnx.NodeProto.SerializeToString, g.node))

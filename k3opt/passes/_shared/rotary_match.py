@@ -10,7 +10,9 @@ Forms (see docs/passes/fuse-rotary.md), for a 4-D ``x`` (batch, heads, positions
   where ``x1, x2`` are the halves, or DeepSeek-V3's even/odd elements ``x[..., 0::2], x[..., 1::2]``
   (transformers' ``apply_rotary_pos_emb_interleave``: its result is in the half-split layout);
 - partial rotary: MLA rotates a Split-off part of q/k, which is simply the ``x`` above; TorchScript merges
-  ``cat((q_pass, q_rot))`` into the rotation's Concat (``Concat(q_pass, real, imag)``), kept as a prefix;
+  ``cat((q_pass, q_rot))`` into the rotation's Concat (``Concat(q_pass, real, imag)``), kept as a prefix, and
+  merge-concats a partial rotation's ``cat((q_rot, q_pass))`` (``Concat(real, imag, q_pass)``), kept as a
+  suffix;
 - interleaved (GPT-J, CodeGen): ``x * cos + rotate_every_two(x) * sin`` where ``rotate_every_two(x)`` is
   ``stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)`` (Unsqueeze, Concat and Reshape in ONNX) and
   ``cos``/``sin`` are ``repeat_interleave(2)`` of half-width angles (the result keeps the pairs).
@@ -95,7 +97,9 @@ def _rotate_half(kind: str) -> Callable[..., Any]:
     return pattern
 
 
-def _explicit_halves(kind: str, prefixed: bool = False) -> Callable[..., Any]:
+def _explicit_halves(kind: str, around: str = "") -> Callable[..., Any]:
+    """``Concat(x1*cos - x2*sin, x2*cos + x1*sin)``; ``around`` "prefix"/"suffix": with another input before or
+    after the two halves (see :func:`_prefixed_halves`, :func:`_suffixed_halves`)."""
     def rotation(op: PatternBuilder, x: Any, cos: Any, sin: Any) -> tuple[Any, Any]:
         lo, hi = _halves(op, x, kind)
         return op.Sub(op.Mul(lo, cos), op.Mul(hi, sin)), op.Add(op.Mul(hi, cos), op.Mul(lo, sin))
@@ -106,13 +110,23 @@ def _explicit_halves(kind: str, prefixed: bool = False) -> Callable[..., Any]:
     def prefixed_pattern(op: PatternBuilder, x: Any, cos: Any, sin: Any, prefix: Any) -> Any:
         return op.Concat(prefix, *rotation(op, x, cos, sin), _name="root")
 
-    return prefixed_pattern if prefixed else pattern
+    def suffixed_pattern(op: PatternBuilder, x: Any, cos: Any, sin: Any, suffix: Any) -> Any:
+        return op.Concat(*rotation(op, x, cos, sin), suffix, _name="root")
+
+    return {"": pattern, "prefix": prefixed_pattern, "suffix": suffixed_pattern}[around]
 
 
 def _prefixed_halves(kind: str) -> Callable[..., Any]:
     """``Concat(prefix, x1*cos - x2*sin, x2*cos + x1*sin)``: TorchScript merges MLA's ``cat((q_pass, q_rot))``
     with the rotation's own Concat; the rotation is fused and ``prefix`` concatenated before it again."""
-    return _explicit_halves(kind, prefixed=True)
+    return _explicit_halves(kind, "prefix")
+
+
+def _suffixed_halves(kind: str) -> Callable[..., Any]:
+    """``Concat(x1*cos - x2*sin, x2*cos + x1*sin, suffix)``: a partial rotation's ``cat((q_rot, q_pass))``
+    merged with the rotation's own Concat (merge-concats does it, an exporter may); ``suffix`` is concatenated
+    after the fused rotation again."""
+    return _explicit_halves(kind, "suffix")
 
 
 def _rotate_every_two(op: PatternBuilder, x: Any, cos: Any, sin: Any) -> Any:
@@ -127,42 +141,50 @@ def _rotate_every_two(op: PatternBuilder, x: Any, cos: Any, sin: Any) -> Any:
 
 
 _FORMS = (("rotate-half", _rotate_half, True), ("halves", _explicit_halves, False),
-          ("prefixed-halves", _prefixed_halves, False))
+          ("prefixed-halves", _prefixed_halves, False), ("suffixed-halves", _suffixed_halves, False))
 
 
-def rotary_rules(rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]], name: str = "rotary"
-                 ) -> list[Rule]:
-    """The rotary rules (rotate-half, explicit halves, explicit halves after an MLA prefix; each with Slice or
-    Split halves), checked by :func:`analyze` and rebuilt by ``rewrite`` (None leaves the match as it is; a
-    prefix is concatenated in front of the result by the rule)."""
+def rotary_rules(rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]], name: str = "rotary",
+                 angles_proven: bool = True) -> list[Rule]:
+    """The rotary rules (rotate-half, explicit halves, explicit halves after an MLA prefix or before a partial
+    rotation's rest; each with Slice or Split halves), checked by :func:`analyze` and rebuilt by ``rewrite``
+    (None leaves the match as it is; a prefix or suffix is concatenated around the result by the rule). ``angles_proven``: cos and sin must be proven
+    one rotation's angles (see :func:`analyze`)."""
     rules = []
     for form, pattern, full_width in _FORMS:
         for kind in ("slice", "split"):
-            rules.append(_rule(f"{name}-{form}-{kind}", pattern(kind), full_width, rewrite))
-    rules.append(_rule(f"{name}-interleaved", _rotate_every_two, True, rewrite, interleaved=True))
+            rules.append(_rule(f"{name}-{form}-{kind}", pattern(kind), full_width, rewrite, angles_proven))
+    rules.append(_rule(f"{name}-interleaved", _rotate_every_two, True, rewrite, angles_proven, interleaved=True))
     return rules
 
 
 def _rule(name: str, pattern: Callable[..., Any], full_width: bool,
-          rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]], interleaved: bool = False) -> Rule:
+          rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]], angles_proven: bool,
+          interleaved: bool = False) -> Rule:
     def check(m: Match) -> bool:
-        m.memo["rotary"] = analyze(m, full_width, interleaved)
+        m.memo["rotary"] = analyze(m, full_width, interleaved, angles_proven)
         return m.memo["rotary"] is not None
 
     def apply(op: RewriteBuilder, m: Match) -> Optional[Tensor]:
-        rm = m.memo["rotary"] if "rotary" in m.memo else analyze(m, full_width, interleaved)
+        rm = m.memo["rotary"] if "rotary" in m.memo else analyze(m, full_width, interleaved, angles_proven)
         rotated = None if rm is None else rewrite(op, rm)
-        if rotated is None or "prefix" not in m:
+        if rotated is None or ("prefix" not in m and "suffix" not in m):
             return rotated
-        return op.Concat(m["prefix"], rotated, axis=-1)
+        return op.Concat(m["prefix"], rotated, axis=-1) if "prefix" in m else op.Concat(rotated, m["suffix"], axis=-1)
 
     return Rule(name, pattern, apply, check, description=f"rotary embedding ({name})")
 
 
 # -- checks ------------------------------------------------------------------------------------------------------
 
-def analyze(m: Match, full_width: bool, interleaved: bool = False) -> Optional[RotaryMatch]:
-    """The :class:`RotaryMatch` of a structural match, or None (with ``m.fail(reason)``) when fusing is not exact."""
+def analyze(m: Match, full_width: bool, interleaved: bool = False, angles_proven: bool = True
+            ) -> Optional[RotaryMatch]:
+    """The :class:`RotaryMatch` of a structural match, or None (with ``m.fail(reason)``) when fusing is not exact.
+
+    ``angles_proven`` (fuse-rotary): cos and sin are proven the Cos and Sin of one angle tensor, and full-width
+    ones equal on both halves (RotaryEmbedding-23 takes the half-width caches), or equal in pairs (the
+    interleaved form). Without it (the NPU op, whose documented formula multiplies by the full-width cos and
+    sin as they are: any values) only their shapes are checked."""
     x = m["x"]
     shape = x.shape
     if shape is None or len(shape) != 4:
@@ -192,25 +214,33 @@ def analyze(m: Match, full_width: bool, interleaved: bool = False) -> Optional[R
         if isinstance(why, str):
             return _fail(m, f"{role}: {why}")
         shapes[role] = why
-    if interleaved:
-        cos_chain, sin_chain = _paired_chain(m["cos"], d), _paired_chain(m["sin"], d)
-        for role, paired in (("cos", cos_chain), ("sin", sin_chain)):
-            if paired is None:
-                return _fail(m, f"{role} is not proven repeat_interleave(2) of half-width angles (equal pairs)")
-    else:
-        cos_chain, sin_chain = _chain(m["cos"]), _chain(m["sin"])
-    why = _same_angles(cos_chain, sin_chain)
+    why = _angles_refusal(m, d, full_width, interleaved) if angles_proven else None
     if why:
         return _fail(m, why)
-    if full_width and not interleaved:
-        for role, chain in (("cos", cos_chain), ("sin", sin_chain)):
-            if not _symmetric(chain, d):
-                return _fail(m, f"{role} is not proven equal on both halves of the head dim")
     same_batch = shapes["cos"][0] and shapes["sin"][0]
     same_positions = shapes["cos"][1] and shapes["sin"][1]
     lo, hi = (m["lo"], m["hi"]) if "lo" in m else (m.node("lo").outputs[0], m.node("hi").outputs[0])
     return RotaryMatch(x, lo, hi, pairs, m["cos"], m["sin"], full_width, d, same_batch, same_positions,
                        m.node("root"), m, interleaved)
+
+
+def _angles_refusal(m: Match, d: int, full_width: bool, interleaved: bool) -> Optional[str]:
+    """Why cos and sin are not proven one rotation's angles (see :func:`analyze`), or None."""
+    if interleaved:
+        cos_chain, sin_chain = _paired_chain(m["cos"], d), _paired_chain(m["sin"], d)
+        for role, paired in (("cos", cos_chain), ("sin", sin_chain)):
+            if paired is None:
+                return f"{role} is not proven repeat_interleave(2) of half-width angles (equal pairs)"
+    else:
+        cos_chain, sin_chain = _chain(m["cos"]), _chain(m["sin"])
+    why = _same_angles(cos_chain, sin_chain)
+    if why:
+        return why
+    if full_width and not interleaved:
+        for role, chain in (("cos", cos_chain), ("sin", sin_chain)):
+            if not _symmetric(chain, d):
+                return f"{role} is not proven equal on both halves of the head dim"
+    return None
 
 
 def _fail(m: Match, reason: str) -> None:
@@ -532,6 +562,36 @@ def _symmetric(chain: tuple[list[tuple[Node, int]], Tensor], d: int) -> bool:
     value = small_const_value(root) if is_const(root) else None
     return value is not None and value.ndim >= 1 and value.shape[-1] == d and \
         np.array_equal(value[..., :d // 2], value[..., d // 2:])
+
+
+def whole_of_half(t: Tensor, d: int) -> Optional[tuple[Tensor, list[Node]]]:
+    """``(u, unsqueezes)`` when the half-width angles ``t`` are ``Unsqueeze(...(Slice(u, 0, d/2) on the last
+    axis))`` of full-width angles ``u`` proven equal on both halves: ``Concat(t, t)`` is then those Unsqueezes
+    (outermost last) of ``u`` itself. The form :mod:`k3opt.modelio.opset23_down` writes for a RotaryEmbedding
+    whose cache fuse-rotary sliced from the full-width angles."""
+    unsqueezes: list[Node] = []
+    node = producer(t)
+    while node is not None and node.op == "Unsqueeze" and (node.domain or "") in ("", "ai.onnx"):
+        unsqueezes.append(node)
+        node = producer(node.inputs[0])
+    if node is None or node.op != "Slice" or (node.domain or "") not in ("", "ai.onnx"):
+        return None
+    u = node.inputs[0]
+    if u.shape is None or not u.shape or checks.last_dim(u) != d:
+        return None
+    rank = len(u.shape)
+    values = [small_const_value(x) if i < len(node.inputs) and is_const(x) else None
+              for i, x in enumerate(node.inputs[1:5], 1)]
+    starts, ends = values[0], values[1]
+    axes = values[2] if len(node.inputs) > 3 and not is_empty(node.inputs[3]) else np.array([0] if rank == 1 else [])
+    steps = values[3] if len(node.inputs) > 4 and not is_empty(node.inputs[4]) else np.array([1])
+    if starts is None or ends is None or axes is None or steps is None or \
+            [int(v) for v in np.asarray(starts).reshape(-1)] != [0] or \
+            [int(v) for v in np.asarray(ends).reshape(-1)] != [d // 2] or \
+            [int(a) % rank for a in np.asarray(axes).reshape(-1)] != [rank - 1] or \
+            [int(v) for v in np.asarray(steps).reshape(-1)] != [1]:
+        return None
+    return (u, unsqueezes[::-1]) if _symmetric(_chain(u), d) else None
 
 
 def _paired_chain(t: Tensor, d: int) -> Optional[tuple[list[tuple[Node, int]], Tensor]]:

@@ -8,12 +8,15 @@ ATC plugin registers ``ai.onnx::11..18`` and ``npu::1`` and requires the INT att
 dtype (fp16, bf16, fp32), one shape for both, D even and < 896, B and N < 1000 ([RoPE-doc], [RoPE-IR]).
 
 The recogniser (:func:`.._shared.rotary_match.rotary_rules`) has proved the rotation exact: x is (batch, heads,
-positions, D), cos and sin are of one angle tensor, broadcast over the heads, with batch and position dims
-of 1 or provably x's, and full-width ones have equal halves. Every form becomes mode 0:
+positions, D), cos and sin are broadcast over the heads, with batch and position dims of 1 or provably x's.
+Their values need no proof (``angles_proven=False``): the documented formula multiplies by the full-width cos
+and sin as they are, so caches that are graph inputs (an opset-23 RotaryEmbedding's, written decomposed) lower
+too. Every form becomes mode 0:
 
 - rotate-half: ``NPURotaryPositionEmbedding(x, cos, sin)`` with cos/sin as multiplied;
 - explicit halves (half-width angles): the same with ``Concat(cos, cos)``, ``Concat(sin, sin)``
-  (``x1*c - x2*s`` is ``x1*c + (-x2)*s`` exactly);
+  (``x1*c - x2*s`` is ``x1*c + (-x2)*s`` exactly), or the full-width angles a half-width cache was sliced from
+  when their halves are proven equal (:func:`.._shared.rotary_match.whole_of_half`);
 - DeepSeek's even/odd halves: the same of ``Concat(x[..., 0::2], x[..., 1::2])`` (the result is in the
   half-split layout, as the graph's);
 - GPT-J's interleaved form (``rotate_every_two``): mode 1 ("interleave"), whose documented rotation
@@ -42,7 +45,7 @@ from ....graph.ir import Graph, Tensor
 from ....patterns import RewriteBuilder
 from ....pipeline.pass_base import PassContext
 from ....graph.symbolic.dims import dim_at
-from ....passes._shared.rotary_match import RotaryMatch, apply_rules, rotary_rules
+from ....passes._shared.rotary_match import RotaryMatch, apply_rules, rotary_rules, whole_of_half
 from ._npu_lowering import NPULowering
 
 #: [RoPE-doc] half mode: "B，N < 1000".
@@ -65,11 +68,17 @@ def refusal(rm: RotaryMatch) -> Optional[str]:
 
 
 def _angles(op: RewriteBuilder, rm: RotaryMatch, t: Tensor, batch: Optional[Tensor]) -> Tensor:
-    """``t`` as the plugin's full-width 4-D cos/sin: leading 1s added, halves doubled, expanded to ``batch``."""
-    rank = len(t.shape)
+    """``t`` as the plugin's full-width 4-D cos/sin: leading 1s added, halves doubled (or the full-width angles
+    they were sliced from taken again), expanded to ``batch``."""
+    rank, doubled = len(t.shape), not rm.full_width
+    whole = whole_of_half(t, rm.head_dim) if doubled else None
+    if whole is not None:  # of t's rank again
+        t, doubled = whole[0], False
+        for node in whole[1]:
+            t = op.Unsqueeze(t, *node.inputs[1:], **node.attrs)
     if rank < 4:
         t = op.Unsqueeze(t, op.const(list(range(4 - rank)), np.int64))
-    if not rm.full_width:
+    if doubled:
         t = op.Concat(t, t, axis=-1)
     return t if batch is None else op.Expand(t, batch)
 
@@ -82,7 +91,8 @@ class LowerRotaryNPU(NPULowering):
     description = "rotary embedding -> NPURotaryPositionEmbedding mode 0 (rotate-half) where exact (target cann)"
     order = 2020
     npu_op, what = "NPURotaryPositionEmbedding", "rotary embedding"
-    recogniser = staticmethod(functools.partial(rotary_rules, name="lower-rotary"))  # kept: by root node
+    # kept: by root node; the op's formula takes any full-width cos/sin (no proof that they are one rotation's)
+    recogniser = staticmethod(functools.partial(rotary_rules, name="lower-rotary", angles_proven=False))
     #: Models without RoPE (BERT, ViT, the hand-made attentions) keep the lowering lines they had.
     note_none = False
 
