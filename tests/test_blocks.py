@@ -214,6 +214,33 @@ def test_a_hand_broken_pass_is_caught_and_the_report_names_the_block_and_pass(tm
 
 
 @needs_torch
+def test_a_lowering_over_the_budget_is_verified_block_by_block_under_the_reference_ops(tmp_path, monkeypatch):
+    """--target cann on a model over --verify-memory: the lowered model is compared block by block, its blocks
+    run by k3opt's reference NPU ops (before, the lowering of a block-verified run went unverified); a lowering
+    that changes layer 2's numbers is caught and named."""
+    from k3opt.targets.cann.passes.lower_rmsnorm_npu import LowerRMSNormNPU
+
+    report = k3opt.optimize_file(split_model("llama"), tmp_path / "a.onnx", target="cann", verify=True,
+                                 verify_memory=SMALL_BUDGET)
+    lv = report.lowering_verification
+    assert report.verification["mode"] == "block-wise" and lv["status"] == "passed" and lv["mode"] == "block-wise"
+    assert len(lv["blocks"]) >= 3 and any(n.startswith("lowering verified (reference evaluator) block by block")
+                                          for n in report.notes)
+    lower = LowerRMSNormNPU._rewrite
+
+    def broken(self, op, nm):
+        y = lower(self, op, nm)
+        return op.Mul(y, op.const(np.array(1.5, np.float32))) if y is not None and "layers.2/" in nm.reduce.name \
+            else y
+
+    monkeypatch.setattr(LowerRMSNormNPU, "_rewrite", broken)
+    with pytest.raises(VerificationError, match=r"reference evaluator, block by block: block 2 \(layer 2"):
+        k3opt.optimize_file(split_model("llama"), tmp_path / "b.onnx", target="cann", verify=True,
+                            verify_memory=SMALL_BUDGET)
+    assert not (tmp_path / "b.onnx").exists()
+
+
+@needs_torch
 def test_cli_verify_memory(tmp_path):
     out = tmp_path / "out.onnx"
     result = CliRunner().invoke(main, ["optimize", str(split_model("qwen2")), "-o", str(out),

@@ -49,6 +49,7 @@ class BlockRun:
 
     def __init__(self, run: Any, original: onnx.ModelProto, budget: int):
         self.run, self.original, self.budget = run, original, budget
+        self.feeds: Any = None  # the verification's inputs, once chosen (the lowering is checked on them too)
 
     def finish(self, out: onnx.ModelProto, manager: Any, pipeline: list, ctx: Any) -> None:
         """Verify ``out`` block by block; record the result in the run's report, raise on divergence."""
@@ -66,6 +67,7 @@ class BlockRun:
             feeds = verifier.make_feeds(self.original, seed=run.seed, input_data=run.input_data,
                                         declared=run.declared_dims, run=lambda f: run_original(cut, f))
             result = verify(cut, dict(feeds), rtol=run.rtol, atol=run.atol)
+            self.feeds = feeds
         except verifier.Unrunnable as exc:
             return run._skip_verification(f"original model: {exc}")
         except verify_dims.NoConsistentSizes as exc:  # as the whole-model check: nothing compared, nothing written
@@ -82,6 +84,32 @@ class BlockRun:
                               lambda candidate: _block_result(self.original, candidate, cut, feeds, k, run), result)
         raise VerificationError(f"optimized model differs from the original block by block: {result['reason']}"
                                 f"{culprit}")
+
+    def finish_lowering(self, lowered: onnx.ModelProto, evaluator: Any, target: Any, rtol: Optional[float],
+                        atol: Optional[float]) -> None:
+        """Verify the lowered model block by block, its blocks run by the target's reference ``evaluator``,
+        against the original's on the inputs the optimization was verified on; raise on divergence."""
+        report = self.run.report
+        why = None
+        if self.feeds is None:
+            why = "the block-wise verification of the optimization did not run"
+        elif evaluator is None:
+            why = f"no reference evaluator for target {target}"
+        if why is None:
+            try:
+                cut = Cut(self.original, lowered, self.budget)
+            except (NoLayers, plan.TooLarge) as exc:
+                why = f"the lowered model cannot be cut into blocks: {exc}"
+        if why is not None:
+            report.lowering_verification = verifier.skipped(why)
+            report.warnings.append(f"verification of the lowering skipped: {why}")
+            return
+        result = report.lowering_verification = verify(cut, dict(self.feeds), rtol=rtol, atol=atol,
+                                                       evaluator=evaluator)
+        report.notes.append(summary(result).replace("verified", "lowering verified (reference evaluator)", 1))
+        if result["status"] != "passed":
+            raise VerificationError(f"the lowered model differs from the original under the {target} reference "
+                                    f"evaluator, block by block: {result['reason']}")
 
     def _converted(self, ctx: Any) -> bool:
         from ..modelio.opset import model_opset

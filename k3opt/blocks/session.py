@@ -7,7 +7,7 @@ files for this run only, so a model of any size is run holding one block's weigh
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import onnx
@@ -19,6 +19,9 @@ from ..modelio.external import external_span
 from ..modelio.spill_regions import materialize
 from ..pipeline import verify as verifier
 from .structure import Block
+
+#: A target's reference evaluator: ``model -> object with .run(None, feeds)`` (onnx's ReferenceEvaluator).
+Evaluator = Callable[[onnx.ModelProto], Any]
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
@@ -65,8 +68,12 @@ def read_weight(t: onnx.TensorProto) -> Optional[np.ndarray]:
     return np.fromfile(location, dtype=dtype, count=count, offset=offset).reshape([int(d) for d in t.dims])
 
 
-def run_block(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run a block model on ``feeds`` (its inputs by name), its external weights streamed in; outputs by name."""
+def run_block(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
+              evaluator: Optional[Evaluator] = None) -> dict[str, np.ndarray]:
+    """Run a block model on ``feeds`` (its inputs by name), its external weights streamed in; outputs by name.
+
+    ``evaluator`` (a target's reference evaluator: ``model -> .run(None, feeds)``) runs it instead of
+    onnxruntime: a block of a lowered model, whose NPU ops onnxruntime does not have."""
     light = onnx.ModelProto()
     light.CopyFrom(model)
     g = light.graph
@@ -84,10 +91,12 @@ def run_block(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[s
     for vi in g.input:  # inputs typed by their values: the model's value_info may not know a rewritten tensor
         if vi.name in feeds and not vi.type.tensor_type.elem_type:
             vi.CopyFrom(typed(vi.name, np.asarray(feeds[vi.name])))
+    inputs = {**{n: feeds[n] for n in model_inputs(model)}, **weights}
+    if evaluator is not None:
+        return dict(zip([o.name for o in g.output], evaluator(light).run(None, inputs)))
     session = verifier.session(light.SerializeToString())
     names = [o.name for o in session.get_outputs()]
-    values = verifier.run(session, {**{n: feeds[n] for n in model_inputs(model)}, **weights})
-    return dict(zip(names, values))
+    return dict(zip(names, verifier.run(session, inputs)))
 
 
 def model_inputs(model: onnx.ModelProto) -> list[str]:

@@ -17,7 +17,7 @@ import onnx
 
 from ..pipeline import verify as verifier
 from . import plan
-from .session import block_model, run_block, value_types
+from .session import Evaluator, block_model, run_block, value_types
 from .structure import Block, find_boundaries, partition
 
 
@@ -60,8 +60,11 @@ def run_original(cut: Cut, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
 
 
 def verify(cut: Cut, feeds: Mapping[str, np.ndarray], *, rtol: Optional[float] = None,
-           atol: Optional[float] = None, stop_after: Optional[int] = None) -> dict[str, Any]:
-    """Compare ``cut``'s block pairs in order on ``feeds``; the verification record (see :func:`record`)."""
+           atol: Optional[float] = None, stop_after: Optional[int] = None,
+           evaluator: Optional[Evaluator] = None) -> dict[str, Any]:
+    """Compare ``cut``'s block pairs in order on ``feeds``; the verification record (see :func:`record`).
+
+    ``evaluator`` runs the optimized blocks (a lowered model's, under the target's reference ops)."""
     env_o: dict[str, np.ndarray] = dict(feeds)
     env_p: dict[str, np.ndarray] = dict(feeds)
     stream = set(cut.boundaries)
@@ -74,9 +77,10 @@ def verify(cut: Cut, feeds: Mapping[str, np.ndarray], *, rtol: Optional[float] =
         env_o.update(out_o)
         feeds_p = {n: env_o[n] if n in stream or n not in env_p else env_p[n] for n in bp.inputs}
         try:
-            out_p = run_block(block_model(cut.optimized, bp, cut.types_p, f"block{k}"), feeds_p)
+            out_p = run_block(block_model(cut.optimized, bp, cut.types_p, f"block{k}"), feeds_p, evaluator)
         except Exception as exc:  # noqa: BLE001 -- ORT's own exception types: the optimized block fails
-            entry = verifier.failed(f"onnxruntime cannot run the optimized block: {verifier.first_line(exc)}",
+            runner = "onnxruntime" if evaluator is None else "the reference evaluator"
+            entry = verifier.failed(f"{runner} cannot run the optimized block: {verifier.first_line(exc)}",
                                     rtol, atol)
             per_block.append(_entry(k, cut, entry))
             break

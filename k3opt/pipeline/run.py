@@ -233,6 +233,11 @@ class Run:
             if self.original is not None and self.lowering:
                 with self.step("verifying the lowering", "verify_lowering"):
                     self._verify_lowering(self.out, *lowered_by)
+            elif self.blockwise is not None and self.lowering:
+                with self.step("verifying the lowering block by block", "verify_lowering"):
+                    _, manager, lowering, ctx = lowered_by
+                    rtol, atol = self._lowering_tolerances(manager, lowering)
+                    self.blockwise.finish_lowering(self.out, ctx.target.reference_evaluator(), ctx.target, rtol, atol)
 
     def write(self, model: onnx.ModelProto, src: Union[str, os.PathLike], out: Path, *, overwrite: bool,
               external_data: Optional[bool], fsync: bool) -> list[Path]:
@@ -308,11 +313,7 @@ class Run:
             return
         assert self._expected is not None and evaluate is not None
         feeds, expected, names = self._expected
-        rtol, atol = self.rtol, self.atol
-        loosest = max((p.tolerance for p in lowering if getattr(p, "tolerance", None) and manager.stats[p.name].rewrites),
-                      default=None)  # a lowering through float16 is verified at fp16's tolerance, unless one is given
-        if loosest is not None and rtol is None and atol is None:
-            rtol, atol = loosest
+        rtol, atol = self._lowering_tolerances(manager, lowering)
 
         def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
             try:
@@ -335,6 +336,14 @@ class Run:
         detail = verifier.failure_detail(result)
         raise VerificationError(f"the lowered model differs from the original under the {ctx.target} reference "
                                 f"evaluator ({detail}){culprit}")
+
+    def _lowering_tolerances(self, manager: PassManager, lowering: list) -> tuple[Optional[float], Optional[float]]:
+        """The given tolerances; unless one is given, a lowering through float16 is verified at fp16's."""
+        loosest = max((p.tolerance for p in lowering if getattr(p, "tolerance", None) and manager.stats[p.name].rewrites),
+                      default=None)
+        if loosest is not None and self.rtol is None and self.atol is None:
+            return loosest
+        return self.rtol, self.atol
 
     def _pass_progress(self) -> ProgressSink:
         if self.progress is None:
