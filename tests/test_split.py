@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import k3opt
 from k3opt.blocks.split import read_manifest, split_model
 from k3opt.cli import main
-from k3opt.errors import OutputError, UsageError
+from k3opt.errors import OutputError, UsageError, VerificationError
 from k3opt.pipeline import verify as verifier
 from k3opt.blocks.structure import NoLayers
 
@@ -153,7 +153,43 @@ def test_cli_split_then_compile_one_om_per_stage(tmp_path, monkeypatch):
     second = next(a for a in argv[1] if a.startswith("--input_shape="))
     assert "past_key_values.2.key:2,2,5,8" in second and "past_key_values.0.key" not in second
     boundary = read_manifest(out)["boundaries"][0]
-    assert f"{boundary}:2,1,32" in second  # the handed-on residual stream, sized by a run of the source
+    assert f"{boundary}:2,1,32" in second  # the residual stream [batch, sequence, 32]: input_ids' batch, sequence
+    # (the rotary tables, [1, 1, unk, 8] in the manifest, come from a run of the source model)
+
+
+@needs_torch
+def test_compile_of_a_static_cann_split_needs_no_input_shape(tmp_path, monkeypatch):
+    """Split with every input's dims fixed: the manifest has every handed tensor's static shape, and
+    `k3opt compile MANIFEST` gives each stage's ATC its inputs' shapes with no --input-shape (the source
+    gone). The shapes are checked against the stages run under the reference NPU ops."""
+    from k3opt.api import reference_evaluator
+
+    atc = write_fake_atc(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{atc.parent}{os.pathsep}{os.environ['PATH']}")
+    src = tmp_path / "src.onnx"
+    src.write_bytes(export("llama", True).read_bytes())
+    fixed = ["input_ids:2,1", "attention_mask:2,6"] + [f"past_key_values.{i}.{p}:2,2,5,8" for i in range(LAYERS)
+                                                        for p in ("key", "value")]
+    runner = CliRunner()
+    result = runner.invoke(main, ["split", str(src), "--stages", "3", "--target", "cann", "-o", str(tmp_path / "s"),
+                                  *[f"--input-shape={f}" for f in fixed]])
+    assert result.exit_code == 0, result.output
+    src.unlink()
+    manifest = read_manifest(tmp_path / "s")
+    assert all(isinstance(d, int) for s in manifest["stages"] for t in s["inputs"] for d in t["shape"])
+    result = runner.invoke(main, ["compile", str(tmp_path / "s"), "--soc-version", "Ascend910B3",
+                                  "-o", str(tmp_path / "om" / "l"), "-q"])
+    assert result.exit_code == 0, result.output
+    argv = recorded_argv(atc)
+    assert len(argv) == 3
+    env = dict(split_inputs("llama", True))  # what the stages really receive, run under the reference ops
+    evaluate = reference_evaluator("cann")
+    for stage, args in zip(manifest["stages"], argv):
+        given = next(a for a in args if a.startswith("--input_shape=")).removeprefix("--input_shape=")
+        model = onnx.load(tmp_path / "s" / stage["file"])
+        names = [i.name for i in model.graph.input]
+        assert given == ";".join(f"{n}:{','.join(str(d) for d in env[n].shape)}" for n in names)
+        env.update(zip([o.name for o in model.graph.output], evaluate(model).run(None, {n: env[n] for n in names})))
 
 
 @needs_torch
@@ -163,6 +199,42 @@ def test_target_cann_lowers_then_cuts(tmp_path):
     ops = {n.op_type for s in manifest["stages"]
            for n in onnx.load(tmp_path / "c" / s["file"], load_external_data=False).graph.node}
     assert {"NPURmsNorm", "NPUPromptFlashAttention"} <= ops
+
+
+def _break_stage_one(monkeypatch):
+    """Stage 1 written with one weight scaled by 1.5 (a wrong cut or write the stage check must catch)."""
+    from k3opt.blocks import split as split_module
+
+    write = split_module._stage_model
+
+    def broken(model, block, types, index, count):
+        stage = write(model, block, types, index, count)
+        if index == 1:
+            t = next(t for t in stage.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and
+                     np.prod(t.dims) >= 256)
+            t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t) * np.float32(1.5), t.name))
+        return stage
+
+    monkeypatch.setattr(split_module, "_stage_model", broken)
+
+
+@needs_torch
+@pytest.mark.parametrize("budget", [None, 120_000], ids=["whole", "block-wise"])
+def test_target_cann_stages_are_run_under_the_reference_ops_and_a_wrong_stage_is_caught(budget, tmp_path,
+                                                                                          monkeypatch):
+    """Lowered stages are verified themselves (chained, under k3opt's reference NPU ops, against the source
+    in onnxruntime), layer by layer when the model is over --verify-memory; before, the stages of a
+    block-verified run were written unrun."""
+    src = export("llama", True)
+    manifest = split_model(src, tmp_path / "a", 2, target="cann", verify_memory=budget)
+    v = manifest["verification"]
+    assert v["status"] == "passed" and v["stages_run_by"] == "the cann reference ops"
+    assert v.get("mode") == (None if budget is None else "block-wise")
+    assert manifest["optimization"]["lowering_verification"]["status"] == "passed"
+    _break_stage_one(monkeypatch)
+    with pytest.raises(VerificationError, match=r"stages chained \(the cann reference ops\) differ"):
+        split_model(src, tmp_path / "b", 2, target="cann", verify_memory=budget)
+    assert not (tmp_path / "b").exists()
 
 
 @needs_torch

@@ -23,6 +23,9 @@ def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> O
 @click.option("--balance", type=click.FloatRange(1.0), default=DEFAULT_BALANCE, show_default=True, metavar="RATIO",
               help="Largest / smallest stage to aim for: cuts that hand on an activation besides the residual "
                    "stream are used only when the stream cuts cannot reach it.")
+@click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D1,D2",
+              help="Fix an input's dimensions, e.g. input_ids:1,128 (repeatable): with all fixed, the manifest "
+                   "gives every handed tensor's shape.")
 @click.option("--max-stage-bytes", callback=_size, metavar="SIZE", help="Refuse a stage over this (per-card memory).")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Chain the stages in onnxruntime against the whole model.")
@@ -34,11 +37,13 @@ def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> O
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @run_options
 def split_cmd(model: str, stages: Optional[int], layers: Optional[str], output: str, target: str,
-              max_stage_bytes: Optional[int], quiet: bool, debug: bool, **kw: Any) -> None:
+              max_stage_bytes: Optional[int], input_shapes: tuple[str, ...], quiet: bool, debug: bool,
+              **kw: Any) -> None:
     """Cut MODEL into pipeline stages (at layer boundaries, or inside layers for balance), one ONNX model per card."""
     progress = progress_for({"quiet": quiet})
     manifest = split_model(model, output, stages, layers=parse_layers(layers) if layers else None,
-                           max_stage_bytes=max_stage_bytes, target=target, progress=progress, **kw)
+                           max_stage_bytes=max_stage_bytes, target=target, input_shapes=list(input_shapes),
+                           progress=progress, **kw)
     if quiet:
         return
     for s in manifest["stages"]:

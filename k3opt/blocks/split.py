@@ -16,6 +16,7 @@ with IR version 10 or later also carry ONNX's own pipeline metadata (a ``configu
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -28,12 +29,12 @@ from .. import modelio
 from ..errors import InputError, OutputError, UsageError, VerificationError
 from ..graph import dtypes
 from ..modelio.temp_folders import TempFolder
-from ..pipeline import verify as verifier
+from ..pipeline import shapes, verify as verifier
 from ..targets import get_target
 from . import plan
 from .run_hook import DEFAULT_BUDGET
-from .session import block_model, run_block, value_types
-from .structure import Block, CutPoint, Stack, find_stack, partition
+from .session import Evaluator, block_model, run_block, value_types
+from .structure import Block, CutPoint, Stack, find_boundaries, find_stack, partition
 
 MANIFEST = "manifest.json"
 FORMAT = "k3opt-pipeline/1"
@@ -59,16 +60,19 @@ def parse_layers(text: str) -> list[tuple[int, int]]:
 def split_model(
     model: str | os.PathLike, out_dir: str | os.PathLike, stages: Optional[int] = None, *,
     layers: Optional[Sequence[tuple[int, int]]] = None, max_stage_bytes: Optional[int] = None,
-    balance: float = DEFAULT_BALANCE, verify: bool = True, verify_memory: Optional[int] = None, input_data: Any = None, seed: int = 0,
-    rtol: Optional[float] = None, atol: Optional[float] = None, overwrite: bool = False, target: str = "onnx",
+    balance: float = DEFAULT_BALANCE, verify: bool = True, verify_memory: Optional[int] = None,
+    input_data: Any = None, seed: int = 0, rtol: Optional[float] = None, atol: Optional[float] = None,
+    overwrite: bool = False, target: str = "onnx", input_shapes: Any = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> dict[str, Any]:
     """Cut the model file ``model`` into ``stages`` stages (or the inclusive ``layers`` ranges) written into
     ``out_dir`` with ``manifest.json``; returns the manifest. Nothing is written when a check fails.
 
-    ``target="cann"`` first optimizes and lowers the whole model for Ascend (verified as ``k3opt optimize
-    --target cann`` verifies it), then cuts the lowered model: onnxruntime cannot run its NPU ops, so the
-    stages' chaining is not run again (the manifest's ``verification`` says so).
+    ``input_shapes`` (``{name: dims}`` or ``NAME:D1,D2`` strings) fixes graph inputs' dims first: with every
+    dim fixed, the manifest gives every handed tensor's static shape (``k3opt compile`` needs no
+    ``--input-shape`` then). ``target="cann"`` first optimizes and lowers the whole model for Ascend
+    (verified as ``k3opt optimize --target cann`` verifies it), then cuts the lowered model; its stages are
+    verified chained under the target's reference NPU ops against the source model.
     """
     out = Path(out_dir)
     if out.exists() and not (out.is_dir() and (overwrite or not any(out.iterdir()))):
@@ -76,37 +80,56 @@ def split_model(
                           f"{out}: exists and is not a folder")
     if not out.parent.is_dir():
         raise OutputError(f"{out}: its folder {out.parent} does not exist")
-    options = dict(layers=layers, max_stage_bytes=max_stage_bytes, balance=balance, verify=verify, verify_memory=verify_memory,
-                   input_data=input_data, seed=seed, rtol=rtol, atol=atol, progress=progress)
+    check = _Check(verify_memory, input_data, seed, rtol, atol) if verify else None
+    options = dict(layers=layers, max_stage_bytes=max_stage_bytes, balance=balance, progress=progress)
     found = get_target(target)
     if not found.lowers:
-        return _split(Path(model), out, stages, **options)
+        return _split(Path(model), out, stages, check=check, input_shapes=input_shapes, **options)
     from ..api import optimize_file
 
     temp = TempFolder.next_to(out)
     try:
         lowered = temp.path / f"{Path(model).stem}.{found.name}.onnx"
         report = optimize_file(model, lowered, target=found.name, verify=verify, verify_memory=verify_memory,
-                               input_data=input_data, seed=seed, rtol=rtol, atol=atol, progress=progress)
-        manifest = _split(lowered, out, stages, **dict(options, verify=False))
-        manifest["source"] = str(model)
-        manifest["target"] = found.name
-        manifest["verification"] = dict(report.verification or verifier.skipped("--no-verify"),
-                                        note="the whole model's optimization and lowering; stages of NPU ops "
-                                             "are not run again in onnxruntime")
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        return manifest
+                               input_data=input_data, seed=seed, rtol=rtol, atol=atol, input_shapes=input_shapes,
+                               progress=progress)
+        if check is not None:  # the stages under the target's reference ops, chained, against the source model
+            tolerances = report.lowering_verification if (report.lowering_verification or {}).get("rtol") else {}
+            check = dataclasses.replace(check, reference=Path(model), input_shapes=input_shapes,
+                                        evaluator=found.reference_evaluator(), target=found.name,
+                                        rtol=tolerances.get("rtol", rtol), atol=tolerances.get("atol", atol))
+        about = {"source": str(model), "target": found.name,
+                 "optimization": {"verification": report.verification,
+                                  "lowering_verification": report.lowering_verification}}
+        return _split(lowered, out, stages, check=check, input_shapes=None, about=about, **options)
     finally:
         temp.remove()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Check:
+    """How the written stages are verified: chained, against ``reference`` (default: the model cut), each run
+    by onnxruntime or by ``evaluator`` (a lowering target's reference ops)."""
+
+    budget: Optional[int]
+    input_data: Any
+    seed: int
+    rtol: Optional[float]
+    atol: Optional[float]
+    reference: Optional[Path] = None
+    input_shapes: Any = None  # the reference's fixed input dims (those the model cut was given)
+    evaluator: Optional[Evaluator] = None
+    target: Optional[str] = None
+
+
 def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Sequence[tuple[int, int]]],
-           max_stage_bytes: Optional[int], balance: float, verify: bool, verify_memory: Optional[int], input_data: Any, seed: int,
-           rtol: Optional[float], atol: Optional[float], progress: Optional[Callable[[str], None]]) -> dict[str, Any]:
+           max_stage_bytes: Optional[int], balance: float, check: Optional[_Check], input_shapes: Any,
+           progress: Optional[Callable[[str], None]], about: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     say = progress or (lambda _msg: None)
     say("loading")
     loaded = modelio.read_model(model)
     proto = loaded.model
+    shapes.fix_inputs(proto, input_shapes)
     stack = find_stack(proto.graph)  # raises NoLayers
     types = _inferred_types(proto)
     cuts = _choose_cuts(proto.graph, stack, types, stages, layers, balance)
@@ -128,13 +151,19 @@ def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Se
             modelio.save(stage, path, external_data=True)
             files.append(path)
         manifest = _manifest(Path(model), blocks, cuts, len(stack.boundaries) - 1, types, sizes, files)
-        if verify:
-            say("verifying the stages chained against the whole model")
-            manifest["verification"] = _verify(proto, stack.boundaries, files, types, verify_memory, input_data, seed,
-                                               rtol, atol)
-            if manifest["verification"]["status"] == "failed":
-                raise VerificationError("the stages chained differ from the whole model ("
-                                        f"{verifier.failure_detail(manifest['verification'])}); nothing was written")
+        manifest.update(about or {})
+        if check is not None:
+            runner = "onnxruntime" if check.evaluator is None else f"the {check.target} reference ops"
+            say(f"verifying the stages chained ({runner}) against the whole model")
+            result, seen = _verify(check, proto, stack.boundaries, files, types)
+            manifest["verification"] = dict(result, stages_run_by=runner)
+            if result["status"] == "failed":
+                raise VerificationError(f"the stages chained ({runner}) differ from the whole model ("
+                                        f"{verifier.failure_detail(result)}); nothing was written")
+            if _static_inputs(proto):  # every dim is fixed: the handed tensors' shapes are those seen
+                for stage in manifest["stages"]:
+                    for t in stage["inputs"] + stage["outputs"]:
+                        t["shape"] = seen.get(t["name"], t["shape"])
         else:
             manifest["verification"] = verifier.skipped("--no-verify")
         (staged / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -144,6 +173,13 @@ def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Se
     finally:
         temp.remove()
     return manifest
+
+
+def _static_inputs(model: onnx.ModelProto) -> bool:
+    """Every graph input's dims are fixed numbers."""
+    inits = {t.name for t in model.graph.initializer}
+    return all(d.HasField("dim_value") for vi in model.graph.input if vi.name not in inits
+               for d in vi.type.tensor_type.shape.dim)
 
 
 #: Among equally balanced cuts, layer boundaries first, then the stream between sublayers.
@@ -265,55 +301,72 @@ def _manifest(source: Path, blocks: list[Block], cuts: list[CutPoint], count: in
             "stages": stages, "balance": max(sizes) / max(min(sizes), 1)}
 
 
-def _verify(model: onnx.ModelProto, boundaries: list[str], files: list[Path],
-            types: Mapping[str, onnx.ValueInfoProto], budget: Optional[int], input_data: Any, seed: int,
-            rtol: Optional[float], atol: Optional[float]) -> dict[str, Any]:
-    """The written stages, chained in onnxruntime, against the whole model.
+def _verify(check: _Check, model: onnx.ModelProto, boundaries: list[str], files: list[Path],
+            types: Mapping[str, onnx.ValueInfoProto]) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """The written stages, chained, against the whole model (``check.reference``, else ``model``); the result,
+    and the shape of every tensor the run saw.
 
     A model within the budget runs whole and each stage from its file (external data beside it). A bigger
     one runs layer by layer, the whole model's blocks and each written stage's (read back from its file,
-    cut at the layer boundaries inside it): one layer's weights in memory at a time either way.
+    cut at the layer boundaries inside it): one layer's weights in memory at a time either way. The stages
+    run in onnxruntime, or under ``check.evaluator`` (a lowered model's NPU ops).
     """
-    budget = DEFAULT_BUDGET if budget is None else budget
+    budget = DEFAULT_BUDGET if check.budget is None else check.budget
+    if check.reference is not None:
+        model = modelio.read_model(check.reference).model
+        shapes.fix_inputs(model, check.input_shapes)
+        types = value_types(model)
     names = [o.name for o in model.graph.output]
     small = 3 * modelio.proto_size(model) <= budget
     whole: Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]
-    if small:
-        session = verifier.session(model)
-        whole = lambda feeds: verifier.run(session, feeds)  # noqa: E731
-    else:
-        fine = partition(model.graph, boundaries)
-        whole = lambda feeds: _run_blocks(model, fine, types, feeds)  # noqa: E731
     try:
-        feeds = verifier.make_feeds(model, seed=seed, input_data=input_data, run=whole)
+        if small:
+            session = verifier.session(model)
+            whole = lambda feeds: verifier.run(session, feeds)  # noqa: E731
+        else:
+            fine = partition(model.graph, boundaries if check.reference is None else find_boundaries(model.graph))
+            whole = lambda feeds: _run_blocks(model, fine, types, feeds)  # noqa: E731
+        feeds = verifier.make_feeds(model, seed=check.seed, input_data=check.input_data, run=whole)
     except verifier.Unrunnable as exc:
-        return verifier.skipped(f"onnxruntime cannot run the model: {exc}")
-    except Exception as exc:  # noqa: BLE001 -- ORT's own errors, or no input sizes it runs at
-        return verifier.skipped(f"onnxruntime cannot run the whole model: {verifier.first_line(exc)}")
+        return verifier.skipped(f"onnxruntime cannot run the model: {exc}"), {}
+    except Exception as exc:  # noqa: BLE001 -- ORT's own errors, no input sizes it runs at, no layers
+        return verifier.skipped(f"onnxruntime cannot run the whole model: {verifier.first_line(exc)}"), {}
     expected = feeds.outputs if feeds.outputs is not None else whole(feeds)
     env = dict(feeds)
     for f in files:
         if small:
-            session = verifier.session(f)  # from the file: its external data beside it
-            wanted = [i.name for i in session.get_inputs()]
-            env.update(zip([o.name for o in session.get_outputs()],
-                           verifier.run(session, {n: env[n] for n in wanted})))
-            del session
+            env.update(_run_stage(f, env, check.evaluator))
             continue
         stage = modelio.read_model(f).model
         made = {y for n in stage.graph.node for y in n.output}
         inner = partition(stage.graph, [b for b in boundaries if b in made])
-        _run_blocks(stage, inner, value_types(stage), env, into=env)
-    return verifier.compare(expected, [env[n] for n in names], names, rtol=rtol, atol=atol)
+        _run_blocks(stage, inner, value_types(stage), env, into=env, evaluator=check.evaluator)
+    result = verifier.compare(expected, [env[n] for n in names], names, rtol=check.rtol, atol=check.atol)
+    if not small:
+        result["mode"] = "block-wise"
+    return result, {n: [int(d) for d in np.shape(v)] for n, v in env.items()}
+
+
+def _run_stage(path: Path, env: Mapping[str, np.ndarray], evaluator: Optional[Evaluator]) -> dict[str, np.ndarray]:
+    """A stage file run on the values of ``env`` it reads (its external data beside it); its outputs by name."""
+    if evaluator is None:
+        session = verifier.session(path)
+        wanted = [i.name for i in session.get_inputs()]
+        return dict(zip([o.name for o in session.get_outputs()], verifier.run(session, {n: env[n] for n in wanted})))
+    stage = onnx.load(str(path))
+    inits = {t.name for t in stage.graph.initializer}
+    wanted = [vi.name for vi in stage.graph.input if vi.name not in inits]
+    return dict(zip([o.name for o in stage.graph.output], evaluator(stage).run(None, {n: env[n] for n in wanted})))
 
 
 def _run_blocks(model: onnx.ModelProto, blocks: list[Block], types: Mapping[str, onnx.ValueInfoProto],
-                feeds: Mapping[str, np.ndarray], into: Optional[dict] = None) -> list[np.ndarray]:
+                feeds: Mapping[str, np.ndarray], into: Optional[dict] = None,
+                evaluator: Optional[Evaluator] = None) -> list[np.ndarray]:
     """``model`` run block by block on ``feeds`` (values land in ``into`` when given); its outputs."""
     env = dict(feeds) if into is None else into
     for block in blocks:
         if block.outputs:  # a stage ending at a boundary leaves an empty block after it
-            env.update(run_block(block_model(model, block, types), env))
+            env.update(run_block(block_model(model, block, types), env, evaluator))
     return [env[o.name] for o in model.graph.output]
 
 
