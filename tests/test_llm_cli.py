@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import onnx
 import pytest
 from click.testing import CliRunner
 
@@ -44,6 +45,11 @@ def test_generate_with_top_k_is_seeded(tmp_path: Path) -> None:
 
 def test_one_line_errors(tmp_path: Path) -> None:
     invoke("llm", llm_decode_model("gpt2"), "--max-seq", 16, "-o", tmp_path / "pair")
+    odd = onnx.load(str(llm_decode_model("llama")))
+    for node in odd.graph.node:  # the cache grown on the head axis: no sequence-axis KV cache
+        if node.op_type == "Concat" and "past_key_values.0.value" in node.input:
+            node.attribute[0].i = 1
+    onnx.save(odd, str(tmp_path / "odd.onnx"))
     cases = [
         (("generate", tmp_path / "pair", "--prompt", "1,2,3", "--steps", 15), "--max-seq 16"),
         (("generate", tmp_path / "pair", "--prompt", "1,2", "--prompt", "3", "--steps", 2), "--max-batch 1"),
@@ -52,6 +58,8 @@ def test_one_line_errors(tmp_path: Path) -> None:
         (("generate", tmp_path, "--prompt", "1"), "not a k3opt llm pair"),
         (("llm", llm_decode_model("gpt2"), "--max-seq", 100, "-o", tmp_path / "big"), "position table (64 positions)"),
         (("llm", zoo_model("bert"), "--max-seq", 16, "-o", tmp_path / "enc"), "no past key/value inputs"),
+        (("llm", zoo_model("llama"), "--max-seq", 16, "-o", tmp_path / "nc"), "no past key/value inputs"),
+        (("llm", tmp_path / "odd.onnx", "--max-seq", 16, "-o", tmp_path / "odd"), "cache layout not recognised"),
         (("llm", tmp_path / "missing.onnx", "--max-seq", 16, "-o", tmp_path / "m"), "no such file"),
         (("llm", llm_decode_model("gpt2"), "--max-seq", 16, "-o", tmp_path / "pair"), "--overwrite"),
     ]
@@ -59,7 +67,7 @@ def test_one_line_errors(tmp_path: Path) -> None:
         code, out, err = invoke(*args)
         assert code == 2, (args, out, err)
         assert message in err and len(err.strip().splitlines()) == 1, (args, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["pair"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.onnx", "pair"]
 
 
 def test_a_cann_pair_checks_clean_and_compiles_with_the_manifest_gears(tmp_path: Path) -> None:

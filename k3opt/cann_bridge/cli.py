@@ -1,4 +1,4 @@
-"""CLI commands contributed by k3opt.cann_bridge; k3opt/cli.py adds every command in ``commands``.
+"""CLI commands of k3opt.cann_bridge, listed in k3opt.cli.COMMANDS (imported when run).
 
 ``k3opt check --target cann MODEL``: what ATC will refuse (exit 0 clean, 1 not).
 ``k3opt compile MODEL --soc-version ... -o PREFIX [-- extra ATC flags]``: to ``PREFIX.om``.

@@ -1,4 +1,4 @@
-"""CLI commands contributed by k3opt.export; k3opt/cli.py adds every command in ``commands``.
+"""CLI commands of k3opt.export, listed in k3opt.cli.COMMANDS (imported when run).
 
 ``k3opt export SOURCE -o OUT.onnx``: SOURCE is a local transformers
 checkpoint folder or a config JSON (random weights); the options after the

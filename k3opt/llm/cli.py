@@ -1,4 +1,4 @@
-"""CLI commands contributed by k3opt.llm; k3opt/cli.py adds every command in ``commands``.
+"""CLI commands of k3opt.llm, listed in k3opt.cli.COMMANDS (imported when run).
 
 ``k3opt llm MODEL --max-seq L [--max-batch B] [--target onnx|cann] -o OUT_DIR``: write a serving pair.
 ``k3opt generate PAIR_DIR --prompt 1,2,3 [--prompt ...] --steps N``: greedy (or top-k) tokens through it.

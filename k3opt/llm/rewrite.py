@@ -171,7 +171,8 @@ def last_row_logits(model: onnx.ModelProto, logits: str = "logits") -> None:
     """Compute the lm_head on the last position only: a Slice on its input row, or on the logits as a last resort.
 
     Walks back from ``logits`` through row-wise ops with a constant operand
-    (bias, scale, softcap) to a MatMul/Gemm whose weight is a constant, and
+    (bias, scale, softcap) to a MatMul whose weight is a constant matrix (or its
+    Transpose, as dynamo writes it), and
     slices its ``[B, T, E]`` activation to ``[B, 1, E]``: every op on the way
     treats rows independently, so the result is the last row of the original.
     """
@@ -183,13 +184,12 @@ def last_row_logits(model: onnx.ModelProto, logits: str = "logits") -> None:
         node = producers.get(value)
         if node is None:
             break
+        if node.op_type == "MatMul" and _constant_matrix(graph, node.input[1], producers) and \
+                constant_value(graph, node.input[0], producers) is None:
+            node.input[0] = _slice_last(graph, names, node.input[0])
+            _relabel_logits(graph, logits)
+            return
         consts = [constant_value(graph, i, producers) is not None for i in node.input]
-        if node.op_type == "MatMul" and consts == [False, True]:
-            if constant_value(graph, node.input[1], producers).ndim == 2:
-                node.input[0] = _slice_last(graph, names, node.input[0])
-                _relabel_logits(graph, logits)
-                return
-            break
         if node.op_type in _ROW_WISE and consts.count(False) == 1 and all(
                 _broadcasts_per_row(constant_value(graph, i, producers)) for i, c in zip(node.input, consts) if c):
             value = node.input[consts.index(False)]
@@ -203,6 +203,21 @@ def last_row_logits(model: onnx.ModelProto, logits: str = "logits") -> None:
     sliced = _slice_last(graph, names, full)
     graph.node.append(helper.make_node("Identity", [sliced], [logits], name=logits + "/k3opt_llm_identity"))
     del out_vi
+    _relabel_logits(graph, logits)
+
+
+def _constant_matrix(graph: onnx.GraphProto, name: str, producers: dict[str, onnx.NodeProto]) -> bool:
+    """``name`` is a constant 2-D weight: an initializer or Constant, or ``Transpose(perm=[1, 0])`` of one (how the
+    dynamo exporter writes ``nn.Linear``). Read by its dims alone: an lm_head may be a GB."""
+    node = producers.get(name)
+    if node is not None and node.op_type == "Transpose" and _attr(node, "perm", None) in (None, [1, 0]):
+        return _constant_matrix(graph, node.input[0], producers)
+    init = next((t for t in graph.initializer if t.name == name), None)
+    if init is not None:
+        return len(init.dims) == 2
+    if node is not None and node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+        return len(node.attribute[0].t.dims) == 2
+    return False
 
 
 def _broadcasts_per_row(value: Optional[np.ndarray]) -> bool:
