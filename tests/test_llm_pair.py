@@ -72,7 +72,7 @@ def assert_static_pair(folder: Path, m) -> None:
 def _cann_params() -> list:
     fast = {("llama", "torchscript"), ("gpt2", "torchscript")}
     return [pytest.param(*p.values, marks=[] if tuple(p.values) in fast else [pytest.mark.slow], id=p.id)
-            for p in llm_params(("llama", "qwen2", "gpt2", "deepseek_v3"))]
+            for p in llm_params()]
 
 
 @pytest.mark.parametrize("name,exporter", _cann_params())
@@ -83,9 +83,12 @@ def test_cann_pair_generates_the_original_tokens(tmp_path: Path, name: str, expo
     step = llm_decode_model(name, exporter)
     build_pair(step, tmp_path / "pair", max_seq=MAX_SEQ, max_batch=2, target="cann")
     runner = PairRunner(tmp_path / "pair", evaluator=reference_evaluator("cann"))
-    ops = {n.op_type for f in (runner.manifest.prefill, runner.manifest.decode[2])
-           for n in onnx.load(str(tmp_path / "pair" / f), load_external_data=False).graph.node}
-    assert "NPUPromptFlashAttention" in ops or name == "gpt2"
+    graph_ops = [{n.op_type for n in onnx.load(str(tmp_path / "pair" / f), load_external_data=False).graph.node}
+                 for f in (runner.manifest.prefill, runner.manifest.decode[2])]
+    assert all("NPUPromptFlashAttention" in ops for ops in graph_ops) or name == "gpt2"
+    if name in ("mixtral", "qwen2_moe", "deepseek_v3"):  # MoE routing lowered in both graphs (issue #28)
+        assert all({"NPUMoeInitRouting", "NPUMoeFinalizeRouting"} <= ops for ops in graph_ops), graph_ops
+        assert all(("NPUMoeGatingTopKSoftmax" in ops) == (name != "deepseek_v3") for ops in graph_ops)
     decode = onnx.load(str(tmp_path / "pair" / runner.manifest.decode[2]), load_external_data=False)
     producers = {o: n for n in decode.graph.node for o in n.output}
     for node in decode.graph.node:
