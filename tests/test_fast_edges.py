@@ -161,17 +161,33 @@ def test_a_producer_outside_the_graph_is_refused_like_gs(helper_, method):
         helper_(graph_with_stray_producer())
 
 
-def test_graphs_with_functions_go_to_gs():
-    f = helper.make_function("local", "F", ["a"], ["b"], [helper.make_node("Neg", ["a"], ["b"])],
-                             [helper.make_opsetid("", 17)])
+def _function_model() -> onnx.ModelProto:
+    """Local functions: F (called by the graph) calls G; H is called by nobody and listed first."""
+    neg = [helper.make_node("Neg", ["a"], ["b"])]
+    g = helper.make_function("local", "G", ["a"], ["b"], neg, [helper.make_opsetid("", 17)])
+    h = helper.make_function("local", "H", ["a"], ["b"], neg, [helper.make_opsetid("", 17)])
+    f = helper.make_function("local", "F", ["a"], ["c"],
+                             [helper.make_node("Exp", ["a"], ["dead"]), helper.make_node("G", ["a"], ["b"], domain="local"),
+                              helper.make_node("Neg", ["b"], ["c"])],
+                             [helper.make_opsetid("", 17), helper.make_opsetid("local", 1)])
     model = _model([helper.make_node("F", ["x"], ["y"], domain="local"), helper.make_node("Exp", ["x"], ["d"])],
                    ["x"], ["y"])
-    model.functions.append(f)
+    model.functions.extend([h, f, g])
     model.opset_import.append(helper.make_opsetid("local", 1))
+    return model
+
+
+def test_graphs_with_functions_are_sorted_and_cleaned_as_gs_does():
+    """k3opt owns toposort and cleanup outright: local functions too (their nodes, then their order)."""
+    model = _function_model()
     ours, theirs = gs.import_onnx(model), gs.import_onnx(model)
+    for g in (ours, theirs):
+        g.functions[1].nodes.reverse()  # F's nodes out of order
     ir.toposort(ir.cleanup(ours))
     theirs.cleanup().toposort()
     assert _exported(ours) == _exported(theirs) and len(ours.nodes) == 1
+    assert [f.name for f in ours.functions] == [f.name for f in theirs.functions] == ["H", "G", "F"]
+    assert [n.op for n in ours.functions[2].nodes] == ["G", "Neg"]  # F's dead Exp is gone
 
 
 def test_toposort_and_cleanup_match_gs_on_a_zoo_model():
@@ -317,18 +333,14 @@ def test_roundtrip_import_restores_skipped_attributes_only_where_gs_imported():
     assert "type" in inner.attrs and "type" in next(n for n in graph.nodes if n.name == "skipped_kind").attrs
 
 
-def test_fast_import_leaves_functions_and_sparse_initializers_to_gs(monkeypatch):
+def test_fast_import_builds_functions_and_sparse_initializers_as_gs_does():
     from k3opt.graph import gs_import
 
-    calls = []
-    real = gs.import_onnx
-    monkeypatch.setattr(gs_import.gs, "import_onnx", lambda m: calls.append(m) or real(m))
-    with_function = _model([helper.make_node("F", ["x"], ["y"], domain="local")], ["x"], ["y"])
-    with_function.functions.append(helper.make_function("local", "F", ["a"], ["b"], [helper.make_node("Neg", ["a"], ["b"])],
-                                                        [helper.make_opsetid("", 17)]))
-    for model in (with_function, _sparse_model()):
-        assert _canonical(gs_import.import_onnx(model)) == _canonical(real(model))
-    assert len(calls) == 2
+    for model in (_function_model(), _sparse_model()):
+        assert _canonical(gs_import.import_onnx(model)) == _canonical(gs.import_onnx(model))
+    ours = gs_import.import_onnx(_function_model())
+    assert [f.name for f in ours.functions] == ["H", "F", "G"]
+    assert all(f._functions is ours._functions for f in ours.functions)  # one list shared, as gs shares it
 
 
 def test_fast_import_matches_gs_on_zoo_models():
@@ -468,15 +480,12 @@ def test_fast_export_refuses_value_infos_gs_refuses(case):
         gs_export.export_onnx(graph)
 
 
-def test_fast_export_leaves_functions_to_gs():
+def test_fast_export_writes_functions_as_gs_does():
     from k3opt.graph import gs_export
 
-    model = _model([helper.make_node("F", ["x"], ["y"], domain="local")], ["x"], ["y"])
-    model.functions.append(helper.make_function("local", "F", ["a"], ["b"], [helper.make_node("Neg", ["a"], ["b"])],
-                                                [helper.make_opsetid("", 17)]))
-    graph = gs.import_onnx(model)
+    graph = gs.import_onnx(_function_model())
     ours = gs_export.export_onnx(graph)
-    assert len(ours.functions) == 1
+    assert len(ours.functions) == 3
     assert ours.SerializeToString() == gs.export_onnx(graph, do_type_check=False).SerializeToString()
 
 
@@ -513,16 +522,12 @@ def test_optimized_zoo_model_exports_gs_bytes():
     assert captured["ours"] == captured["gs"]
 
 
-def test_an_unverified_gs_release_gets_gs_itself(monkeypatch):
-    """The fast import/export build gs's objects and protos by hand: only on the release they were checked on."""
-    from k3opt.graph import gs_export, gs_import
+def test_another_gs_release_is_refused_at_import():
+    """k3opt builds and writes gs 0.6's objects itself: another release is refused, in one line, not half-served."""
+    import subprocess
+    import sys
 
-    assert ir.gs_fast_paths()  # the installed release is a verified one (else the tests above test gs)
-    monkeypatch.setattr(gs, "__version__", "0.7.0")
-    assert not ir.gs_fast_paths()
-    monkeypatch.setattr(gs_import, "_import", lambda *a: pytest.fail("fast import used"))
-    model = _model([helper.make_node("Relu", ["x"], ["y"])], ["x"], ["y"])
-    graph = gs_roundtrip.import_onnx(model)
-    assert [n.op for n in graph.nodes] == ["Relu"]
-    assert gs_export.node_bytes(graph.nodes[0]) is None
-    assert gs_export.export_onnx(graph) == gs.export_onnx(graph, do_type_check=False)
+    code = ("import onnx_graphsurgeon as gs; gs.__version__ = '0.7.0'\n"
+            "try:\n    import k3opt.graph.ir\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "k3opt needs onnx-graphsurgeon 0.6.x (installed: 0.7.0)" in out

@@ -1,15 +1,15 @@
-"""``gs.export_onnx(graph, do_type_check=False)`` written straight into one ModelProto.
+"""k3opt's export of onnx-graphsurgeon 0.6's graph: ``gs.export_onnx(graph, do_type_check=False)`` written
+straight into one ModelProto (docs/design.md, "In-memory graph", has the figures).
 
 gs builds every NodeProto and ValueInfoProto on its own and copies it into
 a GraphProto, which is copied again into the model; it recomputes the ONNX
 type of each tensor's dtype (a dict of ml_dtypes per call) and walks the
 tensor map through ``SynchronizedList.__add__``. :func:`export_onnx` sets the
 same fields in place: the same proto, byte for byte. Node attributes,
-constants, and tensors of other kinds than plain tensors are still
-converted by gs's own ``OnnxExporter`` methods; graphs with local functions
-go to gs entirely. One deliberate difference: element types come from
-``k3opt.graph.dtypes``, not gs's ``dtype_to_onnx`` (which types a float8e4m3fnuz
-tensor as float8e4m3fn).
+constants, local functions and tensors of other kinds than plain tensors are
+converted by gs's own ``OnnxExporter`` methods. One deliberate difference:
+element types come from ``k3opt.graph.dtypes``, not gs's ``dtype_to_onnx``
+(which types a float8e4m3fnuz tensor as float8e4m3fn).
 """
 from __future__ import annotations
 
@@ -23,19 +23,18 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, update_impor
 from onnx_graphsurgeon.ir.tensor import SparseValues
 
 from . import dtypes
-from .ir import Graph, Tensor, all_graphs, gs_fast_paths, node_subgraphs, tensor_map
+from .ir import Graph, Tensor, all_graphs, node_subgraphs, tensor_map
 from .wire import field, varint
 
 
 def export_onnx(graph: Graph, tensors: Optional[dict[str, Tensor]] = None) -> onnx.ModelProto:
     """Exactly ``gs.export_onnx(graph, do_type_check=False)``, element types from :mod:`.dtypes`; ``tensors``:
     ``tensor_map(graph)`` when known."""
-    if graph.functions or not gs_fast_paths():
-        return _retyped(gs.export_onnx(graph, do_type_check=False), graph)
     model = onnx.ModelProto()
     model.ir_version = onnx.IR_VERSION  # as onnx.helper.make_model
     used = _write_graph(graph, model.graph, tensor_map(graph) if tensors is None else dict(tensors))
     model.opset_import.extend(import_domains(graph, used=used))
+    model.functions.extend([OnnxExporter.export_function(f) for f in graph.functions])
     model.producer_name = graph.producer_name
     model.producer_version = graph.producer_version
     if graph.ir_version is not None:
@@ -96,24 +95,6 @@ def _write_graph(graph: Graph, out: onnx.GraphProto, tensors: dict[str, Tensor])
     if graph.doc_string:
         out.doc_string = graph.doc_string
     return used
-
-
-def _retyped(model: onnx.ModelProto, graph: Graph) -> onnx.ModelProto:
-    """``model`` as gs exported ``graph``, with the value types gs's ``dtype_to_onnx`` got wrong (float8e4m3fnuz
-    typed as float8e4m3fn) set from :mod:`.dtypes`."""
-    fnuz = onnx.TensorProto.FLOAT8E4M3FNUZ
-    graphs = [*all_graphs(graph), *(f for fn in graph.functions for f in all_graphs(fn))]
-    wrong = {t.name for g in graphs for t in g.tensors().values()
-             if not isinstance(t.dtype, int) and dtypes.onnx_type(t.dtype) == fnuz}  # an enum is exported as it is
-    if wrong:
-        protos = [model.graph, *model.functions]
-        while protos:
-            p = protos.pop()
-            for vi in [*p.input, *p.output, *p.value_info] if isinstance(p, onnx.GraphProto) else p.value_info:
-                if vi.name in wrong and vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT8E4M3FN:
-                    vi.type.tensor_type.elem_type = fnuz
-            protos += [sub for n in p.node for a in n.attribute for sub in ([a.g] if a.HasField("g") else list(a.graphs))]
-    return model
 
 
 #: ONNX types whose numpy arrays gs writes as ``tobytes()`` into ``raw_data`` (no packing, no conversion).
@@ -361,8 +342,6 @@ def node_bytes(node: gs.Node) -> Optional[bytes]:
     model). Subgraphs, references, numpy values, and values protobuf would
     refuse are left to gs (None), which then exports them or raises as before.
     """
-    if not gs_fast_paths():
-        return None
     try:
         parts = [_string(b"\x0a", t.name) for t in node.inputs]
         parts += [_string(b"\x12", t.name) for t in node.outputs]

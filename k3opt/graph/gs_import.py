@@ -1,14 +1,16 @@
-"""``gs.import_onnx`` without gs's per-object overhead: the same graph, built several times faster.
+"""k3opt's import of a model into onnx-graphsurgeon 0.6's graph: what ``gs.import_onnx`` builds, several times
+faster (docs/design.md, "In-memory graph", has the figures and why k3opt owns it rather than calling gs's).
 
 gs builds every node and tensor through ``__setattr__`` hooks and
 ``SynchronizedList.extend`` and converts every Constant node's tensor
 through ``onnx.helper.get_all_tensor_dtypes()``: most of the import's time on
 a deep model with thousands of Constant nodes. :func:`import_onnx` fills
 in the same objects directly: same classes, same attribute values in the
-same order, same use-def links, same tensor map. Whatever it does not
-handle goes to gs: models with local functions or sparse initializers, and
-the attributes of any node holding a subgraph, a reference or a kind gs
-skips (gs's own ``import_attributes``, called exactly as gs calls it).
+same order, same use-def links, same tensor map. Pieces it does not build
+itself are built by gs's own importer methods, called exactly as gs calls
+them: a local function (``import_function``), a sparse initializer
+(``import_tensor``), and the attributes of any node holding a subgraph, a
+reference or a kind gs skips (``import_attributes``).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from onnx_graphsurgeon.importers.onnx_importer import (
 )
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from .ir import Graph, Node, Tensor, gs_fast_paths, gs_links, new_constant, new_variable
+from .ir import Graph, Node, Tensor, gs_links, new_constant, new_variable
 
 _A = onnx.AttributeProto
 #: Attribute kinds converted here; any other kind (or a reference) sends the node's attributes to gs.
@@ -33,21 +35,18 @@ _PLAIN = frozenset((_A.FLOAT, _A.INT, _A.STRING, _A.TENSOR, _A.FLOATS, _A.INTS, 
 _new = object.__new__
 
 
-#: The main-graph nodes whose attributes gs imported, with their protos (None: gs imported the whole model).
-Handoffs = Optional[list[tuple[onnx.NodeProto, Node]]]
+#: The main-graph nodes whose attributes gs imported, with their protos.
+Handoffs = list[tuple[onnx.NodeProto, Node]]
 
 
 def import_onnx(model: onnx.ModelProto) -> Graph:
-    """Exactly ``gs.import_onnx(model)``, faster on plain graphs."""
+    """Exactly ``gs.import_onnx(model)``, faster."""
     return import_noting_handoffs(model)[0]
 
 
 def import_noting_handoffs(model: onnx.ModelProto) -> tuple[Graph, Handoffs]:
     """:func:`import_onnx`, and which nodes' attributes went to gs: only those can hold a body
     or lack an attribute gs skips, so a fix-up need not walk every node."""
-    g = model.graph
-    if model.functions or g.sparse_initializer or not gs_fast_paths():
-        return gs.import_onnx(model), None
     collecting = gc.isenabled()
     gc.disable()  # ~270k objects that all live on: the collector would rescan them over and over
     try:
@@ -83,10 +82,15 @@ def _import(model: onnx.ModelProto) -> tuple[Graph, list[tuple[onnx.NodeProto, N
     g = model.graph
     opset = OnnxImporter.get_opset(model)
     domains = OnnxImporter.get_import_domains(model)
+    functions = [OnnxImporter.import_function(f, model_opset=opset, model_import_domains=domains)
+                 for f in model.functions]
     tensors: OrderedDict[str, Tensor] = OrderedDict()  # gs's subgraph_tensor_map
     for init in g.initializer:
         if init.name not in tensors:
             tensors[init.name] = _constant(init)
+    for sparse in g.sparse_initializer:
+        if sparse.values.name not in tensors:
+            tensors[sparse.values.name] = OnnxImporter.import_tensor(sparse)
     for vi in g.value_info:  # gs: overwrite=True, filling in what an earlier entry lacked
         known = tensors.get(vi.name)
         if known is None:
@@ -96,7 +100,7 @@ def _import(model: onnx.ModelProto) -> tuple[Graph, list[tuple[onnx.NodeProto, N
             if isinstance(known, gs.Variable):
                 known.dtype = known.dtype or extra.dtype
                 known.shape = known.shape or extra.shape
-    inits = {t.name for t in g.initializer}
+    inits = {t.name for t in g.initializer} | {t.values.name for t in g.sparse_initializer}
     inputs = [_io_tensor(tensors, vi) for vi in g.input if vi.name not in inits]
     outputs = [_io_tensor(tensors, vi) for vi in g.output]
     handed: list[tuple[onnx.NodeProto, Node]] = []
@@ -104,7 +108,7 @@ def _import(model: onnx.ModelProto) -> tuple[Graph, list[tuple[onnx.NodeProto, N
     # Built empty: gs's constructor walks every node for subgraphs to share the functions list with.
     graph = Graph(nodes=[], inputs=inputs, outputs=outputs, name=g.name, doc_string=g.doc_string,
                   producer_name=model.producer_name, producer_version=model.producer_version, opset=opset,
-                  import_domains=domains, functions=[], ir_version=model.ir_version)
+                  import_domains=domains, functions=functions, ir_version=model.ir_version)
     graph.nodes = nodes
     if any(isinstance(v, gs.Graph) for _, n in handed for v in n.attrs.values()):
         graph._merge_subgraph_functions()

@@ -40,11 +40,8 @@ def import_onnx(model: onnx.ModelProto) -> Graph:
     graph, handed = gs_import.import_noting_handoffs(model)
     note_graph(graph)
     restore_default_inputs(model, graph)
-    if handed is None:
-        restore_skipped_attributes(model.graph, graph)
-    else:  # attributes of the kinds gs skips are only on nodes whose attributes gs imported
-        for node_proto, node in handed:
-            _restore_node_attributes(node_proto, node)
+    for node_proto, node in handed:  # attributes of the kinds gs skips are only on nodes whose attributes gs imported
+        _restore_node_attributes(node_proto, node)
     return graph
 
 

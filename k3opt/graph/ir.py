@@ -30,15 +30,13 @@ Tensor = gs.Tensor
 Node = gs.Node
 Graph = gs.Graph
 
-#: onnx-graphsurgeon releases whose internals k3opt's fast import and export (gs_import.py,
-#: gs_export.py: objects built without gs's constructors, protos written without its exporter)
-#: were checked against, object for object and byte for byte. Any other release gets gs itself.
-GS_VERIFIED = ("0.6.",)
-
-
-def gs_fast_paths() -> bool:
-    """May k3opt build and write gs objects directly (the installed gs is a verified release)?"""
-    return gs.__version__.startswith(GS_VERIFIED)
+#: The onnx-graphsurgeon release whose objects k3opt builds and writes itself (gs_import.py, gs_export.py, the
+#: constructors below, toposort and cleanup: checked against gs's own object for object and byte for byte by
+#: tests/test_fast_edges.py). setup.cfg pins it; any other release is refused at import rather than half-served.
+GS_RELEASE = "0.6."
+if not gs.__version__.startswith(GS_RELEASE):
+    raise ImportError(f"k3opt needs onnx-graphsurgeon {GS_RELEASE}x (installed: {gs.__version__}): "
+                      f"pip install 'onnx-graphsurgeon>=0.6,<0.7'")
 
 
 _new = object.__new__
@@ -55,18 +53,13 @@ def gs_links(owner: object, field: str) -> SynchronizedList:
 
 
 def new_constant(name: str, values: object, data_location: Optional[int] = None) -> gs.Constant:
-    """``gs.Constant(name, values, data_location)``, built without gs's constructor on a verified gs
-    (its hooks cost several times the object: fold-constants makes one per Constant node, thousands on a
-    deep model)."""
-    if not gs_fast_paths():
-        return gs.Constant(name, values, data_location)
+    """``gs.Constant(name, values, data_location)``, built without gs's constructor (its hooks cost several times
+    the object: fold-constants makes one per Constant node, thousands on a deep model)."""
     return _bare(gs.Constant, name, _values=values, data_location=data_location, _export_dtype=None)
 
 
 def new_variable(name: str) -> gs.Variable:
-    """``gs.Variable(name)``, built without gs's constructor on a verified gs (the import makes one per tensor)."""
-    if not gs_fast_paths():
-        return gs.Variable(name)
+    """``gs.Variable(name)``, built without gs's constructor (the import makes one per tensor)."""
     return _bare(gs.Variable, name, dtype=None, shape=None, type="tensor_type")
 
 
@@ -519,16 +512,54 @@ def toposort(graph: Graph) -> Graph:
     gs's order: a node's level is one more than the highest level of the nodes
     producing its inputs (or what its bodies read from this graph); nodes are
     sorted by level, ties kept in the order of a depth-first walk that visits
-    each node's producers before it. Bodies are sorted first.
+    each node's producers before it. Bodies are sorted first, and each local
+    function's nodes; then the functions themselves, each after the functions
+    it calls (:func:`_sort_functions`).
     """
-    if graph.functions:
-        return graph.toposort()
     done: set[int] = set()
-    for g, holders in _bodies_first(graph):
+    for g, holders in [pair for f in graph.functions for pair in _bodies_first(f)] + _bodies_first(graph):
         if id(g) not in done:
             done.add(id(g))
             _sort_nodes(g, holders)
+    if graph.functions:
+        _sort_functions(graph)
     return graph
+
+
+def _sort_functions(graph: Graph) -> None:
+    """``graph``'s local functions in gs's order: a function's level is one more than the highest level of the
+    functions its nodes (bodies included) call; sorted by level, ties in the order of a depth-first walk that
+    visits a function's callees before it. (gs 0.6 counts the calls made in the main graph's bodies for every
+    function instead of the calls in the function's own bodies: a model whose bodies call local functions may
+    get another, also valid, order here.)"""
+    graph._merge_subgraph_functions()
+    by_id = {f.unique_id: f for f in graph.functions}
+    level: dict[tuple, int] = {}
+    order: list[tuple] = []  # depth first, callees before their callers: gs's order among equal levels
+
+    def callees(f: Graph) -> list[Graph]:
+        called: dict[tuple, Graph] = {}
+        for g in all_graphs(f):
+            for n in g.nodes:
+                if (n.domain, n.op) in by_id:
+                    called.setdefault((n.domain, n.op), by_id[(n.domain, n.op)])
+        return list(called.values())
+
+    def visit(f: Graph, path: set[tuple]) -> int:
+        key = f.unique_id
+        if key in level:
+            return level[key]
+        if key in path:
+            G_LOGGER.critical("Cycle detected in function definitions!")
+        path.add(key)
+        level[key] = max([visit(c, path) for c in callees(f)], default=-1) + 1
+        path.discard(key)
+        order.append(key)
+        return level[key]
+
+    for f in graph.functions:
+        visit(f, set())
+    graph.functions = [by_id[key] for key in sorted(order, key=level.__getitem__)]
 
 
 def _bodies_first(graph: Graph) -> list[tuple[Graph, set[int]]]:
@@ -620,10 +651,9 @@ def cleanup(graph: Graph) -> Graph:
     Bodies are cleaned first, graph inputs lose any producer, unused inputs
     stay. Dropped nodes are unlinked by identity (:func:`disconnect`), where
     gs's ``__eq__``-based unlinking could unlink a look-alike twin instead.
+    Local functions are cleaned too (each against its own outputs).
     """
-    if graph.functions:
-        return graph.cleanup()
-    for g, holders in _bodies_first(graph):
+    for g, holders in [pair for f in graph.functions for pair in _bodies_first(f)] + _bodies_first(graph):
         _drop_unused(g, holders)
     return graph
 
