@@ -205,7 +205,7 @@ def _break_stage_one(monkeypatch):
     """Stage 1 written with one weight scaled by 1.5 (a wrong cut or write the stage check must catch)."""
     from k3opt.blocks import split as split_module
 
-    write = split_module._stage_model
+    write = split_module.stage_model
 
     def broken(model, block, types, index, count):
         stage = write(model, block, types, index, count)
@@ -215,7 +215,7 @@ def _break_stage_one(monkeypatch):
             t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t) * np.float32(1.5), t.name))
         return stage
 
-    monkeypatch.setattr(split_module, "_stage_model", broken)
+    monkeypatch.setattr(split_module, "stage_model", broken)
 
 
 @needs_torch

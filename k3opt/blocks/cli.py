@@ -1,4 +1,5 @@
-"""``k3opt split MODEL --stages N -o OUT_DIR``: pipeline stages cut on the residual stream (docs/split.md)."""
+"""``k3opt split MODEL --stages N -o OUT_DIR``: pipeline stages cut on the residual stream (docs/split.md); MODEL
+may be a ``k3opt llm`` serving-pair folder (k3opt.llm.split_pair)."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -6,6 +7,7 @@ from typing import Any, Optional
 import click
 
 from ..cli_options import progress_for, run_options, target_option
+from ..errors import UsageError
 from .run_hook import parse_size
 from .split import DEFAULT_BALANCE, parse_layers, split_model
 
@@ -15,7 +17,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> O
 
 
 @click.command("split")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path())
 @click.option("--stages", type=click.IntRange(1), help="Number of stages (one per card), balanced by bytes.")
 @click.option("--layers", metavar="A-B,C-D", help="The stages' decoder-layer ranges by hand, e.g. 0-7,8-15.")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Output folder (stages + manifest.json).")
@@ -39,21 +41,41 @@ def _size(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> O
 def split_cmd(model: str, stages: Optional[int], layers: Optional[str], output: str, target: str,
               max_stage_bytes: Optional[int], input_shapes: tuple[str, ...], quiet: bool, debug: bool,
               **kw: Any) -> None:
-    """Cut MODEL into pipeline stages (at layer boundaries, or inside layers for balance), one ONNX model per card."""
+    """Cut MODEL into pipeline stages (at layer boundaries, or inside layers for balance), one ONNX model per card.
+
+    MODEL may be a `k3opt llm` pair folder: its prefill and decode graphs are cut at the same places, one folder
+    per stage with its graphs and their weights file (docs/split.md)."""
     progress = progress_for({"quiet": quiet})
-    manifest = split_model(model, output, stages, layers=parse_layers(layers) if layers else None,
-                           max_stage_bytes=max_stage_bytes, target=target, input_shapes=list(input_shapes),
-                           progress=progress, **kw)
+    ranges = parse_layers(layers) if layers else None
+    from ..llm.split_pair import is_pair, split_pair
+
+    if is_pair(model):
+        given = [f"--{k.replace('_', '-')}" for k, v in (("target", target != "onnx"), ("input_shape", input_shapes),
+                                                         ("input_data", kw["input_data"]), ("rtol", kw["rtol"]),
+                                                         ("atol", kw["atol"]), ("verify_memory", kw["verify_memory"]))
+                 if v]
+        if given:
+            raise UsageError(f"{', '.join(given)}: not for a serving pair (its graphs keep the target and shapes "
+                             "they were built with; the check is the pair's generated tokens)")
+        manifest = split_pair(model, output, stages, layers=ranges, balance=kw["balance"],
+                              max_stage_bytes=max_stage_bytes, verify=kw["verify"], overwrite=kw["overwrite"],
+                              progress=progress)
+    else:
+        manifest = split_model(model, output, stages, layers=ranges, max_stage_bytes=max_stage_bytes, target=target,
+                               input_shapes=list(input_shapes), progress=progress, **kw)
     if quiet:
         return
     for s in manifest["stages"]:
+        where = f"{s['nodes']} nodes, {len(s['inputs'])} inputs, {len(s['outputs'])} outputs -> {s['file']}" \
+            if "file" in s else f"{len(s['graphs'])} graphs -> {s['folder']}/"
         click.echo(f"stage {s['index']}: layers {s['layers'][0]}-{s['layers'][1]}, {s['bytes'] / 2**20:.1f} MB, "
-                   f"{s['nodes']} nodes, {len(s['inputs'])} inputs, {len(s['outputs'])} outputs -> {s['file']}")
+                   f"{where}")
     v = manifest["verification"]
     for c in manifest["cuts"]:
         if c["kind"] != "layer":
             where = "after" if c["kind"] == "sublayer" else "inside"
-            click.echo(f"cut {where} layer {c['layer']}'s {c['part']}: hands on {', '.join(c['hands'])}")
+            hands = f": hands on {', '.join(c['hands'])}" if "hands" in c else ""
+            click.echo(f"cut {where} layer {c['layer']}'s {c['part']}{hands}")
     click.echo(f"balance (largest / smallest stage): {manifest['balance']:.3f}")
     click.echo(f"verification: {v['status']}" + (f" ({v['reason']})" if v.get("reason") else ""))
     click.echo(f"wrote {output}/manifest.json")

@@ -18,6 +18,7 @@ import onnx
 from .. import modelio
 from ..cann_bridge.atc_command import AtcOptions
 from ..cann_bridge.compile import CompileResult, compile_model
+from ..errors import UsageError
 from ..pipeline import shapes
 from ..pipeline import verify as verifier
 from .session import block_model, run_block, value_types
@@ -28,6 +29,9 @@ from .structure import partition
 def compile_stages(manifest_path: str, output: str, options: AtcOptions, **kwargs: Any) -> list[CompileResult]:
     """Compile every stage of the split at ``manifest_path`` (its manifest.json or folder) to ``OUTPUT_stage<i>``."""
     manifest = read_manifest(manifest_path)
+    if manifest.get("kind") == "llm-pair":
+        raise UsageError(f"{manifest_path}: a serving pair split into stages; compiling it is not supported yet "
+                         "(compile the pair itself: k3opt compile PAIR_DIR)")
     folder = Path(manifest["folder"])
     known = _manifest_shapes(manifest, {s.name: list(s.dims) for s in options.shapes()})
     ran_source = False

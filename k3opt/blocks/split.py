@@ -74,12 +74,7 @@ def split_model(
     (verified as ``k3opt optimize --target cann`` verifies it), then cuts the lowered model; its stages are
     verified chained under the target's reference NPU ops against the source model.
     """
-    out = Path(out_dir)
-    if out.exists() and not (out.is_dir() and (overwrite or not any(out.iterdir()))):
-        raise OutputError(f"{out}: exists; pass --overwrite to replace it" if out.is_dir() else
-                          f"{out}: exists and is not a folder")
-    if not out.parent.is_dir():
-        raise OutputError(f"{out}: its folder {out.parent} does not exist")
+    out = check_out_dir(Path(out_dir), overwrite)
     check = _Check(verify_memory, input_data, seed, rtol, atol) if verify else None
     options = dict(layers=layers, max_stage_bytes=max_stage_bytes, balance=balance, progress=progress)
     found = get_target(target)
@@ -104,6 +99,31 @@ def split_model(
         return _split(lowered, out, stages, check=check, input_shapes=None, about=about, **options)
     finally:
         temp.remove()
+
+
+def check_out_dir(out: Path, overwrite: bool) -> Path:
+    """``out`` if a split may be written there: absent, empty, or (``overwrite``) a folder; else OutputError."""
+    if out.exists() and not (out.is_dir() and (overwrite or not any(out.iterdir()))):
+        raise OutputError(f"{out}: exists; pass --overwrite to replace it" if out.is_dir() else
+                          f"{out}: exists and is not a folder")
+    if not out.parent.is_dir():
+        raise OutputError(f"{out}: its folder {out.parent} does not exist")
+    return out
+
+
+def check_stage_bytes(sizes: Sequence[int], limit: Optional[int]) -> None:
+    """UsageError naming the largest stage when it is over ``limit`` (--max-stage-bytes)."""
+    worst = int(np.argmax(sizes))
+    if limit is not None and sizes[worst] > limit:
+        raise UsageError(f"stage {worst} holds {sizes[worst] / 2**20:.1f} MB, over --max-stage-bytes "
+                         f"({limit / 2**20:.1f} MB): use more stages")
+
+
+def publish(staged: Path, out: Path, temp: TempFolder) -> None:
+    """Move the complete folder ``staged`` to ``out``; an existing ``out`` goes into ``temp`` first."""
+    if out.exists():  # --overwrite (checked before): the old folder goes only once the new one is complete
+        os.rename(out, temp.path / "old")
+    os.rename(staged, out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,14 +151,12 @@ def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Se
     proto = loaded.model
     shapes.fix_inputs(proto, input_shapes)
     stack = find_stack(proto.graph)  # raises NoLayers
-    types = _inferred_types(proto)
-    cuts = _choose_cuts(proto.graph, stack, types, stages, layers, balance)
+    types = inferred_types(proto)
+    cuts = choose_cuts(proto.graph, lambda inner: find_stack(proto.graph, inner=True) if inner else stack, types,
+                       stages, layers, balance)
     blocks = partition(proto.graph, [c.tensor for c in cuts])
-    sizes = [b.weight_bytes + _cache_bytes(b, types) for b in blocks]
-    if max_stage_bytes is not None and max(sizes) > max_stage_bytes:
-        worst = int(np.argmax(sizes))
-        raise UsageError(f"stage {worst} holds {sizes[worst] / 2**20:.1f} MB, over --max-stage-bytes "
-                         f"({max_stage_bytes / 2**20:.1f} MB): use more stages")
+    sizes = [b.weight_bytes + cache_bytes(b, types) for b in blocks]
+    check_stage_bytes(sizes, max_stage_bytes)
     temp = TempFolder.next_to(out)
     try:
         staged = temp.path / "stages"
@@ -146,7 +164,7 @@ def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Se
         files = []
         for i, block in enumerate(blocks):
             say(f"writing stage {i}")
-            stage = _stage_model(proto, block, types, i, len(blocks))
+            stage = stage_model(proto, block, types, i, len(blocks))
             path = staged / f"stage{i}.onnx"
             modelio.save(stage, path, external_data=True)
             files.append(path)
@@ -167,9 +185,7 @@ def _split(model: Path, out: Path, stages: Optional[int], *, layers: Optional[Se
         else:
             manifest["verification"] = verifier.skipped("--no-verify")
         (staged / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists():  # --overwrite (checked above): the old folder goes only once the new one is complete
-            os.rename(out, temp.path / "old")
-        os.rename(staged, out)
+        publish(staged, out, temp)
     finally:
         temp.remove()
     return manifest
@@ -186,10 +202,12 @@ def _static_inputs(model: onnx.ModelProto) -> bool:
 _RANK = {"layer": 0, "sublayer": 1, "inner": 2}
 
 
-def _choose_cuts(graph: onnx.GraphProto, stack: Stack, types: Mapping[str, onnx.ValueInfoProto],
-                 stages: Optional[int], layers: Optional[Sequence[tuple[int, int]]],
-                 balance: float) -> list[CutPoint]:
-    """Where the stages meet: at the given layer ranges' starts, or the balanced cut (:func:`_balanced_cuts`)."""
+def choose_cuts(graph: onnx.GraphProto, stack_of: Callable[[bool], Stack], types: Mapping[str, onnx.ValueInfoProto],
+                stages: Optional[int], layers: Optional[Sequence[tuple[int, int]]], balance: float) -> list[CutPoint]:
+    """Where the stages meet: at the given layer ranges' starts, or the balanced cut (:func:`_balanced_cuts`) of
+    ``stack_of(False)``'s points, or, when those cannot reach ``balance``, of ``stack_of(True)``'s (inner cuts
+    too)."""
+    stack = stack_of(False)
     count = len(stack.boundaries) - 1
     if layers:
         ranges = [range(a, b + 1) for a, b in layers]
@@ -206,7 +224,7 @@ def _choose_cuts(graph: onnx.GraphProto, stack: Stack, types: Mapping[str, onnx.
         raise UsageError(f"{stages} stages but the model has {count} decoder layers: at most {count} stages")
     cuts, ratio = _balanced_cuts(graph, stack, types, stages, balance)
     if ratio > balance:  # the stream alone cannot: cuts inside sublayers too, as few as reach the balance
-        cuts, ratio = _balanced_cuts(graph, find_stack(graph, inner=True), types, stages, balance)
+        cuts, ratio = _balanced_cuts(graph, stack_of(True), types, stages, balance)
     return cuts
 
 
@@ -216,7 +234,7 @@ def _balanced_cuts(graph: onnx.GraphProto, stack: Stack, types: Mapping[str, onn
     KV-cache bytes), and its largest / smallest stage."""
     points = stack.points
     fine = partition(graph, [stack.boundaries[0]] + [p.tensor for p in points] + [stack.boundaries[-1]])
-    sizes = [b.weight_bytes + _cache_bytes(b, types) for b in fine]
+    sizes = [b.weight_bytes + cache_bytes(b, types) for b in fine]
     units = sizes[1:-1]  # unit j lies between points j - 1 and j; the embeddings and the head join the ends
     units[0] += sizes[0]
     units[-1] += sizes[-1]
@@ -226,7 +244,7 @@ def _balanced_cuts(graph: onnx.GraphProto, stack: Stack, types: Mapping[str, onn
     return [points[r.start - 1] for r in ranges[1:]], max(totals) / max(min(totals), 1)
 
 
-def _inferred_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+def inferred_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     """Types and shapes of the model's tensors, by onnx's shape inference on its structure (weights as inputs)."""
     light, _ = modelio.weights_as_inputs(model)
     try:
@@ -236,7 +254,7 @@ def _inferred_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     return value_types(light)
 
 
-def _cache_bytes(block: Block, types: Mapping[str, onnx.ValueInfoProto]) -> int:
+def cache_bytes(block: Block, types: Mapping[str, onnx.ValueInfoProto]) -> int:
     """Bytes of the block's KV-cache inputs whose shapes are static (a dynamic cache counts nothing)."""
     total = 0
     for name in block.inputs:
@@ -249,8 +267,10 @@ def _cache_bytes(block: Block, types: Mapping[str, onnx.ValueInfoProto]) -> int:
     return total
 
 
-def _stage_model(model: onnx.ModelProto, block: Block, types: Mapping[str, onnx.ValueInfoProto], index: int,
-                 count: int) -> onnx.ModelProto:
+def stage_model(model: onnx.ModelProto, block: Block, types: Mapping[str, onnx.ValueInfoProto], index: int,
+                count: int) -> onnx.ModelProto:
+    """``block`` of ``model`` as stage ``index`` of ``count``: a model with the source's metadata and the
+    pipeline-stage metadata (k3opt's, and ONNX's own from IR version 10)."""
     stage = block_model(model, block, types, f"{model.graph.name or 'model'}_stage{index}")
     stage.ir_version = model.ir_version
     for field in ("producer_name", "producer_version", "domain", "model_version"):
@@ -265,7 +285,8 @@ def _stage_model(model: onnx.ModelProto, block: Block, types: Mapping[str, onnx.
     return stage
 
 
-def _tensor(name: str, types: Mapping[str, onnx.ValueInfoProto]) -> dict[str, Any]:
+def tensor_entry(name: str, types: Mapping[str, onnx.ValueInfoProto]) -> dict[str, Any]:
+    """The manifest's ``{"name", "dtype", "shape"}`` of a tensor (a dim: its size, its name, or None)."""
     vi = types.get(name)
     if vi is None:
         return {"name": name, "dtype": None, "shape": None}
@@ -284,9 +305,9 @@ def _manifest(source: Path, blocks: list[Block], cuts: list[CutPoint], count: in
     lasts = [c.layer - 1 if c.kind == "layer" else c.layer for c in cuts] + [count - 1]
     stages = []
     for i, (b, f) in enumerate(zip(blocks, files)):
-        inputs = [dict(_tensor(n, types), **{"from": made.get(n, "graph")}) for n in b.inputs]
+        inputs = [dict(tensor_entry(n, types), **{"from": made.get(n, "graph")}) for n in b.inputs]
         readers = {n: [j for j, later in enumerate(blocks) if n in later.inputs] for n in b.outputs}
-        outputs = [dict(_tensor(n, types), to=readers[n]) for n in b.outputs]
+        outputs = [dict(tensor_entry(n, types), to=readers[n]) for n in b.outputs]
         stages.append({
             "index": i, "device": i, "file": f.name, "data": modelio.data_path(f).name,
             "layers": [firsts[i], lasts[i]], "nodes": len(b.nodes) + len(b.copied), "copied_constants": len(b.copied),

@@ -72,7 +72,8 @@ def _prompt(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
 @run_options
 def generate_cmd(pair: str, prompts: list[list[int]], steps: int, top_k: int, seed: int, threads: int, pad_id: int,
                  quiet: bool, debug: bool) -> None:
-    """Generate tokens through the serving pair in PAIR (a `k3opt llm` folder) and print them with step times.
+    """Generate tokens through the serving pair in PAIR (a `k3opt llm` folder, or one `k3opt split` cut into
+    pipeline stages: the stages chained) and print them with step times.
 
     An onnx pair runs in onnxruntime; a cann pair runs its NPU ops through
     k3opt's reference ops (onnx's ReferenceEvaluator: slow, for checking).
@@ -94,8 +95,11 @@ def generate_cmd(pair: str, prompts: list[list[int]], steps: int, top_k: int, se
 def _runner(pair: str, threads: int) -> Any:
     from .generate import PairRunner
     from .manifest import Manifest
+    from .split_pair import is_split_pair, staged_runner
 
     from ..api import reference_evaluator
 
+    if is_split_pair(pair):  # a pair split into pipeline stages: the stages chained
+        return staged_runner(pair, threads=threads, evaluator=reference_evaluator(is_split_pair(pair)))
     evaluator: Optional[Any] = reference_evaluator(Manifest.read(pair).target)  # None: onnxruntime runs it
     return PairRunner(pair, threads=threads, evaluator=evaluator)

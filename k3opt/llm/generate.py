@@ -75,10 +75,13 @@ class PairRunner:
     """A written pair (folder with ``manifest.json``) loaded for generation."""
 
     def __init__(self, folder: Any, threads: int = 1,
-                 evaluator: Optional[Callable[[onnx.ModelProto], Any]] = None) -> None:
+                 evaluator: Optional[Callable[[onnx.ModelProto], Any]] = None, *,
+                 manifest: Optional[Manifest] = None, open_graph: Optional[Callable[[str], Any]] = None) -> None:
+        """``manifest`` and ``open_graph`` (graph file name -> object with ``run(None, feeds)``) stand in for the
+        folder's own manifest and sessions (a pair split into pipeline stages: k3opt.llm.split_pair)."""
         self.folder = Path(folder)
-        self.manifest = Manifest.read(self.folder)
-        self._open = lambda name: session(self.folder / name, threads, evaluator)
+        self.manifest = manifest or Manifest.read(self.folder)
+        self._open = open_graph or (lambda name: session(self.folder / name, threads, evaluator))
         self.prefill = self._open(self.manifest.prefill)
         self._decode: dict[int, Any] = {}
         self.step_times: list[float] = []

@@ -135,6 +135,12 @@ class Manifest:
             raise InputError(f"{folder}: not a k3opt llm pair (no {MANIFEST}; write one with k3opt llm)") from None
         except (OSError, ValueError) as exc:
             raise InputError(f"{path}: unreadable manifest ({exc})") from None
+        return cls.from_json(data, folder, path)
+
+    @classmethod
+    def from_json(cls, data: Any, folder: Any, path: Any) -> "Manifest":
+        """The manifest in ``data`` (the JSON of :meth:`to_json`) of the pair in ``folder``; InputError naming
+        ``path`` when it is not one."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise InputError(f"{path}: not a {FORMAT} manifest")
         try:

@@ -20,8 +20,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import onnx
 from onnx import numpy_helper
+from onnx.external_data_helper import uses_external_data
 
 from ..errors import InputError, OutputError, UsageError, VerificationError
+from ..modelio.external import read_external_bytes
 from ..targets import get_target
 from .cache_form import CacheLayout, recognise
 from .manifest import Manifest, Entry, batch_sizes
@@ -102,21 +104,25 @@ def build_pair(source: Any, out_dir: Any, *, max_seq: int, max_batch: int = 1, t
         entries=[Entry(e.past, e.present, e.heads, e.dim) for e in layout.entries],
         prefill="prefill.onnx", decode={b: f"decode_b{b}.onnx" for b in decodes}, weights=WEIGHTS)
     graphs = {manifest.prefill: prefill, **{manifest.decode[b]: g for b, g in decodes.items()}}
-    _write_atomically(out, graphs, manifest, overwrite,
-                      check=(lambda folder: check_tokens(model, folder, target, say)) if verify else None)
+    def check(folder: Path) -> None:
+        from ..api import reference_evaluator
+        from .generate import PairRunner, original_greedy
+
+        say("checking generated tokens against the original decode step")
+        runner = PairRunner(folder, evaluator=reference_evaluator(target))  # None: onnxruntime runs the files
+        check_tokens(lambda ids, mask, steps: original_greedy(model, ids, mask, steps), runner,
+                     "the original decode step's")
+
+    _write_atomically(out, graphs, manifest, overwrite, check=check if verify else None)
     manifest.folder = out
     return manifest
 
 
-def check_tokens(model: onnx.ModelProto, folder: Path, target: str, say: Callable[[str], None]) -> None:
-    """The pair in ``folder`` generates the original's greedy tokens (batch 1, and batch 2 left-padded)."""
-    from .generate import PairRunner, left_pad, original_greedy
+def check_tokens(want: Callable[[np.ndarray, np.ndarray, int], np.ndarray], runner: Any, whose: str) -> None:
+    """``runner`` (a PairRunner) generates the greedy tokens ``want(ids, mask, steps)`` gives (``whose``, for the
+    error: "the original decode step's"): a prompt at batch 1, and a left-padded batch 2."""
+    from .generate import left_pad
 
-    from ..api import reference_evaluator
-
-    evaluator = reference_evaluator(target)  # None: onnxruntime runs the target's files
-    say("checking generated tokens against the original decode step")
-    runner = PairRunner(folder, evaluator=evaluator)
     m = runner.manifest
     steps = max(1, min(CHECK_STEPS, m.max_seq - CHECK_PROMPT + 1))
     prompt = min(CHECK_PROMPT, m.max_seq - 1)
@@ -127,12 +133,12 @@ def check_tokens(model: onnx.ModelProto, folder: Path, target: str, say: Callabl
         cases.append([rng.integers(1, vocab, prompt).tolist(), rng.integers(1, vocab, max(1, prompt - 2)).tolist()])
     for prompts in cases:
         ids, mask = left_pad(prompts)
-        want = original_greedy(model, ids, mask, steps)
+        wanted = want(ids, mask, steps)
         got = runner.generate(ids, mask, steps)
-        if not np.array_equal(want, got):
-            row, step = map(int, np.argwhere(want != got)[0])
-            raise VerificationError(f"the pair's tokens differ from the original decode step's (batch {len(prompts)}, "
-                                    f"row {row}, step {step}: {int(got[row, step])} instead of {int(want[row, step])})")
+        if not np.array_equal(wanted, got):
+            row, step = map(int, np.argwhere(wanted != got)[0])
+            raise VerificationError(f"the pair's tokens differ from {whose} (batch {len(prompts)}, row {row}, step "
+                                    f"{step}: {int(got[row, step])} instead of {int(wanted[row, step])})")
 
 
 def _vocab(model: onnx.ModelProto) -> Optional[int]:
@@ -185,7 +191,8 @@ def share_weights(graphs: dict[str, onnx.ModelProto], folder: Path) -> None:
     with open(folder / WEIGHTS, "wb") as f:
         for model in graphs.values():
             for t in model.graph.initializer:
-                raw = numpy_helper.to_array(t).tobytes() if not t.raw_data else t.raw_data
+                raw = read_external_bytes(t) if uses_external_data(t) else \
+                    t.raw_data or numpy_helper.to_array(t).tobytes()
                 if len(raw) < _SHARED_MIN_BYTES:
                     continue
                 key = hashlib.sha256(raw).digest() + bytes([t.data_type])
