@@ -95,7 +95,8 @@ class Report:
                     lines.append(f"{label:32}{p['rewrites']:>10}{p['time_s']:>9.2f}s")
                 lines.extend(f"{'  ' + key:32}{value:>10}" for key, value in sorted(p.get("counters", {}).items()))
         if self.verification:
-            lines.append("verification: " + summary_line(self.verification))
+            under = self.verification.get("evaluator")
+            lines.append(f"verification{f' ({under})' if under else ''}: " + summary_line(self.verification))
             outputs = self.verification["outputs"]
             if 1 < len(outputs) <= 8:
                 lines.extend(f"  {o['name']}: {error_figures(o)}" + ("" if o["passed"] else "  FAILED")

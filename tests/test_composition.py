@@ -13,7 +13,7 @@ from onnx import TensorProto as T, helper as h, numpy_helper as nh
 from k3opt import api
 from k3opt.errors import UsageError
 from k3opt.report import Report
-from tests.zoo import needs_torch, zoo_model
+from tests.zoo import DECODE_NAMES, EAGER_NAMES, EXPORTERS, NAMES, needs_torch, zoo_decode_model, zoo_model
 
 B, H, KV, S, P, D = 2, 4, 2, 3, 2, 8
 
@@ -149,7 +149,9 @@ def test_cann_output_keeps_its_npu_nodes_and_refuses_another_target(tmp_path):
     first = tmp_path / "first.onnx"
     api.optimize_file(zoo_model("llama"), first, target="cann")
     report = Report()
-    again = api.optimize(str(first), target="cann", report=report)
+    again = api.optimize(str(first), target="cann", report=report, verify=True)
+    assert report.verification["status"] == "passed" and report.lowering_verification["status"] == "passed"
+    assert report.verification["evaluator"] == "the cann reference evaluator" and not report.warnings
     npu = Counter(n.op_type for n in again.graph.node if n.op_type.startswith("NPU"))
     assert npu == Counter(n.op_type for n in onnx.load(str(first)).graph.node if n.op_type.startswith("NPU"))
     assert any("NPU nodes of the input kept" in n for n in report.notes)
@@ -169,15 +171,27 @@ def test_opset23_output_reaches_the_npu(tmp_path):
     assert ops["NPURotaryPositionEmbedding"] == 4, ops  # both layers': the decomposed outputs keep their shapes
 
 
+def _every_zoo_model() -> list:
+    """(name, exporter, decode) of every zoo export: the prefill models (sdpa and eager attention) and the decode
+    steps with the KV cache."""
+    return [(n, e, False) for n in NAMES + EAGER_NAMES for e in EXPORTERS] + \
+        [(n, e, True) for n in DECODE_NAMES for e in EXPORTERS]
+
+
 @needs_torch
 @pytest.mark.slow
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "qwen2", "deepseek_v3", "vit"])
+@pytest.mark.parametrize("name, exporter, decode", _every_zoo_model(),
+                         ids=[f"{n}-{e}{'-decode' if d else ''}" for n, e, d in _every_zoo_model()])
 @pytest.mark.parametrize("options", [{}, {"opset": 23}, {"target": "cann"}], ids=["default", "opset23", "cann"])
-def test_zoo_second_run_changes_nothing(name, exporter, options, tmp_path):
+def test_zoo_second_run_changes_nothing(name, exporter, decode, options, tmp_path):
+    """The second run is verified (a cann output under the NPU reference ops: onnxruntime has none) and
+    changes nothing in the graph."""
     first = tmp_path / "first.onnx"
-    api.optimize_file(zoo_model(name, exporter), first, **options)
-    second = api.optimize(str(first), **options)
+    api.optimize_file(zoo_decode_model(name, exporter) if decode else zoo_model(name, exporter), first, **options)
+    report = Report()
+    second = api.optimize(str(first), verify=True, report=report, **options)
+    assert report.verification["status"] == "passed", report.verification
+    assert ("evaluator" in report.verification) == ("target" in options)
     assert canonical(second) == canonical(onnx.load(str(first)))
 
 

@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import onnx
 
@@ -363,6 +363,24 @@ class Run:
             self._skip_verification(str(exc))
             return None
 
+    def _target_runner(self, proto: onnx.ModelProto, why: str) -> "tuple[_Runner, Any] | str":
+        """The target's reference evaluator and its session of the original, when onnxruntime cannot run the
+        original because it holds the target's own ops (a cann output read back in); else why verification is
+        skipped."""
+        skip = f"original model: {why}"
+        ops = self.target.own_ops(proto)
+        evaluate = self.target.reference_evaluator()
+        if not ops or evaluate is None:
+            return skip
+        if len(proto.graph.node) > REFERENCE_MAX_NODES or modelio.proto_size(proto) > REFERENCE_MAX_BYTES:
+            return (f"{skip}; the input's {self.target.ops_kind} ({', '.join(ops)}) run only under the {self.target} "
+                    f"reference evaluator, and the model is over its bound ({REFERENCE_MAX_NODES} nodes, "
+                    f"{REFERENCE_MAX_BYTES >> 20} MB)")
+        runner = _Runner(f"the {self.target} reference evaluator", evaluate, lambda s, feeds: s.run(None, dict(feeds)))
+        self.report.notes.append(f"verified under the {self.target} reference evaluator: onnxruntime cannot run the "
+                                 f"input's {self.target.ops_kind} ({', '.join(ops)})")
+        return runner, runner.load(proto)
+
     def _input_name(self) -> str:
         return self.report.input or "model"
 
@@ -388,10 +406,14 @@ class Run:
         if random:
             self.report.warnings.append(f"output(s) {', '.join(repr(n) for n in random)} compared by type and shape "
                                         f"only: they depend on the unseeded random node {next(iter(random.values()))}")
+        runner = _ORT
         try:
             reference = verifier.reference_session(original)
-        except verifier.Unrunnable as exc:  # an op onnxruntime lacks: nothing can run it
-            return self._skip_verification(f"original model: {exc}")
+        except verifier.Unrunnable as exc:  # an op onnxruntime lacks: the target's own, or nothing can run it
+            found = self._target_runner(proto, str(exc))
+            if isinstance(found, str):
+                return self._skip_verification(found)
+            runner, reference = found
         except Exception as exc:  # noqa: BLE001 -- ORT's own error types: the input is at fault, not k3opt
             if verifier.out_of_memory(exc) or isinstance(exc, ImportError):
                 raise _no_memory("loading the original", exc) from None
@@ -399,12 +421,12 @@ class Run:
                              f"{verifier.first_line(exc)}; nothing was written") from None
         try:
             feeds = verifier.make_feeds(proto, seed=self.seed, input_data=self.input_data,
-                                        declared=self.declared_dims, run=lambda f: verifier.run(reference, f))
+                                        declared=self.declared_dims, run=lambda f: runner.run(reference, f))
         except verifier.Unrunnable as exc:
             return self._skip_verification(f"original model: {exc}")
-        except verify_dims.NoConsistentSizes as exc:  # ORT runs the original at no size tried: nothing to compare
+        except verify_dims.NoConsistentSizes as exc:  # the original runs at no size tried: nothing to compare
             if self.input_data is not None:
-                raise UsageError(f"--input-data: onnxruntime cannot run the input on these arrays: "
+                raise UsageError(f"--input-data: {runner.name} cannot run the input on these arrays: "
                                  f"{verifier.first_line(exc.error)}") from None
             raise UnverifiableError(f"verification cannot run: {exc.describe()}; nothing was written "
                                     "(--no-verify writes the model unverified)") from None
@@ -416,13 +438,13 @@ class Run:
 
         def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
             try:
-                actual = verifier.run(verifier.session(candidate), feeds)
+                actual = runner.run(runner.load(candidate), feeds)
             except verifier.Unrunnable:
                 raise
             except Exception as exc:  # the optimized model does not run: that is a failure
                 if verifier.out_of_memory(exc):  # ... unless the machine ran out of memory (or threads)
                     raise _no_memory("running the optimized model") from None
-                return verifier.failed(f"onnxruntime cannot run the optimized model: {verifier.first_line(exc)}",
+                return verifier.failed(f"{runner.name} cannot run the optimized model: {verifier.first_line(exc)}",
                                        self.rtol, self.atol)
             if [o.name for o in candidate.graph.output] != names:
                 return verifier.failed("the optimized model's outputs are not the original's", self.rtol, self.atol)
@@ -437,6 +459,8 @@ class Run:
                                     f"model{at} ({exc}); nothing was written (--no-verify writes the model "
                                     "unverified)") from None
         self.report.verification = result
+        if runner is not _ORT:
+            result["evaluator"] = runner.name
         if feeds.sizes:
             result["sizes"] = dict(feeds.sizes)
         if result["status"] == "passed":
@@ -484,6 +508,19 @@ class Run:
         bad = manager.steps[step - 1]
         record["first_diverging_pass"] = bad.name
         return f"; first diverging pass: {bad.name} (round {bad.round})"
+
+
+class _Runner(NamedTuple):
+    """What verification runs models with: onnxruntime, or a target's reference evaluator."""
+
+    name: str
+    #: A model (proto or bytes) -> what ``run`` takes.
+    load: Callable[[Any], Any]
+    #: (loaded model, feeds) -> the outputs in graph order.
+    run: Callable[[Any, Any], list]
+
+
+_ORT = _Runner("onnxruntime", verifier.session, verifier.run)
 
 
 def _no_memory(step: str, exc: Optional[BaseException] = None) -> UnverifiableError:

@@ -6,10 +6,11 @@ import numpy as np
 from onnx.reference.op_run import OpRun
 
 from ..npu_contract import WQBMM_GROUP_MULTIPLE, WQBMM_MAX_DIM, WQBMM_MAX_INPUTS, unpack_int4_words
+from ..target_form import STAGING_DOMAIN
 from .registry import ReferenceError, reference_op
 
 
-@reference_op("NPUWeightQuantBatchMatmulV2", domains=("",))  # npu::1 names it WeightQuantBatchMatmulV2
+@reference_op("NPUWeightQuantBatchMatmulV2", domains=("", STAGING_DOMAIN))  # npu::1 names it WeightQuantBatchMatmulV2
 class NPUWeightQuantBatchMatmulV2(OpRun):
     """``y = x @ ((weight + antiquant_offset) * antiquant_scale)`` ([WQBMM-doc] formula), as the plugin hands
     it on ([WQBMM-plugin]: weight (k, n), not transposed; ``antiquant_group_size``; ``dtype`` -1 = x's).

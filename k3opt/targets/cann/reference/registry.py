@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from onnx.reference.op_run import OpRun
 
-from ..target_form import NPU_DOMAIN
+from ..target_form import NPU_DOMAIN, STAGING_DOMAIN
 
 _Op = TypeVar("_Op", bound=type)
 
@@ -25,9 +25,10 @@ class ReferenceError(ValueError):
     """The node asks for something the documented contract does not define (or k3opt does not model)."""
 
 
-def reference_op(op_type: str, domains: Sequence[str] = ("", NPU_DOMAIN)) -> Callable[[_Op], _Op]:
+def reference_op(op_type: str, domains: Sequence[str] = ("", NPU_DOMAIN, STAGING_DOMAIN)) -> Callable[[_Op], _Op]:
     """Class decorator: ``cls`` (an ``OpRun``) is the reference of ``op_type`` in each of ``domains`` (the
-    default domain, and ``npu``: torch_npu's exporter form; ``("",)`` for a standard op's replacement)."""
+    default domain, ``npu``: torch_npu's exporter form, and the staging domain of a run's NPU nodes: a cann
+    output read back in is verified as it stands; ``("",)`` for a standard op's replacement)."""
 
     def register(cls: _Op) -> _Op:
         if not issubclass(cls, OpRun):
