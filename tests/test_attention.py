@@ -479,7 +479,7 @@ def test_walks_over_the_graph_do_not_grow_with_the_attentions(n):
     _CountingList.walks = 0
     from k3opt.passes.fusion.fuse_attention import to_attention
     assert apply_attention(graph, ctx, attention_rules(to_attention)) == n
-    assert _CountingList.walks <= 4
+    assert _CountingList.walks <= 5  # and one (without a census) to find the If/Loop/Scan bodies it also sweeps
 
 
 def test_attention_24_reads_the_head_counts_from_the_shapes():

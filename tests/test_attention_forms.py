@@ -150,6 +150,74 @@ def test_rank3_not_from_heads_is_declined_and_recorded():
     out, report = _fused(model)
     assert "Attention" not in {n.op_type for n in out.graph.node}
     assert any("declined" in n and "rank 3" in n for n in report.notes), report.notes
+    assert "1 rank-3 attention(s) not unfolded to rank 4: q is not a view of a rank-4 (batch, heads, positions, " \
+           "head dim) tensor" in "\n".join(report.notes), report.notes
+
+
+def bmm3d_cache(mask: bool = False) -> onnx.ModelProto:
+    """bmm3d's decode step: rank-3 caches [B*H, P, D] concatenated with the new keys/values, present outputs."""
+    model = bmm3d()
+    g = model.graph
+    for n in g.node:
+        if n.op_type == "Transpose" and list(n.input) == ["k3"]:
+            n.input[0] = "present_k"
+        if n.op_type == "MatMul" and list(n.input) == ["probs", "v3"]:
+            n.input[1] = "present_v"
+    cache = [h.make_node("Concat", [f"past_{n}", f"{n}3"], [f"present_{n}"], axis=1) for n in "kv"]
+    at = next(i for i, n in enumerate(g.node) if n.op_type == "Transpose" and list(n.input) == ["present_k"])
+    for node in reversed(cache):
+        g.node.insert(at, node)
+    g.input.extend(h.make_tensor_value_info(f"past_{n}", T.FLOAT, [B * H, "past", D]) for n in "kv")
+    g.output.extend(h.make_tensor_value_info(f"present_{n}", T.FLOAT, [B * H, "total", D]) for n in "kv")
+    if mask:  # a per-head float bias, fed as an input: it may hold rows of -inf
+        g.input.append(h.make_tensor_value_info("m", T.FLOAT, [B * H, S, "total"]))
+        add = next(n for n in g.node if n.op_type == "Softmax")
+        g.node.insert(list(g.node).index(add), h.make_node("Add", ["scaled", "m"], ["masked"]))
+        add.input[0] = "masked"
+    onnx.checker.check_model(model)
+    return model
+
+
+def _cache_feeds(model: onnx.ModelProto, past: int = 3) -> dict:
+    rng = np.random.default_rng(6)
+    feeds = {"x": rng.standard_normal((B, S, HID)).astype(np.float32)}
+    feeds.update({f"past_{n}": rng.standard_normal((B * H, past, D)).astype(np.float32) for n in "kv"})
+    if any(i.name == "m" for i in model.graph.input):
+        feeds["m"] = np.where(rng.random((B * H, S, S + past)) > 0.3, 0, -1e9).astype(np.float32)
+    return feeds
+
+
+def test_heads_folded_with_a_kv_cache_fuse_and_lower():
+    """The rank-3 cache input is read as [B, H, P, D] (exact: the Concat gives it the new keys' B*H)."""
+    model = bmm3d_cache()
+    for options, op in (({"opset": 23}, "Attention"), ({"target": "cann"}, "NPUPromptFlashAttention")):
+        report = Report()
+        out = api.optimize(model, verify=True, input_data=_cache_feeds(model), report=report, **options)
+        assert report.verification["status"] == "passed", report.verification
+        assert (report.lowering_verification or {"status": "passed"})["status"] == "passed"
+        assert Counter(n.op_type for n in out.graph.node)[op] == 1, (options, report.notes, report.lowering)
+
+
+def test_float_masks_are_declined_with_the_reason():
+    """An additive float mask fed as an input (rank 3 per head with a KV cache, unfolded first; rank 4): Attention-23
+    zeroes a fully masked row, the graph need not, so each stays decomposed and the report says so."""
+    rank4 = _model([h.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), h.make_node("MatMul", ["q", "kt"], ["s"]),
+                    h.make_node("Add", ["s", "m"], ["sm"]), h.make_node("Softmax", ["sm"], ["p"], axis=-1),
+                    h.make_node("MatMul", ["p", "v"], ["y"])],
+                   [_vi4(n) for n in "qkv"] + [h.make_tensor_value_info("m", T.FLOAT, [B, 1, S, S])], {},
+                   out_shape=(B, H, S, D))
+    rng = np.random.default_rng(3)
+    rank4_feeds = {n: rng.standard_normal((B, H, S, D)).astype(np.float32) for n in "qkv"}
+    rank4_feeds["m"] = np.where(rng.random((B, 1, S, S)) > 0.3, 0, -1e9).astype(np.float32)
+    for model, feeds in ((bmm3d_cache(mask=True), _cache_feeds(bmm3d_cache(mask=True))), (rank4, rank4_feeds)):
+        report = Report()
+        out = api.optimize(model, opset=23, verify=True, input_data=feeds, report=report)
+        assert report.verification["status"] == "passed" and "Attention" not in {n.op_type for n in out.graph.node}
+        assert any("attention(s) declined: the mask is of unknown form" in n for n in report.notes), report.notes
+        report = Report()
+        api.optimize(model, target="cann", verify=True, input_data=feeds, report=report)
+        assert report.lowering_verification["status"] == "passed"
+        assert any("kept decomposed: the mask is of unknown form" in n for n in report.lowering), report.lowering
 
 
 def tf2onnx_bert(opset: int = 13, scale_op: str = "Mul", mask_kind: str = "int32") -> onnx.ModelProto:
@@ -281,26 +349,90 @@ def _einsum_attention() -> onnx.ModelProto:
     return h.make_model(graph, opset_imports=[h.make_opsetid("", 13)], ir_version=7)
 
 
-def _attention_in_a_body() -> onnx.ModelProto:
-    body_nodes = [h.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), h.make_node("MatMul", ["q", "kt"], ["s"]),
-                  h.make_node("Softmax", ["s"], ["p"], axis=-1, name="body_softmax"),
-                  h.make_node("MatMul", ["p", "v"], ["o"])]
-    body = h.make_graph(body_nodes, "then", [], [h.make_tensor_value_info("o", T.FLOAT, [B, H, S, D])])
-    other = h.make_graph([h.make_node("Identity", ["v"], ["o2"])], "else", [],
-                         [h.make_tensor_value_info("o2", T.FLOAT, [B, H, S, D])])
-    inputs = [h.make_tensor_value_info("c", T.BOOL, [])] + \
-        [h.make_tensor_value_info(n, T.FLOAT, [B, H, S, D]) for n in "qkv"]
-    graph = h.make_graph([h.make_node("If", ["c"], ["y"], then_branch=body, else_branch=other)], "if", inputs,
-                         [h.make_tensor_value_info("y", T.FLOAT, [B, H, S, D])])
-    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+def _core(q: str, k: str, v: str, out: str, tag: str) -> list[onnx.NodeProto]:
+    return [h.make_node("Transpose", [k], [f"{tag}kt"], perm=[0, 1, 3, 2]),
+            h.make_node("MatMul", [q, f"{tag}kt"], [f"{tag}s"]),
+            h.make_node("Softmax", [f"{tag}s"], [f"{tag}p"], axis=-1, name=f"{tag}softmax"),
+            h.make_node("MatMul", [f"{tag}p", v], [out])]
+
+
+def _vi4(name: str, lead: tuple = ()) -> onnx.ValueInfoProto:
+    return h.make_tensor_value_info(name, T.FLOAT, [*lead, B, H, S, D])
+
+
+def _attention_in_a_body(kind: str = "if") -> onnx.ModelProto:
+    """Attention in an If branch, a Loop body (on the carried tensor, M times) or a Scan body (per slice)."""
+    inputs = [_vi4(n) for n in "kv"]
+    if kind == "if":
+        body = h.make_graph(_core("q", "k", "v", "o", "body_"), "then", [], [_vi4("o")])
+        other = h.make_graph([h.make_node("Identity", ["v"], ["o2"])], "else", [], [_vi4("o2")])
+        node = h.make_node("If", ["c"], ["y"], then_branch=body, else_branch=other)
+        inputs = [h.make_tensor_value_info("c", T.BOOL, []), _vi4("q")] + inputs
+    elif kind == "loop":
+        body = h.make_graph([h.make_node("Identity", ["cond_in"], ["cond_out"])] + _core("x", "k", "v", "x2", "body_"),
+                            "loop", [h.make_tensor_value_info("i", T.INT64, []),
+                                     h.make_tensor_value_info("cond_in", T.BOOL, []), _vi4("x")],
+                            [h.make_tensor_value_info("cond_out", T.BOOL, []), _vi4("x2")])
+        node = h.make_node("Loop", ["n", "", "q"], ["y"], body=body)  # no cond: M iterations
+        inputs = [h.make_tensor_value_info("n", T.INT64, []), _vi4("q")] + inputs
+    else:
+        body = h.make_graph(_core("qs", "k", "v", "ys", "body_"), "scan", [_vi4("qs")], [_vi4("ys")])
+        node = h.make_node("Scan", ["q"], ["y"], body=body, num_scan_inputs=1)
+        inputs = [_vi4("q", (2,))] + inputs
+    out = _vi4("y", (2,) if kind == "scan" else ())
+    model = h.make_model(h.make_graph([node], kind, inputs, [out]), opset_imports=[h.make_opsetid("", 17)],
+                         ir_version=8)
+    onnx.checker.check_model(model)
+    return model
+
+
+def _outer_products_in_a_body() -> onnx.ModelProto:
+    """A body's Softmax between products the enclosing graph computes: not moved into the body."""
+    body = h.make_graph([h.make_node("Softmax", ["s"], ["p"], axis=-1, name="inner_softmax"),
+                         h.make_node("MatMul", ["p", "v"], ["o"])], "then", [], [_vi4("o")])
+    other = h.make_graph([h.make_node("Identity", ["v"], ["o2"])], "else", [], [_vi4("o2")])
+    nodes = [h.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), h.make_node("MatMul", ["q", "kt"], ["s"]),
+             h.make_node("If", ["c"], ["y"], then_branch=body, else_branch=other)]
+    inputs = [h.make_tensor_value_info("c", T.BOOL, [])] + [_vi4(n) for n in "qkv"]
+    return h.make_model(h.make_graph(nodes, "outer", inputs, [_vi4("y")]), opset_imports=[h.make_opsetid("", 17)],
+                        ir_version=8)
+
+
+def _body_feeds(model: onnx.ModelProto) -> dict:
+    rng = np.random.default_rng(9)
+    feeds = {}
+    for i in model.graph.input:
+        shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
+        feeds[i.name] = {T.BOOL: np.array(True), T.INT64: np.array(2, np.int64)}.get(
+            i.type.tensor_type.elem_type, rng.standard_normal(shape).astype(np.float32))
+    return feeds
 
 
 @pytest.mark.parametrize("build,why", [(_einsum_attention, "scores come from a Einsum"),
-                                       (_attention_in_a_body, "inside an If/Loop/Scan body")])
+                                       (_outer_products_in_a_body, "does not move the enclosing graph's work")])
 def test_attention_shaped_sites_never_silent(build, why):
     report = Report()
     api.optimize(build(), report=report)  # opset 17: the Einsums stay (einsum-attention runs where Attention can follow)
     assert any("declined" in n and why in n for n in report.notes), report.notes
+
+
+@pytest.mark.parametrize("kind", ["if", "loop", "scan"])
+def test_attention_in_a_body_fuses_and_lowers(kind):
+    """Inside an If branch, a Loop or a Scan body: Attention at opset 23, the NPU flash attention for cann, both
+    verified (the cann reference evaluator runs a Loop without a condition M times, as onnxruntime does)."""
+    model = _attention_in_a_body(kind)
+    feeds = _body_feeds(model)
+    for options, op in (({"opset": 23}, "Attention"), ({"target": "cann"}, "NPUPromptFlashAttention")):
+        report = Report()
+        out = api.optimize(model, verify=True, input_data=feeds, report=report, **options)
+        assert report.verification["status"] == "passed", report.verification
+        assert (report.lowering_verification or {"status": "passed"})["status"] == "passed"
+        body = next(a.g for a in out.graph.node[0].attribute if a.type == onnx.AttributeProto.GRAPH and
+                    any(n.op_type.startswith(("Attention", "NPU", "MatMul")) for n in a.g.node))
+        assert [n.op_type for n in body.node if n.op_type != "Identity"] == [op], (options, report.notes)
+    report = Report()
+    api.optimize(model, report=report)
+    assert "1 attention(s) found, left decomposed: opset < 23" in report.notes
 
 
 def test_keras_einsum_attention_fuses():

@@ -248,3 +248,24 @@ def test_reference_op_registers_a_new_op_and_refuses_a_second_definition(monkeyp
         np.testing.assert_array_equal(run_node("NPUTestDouble", [("x", x)], {}, domain=domain)[0], 2 * x)
     with pytest.raises(ValueError, match="defined twice"):
         registry.reference_op("NPUTestDouble")(Double)
+
+
+def test_loop_without_a_condition_runs_its_trip_count():
+    """The spec's ``Loop(M, "", ...)`` runs M times (onnx 1.23's reference ran none); onnxruntime agrees."""
+    import onnxruntime as ort
+
+    body = helper.make_graph([helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Add", ["x", "one"], ["x2"])],
+                             "body", [helper.make_tensor_value_info("i", T.INT64, []),
+                                      helper.make_tensor_value_info("c", T.BOOL, []),
+                                      helper.make_tensor_value_info("x", T.FLOAT, [2])],
+                             [helper.make_tensor_value_info("c_out", T.BOOL, []),
+                              helper.make_tensor_value_info("x2", T.FLOAT, [2])],
+                             [helper.make_tensor("one", T.FLOAT, [], [1.0])])
+    graph = helper.make_graph([helper.make_node("Loop", ["m", "", "x0"], ["y"], body=body)], "loop",
+                              [helper.make_tensor_value_info("m", T.INT64, []),
+                               helper.make_tensor_value_info("x0", T.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = {"m": np.array(3, np.int64), "x0": np.zeros(2, np.float32)}
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    assert np.array_equal(evaluator(model).run(None, feeds)[0], want) and want.tolist() == [3.0, 3.0]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from contextvars import ContextVar
 from typing import Callable, Optional, Sequence
 
 import ml_dtypes
@@ -40,6 +41,7 @@ from onnx import TensorProto
 from ...graph import dtypes, ir
 from ...graph.ir import Graph, NameScope, Node, Tensor, is_graph_output, producer
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
+from ...patterns.matcher import describe
 from ...patterns.rule_pass import sweep
 from ...patterns.schema import attr_value
 from ...graph.symbolic import dims as symbolic
@@ -126,10 +128,24 @@ def attention_rules(rewrite: Callable[[RewriteBuilder, AttentionMatch], Optional
 
 
 def apply_attention(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
-    """Apply ``rules`` (one sweep each, anchors from ``ctx``'s census); returns the rewrites."""
+    """Apply ``rules`` (one sweep each, anchors from ``ctx``'s census) to the graph and then to each
+    If/Loop/Scan body (shaped too: ``shapes.apply_shapes``; a match reaching outside its body is refused);
+    returns the rewrites."""
     if ctx.names is None:
         ctx.names = NameScope(graph)
-    return sum(sweep(graph, ctx, [rule]) for rule in rules)
+    done = 0
+    for g in ctx.graphs(graph):
+        token = _BODY_NODES.set(None if g is graph else {id(n) for n in g.nodes})
+        try:
+            done += sum(sweep(g, ctx, [rule], explain=g is graph) for rule in rules)
+        finally:
+            _BODY_NODES.reset(token)
+    return done
+
+
+#: The ids of the nodes of the body being swept (None for the main graph, whose matches reach no other graph):
+#: what a match walks beyond its pattern must be among them (:func:`_analyze`).
+_BODY_NODES: ContextVar[Optional[set[int]]] = ContextVar("k3opt_attention_body_nodes", default=None)
 
 
 # -- analysis ------------------------------------------------------------------------------------------------
@@ -198,6 +214,11 @@ def _analyze(m: Match) -> AttentionMatch:
     keep, fill, causal, rows_open = _mask_form(mask, q, kv.dims, dtype) if mask is not None \
         else (None, None, False, False)
     past = _decode_parts(kv.k if kv.perm == IDENTITY else None, kv.v)
+    body = _BODY_NODES.get()
+    outer = None if body is None else next((n for n in walked + chain if id(n) not in body), None)
+    if outer is not None:  # the commit would detach it in its own graph, and move its work into this body
+        raise _Decline(f"{describe(outer)} belongs to an enclosing graph: a fusion does not move the enclosing "
+                       "graph's work into an If/Loop/Scan body")
     m.nodes.extend(n for n in walked + chain if id(n) not in matched)  # detached by the commit once dead
     m.memo["k_perm"] = kv.perm
     return AttentionMatch(q, kv.k, kv.v, q_heads, kv_heads, dqk, _static(kv.v, 3, "v's head dim"), scale, mask,

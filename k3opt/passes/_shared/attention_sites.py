@@ -1,6 +1,6 @@
 """Attention-shaped sites the recogniser never looked at: a Softmax between two MatMul-like ops that its
-pattern does not reach (an Einsum, a Cast or Reshape in between, a body of an If/Loop). fuse-attention
-records each with the reason, so a miss is never silent.
+pattern does not reach (an Einsum, a Cast or Reshape in between, a body's softmax between products of the
+enclosing graph). fuse-attention records each with the reason, so a miss is never silent.
 """
 from __future__ import annotations
 
@@ -43,21 +43,29 @@ def _downstream(t: Tensor, depth: int = _DEPTH) -> Optional[Node]:
 
 
 def attention_sites(graph: Graph) -> Iterator[tuple[Node, Node, Node, bool]]:
-    """Each ``(softmax, scores' product, probabilities' reader, in a body)`` of ``graph`` and its bodies."""
+    """Each ``(softmax, scores' product, probabilities' reader, all three in the softmax's own graph)`` of
+    ``graph`` and its bodies (a body reads the enclosing graph's tensors: its products may stand there)."""
     for g in all_graphs(graph):
-        body = g is not graph
+        own = {id(n) for n in g.nodes} if g is not graph else None
         for sm in g.nodes:
             if sm.op != "Softmax" or (sm.domain or "") not in ("", "ai.onnx") or not sm.inputs or not sm.outputs:
                 continue
             up, down = _upstream(sm.inputs[0]), _downstream(sm.outputs[0])
             if up is not None and down is not None:
-                yield sm, up, down, body
+                yield sm, up, down, own is None or (id(up) in own and id(down) in own)
 
 
-def why_unrecognised(up: Node, down: Node, body: bool) -> str:
-    """The reason the recogniser's pattern did not reach a site."""
-    if body:
-        return "it is inside an If/Loop/Scan body, which the attention fusions do not enter"
+def site_name(softmax: Node) -> str:
+    """How the report names an attention site: its Softmax's name, else the tensor the Softmax computes."""
+    return softmax.name or (softmax.outputs[0].name if softmax.outputs else "")
+
+
+def why_unrecognised(up: Node, down: Node, local: bool) -> str:
+    """The reason the recogniser's pattern did not reach a site (``local``: its products are in the softmax's
+    own graph)."""
+    if not local:
+        return ("a body's softmax between products of the enclosing graph: a fusion does not move the enclosing "
+                "graph's work into an If/Loop/Scan body")
     for n, role in ((up, "the scores come from"), (down, "the probabilities are multiplied by")):
         if n.op != "MatMul":
             return f"{role} a {n.op} ('{n.name}'), not a MatMul"

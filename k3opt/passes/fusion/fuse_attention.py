@@ -37,7 +37,7 @@ from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, producer, replace_uses
 from ...patterns import RewriteBuilder, checks
 from ...graph.symbolic import dims as symbolic
-from .._shared.attention_sites import attention_sites, why_unrecognised
+from .._shared.attention_sites import attention_sites, site_name, why_unrecognised
 from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules
 from ...pipeline.pass_base import Pass, PassContext
 from ._left_decomposed import note_left_decomposed
@@ -77,7 +77,7 @@ def to_attention(op: RewriteBuilder, am: AttentionMatch, presents: Optional[Pres
         attrs.update(q_num_heads=am.q_num_heads, kv_num_heads=am.kv_num_heads)
     why = None if presents is None or am.past_key is None else cache_refusal(am)
     if why is not None:
-        am.match.ctx.note(f"attention at '{am.softmax.name}' reads the concatenated KV cache: {why}")
+        am.match.ctx.note(f"attention at '{site_name(am.softmax)}' reads the concatenated KV cache: {why}")
     cached = presents is not None and am.past_key is not None and why is None
     if am.mask is None:
         mask = None
@@ -204,16 +204,16 @@ class FuseAttention(Pass):
             if why is None:
                 found.setdefault(id(am.softmax), am.softmax)
             else:
-                declined.setdefault(why, []).append(am.softmax.name)
+                declined.setdefault(why, []).append(site_name(am.softmax))
 
         def decline(softmax: Node, why: str) -> None:
             seen.add(id(softmax))
-            declined.setdefault(why, []).append(softmax.name)
+            declined.setdefault(why, []).append(site_name(softmax))
 
         apply_attention(graph, ctx, attention_rules(record, on_decline=decline))
-        for softmax, scores, reader, body in attention_sites(graph):  # never silent: what the pattern missed
+        for softmax, scores, reader, local in attention_sites(graph):  # never silent: what the pattern missed
             if id(softmax) not in seen:
-                declined.setdefault(why_unrecognised(scores, reader, body), []).append(softmax.name)
+                declined.setdefault(why_unrecognised(scores, reader, local), []).append(site_name(softmax))
         ctx.notes[:] = [n for n in ctx.notes if not _NOTE.match(n)]  # the final graph's count only
         if not _fusable(ctx):
             note_left_decomposed(ctx, "attention_found", len(found), _NOTE, "attention(s)", ATTENTION_OPSET,

@@ -34,6 +34,7 @@ from ...graph.ir import (Graph, Node, Tensor, as_constant, const_scalar, disconn
 from ...patterns.schema import attr_value
 from ...pipeline.pass_base import Pass, PassContext
 from .._rewire import detach, remove
+from .._shared.attention_sites import attention_sites, site_name
 from ...graph.symbolic.dims import shape_elements, tensor_dims
 from ...pipeline.analyses import DimAnalysis
 
@@ -105,6 +106,9 @@ def _unfold(t3: Tensor, b: _Builder) -> Optional[Tensor]:
     if scaled is not None and len(scaled.inputs) == 2 and const_scalar(scaled.inputs[1]) is not None:
         inner = _unfold(scaled.inputs[0], b)
         return None if inner is None else b.node(scaled.op, [inner, scaled.inputs[1]], like=inner, shape=inner.shape)
+    cache = _op(t3, "Concat")
+    if cache is not None:
+        return _unfold_cache(cache, b)
     flat = _flattening(t3, b)
     if flat is not None:
         return flat[0] if flat[1] == 0 else None
@@ -121,13 +125,41 @@ def _unfold(t3: Tensor, b: _Builder) -> Optional[Tensor]:
     return None
 
 
+def _unfold_cache(concat: Node, b: _Builder) -> Optional[Tensor]:
+    """A KV cache ``Concat(past, new)`` of rank-3 ``[B*H, T, D]`` parts along the sequence axis, one of them
+    (the new keys or values) proven a flattening of ``[B, H, T, D]``: the Concat of the rank-4 parts, each other
+    part (the cache input) read as ``Reshape(part, [-1, H, T', D])``, exact since the Concat makes its first dim
+    the proven part's ``B*H``."""
+    rank = None if concat.outputs[0].shape is None else len(concat.outputs[0].shape)
+    if rank != 3 or int(concat.attrs.get("axis", 0)) not in (1, -2) or len(concat.inputs) < 2:
+        return None
+    parts = [_unfold(x, b) for x in concat.inputs]
+    heads = {_heads(p) for p in parts if p is not None}
+    if len(heads) != 1 or None in heads:
+        return None
+    h = heads.pop()
+    proven = next(p for p in parts if p is not None)
+    out = concat.outputs[0].shape
+    shape = None if proven.shape is None else [proven.shape[0], h, out[1], out[2]]
+    parts = [p if p is not None else _split_heads(x, h, b) for x, p in zip(concat.inputs, parts)]
+    return b.node("Concat", parts, {"axis": 2}, like=concat.outputs[0], shape=shape)
+
+
+def _split_heads(t3: Tensor, heads: int, b: _Builder) -> Tensor:
+    """``Reshape(t3, [-1, heads, a, b])`` of a rank-3 ``[B*heads, a, b]`` (a and b read off its shape)."""
+    tail = b.node("Shape", [t3], {"start": 1}) if b.ctx.opset >= 15 else \
+        b.node("Slice", [b.node("Shape", [t3]), b.const([1]), b.const([3])])
+    shape = None if t3.shape is None else [None, heads, *t3.shape[1:]]
+    return b.node("Reshape", [t3, b.node("Concat", [b.const([-1, heads]), tail], {"axis": 0})], like=t3, shape=shape)
+
+
 def _heads(t4: Tensor) -> Optional[int]:
     dims = tensor_dims(t4)
     return dims[1] if dims is not None and isinstance(dims[1], int) else None
 
 
-def _chain(graph: Graph, softmax: Node, ctx: PassContext) -> Optional[tuple[Node, list[Node], Node]]:
-    """(the q·k^T MatMul, the nodes from it to the probabilities in order, the probs·v MatMul), or None."""
+def _chain(graph: Graph, softmax: Node) -> "tuple[Node, list[Node], Node] | str":
+    """(the q·k^T MatMul, the nodes from it to the probabilities in order, the probs·v MatMul), or why not."""
     nodes = [softmax]
     probs = softmax.outputs[0]
     readers = probs.outputs
@@ -135,28 +167,30 @@ def _chain(graph: Graph, softmax: Node, ctx: PassContext) -> Optional[tuple[Node
     if guard is not None:
         where = [n for n in guard.outputs[0].outputs if n.op == "Where"]
         if len(where) != 1 or len(readers) != 2:
-            return None
+            return "the probabilities are read by more than the IsNaN guard and its Where"
         nodes = [softmax, guard, where[0]]
         probs = where[0].outputs[0]
     if len(probs.outputs) != 1 or is_graph_output(graph, probs) or probs.outputs[0].op != "MatMul" \
             or probs.outputs[0].inputs[0] is not probs:
-        return None
+        return "the probabilities are not read by probs @ v alone"
     pv = probs.outputs[0]
     t = softmax.inputs[0]
     while True:
         n = producer(t)
-        if n is None or (n.domain or "") not in _DEFAULT or len(t.outputs) != 1 or is_graph_output(graph, t):
-            return None
+        if n is None or (n.domain or "") not in _DEFAULT:
+            return "the scores are not computed by a MatMul"
+        if len(t.outputs) != 1 or is_graph_output(graph, t):
+            return f"'{t.name}' between the scores and the Softmax is also read elsewhere"
         if n.op == "MatMul":
             return n, nodes, pv
         if n.op in ("Mul", "Div", "Add") and len(n.inputs) == 2:
             nodes.insert(0, n)
             on_path = [x for x in n.inputs if _reaches_scores(x)]
             if len(on_path) != 1:
-                return None
+                return f"the {n.op} '{n.name}' before the Softmax does not combine the scores with one other operand"
             t = on_path[0]
             continue
-        return None
+        return f"a {n.op} stands between the scores and the Softmax"
 
 
 def _reaches_scores(t: Tensor, depth: int = 4) -> bool:
@@ -167,8 +201,9 @@ def _reaches_scores(t: Tensor, depth: int = 4) -> bool:
     return n.op == "MatMul" or (n.op in ("Mul", "Div", "Add") and any(_reaches_scores(x, depth - 1) for x in n.inputs))
 
 
-def _mask4(mask: Tensor, heads: int, b: _Builder) -> Optional[Tensor]:
-    """The mask operand of a rank-3 score, as it broadcasts against the rank-4 scores (None: not proven)."""
+def _mask4(mask: Tensor, heads: int, b: _Builder, rows: object) -> Optional[Tensor]:
+    """The mask operand of a rank-3 score whose first dim is ``rows`` (B*H), as it broadcasts against the rank-4
+    scores (None: not proven)."""
     dims = tensor_dims(mask)
     if dims is None:
         return None
@@ -176,29 +211,38 @@ def _mask4(mask: Tensor, heads: int, b: _Builder) -> Optional[Tensor]:
         return mask  # aligned right, it broadcasts over (B, H) as it did over B*H
     if len(dims) == 3 and isinstance(dims[1], int) and isinstance(dims[2], int):
         return b.node("Reshape", [mask, b.const([-1, heads, dims[1], dims[2]])], like=mask)
+    if len(dims) == 3 and _same(dims[0], rows) and rows != 1:  # one row per batch*head: split like the scores
+        return _split_heads(mask, heads, b)
     return None
 
 
-def _rewrite(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node]) -> bool:
-    found = _chain(graph, softmax, ctx)
-    if found is None:
-        return False
+def _rewrite(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node]) -> Optional[str]:
+    """Unfold the rank-3 attention around ``softmax``; None when done, else why not."""
+    found = _chain(graph, softmax)
+    if isinstance(found, str):
+        return found
     b = _Builder(graph, ctx, softmax.name or "attention")
-    if _rebuild(graph, softmax, ctx, dead, b, *found):
-        return True
-    for n in b.nodes:  # a refused attempt's nodes were linked to the tensors they read: unlink them
-        disconnect(n)
-    return False
+    why = _rebuild(graph, softmax, ctx, dead, b, *found)
+    if why is not None:
+        for n in b.nodes:  # a refused attempt's nodes were linked to the tensors they read: unlink them
+            disconnect(n)
+    return why
+
+
+#: Why an operand of the core is not unfolded.
+_NOT_A_VIEW = ("{} is not a view of a rank-4 (batch, heads, positions, head dim) tensor: a Reshape merging its "
+               "first two dims (or a Transpose of one, Megatron's layout), or a KV cache Concat of one")
 
 
 def _rebuild(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node], b: _Builder, qk: Node,
-             middle: list[Node], pv: Node) -> bool:
+             middle: list[Node], pv: Node) -> Optional[str]:
     q4, kt4, v4 = (_unfold(t, b) for t in (qk.inputs[0], qk.inputs[1], pv.inputs[1]))
-    if q4 is None or kt4 is None or v4 is None:
-        return False
+    for t4, role in ((q4, "q"), (kt4, "k^T"), (v4, "v")):
+        if t4 is None:
+            return _NOT_A_VIEW.format(role)
     heads = {_heads(t) for t in (q4, kt4, v4)}
     if len(heads) != 1 or None in heads:
-        return False
+        return f"q, k and v unfold to different or unknown head counts ({', '.join(map(str, heads))})"
     h = heads.pop()
     scores = b.node("MatMul", [q4, kt4], like=qk.outputs[0])
     prev_old = qk.outputs[0]
@@ -206,31 +250,33 @@ def _rebuild(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node], b:
         if n.op in ("Mul", "Div", "Add"):
             other = n.inputs[1] if n.inputs[0] is prev_old else n.inputs[0]
             if n.op in ("Mul", "Div") and const_scalar(other) is None:
-                return False
+                return f"the scores are scaled by '{other.name}', not a constant scalar"
             if n.op == "Div" and n.inputs[0] is not prev_old:
-                return False
+                return "the scores divide a value (they are the Div's divisor)"
             if n.op == "Add":
-                other = _mask4(other, h, b)
-                if other is None:
-                    return False
+                mask = _mask4(other, h, b, (tensor_dims(prev_old) or [None])[0])
+                if mask is None:
+                    return (f"the mask '{other.name}' ({tensor_dims(other)}) is not proven to broadcast over "
+                            "(batch, heads) as over batch*heads")
+                other = mask
             inputs = [scores, other] if n.inputs[0] is prev_old else [other, scores]
             scores = b.node(n.op, inputs, like=n.outputs[0])
         elif n.op == "Softmax":
             axis = attr_value(n.attrs, "Softmax", "", ctx.opset, "axis")
             if axis not in (-1, 2):  # below opset 13 axis 2 of rank 3 is the last axis too (rows of [.., T])
-                return False
+                return f"the Softmax is over axis {axis}, not the keys'"
             scores = b.node("Softmax", [scores], {"axis": -1 if ctx.opset >= 13 else 3}, like=n.outputs[0])
         elif n.op == "IsNaN":
             isnan = b.node("IsNaN", [scores])
         elif n.op == "Where":
             if n.inputs[2] is not softmax.outputs[0] or const_scalar(n.inputs[1]) != 0:
-                return False
+                return "the Where after IsNaN is not torch's Where(IsNaN(p), 0, p)"
             scores = b.node("Where", [isnan, n.inputs[1], scores], like=n.outputs[0])
         prev_old = n.outputs[0]
     out4 = b.node("MatMul", [scores, v4], like=pv.outputs[0])
     dims = tensor_dims(pv.outputs[0])
     if dims is None or len(dims) != 3:
-        return False
+        return "the output's rank is not known to be 3"
     if isinstance(dims[1], int) and isinstance(dims[2], int):
         target = b.const([-1, dims[1], dims[2]])
     else:
@@ -240,14 +286,14 @@ def _rebuild(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node], b:
     out3 = b.node("Reshape", [out4, target], like=pv.outputs[0])
     old = pv.outputs[0]
     if is_graph_output(graph, old):
-        return False  # the Reshape would have to take the output's name: left for the recogniser to decline
+        return "probs @ v is a graph output (the Reshape back would have to take its name)"
     replace_uses(graph, old, out3)
     for n in [qk, *middle, pv]:
         detach(n, dead)
     graph.nodes.extend(b.nodes)
     ctx.count("attention_heads_unfolded")
     ctx.site(f"node '{softmax.name}' (Softmax)", "applied")
-    return True
+    return None
 
 
 class UnfoldHeadBatch(Pass):
@@ -261,6 +307,10 @@ class UnfoldHeadBatch(Pass):
     adds_bodies = False
     anchor_ops = frozenset({"Softmax"})
 
+    def __init__(self) -> None:
+        #: id(softmax) -> (the Softmax, why its rank-3 attention was not unfolded), the last round's word.
+        self.declined: dict[int, tuple[Node, str]] = {}
+
     def run(self, graph: Graph, ctx: PassContext) -> int:
         done = 0
         with ctx.analysis(DimAnalysis, graph):
@@ -269,6 +319,22 @@ class UnfoldHeadBatch(Pass):
                 x = softmax.inputs[0] if softmax.inputs else None
                 if x is None or x.shape is None or len(x.shape) != 3 or not softmax.outputs:
                     continue
-                done += _rewrite(graph, softmax, ctx, dead)
+                why = _rewrite(graph, softmax, ctx, dead)
+                if why is None:
+                    done += 1
+                    self.declined.pop(id(softmax), None)
+                else:
+                    self.declined[id(softmax)] = (softmax, why)
             remove(graph, dead)
         return done
+
+    def finish(self, graph: Graph, ctx: PassContext) -> None:
+        """Why each rank-3 attention site of the final graph stayed folded (fuse-attention then declines it for
+        its rank), once per reason."""
+        reasons: dict[str, list[str]] = {}
+        for softmax, _, _, _ in attention_sites(graph):
+            if id(softmax) in self.declined and self.declined[id(softmax)][0] is softmax:
+                reasons.setdefault(self.declined[id(softmax)][1], []).append(site_name(softmax))
+        for why, where in reasons.items():
+            names = ", ".join(f"'{w}'" for w in sorted(where)[:3])
+            ctx.note(f"{len(where)} rank-3 attention(s) not unfolded to rank 4: {why} (at {names})")

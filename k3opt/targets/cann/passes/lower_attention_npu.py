@@ -51,6 +51,7 @@ from ....graph.symbolic import dims as symbolic
 from ....graph.symbolic.input_dims import input_dims_written
 from ....passes._shared.shape_refs import shape_refs
 from ....passes._shared.attention_match import AttentionMatch, apply_attention, attention_rules
+from ....passes._shared.attention_sites import site_name
 from ....pipeline.analyses import Shapes
 from ....pipeline.option_values import choice
 from ....pipeline.pass_base import Pass, PassContext
@@ -246,7 +247,8 @@ class LowerAttentionNPU(Pass):
         return wanted
 
     def _declined(self, softmax: Node, why: str) -> None:
-        self.kept.setdefault(softmax.name, f"attention at '{softmax.name}' kept decomposed: {why}")
+        where = site_name(softmax)
+        self.kept.setdefault(where, f"attention at '{where}' kept decomposed: {why}")
 
     def _refusal(self, am: AttentionMatch, heads: Optional[int], kv_heads: Optional[int], causal: bool
                  ) -> Optional[str]:
@@ -284,7 +286,7 @@ class LowerAttentionNPU(Pass):
             return None
         assert heads is not None and kv_heads is not None
         domain = NPU_DOMAIN if self.form == "npu" else STAGING_DOMAIN
-        where = am.softmax.name
+        where = site_name(am.softmax)
         q, k, v = _one_head_dim(op, am)
         mla = f", MLA: q/k dim {am.head_dim_qk}, v dim {am.head_dim_v} padded" if q is not am.q or v is not am.v else ""
         if am.past_key is not None and kv_heads == 1 and sq == 1 and mask is None:

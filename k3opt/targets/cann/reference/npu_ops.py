@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 from onnx.reference.op_run import OpRun
+from onnx.reference.ops.op_loop import Loop as _OnnxLoop
 
 from ..npu_contract import (MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, PFA_INPUT_COUNTS, RMS_EPSILON, ROPE_ANGLE_LAYOUTS,
                            ROPE_HALF, ROPE_MAX_HEAD_DIM, SPARSE_TEMPLATE, template_mask)
@@ -301,3 +302,14 @@ class GatherElements(OpRun):
         index = np.where(indices < 0, indices + data.shape[axis], indices)
         box = tuple(slice(None) if a == axis else slice(0, n) for a, n in enumerate(indices.shape))
         return (np.take_along_axis(data[box], index, axis=axis),)
+
+
+@reference_op("Loop", domains=("",))
+class Loop(_OnnxLoop):
+    """The standard op, as the ONNX spec and onnxruntime define it: an omitted ``cond`` is true (``Loop(M, "",
+    ...)`` runs M times; the spec's table: ``for (int i=0; i < max_trip_count; ++i)``). onnx 1.23's reference
+    implementation runs no iteration then (``while cond and ...`` with ``cond`` None) and hands the body a
+    None condition."""
+
+    def _run(self, M, cond, *args, **kwargs):  # noqa: D102, N803 - OpRun's interface, the spec's names
+        return super()._run(M, np.array(True) if cond is None else cond, *args, **kwargs)
