@@ -7,6 +7,7 @@ unusable input; see k3opt/errors.py.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -27,6 +28,7 @@ from .cli_options import (
     verify_options,
 )
 from .errors import InputError, K3optError, UsageError, VerificationError
+from .pipeline.verify import first_line, out_of_memory
 from .interrupts import Interrupted, install as install_signal_handlers, restore as restore_signal_handlers
 from .report import Report
 from .report_html import write_report
@@ -85,6 +87,8 @@ class _Group(click.Group):
         except MemoryError:
             _fail(state, f"out of memory{_during(state)}", EXIT_USAGE)
         except Exception as exc:  # a bug: say where, keep the traceback for --debug
+            if out_of_memory(exc):  # a library loaded on first use (numpy.random, onnxruntime) under ulimit -v
+                _fail(state, f"out of memory{_during(state)} ({type(exc).__name__}: {first_line(exc)})", EXIT_USAGE)
             _fail(state, f"internal error{_during(state)} ({type(exc).__name__}: {exc}); rerun with --debug",
                   EXIT_USAGE)
         finally:
@@ -127,7 +131,10 @@ def _interrupted(state: RunState, exc: BaseException) -> str:
 def _fail(state: RunState, message: str, code: int) -> None:
     if state.debug:
         traceback.print_exc()
-    click.echo(f"k3opt: error: {message}", err=True)
+    try:
+        click.echo(f"k3opt: error: {message}", err=True)
+    except MemoryError:  # out of memory (ulimit -v) even for the line: a constant one, not a traceback
+        os.write(2, b"k3opt: error: out of memory\n")
     sys.exit(code)
 
 

@@ -33,7 +33,7 @@ def session(model: Any, threads: int = 1, evaluator: Optional[Callable[[onnx.Mod
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"], enable_fallback=0)
 
 
 class _Evaluated:

@@ -78,6 +78,7 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
     temp: Optional[TempFolder] = None
     try:
         temp = TempFolder.next_to(out)
+        temp.expect(out.name, data_path(out).name)
         folder = temp.path
         written = [out] + [data_path(out)] * bool(external_data)
         if external_data:

@@ -28,6 +28,12 @@ class TempFolder:
     def __init__(self, path: Path, lock_fd: Optional[int]):
         self.path = path
         self._fd = lock_fd
+        self._files: list[str] = []  # paths of the files the writer said it makes, for :meth:`remove`
+
+    def expect(self, *names: str) -> None:
+        """The writer will make files ``names`` in the folder: :meth:`remove` unlinks them by name, with no
+        directory listing (which needs memory: under ``ulimit -v`` ``scandir`` fails with ENOMEM)."""
+        self._files += [os.path.join(self.path, name) for name in names]
 
     @classmethod
     def next_to(cls, out: Path) -> "TempFolder":
@@ -50,7 +56,15 @@ class TempFolder:
 
     def remove(self) -> None:
         """Delete the folder, then let the lock go (a cleaner never sees it marked and unlocked)."""
-        shutil.rmtree(self.path, ignore_errors=True)
+        for path in self._files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        try:
+            os.rmdir(self.path)
+        except OSError:  # files the writer did not name
+            shutil.rmtree(self.path, ignore_errors=True)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -77,7 +77,7 @@ def session(model: Union[bytes, onnx.ModelProto, Path], load_only: bool = False)
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # errors come back as exceptions (one line each): ORT need not log them too
     if load_only:
         so.intra_op_num_threads = so.inter_op_num_threads = 1
         so.enable_cpu_mem_arena = so.enable_mem_pattern = False
@@ -85,7 +85,8 @@ def session(model: Union[bytes, onnx.ModelProto, Path], load_only: bool = False)
         so.add_session_config_entry("session.disable_prepacking", "1")
     data = model if isinstance(model, bytes) else str(model) if isinstance(model, Path) else runnable_bytes(model)
     try:
-        return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        # no fallback: a failed CPU session is not retried on the CPU (ORT prints that retry on stdout)
+        return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"], enable_fallback=0)
     except Exception as exc:  # ORT raises its own pybind exception types
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if any(s in str(exc) for s in _UNSUPPORTED):

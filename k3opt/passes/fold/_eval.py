@@ -116,7 +116,7 @@ def _session(data: bytes) -> "onnxruntime.InferenceSession":
     so.log_severity_level = 4
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"], enable_fallback=0)
 
 
 def run_model(model: onnx.ModelProto, feeds: Optional[dict[str, np.ndarray]] = None) -> list[object]:
