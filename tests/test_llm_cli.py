@@ -26,7 +26,16 @@ def test_llm_then_generate_prints_the_original_tokens(tmp_path: Path) -> None:
     code, out, err = invoke("llm", step, "--max-seq", 40, "--max-batch", 2, "-o", tmp_path / "pair")
     assert code == 0, err
     assert "wrote" in out and "tokens verified" in out
-    assert json.loads((tmp_path / "pair" / "manifest.json").read_text())["max_batch"] == 2
+    manifest = json.loads((tmp_path / "pair" / "manifest.json").read_text())
+    assert manifest["max_batch"] == 2
+    # reported as optimize reports its verification: per graph, and the token check, printed and in the manifest
+    checked = manifest["verification"]
+    assert checked["status"] == "passed" and sorted(checked["graphs"]) == ["decode_b1.onnx", "decode_b2.onnx",
+                                                                          "prefill.onnx"]
+    assert all(line.startswith("passed (") for line in checked["graphs"].values())
+    assert "at batch 1 and batch 2 left-padded" in checked["tokens"]
+    assert f"verification: tokens: {checked['tokens']}" in out
+    assert f"verification: prefill.onnx: {checked['graphs']['prefill.onnx']}" in out
     code, out, err = invoke("generate", tmp_path / "pair", "--prompt", "5,17,23,4", "--prompt", "9,2", "--steps", 12)
     assert code == 0, err
     rows = [[int(t) for t in line.split(",")] for line in out.split()]
@@ -36,7 +45,10 @@ def test_llm_then_generate_prints_the_original_tokens(tmp_path: Path) -> None:
 
 
 def test_generate_with_top_k_is_seeded(tmp_path: Path) -> None:
-    assert invoke("llm", llm_decode_model("llama"), "--max-seq", 24, "-o", tmp_path / "pair")[0] == 0
+    code, out, _ = invoke("llm", llm_decode_model("llama"), "--max-seq", 24, "-o", tmp_path / "pair", "--no-verify")
+    assert code == 0 and "not verified" in out and "verification:" not in out
+    assert json.loads((tmp_path / "pair" / "manifest.json").read_text())["verification"] == {
+        "status": "skipped", "reason": "--no-verify"}
     args = ("generate", tmp_path / "pair", "--prompt", "3,4,5", "--steps", 10, "--top-k", 5, "-q")
     first, again = invoke(*args, "--seed", 1), invoke(*args, "--seed", 1)
     assert first[0] == 0 and first[1] == again[1] and first[2] == ""

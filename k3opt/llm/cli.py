@@ -46,6 +46,10 @@ def llm_cmd(model: str, output: str, max_seq: int, max_batch: int, target: str, 
         click.echo(f"cache: {len(manifest.entries)} tensors [B, Hkv, {max_seq}, D]; "
                    f"decode batch sizes {sorted(manifest.decode)}; target {target}; "
                    + ("tokens verified against the original decode step" if not no_verify else "not verified"))
+        checked = manifest.verification or {}
+        lines = {**checked.get("graphs", {}), **({"tokens": checked["tokens"]} if "tokens" in checked else {})}
+        for what, line in lines.items():
+            click.echo(f"verification: {what}: {line}")
 
 
 def _prompt(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[list[int]]:

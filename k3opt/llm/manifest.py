@@ -9,7 +9,13 @@ and ``k3opt check`` (ATC input shapes and ``--dynamic_dims`` gears). Layout::
      "cache": {"layout": "BNSD", "entries": [{"past": ..., "present": ..., "heads": Hkv, "dim": D}, ...]},
      "prefill": {"file": "prefill.onnx", "inputs": {name: [dims with -1 for a gear dim]},
                  "gears": {"batch": [...], "sequence": [...]}, "dynamic_dims": [[b, t, b, t], ...]},
-     "decode": {"<b>": {"file": "decode_b<b>.onnx", "inputs": {name: [static dims]}}, ...}}
+     "decode": {"<b>": {"file": "decode_b<b>.onnx", "inputs": {name: [static dims]}}, ...},
+     "verification": {"status": "passed", "graphs": {"prefill.onnx": "passed (...)", ...},
+                      "tokens": "identical to ..."}}
+
+``verification``: each graph's check against its rewrite (k3opt's verification line, and the lowered
+graph's under the reference NPU ops for cann) and the token check; ``{"status": "skipped", "reason":
+"--no-verify"}`` without them.
 
 Decode: one static graph per batch size (powers of two up to ``max_batch``,
 and ``max_batch``): ATC compiles each without gears, and a runtime pads a
@@ -85,6 +91,7 @@ class Manifest:
     prefill: str
     decode: dict[int, str]
     weights: Optional[str] = None
+    verification: Optional[dict[str, Any]] = None
     folder: Optional[Path] = None
 
     ids = property(lambda self: self.names["ids"])
@@ -120,6 +127,7 @@ class Manifest:
             "prefill": {"file": self.prefill, "inputs": self.prefill_inputs(), "gears": gears,
                         "dynamic_dims": [[b, t, b, t] for b in gears["batch"] for t in gears["sequence"]]},
             "decode": {str(b): {"file": f, "inputs": self.decode_inputs(b)} for b, f in sorted(self.decode.items())},
+            **({"verification": dict(self.verification)} if self.verification is not None else {}),
         }
 
     def write(self, folder: Path) -> None:
@@ -148,7 +156,7 @@ class Manifest:
                        dtype=data["dtype"], vocab=data.get("vocab"), names=dict(data["names"]),
                        entries=[Entry(**e) for e in data["cache"]["entries"]], prefill=data["prefill"]["file"],
                        decode={int(b): d["file"] for b, d in data["decode"].items()}, weights=data.get("weights"),
-                       folder=Path(folder))
+                       verification=data.get("verification"), folder=Path(folder))
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"{path}: malformed manifest ({exc})") from None
 

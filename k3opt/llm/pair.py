@@ -83,18 +83,16 @@ def build_pair(source: Any, out_dir: Any, *, max_seq: int, max_batch: int = 1, t
         raise UsageError(f"--max-seq {max_seq} is beyond the model's position table ({limit} positions)")
     if configured is not None and max_seq > configured:
         raise UsageError(f"--max-seq {max_seq} is beyond the model's max_position_embeddings ({configured})")
-    import k3opt
-
     say = progress or (lambda _: None)
     vocab = _vocab(model)
     say("writing the prefill graph")
-    prefill = k3opt.optimize(prefill_graph(model), target=target, verify=verify,
-                             input_data=_prefill_feeds(layout, vocab))
+    checks: dict[str, str] = {}
+    prefill = _optimized(prefill_graph(model), target, verify, _prefill_feeds(layout, vocab), checks, "prefill.onnx")
     decodes = {}
     for b in batch_sizes(max_batch):
         say(f"writing the decode graph for batch {b}")
-        decodes[b] = k3opt.optimize(decode_graph(model, max_seq, b), target=target, verify=verify,
-                                    input_data=_decode_feeds(layout, model, max_seq, b, vocab))
+        decodes[b] = _optimized(decode_graph(model, max_seq, b), target, verify,
+                                _decode_feeds(layout, model, max_seq, b, vocab), checks, f"decode_b{b}.onnx")
         found.bound_cache_reads(decodes[b], POSITION)  # checked with the tokens: under the reference ops
     logits = next(o.name for o in model.graph.output if o.name not in {e.present for e in layout.entries})
     manifest = Manifest(
@@ -102,25 +100,46 @@ def build_pair(source: Any, out_dir: Any, *, max_seq: int, max_batch: int = 1, t
         dtype=str(onnx.helper.tensor_dtype_to_np_dtype(layout.dtype)), vocab=vocab,
         names={"ids": layout.ids, "mask": layout.mask, "position": POSITION, "logits": logits},
         entries=[Entry(e.past, e.present, e.heads, e.dim) for e in layout.entries],
-        prefill="prefill.onnx", decode={b: f"decode_b{b}.onnx" for b in decodes}, weights=WEIGHTS)
+        prefill="prefill.onnx", decode={b: f"decode_b{b}.onnx" for b in decodes}, weights=WEIGHTS,
+        verification={"status": "passed", "graphs": checks} if verify else {"status": "skipped",
+                                                                            "reason": "--no-verify"})
     graphs = {manifest.prefill: prefill, **{manifest.decode[b]: g for b, g in decodes.items()}}
-    def check(folder: Path) -> None:
+
+    def check(folder: Path) -> None:  # the token check's line joins the manifest, rewritten in the private folder
         from ..api import reference_evaluator
         from .generate import PairRunner, original_greedy
 
         say("checking generated tokens against the original decode step")
-        runner = PairRunner(folder, evaluator=reference_evaluator(target))  # None: onnxruntime runs the files
-        check_tokens(lambda ids, mask, steps: original_greedy(model, ids, mask, steps), runner,
-                     "the original decode step's")
+        evaluator = reference_evaluator(target)  # None: onnxruntime runs the files
+        runner = PairRunner(folder, evaluator=evaluator)
+        manifest.verification["tokens"] = check_tokens(
+            lambda ids, mask, steps: original_greedy(model, ids, mask, steps), runner, "the original decode step's") \
+            + (" under the reference NPU ops" if evaluator is not None else "")
+        manifest.write(folder)
 
     _write_atomically(out, graphs, manifest, overwrite, check=check if verify else None)
     manifest.folder = out
     return manifest
 
 
-def check_tokens(want: Callable[[np.ndarray, np.ndarray, int], np.ndarray], runner: Any, whose: str) -> None:
+def _optimized(model: onnx.ModelProto, target: str, verify: bool, feeds: dict, checks: dict[str, str],
+               file: str) -> onnx.ModelProto:
+    """``model`` through k3opt's pipeline for ``target``; its verification lines go to ``checks[file]``."""
+    import k3opt
+    from ..pipeline.verify import summary_line
+    from ..report import Report
+
+    report = Report()
+    out = k3opt.optimize(model, target=target, verify=verify, input_data=feeds, report=report)
+    lines = [summary_line(v) for v in (report.verification, report.lowering_verification) if v]
+    checks[file] = "; lowered graph under the reference ops: ".join(lines)
+    return out
+
+
+def check_tokens(want: Callable[[np.ndarray, np.ndarray, int], np.ndarray], runner: Any, whose: str) -> str:
     """``runner`` (a PairRunner) generates the greedy tokens ``want(ids, mask, steps)`` gives (``whose``, for the
-    error: "the original decode step's"): a prompt at batch 1, and a left-padded batch 2."""
+    error: "the original decode step's"): a prompt at batch 1, and a left-padded batch 2. Returns what was
+    checked (the report's line); VerificationError at the first token that differs."""
     from .generate import left_pad
 
     m = runner.manifest
@@ -139,6 +158,8 @@ def check_tokens(want: Callable[[np.ndarray, np.ndarray, int], np.ndarray], runn
             row, step = map(int, np.argwhere(wanted != got)[0])
             raise VerificationError(f"the pair's tokens differ from {whose} (batch {len(prompts)}, row {row}, step "
                                     f"{step}: {int(got[row, step])} instead of {int(wanted[row, step])})")
+    batches = " and batch 2 left-padded" if len(cases) > 1 else ""
+    return f"identical to {whose}: a {prompt}-token prompt at batch 1{batches}, {steps} greedy steps"
 
 
 def _vocab(model: onnx.ModelProto) -> Optional[int]:
