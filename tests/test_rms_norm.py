@@ -142,6 +142,17 @@ def test_other_target_counted_and_left_decomposed_at_opset_23():
     assert "1 RMSNorm found, left decomposed: target cann (its lowering passes decide, see the lowering lines)" in ctx.notes
 
 
+@pytest.mark.parametrize("opset", [14, 16, 18])
+def test_a_layernorm_core_is_no_rmsnorm(opset):
+    """A LayerNorm's core is the RMS core of x - mean(x): not counted as an RMSNorm; below opset 17 (where
+    fuse-layernorm cannot run) it is counted as the LayerNorm it is."""
+    from tests.test_layer_norm import ln_model
+
+    ctx = assert_untouched(ln_model(opset=opset))
+    assert not ctx.counters.get("rmsnorm_found")
+    assert ctx.notes == (["1 LayerNorm found, left decomposed: opset < 17 (LayerNormalization)"] if opset < 17 else [])
+
+
 def test_nothing_found_leaves_no_note():
     net = Net(17)
     ctx = assert_untouched(net.model(net("Relu", "x"), [("x", TP.FLOAT, [2, H])]))

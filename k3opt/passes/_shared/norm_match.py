@@ -74,6 +74,10 @@ class NormMatch:
 
 # -- patterns ----------------------------------------------------------------------------------------------------
 
+#: First opset with LayerNormalization in the default domain (fuse-layernorm's ``min_opset``).
+LAYER_NORMALIZATION_OPSET = 17
+
+
 def maybe_cast(op: PatternBuilder, value: Any, label: str) -> Any:
     """``value`` or ``Cast(value)`` (node labelled ``label``); binds the result as ``label + "_value"``."""
     return op.Or(op.Cast(value, _name=label), value, _name=label + "_value")

@@ -14,7 +14,8 @@ from typing import Any
 from ...graph.ir import Tensor
 from ...patterns import PatternBuilder, RewriteBuilder
 from ...pipeline.analyses import Shapes
-from .._shared.norm_match import TAILS, NormMatch, OrderedRulesPass, affine_input, maybe_cast, norm_input, rms_core, tail_rules
+from .._shared.norm_match import (LAYER_NORMALIZATION_OPSET, TAILS, NormMatch, OrderedRulesPass, affine_input,
+                                  maybe_cast, norm_input, rms_core, tail_rules)
 
 
 def layer_norm_core(op: PatternBuilder, x: Any) -> Any:
@@ -42,7 +43,7 @@ class FuseLayerNorm(OrderedRulesPass):
     description = "decomposed LayerNorm (every exporter spelling, fp16/bf16 Casts) -> LayerNormalization"
     order = 500
     preserves = frozenset({Shapes})
-    min_opset = 17
+    min_opset = LAYER_NORMALIZATION_OPSET
     anchor_ops = frozenset({"ReduceMean"})
     needs_shapes = True
     rules = RULES

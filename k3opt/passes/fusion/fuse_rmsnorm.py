@@ -33,16 +33,18 @@ from __future__ import annotations
 
 import re
 
-from ...graph.ir import Graph, Node, Tensor
+from ...graph.ir import Graph, Node, Tensor, producer
 from ...patterns import RewriteBuilder
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext
-from .._shared.norm_match import NormMatch, affine_input, apply_in_order, norm_input, rms_norm_core, rmsnorm_rules, tail_rules
+from .._shared.norm_match import (LAYER_NORMALIZATION_OPSET, NormMatch, affine_input, apply_in_order, norm_input,
+                                  rms_norm_core, rmsnorm_rules, tail_rules)
 from ._left_decomposed import note_left_decomposed
 
 #: First opset with RMSNormalization in the default domain.
 RMS_NORMALIZATION_OPSET = 23
 _NOTE = re.compile(r"^\d+ RMSNorm found, left decomposed: ")
+_LN_NOTE = re.compile(r"^\d+ LayerNorm found, left decomposed: ")
 
 
 def to_rms_normalization(op: RewriteBuilder, nm: NormMatch) -> Tensor:
@@ -54,19 +56,32 @@ def to_rms_normalization(op: RewriteBuilder, nm: NormMatch) -> Tensor:
 RULES = rmsnorm_rules(to_rms_normalization)
 
 
-def find_rmsnorms(graph: Graph, ctx: PassContext) -> list[Node]:
-    """The ReduceMean (of the squares) of every RMSNorm recognised; changes nothing.
+def find_rmsnorms(graph: Graph, ctx: PassContext) -> tuple[list[Node], list[Node]]:
+    """The ReduceMean (of the squares) of every RMSNorm recognised, and of every such core that normalizes a
+    centered ``x - mean(x)``: a LayerNorm's, left to fuse-layernorm (counted apart); changes nothing.
 
     The weightless rules suffice: a norm the weighted rule takes, one of them takes too (same checks
     less the weight's; the one with the Cast back when the weighted match has it).
     """
     found: dict[int, Node] = {}
+    centered: dict[int, Node] = {}
 
     def record(op: RewriteBuilder, nm: NormMatch) -> None:
-        found.setdefault(id(nm.reduce), nm.reduce)
+        (centered if _centered(nm.x) else found).setdefault(id(nm.reduce), nm.reduce)
 
     apply_in_order(graph, ctx, tail_rules("rmsnorm", rms_norm_core, (("cast",), ()), False, record, "RMSNorm"))
-    return list(found.values())
+    return [n for k, n in found.items() if k not in centered], list(centered.values())
+
+
+def _centered(x: Tensor) -> bool:
+    """``x`` is ``Sub(v, ReduceMean(v))`` (through a Cast of either): the centering of a LayerNorm."""
+    node = producer(x)
+    if node is not None and node.op == "Cast":
+        node = producer(node.inputs[0])
+    if node is None or node.op != "Sub" or len(node.inputs) != 2:
+        return False
+    mean = producer(node.inputs[1])
+    return mean is not None and mean.op == "ReduceMean" and mean.inputs[0] is node.inputs[0]
 
 
 class FuseRMSNorm(Pass):
@@ -83,11 +98,18 @@ class FuseRMSNorm(Pass):
         return apply_in_order(graph, ctx, RULES) if _fusable(ctx) else 0
 
     def finish(self, graph: Graph, ctx: PassContext) -> None:
-        """Where RMSNorms stay decomposed, count them once, on the final graph (``rmsnorm_found``, a note)."""
+        """Where RMSNorms stay decomposed, count them once, on the final graph (``rmsnorm_found``, a note); the
+        LayerNorms whose core it also matches are not RMSNorms: below opset 17 (no LayerNormalization, so
+        fuse-layernorm did not run) they get their own note."""
         if _fusable(ctx):
             return
-        note_left_decomposed(ctx, "rmsnorm_found", len(find_rmsnorms(graph, ctx)), _NOTE, "RMSNorm",
-                             RMS_NORMALIZATION_OPSET, lowered_by_target=True)
+        rmsnorms, layernorms = find_rmsnorms(graph, ctx)
+        note_left_decomposed(ctx, "rmsnorm_found", len(rmsnorms), _NOTE, "RMSNorm", RMS_NORMALIZATION_OPSET,
+                             lowered_by_target=True)
+        ctx.notes[:] = [n for n in ctx.notes if not _LN_NOTE.match(n)]
+        if layernorms and ctx.emit_opset < LAYER_NORMALIZATION_OPSET:
+            ctx.note(f"{len(layernorms)} LayerNorm found, left decomposed: opset < {LAYER_NORMALIZATION_OPSET} "
+                     "(LayerNormalization)")
 
 
 def _fusable(ctx: PassContext) -> bool:
