@@ -8,10 +8,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from k3opt.graph.ir import as_constant, replace_uses, set_output, watching_edits
-from k3opt.graph.symbolic import dims as fold_shapes
-from k3opt.graph.symbolic.dims import dim_at, shape_elements
-from k3opt.pipeline.analyses import DimAnalysis
-from k3opt.pipeline.analyses import Analysis, AnalysisManager, Shapes
+from k3opt.graph.symbolic.dims import Dims
+from k3opt.pipeline.analyses import Analysis, AnalysisManager, DimAnalysis, Shapes
 from k3opt.pipeline.manager import PassManager
 from k3opt.pipeline.pass_base import Pass, PassContext
 from tests.test_fold_shape_memo import reshaped_graph
@@ -23,8 +21,7 @@ def _seven() -> gs.Constant:
 
 def _elements(graph: gs.Graph, ctx: PassContext) -> list:
     """The Reshape target's elements, as a pass asks for them."""
-    with ctx.analysis(DimAnalysis, graph):
-        return shape_elements(graph.tensors()["target"])[0]
+    return ctx.dims(graph).elements(graph.tensors()["target"])[0]
 
 
 class _Recorder(Pass):
@@ -36,7 +33,7 @@ class _Recorder(Pass):
         self.seen = seen
 
     def run(self, graph, ctx):
-        self.seen.append((_elements(graph, ctx), ctx.analysis(DimAnalysis, graph)))
+        self.seen.append((_elements(graph, ctx), ctx.dims(graph)))
         return 0
 
 
@@ -112,7 +109,7 @@ def test_an_idle_pass_leaves_the_analyses_to_the_next():
 
 
 def test_two_runs_are_independent():
-    """Each run keeps its own analyses (on its context) and drops them when it ends; no memo is left active."""
+    """Each run keeps its own analyses (on its context) and drops them when it ends."""
     seen: list = []
     graph = reshaped_graph()
     first, second = PassContext(opset=17), PassContext(opset=17)
@@ -120,22 +117,27 @@ def test_two_runs_are_independent():
     PassManager([_Recorder(seen)]).run(graph, second)
     assert seen[0][1] is not seen[1][1]
     assert not first.analyses.holds(DimAnalysis, graph) and not second.analyses.holds(DimAnalysis, graph)
-    assert fold_shapes._active.get() is None
+    assert seen[0][1].memo is not seen[1][1].memo
 
 
-def test_an_active_analysis_is_not_seen_by_another_thread():
-    """Two runs at once (threads) each trace with their own memo."""
+def test_what_dims_answer_depends_on_the_object_asked_not_on_the_context():
+    """Two runs at once (threads) each trace with their own memo, and give the same answers; a Dims naming
+    unknown dims answers so while a plain one, asked at the same time, does not (no hidden context)."""
     graph = reshaped_graph()
     y = graph.tensors()["y"]
-    y.shape = ["unk__1", 6]  # traced: remembered by the active analysis only
-    mine = DimAnalysis(graph)
-    other: list = []
-    with mine:
-        assert dim_at(y, 0) == "N"
-        thread = threading.Thread(target=lambda: other.append((fold_shapes._active.get(), dim_at(y, 0))))
-        thread.start()
-        thread.join()
-    assert other == [(None, "N")] and mine.memo._results
+    y.shape = ["unk__1", 6]  # traced: remembered by the Dims asked only
+    mine, other = DimAnalysis(graph), DimAnalysis(graph)
+    answers: list = []
+    assert mine.at(y, 0) == "N"
+    thread = threading.Thread(target=lambda: answers.append(other.at(y, 0)))
+    thread.start()
+    thread.join()
+    assert answers == ["N"] and mine.memo._results and other.memo._results
+    assert mine.memo._results is not other.memo._results
+    x = graph.tensors()["x"]
+    x.shape = [None, 6]
+    named = Dims(graph, name_unknown=True)
+    assert named.at(x, 0) == f"<{id(x)}:0>" and Dims(graph).at(x, 0) is None and named.at(x, 1) == 6
 
 
 def test_the_editing_helpers_tell_the_watcher():

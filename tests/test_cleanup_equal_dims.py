@@ -71,7 +71,7 @@ def test_torchscript_zoo_stays_exact(name):
 @needs_torch
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_declared_symbols_untraced_give_the_traced_keys(name):
-    """Under the graph's memo a declared symbol (batch, sequence) is not traced: every Gather of a Shape of a
+    """With the graph's Dims a declared symbol (batch, sequence) is not traced: every Gather of a Shape of a
     real export keys as a full trace keys it."""
     import onnx_graphsurgeon as gs
 
@@ -80,12 +80,11 @@ def test_declared_symbols_untraced_give_the_traced_keys(name):
 
     graph = gs.import_onnx(onnx.shape_inference.infer_shapes(onnx.load(zoo_model(name, "torchscript"))))
     gathers = [n for n in graph.nodes if n.op == "Gather" and len(n.outputs) == 1]
-    with DimAnalysis(graph):
-        fast = [_dim_key(n) for n in gathers]
+    dims = DimAnalysis(graph)
+    fast = [_dim_key(dims, n) for n in gathers]
     full = DimAnalysis(graph)
-    full.memo.declared = frozenset()  # every symbol traced
-    with full:
-        assert [_dim_key(n) for n in gathers] == fast
+    full.declared = frozenset()  # every symbol traced
+    assert [_dim_key(full, n) for n in gathers] == fast
     assert sum(k is not None for k in fast) > 2
 
 

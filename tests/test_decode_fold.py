@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto as T, helper
 
 import k3opt
-from k3opt.graph.symbolic.dims import dim_sum
+from k3opt.graph.symbolic.algebra import dim_sum
 from k3opt.report import Report
 from k3opt.pipeline.shapes import fix_inputs
 from tests.helpers import assert_equivalent, make_model, op_counts

@@ -1,9 +1,10 @@
-"""The traced-dims memo (``fold_shapes.DimMemo``) answers what a fresh trace of the graph as it is now answers.
+"""The traced-dims memo (``k3opt.graph.symbolic.memo.DimMemo``) answers what a fresh trace of the graph as it is
+now answers.
 
 The memo keeps results across rewrites and across fold-constants' sweeps,
 dropping only those that read a rewired tensor; a stale answer would change
-a fold. Each test compares every top-level memo answer with an unremembered
-trace of the current graph.
+a fold. Each test compares every top-level answer with the one a fresh
+:class:`Dims` (nothing remembered) gives for the current graph.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from onnx import TensorProto as T, helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 import k3opt
-from k3opt.graph.symbolic import dims as fold_shapes
-from k3opt.graph.symbolic.dims import DimMemo, dim_at, shape_elements
+from k3opt.graph.symbolic import dims as symbolic_dims
+from k3opt.graph.symbolic.dims import Dims
 from k3opt.pipeline.analyses import DimAnalysis
 from k3opt.graph import small_constants
 from k3opt.graph.ir import as_constant, replace_uses, watching_edits
@@ -35,37 +36,54 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
+def fresh_dims(graph: gs.Graph, declared: bool = True) -> Dims:
+    """A :class:`Dims` remembering nothing yet; ``declared=False``: the symbols of the inputs are traced too."""
+    dims = Dims(graph)
+    if not declared:
+        dims.declared = frozenset()
+    return dims
+
+
 @pytest.fixture
 def checked_memo(monkeypatch) -> list:
-    """Every answer the memo gives outside a trace is compared with a fresh trace; yields the answers checked."""
+    """Every answer a Dims gives to a question asked outside a trace is compared with a fresh Dims' answer;
+    yields the questions checked."""
     checked: list = []
-    real_get = fold_shapes.DimMemo.get
+    checking: list = []
 
-    def get(self, t, slot, depth, compute):
-        got = real_get(self, t, slot, depth, compute)
-        if not self._computing:
-            token = fold_shapes._active.set(None)
-            try:
-                fresh = compute()
-            finally:
-                fold_shapes._active.reset(token)
-            assert _same(got, fresh), (t.name, slot, depth, got, fresh)
-            checked.append((t.name, slot))
-        return got
+    def check(method: str) -> None:
+        real = getattr(Dims, method)
 
-    monkeypatch.setattr(fold_shapes.DimMemo, "get", get)
+        def asked(self, t, *args):
+            got = real(self, t, *args)
+            if not self.memo._computing and not checking:
+                fresh = Dims(self.graph, self.name_unknown)
+                fresh.declared = self.declared
+                checking.append(t)
+                try:
+                    again = real(fresh, t, *args)
+                finally:
+                    checking.pop()
+                assert _same(got, again), (t.name, method, args, got, again)
+                checked.append((t.name, method))
+            return got
+
+        monkeypatch.setattr(Dims, method, asked)
+
+    for method in ("at", "elements", "const"):
+        check(method)
     return checked
 
 
 @contextmanager
-def remembered(graph: gs.Graph, declared: bool = True) -> Iterator[DimMemo]:
-    """``graph``'s dims analysis, active and told of the edits made through the graph-editing helpers, as a
-    pass under the pass manager has it; ``declared=False``: the symbols of the inputs are traced too."""
+def remembered(graph: gs.Graph, declared: bool = True) -> Iterator[DimAnalysis]:
+    """``graph``'s dims analysis, told of the edits made through the graph-editing helpers, as a pass under the
+    pass manager has it; ``declared=False``: the symbols of the inputs are traced too."""
     dims = DimAnalysis(graph)
     if not declared:
-        dims.memo.declared = frozenset()
-    with dims, watching_edits(dims.edited):
-        yield dims.memo
+        dims.declared = frozenset()
+    with watching_edits(dims.edited):
+        yield dims
 
 
 def reshaped_graph() -> gs.Graph:
@@ -86,17 +104,17 @@ def test_rewired_reader_is_traced_again():
     """A Reshape target whose piece is replaced by a constant is read again; untouched results stay."""
     graph = reshaped_graph()
     tensors = graph.tensors()
-    with remembered(graph, declared=False) as memo:
-        assert shape_elements(tensors["target"])[0] == ["N", -1]
-        assert dim_at(tensors["y"], 0) == "N"
+    with remembered(graph, declared=False) as dims:
+        assert dims.elements(tensors["target"])[0] == ["N", -1]
+        assert dims.at(tensors["y"], 0) == "N"
         n = tensors["n"]
         seven = as_constant("seven", np.array(7, dtype=np.int64))
         replace_uses(graph, n, seven)  # told to the memo by the editing helper
-        assert shape_elements(tensors["target"])[0] == [7, -1]
-        assert dim_at(tensors["y"], 0) == 7
-        assert dim_at(tensors["x"], 1) == 6
-        memo.forget(list(graph.tensors().values()))
-        assert dim_at(tensors["y"], 0) == 7
+        assert dims.elements(tensors["target"])[0] == [7, -1]
+        assert dims.at(tensors["y"], 0) == 7
+        assert dims.at(tensors["x"], 1) == 6
+        dims.forget(list(graph.tensors().values()))
+        assert dims.at(tensors["y"], 0) == 7
 
 
 def test_forgetting_everything_then_tracing_again():
@@ -104,18 +122,19 @@ def test_forgetting_everything_then_tracing_again():
     nowhere) and later traces are remembered and forgotten as before."""
     graph = reshaped_graph()
     tensors = graph.tensors()
-    with remembered(graph, declared=False) as memo:
-        assert dim_at(tensors["y"], 0) == "N"
+    with remembered(graph, declared=False) as dims:
+        memo = dims.memo
+        assert dims.at(tensors["y"], 0) == "N"
         memo.forget(list(tensors.values()))
         assert memo._results == {}
         memo._readers[id(tensors["n"])] = {id(tensors["target"])}  # a link whose result is gone
         memo.forget([tensors["x"]])
         assert memo._readers == {}
         memo.forget([tensors["n"]])  # an empty memo: nothing to walk
-        assert shape_elements(tensors["target"])[0] == ["N", -1]
+        assert dims.elements(tensors["target"])[0] == ["N", -1]
         seven = as_constant("seven", np.array(7, dtype=np.int64))
         replace_uses(graph, tensors["n"], seven)
-        assert shape_elements(tensors["target"])[0] == [7, -1]
+        assert dims.elements(tensors["target"])[0] == [7, -1]
 
 
 def test_depth_limited_results_are_kept_per_depth():
@@ -123,10 +142,10 @@ def test_depth_limited_results_are_kept_per_depth():
     graph = reshaped_graph()
     y = graph.tensors()["y"]
     y.shape = ["unk__1", 6]  # as when inference loses track
-    with remembered(graph, declared=False):
-        assert dim_at(y, 0, depth=0) == "unk__1"
-        assert dim_at(y, 0) == "N"
-        assert dim_at(y, 0, depth=0) == "unk__1"
+    with remembered(graph, declared=False) as dims:
+        assert dims.at(y, 0, depth=0) == "unk__1"
+        assert dims.at(y, 0) == "N"
+        assert dims.at(y, 0, depth=0) == "unk__1"
 
 
 def relu_chain(length: int) -> gs.Graph:
@@ -144,16 +163,17 @@ def test_complete_results_are_reused_at_the_depths_their_walk_needed(monkeypatch
     and answers there without walking again; below that it is traced again. Every answer is a fresh trace's."""
     graph = relu_chain(5)
     y = graph.outputs[0]
-    fresh = {depth: dim_at(y, 0, depth) for depth in range(10)}  # no memo active: plain traces
+    fresh = {depth: fresh_dims(graph, declared=False).at(y, 0, depth) for depth in range(10)}
     assert fresh[9] == fresh[5] == "N" and fresh[4] is None
     walks = []  # the depths y is walked at
-    real = fold_shapes._traced_or
-    monkeypatch.setattr(fold_shapes, "_traced_or", lambda d, t, *a: (t is y and walks.append(a[-1])) or real(d, t, *a))
+    real = Dims._traced_or
+    monkeypatch.setattr(Dims, "_traced_or",
+                        lambda self, d, t, *a: (t is y and walks.append(a[-1])) or real(self, d, t, *a))
     # Walked at 9, y's trace reaches x at depth 4: it holds down to depth 6; at 5 and below x is cut off.
     for order, walked in ((range(9, -1, -1), [9, 5, 4, 3, 2, 1]), (range(10), [1, 2, 3, 4, 5, 6])):
-        with remembered(graph, declared=False):
+        with remembered(graph, declared=False) as dims:
             walks.clear()
-            assert [dim_at(y, 0, depth) for depth in order] == [fresh[depth] for depth in order]
+            assert [dims.at(y, 0, depth) for depth in order] == [fresh[depth] for depth in order]
             assert walks == walked
 
 
@@ -164,13 +184,13 @@ def test_small_constants_are_decoded_once(monkeypatch):
     tensors = graph.tensors()
     big = as_constant("big", np.arange(small_constants.MAX_DECODED_BYTES, dtype=np.int64))
     decoded = []
-    for module, name in ((fold_shapes, "peek"), (small_constants, "_decode")):  # big ones peeked, small decoded
+    for module, name in ((symbolic_dims, "peek"), (small_constants, "_decode")):  # big ones peeked, small decoded
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda c, real=real: decoded.append(c.name) or real(c))
     for _ in range(2):
-        with remembered(graph, declared=False):
-            assert shape_elements(tensors["target"])[0] == ["N", -1]
-            assert fold_shapes._const(big) is not None
+        with remembered(graph, declared=False) as dims:
+            assert dims.elements(tensors["target"])[0] == ["N", -1]
+            assert dims.const(big) is not None
     assert sorted(decoded) == ["big", "big", "minus1", "zero", "zero1"]
     value = small_constants.small_const_value(tensors["minus1"])
     assert value.dtype == np.int64 and value.tolist() == [-1]
@@ -186,21 +206,21 @@ def test_zoo_answers_match_fresh_traces(checked_memo, name, exporter):
 
 
 def test_declared_symbols_are_not_traced():
-    """A dim the graph's inputs declare (``N``) is a run-time size: with the graph's memo it is answered
+    """A dim the graph's inputs declare (``N``) is a run-time size: the graph's Dims answers it
     without walking the producers; a symbol the graph does not declare is traced as before."""
     nodes = [helper.make_node("Relu", [f"r{i}"], [f"r{i + 1}"]) for i in range(20)]
     model = make_model(nodes, [("r0", F, ["N", 16])], [("r20", F, ["N", 16])], {}, opset=17)
     graph = gs.import_onnx(onnx.shape_inference.infer_shapes(model))
     last = graph.outputs[0]
-    with remembered(graph) as memo:
-        assert dim_at(last, 0) == "N" and dim_at(last, 1) == 16
-        assert not memo._results
-    with remembered(graph, declared=False) as memo:  # nothing is known to be declared
-        assert dim_at(last, 0) == "N" and memo._results
+    with remembered(graph) as dims:
+        assert dims.at(last, 0) == "N" and dims.at(last, 1) == 16
+        assert not dims.memo._results
+    with remembered(graph, declared=False) as dims:  # nothing is known to be declared
+        assert dims.at(last, 0) == "N" and dims.memo._results
     inner = graph.tensors()["r10"]
     inner.shape = ["unk__3", 16]  # a made-up symbol: traced to what the producers say
-    with remembered(graph):
-        assert dim_at(inner, 0) == "N"
+    with remembered(graph) as dims:
+        assert dims.at(inner, 0) == "N"
 
 
 def test_folded_results_are_not_decoded_again(monkeypatch):
@@ -264,8 +284,9 @@ def test_small_constants_are_read_outside_the_memo_but_tracked():
     graph = reshaped_graph()
     y, minus1 = graph.tensors()["y"], graph.tensors()["minus1"]
     big = as_constant("big", np.arange(small_constants.MAX_DECODED_BYTES, dtype=np.int64))
-    with remembered(graph, declared=False) as memo:
-        got = memo.get(y, 7, 1, lambda: (fold_shapes._const(minus1).tolist(), fold_shapes._const(big).size))
+    with remembered(graph, declared=False) as dims:
+        memo = dims.memo
+        got = memo.get(y, 7, 1, lambda: (dims.const(minus1).tolist(), dims.const(big).size))
         assert got == ([-1], small_constants.MAX_DECODED_BYTES)
         assert id(minus1) not in memo._results and -2 in memo._results[id(big)][1]
         assert id(y) in memo._readers[id(minus1)] and id(y) in memo._readers[id(big)]

@@ -7,14 +7,19 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto as T, helper
 
-from k3opt.graph.symbolic import dims as fold_shapes
-from k3opt.graph.symbolic.dims import dim_at, naming_unknown_dims
+from k3opt.graph.symbolic.algebra import broadcast_of, dim_product
+from k3opt.graph.symbolic.dims import MAX_SHAPE_DEPTH, Dims
 from k3opt.pipeline.analyses import DimAnalysis
 from tests.helpers import assert_equivalent, assert_optimizes_within, make_model, op_counts
 from tests.test_fold_constants import fold
 from tests.zoo import needs_torch, zoo_inputs, zoo_model
 
 F, I64 = T.FLOAT, T.INT64
+
+
+def dim_at(t: gs.Tensor, i: int) -> object:
+    """Dim ``i`` of ``t`` as a fresh :class:`Dims` traces it, no symbol taken as declared (an empty graph's)."""
+    return Dims(gs.Graph()).at(t, i)
 
 
 def _heads_model(third: int, last: int = 8, x_shape: tuple = ("N", "S", 16), pick: int = 1) -> onnx.ModelProto:
@@ -97,7 +102,7 @@ def test_broadcast_dim(a_shape, b_shape, folds):
 ], ids=str)
 def test_broadcast_stops_at_the_first_number(shapes):
     """A broadcast's dims are traced up to the first number other than 1 (the broadcast's): the answer is
-    :func:`_broadcast_of` of every operand's dim, an unknown rank anywhere still None. An operand is an
+    :func:`broadcast_of` of every operand's dim, an unknown rank anywhere still None. An operand is an
     Identity of an input of that shape (None: of unknown rank); a negative number is the input's size, which
     the Identity's own inferred shape does not know (traced)."""
     x = {n: gs.Variable(f"x_{n}", np.float32, None if shape is None else [abs(d) if isinstance(d, int) else d
@@ -111,25 +116,25 @@ def test_broadcast_stops_at_the_first_number(shapes):
     nodes = [gs.Node("Identity", inputs=[x[n]], outputs=[ops[n]]) for n in "abc"]
     graph = gs.Graph(nodes + [gs.Node("Where", inputs=list(ops.values()), outputs=[y])], list(x.values()), [y])
     for i in range(rank):
-        every = None if any(t.shape is None for t in ops.values()) else fold_shapes._broadcast_of(
+        every = None if any(t.shape is None for t in ops.values()) else broadcast_of(
             [1 if i < rank - len(t.shape) else dim_at(t, i - rank + len(t.shape)) for t in ops.values()])
-        with DimAnalysis(graph):
-            assert dim_at(y, i) == every, (i, every)
+        assert DimAnalysis(graph).at(y, i) == every, (i, every)
 
 
 @pytest.mark.parametrize("shape", [[None, 6], [-4, None, 2], ["S", -3], [-2, 1], [], None], ids=str)
 def test_all_dims_stop_at_the_first_unknown(shape, monkeypatch):
-    """The dims a Reshape's -1 is divided from (``_all_dims``) are :func:`tensor_dims`, or None as soon as one is
+    """The dims a Reshape's -1 is divided from (``Dims.complete``) are ``Dims.of``'s, or None as soon as one is
     None (the later ones are not traced). A negative number is traced (the inferred shape does not know it)."""
     x = gs.Variable("x", np.float32, None if shape is None else [abs(d) if isinstance(d, int) else d for d in shape])
     t = gs.Variable("t", np.float32, None if shape is None else [None if isinstance(d, int) and d < 0 else d
                                                                   for d in shape])
-    gs.Graph([gs.Node("Identity", inputs=[x], outputs=[t])], [x], [t])
-    plain = fold_shapes.tensor_dims(t)
+    graph = gs.Graph([gs.Node("Identity", inputs=[x], outputs=[t])], [x], [t])
+    plain = Dims(graph).of(t)
     traced = []
-    real = fold_shapes._dim_at
-    monkeypatch.setattr(fold_shapes, "_dim_at", lambda u, i, depth: (u is t and traced.append(i)) or real(u, i, depth))
-    assert fold_shapes._all_dims(t, fold_shapes.MAX_SHAPE_DEPTH) == (None if plain is None or None in plain else plain)
+    real = Dims.at
+    monkeypatch.setattr(Dims, "at", lambda self, u, i, depth=MAX_SHAPE_DEPTH: (u is t and traced.append(i))
+                        or real(self, u, i, depth))
+    assert Dims(graph).complete(t, MAX_SHAPE_DEPTH) == (None if plain is None or None in plain else plain)
     assert traced == ([] if plain is None else list(range(plain.index(None) + 1 if None in plain else len(plain))))
 
 
@@ -278,27 +283,23 @@ def test_merged_qkv_head_count_folds():
 
 
 def test_unknown_dims_are_named_only_within_the_block():
-    """``x + z`` of batches N and M has an unknown batch; within ``naming_unknown_dims`` it is named, so the
-    head split's -1 (a quotient by the dim read from ``Shape(x + z)``) is proven 4; outside it is not."""
+    """``x + z`` of batches N and M has an unknown batch; a Dims made with ``name_unknown`` names it, so the
+    head split's -1 (a quotient by the dim read from ``Shape(x + z)``) is proven 4; a plain one does not."""
     graph = gs.import_onnx(onnx.shape_inference.infer_shapes(_merged_qkv_heads(("N", "M"))))
     r = graph.tensors()["r"]
     for t in graph.tensors().values():
         if t.shape is not None and not isinstance(t, gs.Constant) and t not in graph.inputs:
             t.shape = [d if isinstance(d, int) else None for d in t.shape]
-    with DimAnalysis(graph):
-        assert dim_at(r, 2) is None
-    with naming_unknown_dims(graph):
-        assert dim_at(r, 2) == 4
-        assert dim_at(r, 0).startswith("<")
-    with DimAnalysis(graph):
-        assert dim_at(r, 0) is None
+    plain, named = DimAnalysis(graph), Dims(graph, name_unknown=True)
+    assert plain.at(r, 2) is None
+    assert named.at(r, 2) == 4
+    assert named.at(r, 0).startswith("<")
+    assert plain.at(r, 0) is None
 
 
 def test_products_of_sums_are_not_spelled():
     """``(past + 1) * 2`` has no spelling (a sum symbol's terms would be read apart): unknown; ``batch * 5``
     and a lone sum are symbols, and they cancel in a quotient."""
-    from k3opt.graph.symbolic.dims import dim_product
-
     assert dim_product(2, ["past + 1"]) is None and dim_product(1, ["past + 1"]) == "past + 1"
     assert dim_product(5, ["batch"]) == "batch * 5" and dim_product(3, []) == 3
     nodes = [helper.make_node("Reshape", ["x", "flat"], ["y"])]

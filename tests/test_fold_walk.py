@@ -144,10 +144,10 @@ def test_shape_sweeps_see_every_shape_op_in_order(monkeypatch, name, exporter):
     sweeps: list = []
     real = FoldConstants._fold_shapes
 
-    def fold_shapes(self, graph, ctx, nodes, made):
+    def fold_shapes(self, graph, ctx, dims, nodes, made):
         assert [id(n) for n in nodes] == [id(n) for n in graph.nodes if n.op in SHAPE_OPS]
         sweeps.append(len(nodes))
-        return real(self, graph, ctx, nodes, made)
+        return real(self, graph, ctx, dims, nodes, made)
 
     monkeypatch.setattr(FoldConstants, "_fold_shapes", fold_shapes)
     k3opt.optimize(onnx.load(zoo_model(name, exporter)))

@@ -372,7 +372,7 @@ def test_counting_remembers_angle_shapes_with_the_same_report(monkeypatch, name)
     remembered, plain = Report(), Report()
     k3opt.api.optimize(model, report=remembered)
     once = len(calls)
-    monkeypatch.setattr(rotary_match, "_known_angle_shape", rotary_match._angle_shape)
+    monkeypatch.setattr(rotary_match, "_known_angle_shape", lambda dims, verdicts, *a: rotary_match._angle_shape(dims, *a))
     k3opt.api.optimize(model, report=plain)
     remembered, plain = remembered.as_dict(), plain.as_dict()
     assert remembered["counters"]["rotary_found"] == plain["counters"]["rotary_found"] > 0

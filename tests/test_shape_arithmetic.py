@@ -1,5 +1,5 @@
 """Shape computations read element by element through Cast, Squeeze, ReduceProd and integer arithmetic
-(``fold_shapes.shape_elements``), and the refusals: a result that is not exactly known stays unknown."""
+(``Dims.elements``), and the refusals: a result that is not exactly known stays unknown."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,6 @@ import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
 from k3opt import modelio
-from k3opt.graph.symbolic.dims import shape_elements
 from k3opt.pipeline.analyses import DimAnalysis
 
 F, I64 = T.FLOAT, T.INT64
@@ -20,8 +19,7 @@ def _elements(nodes, out: str):
                               [helper.make_tensor_value_info(out, T.UNDEFINED, None)],
                               [numpy_helper.from_array(v, k) for k, v in CONSTS.items()])
     graph = modelio.import_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
-    with DimAnalysis(graph):
-        found = shape_elements(graph.tensors()[out])
+    found = DimAnalysis(graph).elements(graph.tensors()[out])
     return None if found is None else found[0]
 
 

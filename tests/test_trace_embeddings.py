@@ -9,7 +9,6 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T, helper
 
-from k3opt.graph.symbolic.dims import dim_at
 from k3opt.pipeline.analyses import DimAnalysis
 from k3opt.graph.symbolic.input_dims import input_dims_written
 from tests.helpers import make_model
@@ -68,13 +67,13 @@ def _unknown_graph(model: onnx.ModelProto) -> gs.Graph:
 def test_embedding_dims_traced():
     graph = _unknown_graph(_embeddings())
     t = graph.tensors()
-    with DimAnalysis(graph):
-        assert [dim_at(t["pos"], i) for i in range(2)] == [1, "min(S, 16)"]
-        assert [dim_at(t["tt"], i) for i in range(2)] == [1, "min(S, 16)"]  # GatherElements: the indices' shape
-        assert [dim_at(t["tte"], i) for i in range(2)] == ["N", "S"]  # Expand: min(S, 16) broadcast with S
-        assert [dim_at(t["te"], i) for i in range(3)] == ["N", "S", 8]  # Gather: the indices' dims, then the row's
-        assert [dim_at(t["pe"], i) for i in range(3)] == [1, "min(S, 16)", 8]
-        assert [dim_at(t["h0"], i) for i in range(3)] == ["N", "S", 8]
+    dims = DimAnalysis(graph)
+    assert [dims.at(t["pos"], i) for i in range(2)] == [1, "min(S, 16)"]
+    assert [dims.at(t["tt"], i) for i in range(2)] == [1, "min(S, 16)"]  # GatherElements: the indices' shape
+    assert [dims.at(t["tte"], i) for i in range(2)] == ["N", "S"]  # Expand: min(S, 16) broadcast with S
+    assert [dims.at(t["te"], i) for i in range(3)] == ["N", "S", 8]  # Gather: the indices' dims, then the row's
+    assert [dims.at(t["pe"], i) for i in range(3)] == [1, "min(S, 16)", 8]
+    assert [dims.at(t["h0"], i) for i in range(3)] == ["N", "S", 8]
 
 
 @pytest.mark.parametrize("shape", [(2, 5), (1, 1), (3, 16), (1, 16)])
@@ -91,9 +90,9 @@ def test_traced_dims_are_onnxruntimes(shape):
     size = {"N": shape[0], "S": shape[1], "min(S, 16)": min(shape[1], 16)}
     graph = _unknown_graph(model)
     t = graph.tensors()
-    with DimAnalysis(graph):
-        for name, value in zip(names, got):
-            assert [size.get(d, d) for d in (dim_at(t[name], i) for i in range(value.ndim))] == list(value.shape)
+    dims = DimAnalysis(graph)
+    for name, value in zip(names, got):
+        assert [size.get(d, d) for d in (dims.at(t[name], i) for i in range(value.ndim))] == list(value.shape)
 
 
 @pytest.mark.parametrize("start, rows", [(1, 16), (0, 1)], ids=["sliced-from-1", "one-row-table"])
@@ -102,10 +101,10 @@ def test_broadcasts_that_are_not_exact_stay_unknown(start, rows):
     a one-row table gives min(S, 1), which S broadcasts too (kept: c >= 1). The batch still traces."""
     graph = _unknown_graph(_embeddings(start, rows))
     t = graph.tensors()
-    with DimAnalysis(graph):
-        assert dim_at(t["pos"], 1) == (None if start else "min(S, 1)")
-        assert dim_at(t["h0"], 0) == "N"
-        assert dim_at(t["h0"], 1) == (None if start else "S")
+    dims = DimAnalysis(graph)
+    assert dims.at(t["pos"], 1) == (None if start else "min(S, 1)")
+    assert dims.at(t["h0"], 0) == "N"
+    assert dims.at(t["h0"], 1) == (None if start else "S")
 
 
 def test_symbol_beside_an_unknown_stays_unknown():
@@ -114,7 +113,7 @@ def test_symbol_beside_an_unknown_stays_unknown():
     model = make_model(nodes, [("x", F, ["N", 4]), ("y", F, [None, 4])], [("z", F, [None, 4])])
     graph = gs.import_onnx(model)
     graph.outputs[0].shape = [None, 4]
-    assert dim_at(graph.outputs[0], 0) is None
+    assert DimAnalysis(graph).at(graph.outputs[0], 0) is None
 
 
 def test_input_dims_written_for_a_deep_residual_stream_and_restored():
@@ -122,11 +121,9 @@ def test_input_dims_written_for_a_deep_residual_stream_and_restored():
     found, and the head count; the shapes are inference's again afterwards."""
     graph = _unknown_graph(_embeddings(residual=12))
     t = graph.tensors()
-    with DimAnalysis(graph):
-        assert dim_at(t["h12"], 0) is None
+    assert DimAnalysis(graph).at(t["h12"], 0) is None
     with input_dims_written(graph) as written:
         assert written > 12
         assert list(t["h12"].shape) == ["N", "S", 8]
-        with DimAnalysis(graph):
-            assert dim_at(t["heads"], 2) == 4
+        assert DimAnalysis(graph).at(t["heads"], 2) == 4
     assert list(t["h12"].shape) == [None, None, None]

@@ -23,6 +23,10 @@ from .ir import Tensor, as_int_list, as_scalar, bad_data, const_tensor, peek
 #: The largest constant remembered: 64 int64s, the longest shape a shape computation is traced for.
 MAX_DECODED_BYTES = 8 * 64
 
+#: Small values decoded, by their lazy holder: a process-wide cache, safe to share between runs and threads
+#: because an answer cannot change. The key is the holder of one TensorProto, which nothing edits in place (a
+#: rewrite gives a constant a new holder, ``ir.store_values``, or makes a new one, ``ir.as_constant``); the
+#: values are read-only arrays; weak keys drop an entry with its holder.
 _decoded: "weakref.WeakKeyDictionary[LazyValues, np.ndarray]" = weakref.WeakKeyDictionary()
 
 #: Element types whose raw little-endian bytes onnx's ``to_array`` reads as they are (no unpacking).

@@ -7,6 +7,7 @@ import numpy as np
 
 from ..graph import ir
 from ..graph.ir import Graph, Node, Tensor
+from ..graph.symbolic.dims import Dims
 from ..pipeline.pass_base import PassContext
 from .matcher import State
 
@@ -52,6 +53,12 @@ class Match:
             return self._labels[label]
         except KeyError:
             raise KeyError(f"no node labelled '{label}' in the match; labels: {sorted(self._labels)}") from None
+
+    @property
+    def dims(self) -> Dims:
+        """The run's traced dims of the graph matched in (``ctx.dims(graph)``); a fresh :class:`Dims` without
+        a context."""
+        return self.ctx.dims(self.graph) if self.ctx is not None else Dims(self.graph)
 
     def which(self, name: str) -> int:
         """Index of the alternative that matched in ``op.Or(..., _name=name)``."""

@@ -1,8 +1,8 @@
 """Analyses: facts about a graph that passes ask the run for, computed on demand and kept while they hold.
 
-MLIR's analysis manager, in small. A pass asks ``ctx.analysis(DimAnalysis, graph)``: the first ask
-computes (or starts) the analysis, later asks get the same object, in this pass and in the next ones,
-until the graph changes. After a pass that rewrote, the pass manager drops every analysis the pass does
+MLIR's analysis manager, in small. A pass asks ``ctx.analysis(DimAnalysis, graph)`` (``ctx.dims(graph)``):
+the first ask computes (or starts) the analysis, later asks get the same object, in this pass and in the
+next ones, until the graph changes. After a pass that rewrote, the pass manager drops every analysis the pass does
 not list in ``Pass.preserves`` (MLIR's preserved set; empty, the safe default, drops them all). While a
 pass runs, the graph-editing helpers of :mod:`k3opt.graph.ir` report what they change (:meth:`edited`):
 an analysis that can follow such edits forgets only what read the changed tensors, the others go.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import ClassVar, Collection, Sequence, TypeVar
 
 from ..graph.ir import Graph, Tensor
-from ..graph.symbolic import dims
+from ..graph.symbolic.dims import Dims
 
 #: An analysis class's instances (what ``get`` returns for it).
 A = TypeVar("A", bound="Analysis")
@@ -58,32 +58,19 @@ class Shapes(Analysis):
         self.sharpened = False
 
 
-class DimAnalysis(Analysis):
-    """Traced dims of a graph's tensors (:mod:`k3opt.graph.symbolic`), computed on demand and remembered by the
-    run (a :class:`~k3opt.graph.symbolic.dims.DimMemo`).
+class DimAnalysis(Dims, Analysis):
+    """The run's :class:`~k3opt.graph.symbolic.dims.Dims` of a graph: traced dims and shape values, remembered
+    across passes until one rewrites (unless it lists ``DimAnalysis`` in ``preserves``).
 
-    A pass asks ``ctx.analysis(DimAnalysis, graph)`` and calls :func:`~k3opt.graph.symbolic.dims.tensor_dims`,
-    ``dim_at``, ``shape_elements``, ``fold_shape_value``... within ``with`` it: each traced dim is then
-    computed once, and the symbols the graph's inputs declare (``input_symbols``) are not traced.
-    What a pass changes through the graph-editing helpers is forgotten as it happens (:meth:`edited`);
-    the pass manager drops the analysis after a pass that rewrote (see ``Pass.preserves``).
+    A pass asks ``ctx.dims(graph)`` (``ctx.analysis(DimAnalysis, graph)``) and calls its methods
+    (``dims.at(t, i)``, ``dims.of(t)``, ``dims.elements(t)``, ``dims.fold(node)``): each traced dim is
+    computed once per run, not once per question. What a pass changes through the graph-editing helpers is
+    forgotten as it happens (:meth:`edited`).
     """
 
-    def __init__(self, graph: Graph) -> None:
-        super().__init__(graph)
-        self.memo = dims.DimMemo(dims.input_symbols(graph))
-        self._tokens: list = []
-
     def edited(self, tensors: Sequence[Tensor]) -> bool:
-        self.memo.forget(tensors)
+        self.forget(tensors)
         return True
-
-    def __enter__(self) -> "DimAnalysis":
-        self._tokens.append(dims.activate(self.memo))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dims.deactivate(self._tokens.pop())
 
 
 class AnalysisManager:

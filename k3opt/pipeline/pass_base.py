@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Collection, Optional, Type
 
 from . import registry
 from ..graph.ir import Graph, Node, NameScope, all_graphs
-from .analyses import A, AnalysisManager
+from .analyses import A, AnalysisManager, DimAnalysis
 from .op_census import OpCensus
 from .target_traits import STANDARD, TargetTraits
 
@@ -129,6 +129,11 @@ class PassContext:
         """The ``cls`` analysis of ``graph`` (e.g. ``DimAnalysis``): kept by the run until a pass changes
         the graph without declaring it preserved (:attr:`Pass.preserves`)."""
         return self.analyses.get(cls, graph)
+
+    def dims(self, graph: Graph) -> DimAnalysis:
+        """The run's traced dims and shape values of ``graph`` (``dims.at(t, i)``, ``dims.elements(t)``...):
+        ``analysis(DimAnalysis, graph)``."""
+        return self.analyses.get(DimAnalysis, graph)
 
     def changed(self, bodies_added: Optional[bool] = None) -> None:
         """The graph was rewritten: later :meth:`nodes_of`/:meth:`graphs` answers look at it afresh.

@@ -1,8 +1,13 @@
-"""Symbolic shape reasoning: what is known of a graph's dims and of the small integer tensors computed from them.
+"""Symbolic shape reasoning, once for every pass: what is known of a graph's dims and of the small integer
+tensors computed from them.
 
-``dims``: a dim is a number, a symbol (a ``dim_param``: equal names are equal sizes; canonical sums and products
-such as ``batch * 7``) or unknown; dims are traced through their producers, and shape computations (``Shape``,
-``Gather``, ``Concat``, arithmetic...) are evaluated element by element. ``input_dims``: the inputs' symbols
-written into the shapes tracing proves them in, for a block. ``relations``: the equations a graph imposes between
-its inputs' symbolic dims (what verification's input sizes must agree on).
+- ``algebra``: dims as symbols (a ``dim_param``; canonical sums, products and quotients of sizes).
+- ``dims``: :class:`~.dims.Dims`, the object a pass asks (``dims.at(t, i)``, ``dims.elements(t)``,
+  ``dims.fold(node)``); the run hands one out per graph (``ctx.dims(graph)``).
+- ``trace``: a dim from its producer (one tracer per op); ``values``: shape values element by element
+  (one evaluator per op) and folding ``Shape``/``Size``/``Gather``/``Slice``/``Equal`` of them.
+- ``memo``: what a ``Dims`` remembers, and forgets after an edit.
+- ``input_dims``: the inputs' symbols written into the shapes tracing proves them in, for a block.
+- ``relations``: the equations a graph (a ModelProto's) imposes between its inputs' symbolic dims: what
+  verification's input sizes must agree on.
 """

@@ -8,7 +8,7 @@ and sequence that only tracing through every earlier layer recovers: more than t
 order and writing each proven ``batch``/``sequence`` into the tensor's shape makes it a declared symbol,
 which tracing takes as it is: a dim read in any layer is then found a few producers up, in linear time.
 
-Exact: a written dim is what :func:`~k3opt.graph.symbolic.dims.dim_at` proves, the size the graph's
+Exact: a written dim is what :meth:`Dims.at <k3opt.graph.symbolic.dims.Dims.at>` proves, the size the graph's
 input declares. The shapes are restored when the block ends (the optimizer's output keeps inference's).
 """
 from __future__ import annotations
@@ -17,29 +17,28 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from ..ir import Graph
-from .dims import dim_at, input_symbols, remembering
+from .dims import Dims
 
 
 @contextmanager
 def input_dims_written(graph: Graph) -> Iterator[int]:
     """Within the block, each dim of a node output that inference left unknown (or named apart) and tracing
     proves to be a number or a graph input's symbol carries it; yields how many tensors changed."""
-    declared = input_symbols(graph)
+    dims = Dims(graph)  # its own: the shapes it writes would make a kept one's results stale
+    declared = dims.declared
     saved = []
     try:
         if declared:
-            with remembering(graph):
-                for node in graph.nodes:
-                    for t in node.outputs:
-                        shape = t.shape
-                        if shape is None or all(isinstance(d, int) or d in declared for d in shape):
-                            continue
-                        dims = [d if isinstance(d, int) or d in declared else dim_at(t, i)
-                                for i, d in enumerate(shape)]
-                        dims = [d if isinstance(d, int) or d in declared else shape[i] for i, d in enumerate(dims)]
-                        if dims != list(shape):
-                            saved.append((t, shape))
-                            t.shape = type(shape)(dims)
+            for node in graph.nodes:
+                for t in node.outputs:
+                    shape = t.shape
+                    if shape is None or all(isinstance(d, int) or d in declared for d in shape):
+                        continue
+                    proven = [d if isinstance(d, int) or d in declared else dims.at(t, i) for i, d in enumerate(shape)]
+                    proven = [d if isinstance(d, int) or d in declared else shape[i] for i, d in enumerate(proven)]
+                    if proven != list(shape):
+                        saved.append((t, shape))
+                        t.shape = type(shape)(proven)
         yield len(saved)
     finally:
         for t, shape in reversed(saved):

@@ -18,7 +18,7 @@ shapes, hence no equation. The equations are hints that
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import onnx
@@ -285,122 +285,151 @@ def _slice_dim(dim: Optional[Lin], start: int, end: int, step: int) -> Optional[
     return None
 
 
-def _walk(rel: Relations, node: onnx.NodeProto) -> None:  # noqa: C901 -- one branch per op family
-    op, ins, outs = node.op_type, list(node.input), list(node.output)
-    shp = [rel.shapes.get(i) if i else None for i in ins]
-    val = [rel.values.get(i) if i else None for i in ins]
-    set_shape = rel.shapes.__setitem__
-    if op == "Constant":
-        t = _attr(node, "value")
-        if isinstance(t, onnx.TensorProto):
-            set_shape(outs[0], [Lin((), int(d)) for d in t.dims])
-            _constant_value(rel, outs[0], t)
-        elif _attr(node, "value_ints") is not None:
-            ints = list(_attr(node, "value_ints"))
-            set_shape(outs[0], [Lin((), len(ints))])
-            rel.values[outs[0]] = [Lin((), v) for v in ints]
-        elif _attr(node, "value_int") is not None:
-            set_shape(outs[0], [])
-            rel.values[outs[0]] = [Lin((), _attr(node, "value_int"))]
+#: ``(rel, node, shapes of its inputs, followed values of its inputs)``: records what ``node`` computes.
+Walker = Callable[[Relations, onnx.NodeProto, list, list], None]
+
+
+def _walk(rel: Relations, node: onnx.NodeProto) -> None:
+    """Record the output shapes (and followed values) of ``node``, and the equations it imposes."""
+    op = node.op_type
+    walker = _WALKERS.get(op) or (_reduce if op.startswith("Reduce") else None)
+    if walker is not None:
+        walker(rel, node, [rel.shapes.get(i) if i else None for i in node.input],
+               [rel.values.get(i) if i else None for i in node.input])
+
+
+def _constant(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    out = node.output[0]
+    t = _attr(node, "value")
+    if isinstance(t, onnx.TensorProto):
+        rel.shapes[out] = [Lin((), int(d)) for d in t.dims]
+        _constant_value(rel, out, t)
+    elif _attr(node, "value_ints") is not None:
+        ints = list(_attr(node, "value_ints"))
+        rel.shapes[out] = [Lin((), len(ints))]
+        rel.values[out] = [Lin((), v) for v in ints]
+    elif _attr(node, "value_int") is not None:
+        rel.shapes[out] = []
+        rel.values[out] = [Lin((), _attr(node, "value_int"))]
+
+
+def _unary(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    """An op whose output has its input's shape (and, for a cast or copy, its values)."""
+    if shp[0] is not None:
+        rel.shapes[node.output[0]] = list(shp[0])
+    if node.op_type in _VALUE_PASSTHROUGH and val[0] is not None:
+        rel.values[node.output[0]] = list(val[0])
+
+
+def _broadcasting(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    out = _broadcast(rel, shp)
+    if out is not None:
+        rel.shapes[node.output[0]] = out
+    _value_arith(rel, node.op_type, val, node.output[0])
+
+
+def _shape(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    if shp[0] is None:
         return
-    if op in _UNARY:
-        if shp[0] is not None:
-            set_shape(outs[0], list(shp[0]))
-        if op in _VALUE_PASSTHROUGH and val[0] is not None:
-            rel.values[outs[0]] = list(val[0])
+    rank = len(shp[0])
+    start, end = _attr(node, "start", 0), _attr(node, "end", rank)
+    dims = shp[0][slice(start, end)]
+    rel.shapes[node.output[0]] = [Lin((), len(dims))]
+    rel.values[node.output[0]] = list(dims)
+
+
+def _size(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    rel.shapes[node.output[0]] = []
+
+
+def _squeezing(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    """Unsqueeze and Squeeze: the values kept, the axes added or dropped."""
+    ins, out = node.input, node.output[0]
+    axes = _attr(node, "axes")
+    axes = list(axes) if axes is not None else (_const_ints(rel, ins[1]) if len(ins) > 1 and ins[1] else None)
+    if val[0] is not None:
+        rel.values[out] = list(val[0])
+    if shp[0] is None:
         return
-    if op in _BROADCAST:
-        out = _broadcast(rel, shp)
-        if out is not None:
-            set_shape(outs[0], out)
-        _value_arith(rel, op, val, outs[0])
-        return
-    if op == "Shape":
-        if shp[0] is None:
-            return
-        rank = len(shp[0])
-        start, end = _attr(node, "start", 0), _attr(node, "end", rank)
-        dims = shp[0][slice(start, end)]
-        set_shape(outs[0], [Lin((), len(dims))])
-        rel.values[outs[0]] = list(dims)
-    elif op == "Size":
-        set_shape(outs[0], [])
-    elif op in ("Unsqueeze", "Squeeze"):
-        axes = _attr(node, "axes")
-        axes = list(axes) if axes is not None else (_const_ints(rel, ins[1]) if len(ins) > 1 and ins[1] else None)
-        if val[0] is not None:
-            rel.values[outs[0]] = list(val[0])
-        if shp[0] is None:
-            return
-        if op == "Squeeze":
-            if axes is not None:
-                drop = {_axis(a, len(shp[0])) for a in axes}
-                set_shape(outs[0], [d for i, d in enumerate(shp[0]) if i not in drop])
-            elif all(d is not None and d.is_const for d in shp[0]):
-                set_shape(outs[0], [d for d in shp[0] if d != ONE])
-        elif axes is not None:
-            rank = len(shp[0]) + len(axes)
-            add = {_axis(a, rank) for a in axes}
-            rest = iter(shp[0])
-            set_shape(outs[0], [ONE if i in add else next(rest) for i in range(rank)])
-    elif op == "Reshape":
-        if val[0] is not None:
-            rel.values[outs[0]] = list(val[0])
-        target = val[1] if len(val) > 1 else None
-        if target is not None:
-            out = _reshape(shp[0], target, _attr(node, "allowzero", 0))
-            set_shape(outs[0], out)
-            if shp[0] is not None and all(d is not None for d in out):  # the element count is kept
-                rel.equal(_product(shp[0]), _product(out))
-    elif op == "Flatten":
-        if shp[0] is not None:
-            axis = _axis(_attr(node, "axis", 1), len(shp[0]) + 1)
-            set_shape(outs[0], [_product(shp[0][:axis]), _product(shp[0][axis:])])
-    elif op == "Transpose":
-        if shp[0] is not None:
-            perm = _attr(node, "perm") or list(range(len(shp[0])))[::-1]
-            set_shape(outs[0], [shp[0][p] for p in perm])
-    elif op == "Concat":
-        _concat(rel, node, shp, val, outs[0])
-    elif op == "Split":
-        _split(rel, node, shp, outs)
-    elif op == "MatMul":
-        _matmul(rel, shp, outs[0])
-    elif op == "Gemm":
-        a, b = shp[0], shp[1]
-        if a is not None and b is not None and len(a) == len(b) == 2:
-            a = a[::-1] if _attr(node, "transA", 0) else a
-            b = b[::-1] if _attr(node, "transB", 0) else b
-            rel.equal(a[1], b[0])
-            set_shape(outs[0], [a[0], b[1]])
-    elif op == "Gather":
-        _gather(rel, node, shp, val, ins, outs[0])
-    elif op == "GatherElements":
-        if shp[1] is not None:
-            set_shape(outs[0], list(shp[1]))
-    elif op in ("ScatterND", "ScatterElements", "Scatter"):
-        if shp[0] is not None:
-            set_shape(outs[0], list(shp[0]))
-    elif op == "Slice":
-        _slice(rel, node, shp, val, ins, outs[0])
-    elif op == "Expand":
-        if len(val) > 1 and val[1] is not None and shp[0] is not None:
-            out = _broadcast(rel, [shp[0], list(val[1])])
-            if out is not None:  # a 1 in the target keeps the input's dim
-                set_shape(outs[0], out)
-    elif op == "ConstantOfShape":
-        if val[0] is not None:
-            set_shape(outs[0], list(val[0]))
-    elif op == "Range":
-        start, limit, delta = (v[0] if v is not None and len(v) == 1 else None for v in val[:3])
-        if start is not None and limit is not None and delta is not None and delta.is_const and delta.const == 1:
-            set_shape(outs[0], [limit - start])
-    elif op == "Tile":
-        reps = _const_ints(rel, ins[1]) if len(ins) > 1 else None
-        if shp[0] is not None and reps is not None and len(reps) == len(shp[0]):
-            set_shape(outs[0], [None if d is None else d.scale(r) for d, r in zip(shp[0], reps)])
-    elif op.startswith("Reduce") or op in ("ArgMax", "ArgMin"):
-        _reduce(rel, node, shp, ins, outs[0])
+    if node.op_type == "Squeeze":
+        if axes is not None:
+            drop = {_axis(a, len(shp[0])) for a in axes}
+            rel.shapes[out] = [d for i, d in enumerate(shp[0]) if i not in drop]
+        elif all(d is not None and d.is_const for d in shp[0]):
+            rel.shapes[out] = [d for d in shp[0] if d != ONE]
+    elif axes is not None:
+        rank = len(shp[0]) + len(axes)
+        add = {_axis(a, rank) for a in axes}
+        rest = iter(shp[0])
+        rel.shapes[out] = [ONE if i in add else next(rest) for i in range(rank)]
+
+
+def _reshaped(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    out = node.output[0]
+    if val[0] is not None:
+        rel.values[out] = list(val[0])
+    target = val[1] if len(val) > 1 else None
+    if target is not None:
+        dims = _reshape(shp[0], target, _attr(node, "allowzero", 0))
+        rel.shapes[out] = dims
+        if shp[0] is not None and all(d is not None for d in dims):  # the element count is kept
+            rel.equal(_product(shp[0]), _product(dims))
+
+
+def _flatten(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    if shp[0] is not None:
+        axis = _axis(_attr(node, "axis", 1), len(shp[0]) + 1)
+        rel.shapes[node.output[0]] = [_product(shp[0][:axis]), _product(shp[0][axis:])]
+
+
+def _transpose(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    if shp[0] is not None:
+        perm = _attr(node, "perm") or list(range(len(shp[0])))[::-1]
+        rel.shapes[node.output[0]] = [shp[0][p] for p in perm]
+
+
+def _gemm(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    a, b = shp[0], shp[1]
+    if a is not None and b is not None and len(a) == len(b) == 2:
+        a = a[::-1] if _attr(node, "transA", 0) else a
+        b = b[::-1] if _attr(node, "transB", 0) else b
+        rel.equal(a[1], b[0])
+        rel.shapes[node.output[0]] = [a[0], b[1]]
+
+
+def _gather_elements(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    if shp[1] is not None:
+        rel.shapes[node.output[0]] = list(shp[1])
+
+
+def _scatter(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    if shp[0] is not None:
+        rel.shapes[node.output[0]] = list(shp[0])
+
+
+def _expand(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    if len(val) > 1 and val[1] is not None and shp[0] is not None:
+        out = _broadcast(rel, [shp[0], list(val[1])])
+        if out is not None:  # a 1 in the target keeps the input's dim
+            rel.shapes[node.output[0]] = out
+
+
+def _constant_of_shape(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    if val[0] is not None:
+        rel.shapes[node.output[0]] = list(val[0])
+
+
+def _range(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    start, limit, delta = (v[0] if v is not None and len(v) == 1 else None for v in val[:3])
+    if start is not None and limit is not None and delta is not None and delta.is_const and delta.const == 1:
+        rel.shapes[node.output[0]] = [limit - start]
+
+
+def _tile(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    ins = node.input
+    reps = _const_ints(rel, ins[1]) if len(ins) > 1 else None
+    if shp[0] is not None and reps is not None and len(reps) == len(shp[0]):
+        rel.shapes[node.output[0]] = [None if d is None else d.scale(r) for d, r in zip(shp[0], reps)]
 
 
 def _value_arith(rel: Relations, op: str, val: list, out: str) -> None:
@@ -427,7 +456,8 @@ def _value_arith(rel: Relations, op: str, val: list, out: str) -> None:
     rel.values[out] = result
 
 
-def _concat(rel: Relations, node: onnx.NodeProto, shp: list, val: list, out: str) -> None:
+def _concat(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    out = node.output[0]
     if all(v is not None for v in val) and val:
         rel.values[out] = [x for v in val for x in v]
     known = [s for s in shp if s is not None]
@@ -450,7 +480,8 @@ def _concat(rel: Relations, node: onnx.NodeProto, shp: list, val: list, out: str
     rel.shapes[out] = dims
 
 
-def _split(rel: Relations, node: onnx.NodeProto, shp: list, outs: list[str]) -> None:
+def _split(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    outs = list(node.output)
     if shp[0] is None:
         return
     axis = _axis(_attr(node, "axis", 0), len(shp[0]))
@@ -471,7 +502,8 @@ def _split(rel: Relations, node: onnx.NodeProto, shp: list, outs: list[str]) -> 
         rel.shapes[o] = [s if i == axis else d for i, d in enumerate(shp[0])]
 
 
-def _matmul(rel: Relations, shp: list, out: str) -> None:
+def _matmul(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    out = node.output[0]
     a, b = shp[0], shp[1]
     if a is None or b is None or not a or not b:
         return
@@ -483,7 +515,8 @@ def _matmul(rel: Relations, shp: list, out: str) -> None:
     rel.shapes[out] = batch + ([a2[-2]] if len(a) > 1 else []) + ([b2[-1]] if len(b) > 1 else [])
 
 
-def _gather(rel: Relations, node: onnx.NodeProto, shp: list, val: list, ins: list, out: str) -> None:
+def _gather(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    ins, out = node.input, node.output[0]
     data, idx = shp[0], shp[1]
     axis = _attr(node, "axis", 0)
     if data is not None and idx is not None:
@@ -496,7 +529,8 @@ def _gather(rel: Relations, node: onnx.NodeProto, shp: list, val: list, ins: lis
             rel.values[out] = [val[0][p] for p in picks]
 
 
-def _slice(rel: Relations, node: onnx.NodeProto, shp: list, val: list, ins: list, out: str) -> None:
+def _slice(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    ins, out = node.input, node.output[0]
     if len(ins) >= 3:
         starts, ends = _const_ints(rel, ins[1]), _const_ints(rel, ins[2])
         axes = _const_ints(rel, ins[3]) if len(ins) > 3 and ins[3] else None
@@ -518,7 +552,9 @@ def _slice(rel: Relations, node: onnx.NodeProto, shp: list, val: list, ins: list
         rel.values[out] = list(val[0])[starts[0]:ends[0]:steps[0]]  # Python clamps as ONNX does
 
 
-def _reduce(rel: Relations, node: onnx.NodeProto, shp: list, ins: list, out: str) -> None:
+def _reduce(rel: Relations, node: onnx.NodeProto, shp: list, val: list) -> None:
+    """A Reduce* (any ``Reduce`` op) or ArgMax/ArgMin: the reduced axes kept as 1 or dropped."""
+    ins, out = node.input, node.output[0]
     if shp[0] is None:
         return
     keep = _attr(node, "keepdims", 1)
@@ -533,3 +569,31 @@ def _reduce(rel: Relations, node: onnx.NodeProto, shp: list, ins: list, out: str
         axes = list(range(len(shp[0])))
     drop = {_axis(a, len(shp[0])) for a in axes}
     rel.shapes[out] = [ONE if i in drop else d for i, d in enumerate(shp[0]) if keep or i not in drop]
+
+
+#: The walker of each op (any other ``Reduce*`` op reduces too: :func:`_walk`); an op not here gives unknown
+#: shapes and no equation.
+_WALKERS: dict[str, Walker] = {
+    **dict.fromkeys(_UNARY, _unary),
+    **dict.fromkeys(_BROADCAST, _broadcasting),
+    **dict.fromkeys(("Unsqueeze", "Squeeze"), _squeezing),
+    **dict.fromkeys(("ScatterND", "ScatterElements", "Scatter"), _scatter),
+    **dict.fromkeys(("ArgMax", "ArgMin"), _reduce),
+    "Constant": _constant,
+    "Shape": _shape,
+    "Size": _size,
+    "Reshape": _reshaped,
+    "Flatten": _flatten,
+    "Transpose": _transpose,
+    "Concat": _concat,
+    "Split": _split,
+    "MatMul": _matmul,
+    "Gemm": _gemm,
+    "Gather": _gather,
+    "GatherElements": _gather_elements,
+    "Slice": _slice,
+    "Expand": _expand,
+    "ConstantOfShape": _constant_of_shape,
+    "Range": _range,
+    "Tile": _tile,
+}

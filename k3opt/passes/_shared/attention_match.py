@@ -40,11 +40,11 @@ from onnx import TensorProto
 
 from ...graph import dtypes, ir
 from ...graph.ir import Graph, NameScope, Node, Tensor, is_graph_output, producer
+from ...graph.symbolic.dims import Dims
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.matcher import describe
 from ...patterns.rule_pass import sweep
 from ...patterns.schema import attr_value
-from ...graph.symbolic import dims as symbolic
 from .._shared.shape_refs import is_dim_of, ref_size, same_size, shape_refs, small_const, small_ints
 from ...pipeline.pass_base import PassContext
 
@@ -165,15 +165,15 @@ def analyze(m: Match) -> Optional[AttentionMatch]:
     """The :class:`AttentionMatch` of a structural match, or None with ``m.fail(reason)``."""
     try:
         # Dims traced once per match; the symbols the graph declares (batch, sequence) are not traced, and
-        # unknown ones are named (a head split's -1 of a flattened batch cancels against the batch it reads).
-        with symbolic.naming_unknown_dims(m.graph):
-            return _analyze(m)
+        # unknown ones are named (a head split's -1 of a flattened batch cancels against the batch it reads):
+        # the names hold while the graph holds its tensors, so the Dims is the match's alone.
+        return _analyze(m, Dims(m.graph, name_unknown=True))
     except _Decline as why:
         m.fail(str(why))
         return None
 
 
-def _analyze(m: Match) -> AttentionMatch:
+def _analyze(m: Match, dims: Dims) -> AttentionMatch:
     sm, pv = m.node("softmax"), m.node("pv")
     if m.which("probs") == 0:
         raise _Decline("a Dropout acts on the attention probabilities (training mode)")
@@ -197,7 +197,7 @@ def _analyze(m: Match) -> AttentionMatch:
     chain.append(qk)
     walked: list[Node] = []
     q_scale, q = _peel_scale(qk.inputs[0], walked, "q")
-    kv = _keys_and_values(qk.inputs[1], pv.inputs[1], walked)
+    kv = _keys_and_values(dims, qk.inputs[1], pv.inputs[1], walked)
     scale *= q_scale * kv.scale
     if not (math.isfinite(scale) and scale > 0):
         raise _Decline(f"the total scale {scale:g} is not a positive finite number")
@@ -205,13 +205,13 @@ def _analyze(m: Match) -> AttentionMatch:
     dtype = _dtype_of(q, kv.k, kv.v, pv.outputs[0], scores)
     if checks.rank(q) != 4:
         raise _Decline("q is not rank 4")
-    q_heads, dqk = _heads(q, scores), _static(q, 3, "q's head dim")
+    q_heads, dqk = _heads(dims, q, scores), _static(dims, q, 3, "q's head dim")
     kv_heads = kv.heads(q_heads)
-    if isinstance(kv.dims[3], int) and kv.dims[3] != dqk:
-        raise _Decline(f"q's head dim {dqk} differs from k's {kv.dims[3]}")
+    if isinstance(kv.k_dims[3], int) and kv.k_dims[3] != dqk:
+        raise _Decline(f"q's head dim {dqk} differs from k's {kv.k_dims[3]}")
     if mask is not None:
         _check_mask(mask, scores, dtype)
-    keep, fill, causal, rows_open = _mask_form(mask, q, kv.dims, dtype) if mask is not None \
+    keep, fill, causal, rows_open = _mask_form(dims, mask, q, kv.k_dims, dtype) if mask is not None \
         else (None, None, False, False)
     past = _decode_parts(kv.k if kv.perm == IDENTITY else None, kv.v)
     body = _BODY_NODES.get()
@@ -221,14 +221,15 @@ def _analyze(m: Match) -> AttentionMatch:
                        "graph's work into an If/Loop/Scan body")
     m.nodes.extend(n for n in walked + chain if id(n) not in matched)  # detached by the commit once dead
     m.memo["k_perm"] = kv.perm
-    return AttentionMatch(q, kv.k, kv.v, q_heads, kv_heads, dqk, _static(kv.v, 3, "v's head dim"), scale, mask,
+    return AttentionMatch(q, kv.k, kv.v, q_heads, kv_heads, dqk, _static(dims, kv.v, 3, "v's head dim"), scale, mask,
                           keep, causal, _guarded(m), *past, pv.outputs[0], sm, dtype, m, fill, rows_open)
 
 
 @dataclasses.dataclass
 class _KeysValues:
-    """The keys under ``k^T`` and the values, before repeat_kv: ``Transpose(k, perm)`` is BNSD."""
+    """The keys under ``k^T`` and the values, before repeat_kv: ``Transpose(k, perm)`` is BNSD; the match's dims."""
 
+    dims: Dims
     k: Tensor
     perm: tuple[int, ...]
     scale: float  # the factors applied to the keys
@@ -237,34 +238,34 @@ class _KeysValues:
     v_repeat: Optional[_Repeat]
 
     @property
-    def dims(self) -> "_PermutedDims":
-        return _PermutedDims(self.k, self.perm)
+    def k_dims(self) -> "_PermutedDims":
+        return _PermutedDims(self.dims, self.k, self.perm)
 
     def heads(self, q_heads: Optional[int]) -> Optional[int]:
         """The kv head count (None when not static), checked against q's and between k and v."""
-        k_heads = _kv_heads(self.k, self.k_repeat, q_heads, "k") if self.perm == IDENTITY else \
-            (self.dims[1] if isinstance(self.dims[1], int) else None)
-        v_heads = _kv_heads(self.v, self.v_repeat, q_heads, "v")
+        k_heads = _kv_heads(self.dims, self.k, self.k_repeat, q_heads, "k") if self.perm == IDENTITY else \
+            (self.k_dims[1] if isinstance(self.k_dims[1], int) else None)
+        v_heads = _kv_heads(self.dims, self.v, self.v_repeat, q_heads, "v")
         reps = [None if r is None else r.rep for r in (self.k_repeat, self.v_repeat)]
         if (k_heads is not None and v_heads is not None and k_heads != v_heads) or reps[0] != reps[1]:
             raise _Decline(f"k and v have different head counts or repeats ({k_heads}, {v_heads})")
         return k_heads if k_heads is not None else v_heads
 
 
-def _keys_and_values(kt: Tensor, v_repeated: Tensor, walked: list[Node]) -> _KeysValues:
+def _keys_and_values(dims: Dims, kt: Tensor, v_repeated: Tensor, walked: list[Node]) -> _KeysValues:
     """The keys (from the scores MatMul's second operand) and values, scale factors and repeat_kv stripped."""
     kt_scale, kt = _peel_scale(kt, walked, "k")
-    k_repeated, perm, k_scale = _untransposed_key(kt, walked)
+    k_repeated, perm, k_scale = _untransposed_key(dims, kt, walked)
     if checks.rank(k_repeated) == 5:  # GQA's repeat, its Reshape merged into dynamo's batched transpose
-        k_repeat = _expanded(k_repeated)
+        k_repeat = _expanded(dims, k_repeated)
         k = k_repeat.x
         walked.extend(k_repeat.nodes)
     else:
-        k, k_repeat = _repeat_kv(k_repeated, walked) if perm == IDENTITY else (k_repeated, None)
-    v, v_repeat = _repeat_kv(v_repeated, walked)
+        k, k_repeat = _repeat_kv(dims, k_repeated, walked) if perm == IDENTITY else (k_repeated, None)
+    v, v_repeat = _repeat_kv(dims, v_repeated, walked)
     if checks.rank(k) != 4 or checks.rank(v) != 4:
         raise _Decline("k and v are not both rank 4")
-    return _KeysValues(k, perm, kt_scale * k_scale, k_repeat, v, v_repeat)
+    return _KeysValues(dims, k, perm, kt_scale * k_scale, k_repeat, v, v_repeat)
 
 
 def _guarded(m: Match) -> bool:
@@ -345,7 +346,7 @@ def _scalar_const(t: Tensor) -> bool:
     return small_const(t).dtype.kind == "f"
 
 
-def _untransposed_key(kt: Tensor, walked: list[Node]) -> tuple[Tensor, tuple[int, ...], float]:
+def _untransposed_key(dims: Dims, kt: Tensor, walked: list[Node]) -> tuple[Tensor, tuple[int, ...], float]:
     """The keys under ``k^T``: (a tensor X, the perm taking X to BNSD keys, the scale factors applied to X).
 
     ``k^T = Transpose(X, p)`` gives the keys as ``Transpose(X, p with its last two entries swapped)``:
@@ -361,7 +362,7 @@ def _untransposed_key(kt: Tensor, walked: list[Node]) -> tuple[Tensor, tuple[int
         scale, k = _peel_scale(n.inputs[0], walked, "k")
         return k, (perm[0], perm[1], perm[3], perm[2]), scale
     if n is not None and n.op == "Reshape":
-        k = _batched_transpose(n, walked)
+        k = _batched_transpose(dims, n, walked)
         if k is not None:
             scale, k = _peel_scale(k, walked, "k")
             return k, IDENTITY, scale
@@ -371,7 +372,7 @@ def _untransposed_key(kt: Tensor, walked: list[Node]) -> tuple[Tensor, tuple[int
 IDENTITY = (0, 1, 2, 3)
 
 
-def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
+def _batched_transpose(dims: Dims, outer: Node, walked: list[Node]) -> Optional[Tensor]:
     """dynamo's ``Reshape(Transpose(Reshape(k, [-1, S, D]), [0, 2, 1]), [B, N, D, S])`` -> ``k`` (BNSD), when the
     Reshape targets are provably ``k``'s own dims; else None. ``k`` may be GQA's rank-5 repeat (its
     Reshape to BNSD merged into the flattening one): it is returned as it is."""
@@ -387,19 +388,19 @@ def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
     if flat is None or back is None or len(flat) != 3 or len(back) != 4:
         return None
     if checks.rank(k) == 4:
-        is_dim = lambda ref, j: is_dim_of(ref, k, j)  # noqa: E731
-        dims = (0, 2, 3)  # batch, sequence, head dim
-        merged = flat[0] == -1 or _merged(flat[0], k)
+        is_dim = lambda ref, j: is_dim_of(dims, ref, k, j)  # noqa: E731
+        axes = (0, 2, 3)  # batch, sequence, head dim
+        merged = flat[0] == -1 or _merged(dims, flat[0], k)
     else:
-        ex = _expanded(k) if checks.rank(k) == 5 else None
+        ex = _expanded(dims, k) if checks.rank(k) == 5 else None
         if ex is None:
             return None
-        is_dim, dims, merged = ex.is_dim, (0, 3, 4), flat[0] == -1
-    b, s, d = dims
+        is_dim, axes, merged = ex.is_dim, (0, 3, 4), flat[0] == -1
+    b, s, d = axes
     # Row-major: (B, N, S, D) -> (B*N, S, D) -> (B*N, D, S) -> (B, N, D, S) is k^T when S, D and B are k's.
     # The batch may be inferred (-1, e.g. once copy-reshape-dims made the target constant) when the heads are
     # k's: the other three dims then leave exactly B for it.
-    batch = is_dim(back[0], b) or (back[0] == -1 and _key_heads(back[1], k))
+    batch = is_dim(back[0], b) or (back[0] == -1 and _key_heads(dims, back[1], k))
     if not (merged and is_dim(flat[1], s) and is_dim(flat[2], d) and batch and is_dim(back[2], d)
             and is_dim(back[3], s)):
         return None
@@ -407,18 +408,18 @@ def _batched_transpose(outer: Node, walked: list[Node]) -> Optional[Tensor]:
     return k
 
 
-def _key_heads(ref: object, k: Tensor) -> bool:
+def _key_heads(dims: Dims, ref: object, k: Tensor) -> bool:
     """``ref`` is the head count of ``k``: its dim 1 (BNSD), or the static product of dims 1 and 2 of GQA's
     rank-5 repeat ``(B, Nkv, rep, S, D)``."""
     if checks.rank(k) == 4:
-        return is_dim_of(ref, k, 1)
-    kv, rep = symbolic.dim_at(k, 1), symbolic.dim_at(k, 2)
+        return is_dim_of(dims, ref, k, 1)
+    kv, rep = dims.at(k, 1), dims.at(k, 2)
     return isinstance(ref, int) and isinstance(kv, int) and isinstance(rep, int) and ref == kv * rep
 
 
-def _merged(ref: object, k: Tensor) -> bool:
+def _merged(dims: Dims, ref: object, k: Tensor) -> bool:
     """``ref`` is the static product of ``k``'s dims 0 and 1 (the batch and heads merged)."""
-    b, n = symbolic.dim_at(k, 0), symbolic.dim_at(k, 1)
+    b, n = dims.at(k, 0), dims.at(k, 1)
     return isinstance(ref, int) and isinstance(b, int) and isinstance(n, int) and ref == b * n
 
 
@@ -434,6 +435,7 @@ class _Repeat:
     x: Tensor
     target: list
     nodes: list[Node]
+    dims: Dims
 
     @property
     def rep(self) -> int:
@@ -443,17 +445,17 @@ class _Repeat:
         """``ref`` is provably dim ``j`` of the expanded tensor: the target's element where that is not 1,
         else x's dim."""
         if self.target[j] != 1:
-            return same_size(ref, self.target[j])
-        return is_dim_of(ref, self.x, (0, 1, None, 2, 3)[j])
+            return same_size(self.dims, ref, self.target[j])
+        return is_dim_of(self.dims, ref, self.x, (0, 1, None, 2, 3)[j])
 
     def heads(self) -> Optional[int]:
         """The heads after the repeat (H * rep), when static."""
-        h = self.target[1] if self.target[1] != 1 else symbolic.dim_at(self.x, 1)
-        h = ref_size(h)
+        h = self.target[1] if self.target[1] != 1 else self.dims.at(self.x, 1)
+        h = ref_size(self.dims, h)
         return h * self.rep if isinstance(h, int) and h > 0 else None
 
 
-def _expanded(t: Tensor) -> Optional[_Repeat]:
+def _expanded(dims: Dims, t: Tensor) -> Optional[_Repeat]:
     """The :class:`_Repeat` computing ``t``, else None."""
     e = producer(t)
     u = producer(e.inputs[0]) if e is not None and e.op == "Expand" and len(e.inputs) == 2 else None
@@ -466,16 +468,16 @@ def _expanded(t: Tensor) -> Optional[_Repeat]:
     target = shape_refs(e.inputs[1])
     if target is None or len(target) != 5 or not isinstance(target[2], int) or target[2] <= 0:
         raise _Decline("GQA's Expand of the keys/values has no readable target with a constant repeat count")
-    return _Repeat(x, target, [e, u])
+    return _Repeat(x, target, [e, u], dims)
 
 
-def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[Tensor, Optional[_Repeat]]:
+def _repeat_kv(dims: Dims, t: Tensor, walked: list[Node]) -> tuple[Tensor, Optional[_Repeat]]:
     """``Reshape(Expand(Unsqueeze(x, 2), [B, H, rep, S, D]), [B, H*rep, S, D])`` -> (x, its repeat); else (t, None).
 
     The Reshape must keep dims 0, 2 and 3 (so, row-major, it merges exactly the heads and the repeat axes).
     """
     r = producer(t)
-    ex = _expanded(r.inputs[0]) if r is not None and r.op == "Reshape" and len(r.inputs) == 2 else None
+    ex = _expanded(dims, r.inputs[0]) if r is not None and r.op == "Reshape" and len(r.inputs) == 2 else None
     if ex is None:
         return t, None
     out = shape_refs(r.inputs[1])
@@ -490,31 +492,32 @@ def _repeat_kv(t: Tensor, walked: list[Node]) -> tuple[Tensor, Optional[_Repeat]
 class _PermutedDims:
     """The dims of ``Transpose(x, perm)``, each traced when first asked for."""
 
-    def __init__(self, x: Tensor, perm: tuple[int, ...]):
-        self.x, self.perm = x, perm
+    def __init__(self, dims: Dims, x: Tensor, perm: tuple[int, ...]):
+        self.dims, self.x, self.perm = dims, x, perm
 
     def __getitem__(self, i: int) -> object:
-        return symbolic.dim_at(self.x, self.perm[i])
+        return self.dims.at(self.x, self.perm[i])
 
 
-def _static(t: Tensor, axis: int, what: str) -> int:
-    d = symbolic.dim_at(t, axis)
+def _static(dims: Dims, t: Tensor, axis: int, what: str) -> int:
+    d = dims.at(t, axis)
     if not isinstance(d, int) or d <= 0:
         raise _Decline(f"{what} is not static")
     return d
 
 
-def _heads(t: Tensor, scores: Tensor) -> Optional[int]:
+def _heads(dims: Dims, t: Tensor, scores: Tensor) -> Optional[int]:
     """q's head count: its static dim 1, else the scores' (they have q's heads unless q broadcasts)."""
-    for d in (symbolic.dim_at(t, 1), symbolic.dim_at(scores, 1)):
+    for d in (dims.at(t, 1), dims.at(scores, 1)):
         if isinstance(d, int) and d > 0:
             return d
     return None
 
 
-def _kv_heads(x: Tensor, repeat: Optional[_Repeat], q_heads: Optional[int], what: str) -> Optional[int]:
+def _kv_heads(dims: Dims, x: Tensor, repeat: Optional[_Repeat], q_heads: Optional[int], what: str
+              ) -> Optional[int]:
     """The head count of k or v (None when not static), checked against q's."""
-    d = symbolic.dim_at(x, 1)
+    d = dims.at(x, 1)
     d = d if isinstance(d, int) and d > 0 else None
     if repeat is not None and repeat.rep > 1:
         if q_heads is None or repeat.heads() != q_heads:
@@ -571,7 +574,7 @@ def masks_out(fill: float, dtype: int) -> bool:
     return fill <= MASKED_FRACTION * float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).min)
 
 
-def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
+def _mask_form(dims: Dims, mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
                ) -> tuple[Optional[Tensor], Optional[float], bool, bool]:
     """(keep, fill, causal_only, rows_open) of an additive mask ``Where(keep, 0, fill)`` or a constant of 0s and
     one negative fill; ``keep`` only when the fill masks out (:func:`masks_out`); the last two need a constant
@@ -584,7 +587,7 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
         keep_value = value == 0
         fill = float(fills[0]) if len(fills) else float("-inf")
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
-        return (keep if masks_out(fill, dtype) else None), fill, _causal(keep_value, q, k_dims), \
+        return (keep if masks_out(fill, dtype) else None), fill, _causal(dims, keep_value, q, k_dims), \
             _rows_open(keep_value)
     if _bounded_bias(mask, dtype):
         return None, None, False, True  # finite everywhere: no query row is ever fully masked
@@ -597,7 +600,7 @@ def _mask_form(mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
         return None, None, False, False
     keep, f = n.inputs[0], float(fill.reshape(-1)[0])
     kv = checks.const_value(keep) if ir.is_const(keep) and _size_of(keep) <= 1 << 22 else None
-    return (keep if masks_out(f, dtype) else None), f, kv is not None and _causal(kv, q, k_dims), \
+    return (keep if masks_out(f, dtype) else None), f, kv is not None and _causal(dims, kv, q, k_dims), \
         kv is not None and _rows_open(kv)
 
 
@@ -646,10 +649,10 @@ def _size_of(t: Tensor) -> int:
     return math.prod(c.shape) if c is not None else 0
 
 
-def _causal(keep: np.ndarray, q: Tensor, k_dims: "_PermutedDims") -> bool:
+def _causal(dims: Dims, keep: np.ndarray, q: Tensor, k_dims: "_PermutedDims") -> bool:
     """``keep`` is exactly the bottom-right aligned causal triangle of the (static) q and k lengths, in every
     leading slice, with at least as many keys as queries (so every query row keeps a key)."""
-    sq, skv = symbolic.dim_at(q, 2), k_dims[2]
+    sq, skv = dims.at(q, 2), k_dims[2]
     if keep.ndim < 2 or not isinstance(sq, int) or not isinstance(skv, int) or skv < sq \
             or keep.shape[-2:] != (sq, skv):
         return False

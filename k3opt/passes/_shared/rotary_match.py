@@ -30,7 +30,6 @@ rm)`` receives a :class:`RotaryMatch` and returns the replacement of the rotated
 from __future__ import annotations
 
 import dataclasses
-from contextvars import ContextVar
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -43,8 +42,8 @@ from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.matcher import is_empty
 from ...patterns.rule_pass import sweep
 from ...pipeline.pass_base import PassContext
-from ...graph.symbolic.dims import Dim, dim_at, shape_elements
-from ...pipeline.analyses import DimAnalysis
+from ...graph.symbolic.algebra import Dim
+from ...graph.symbolic.dims import Dims
 
 #: Element types RotaryEmbedding-23 takes (and the NPU op: fp16, bf16, fp32).
 _FUSABLE_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -145,28 +144,32 @@ _FORMS = (("rotate-half", _rotate_half, True), ("halves", _explicit_halves, Fals
 
 
 def rotary_rules(rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]], name: str = "rotary",
-                 angles_proven: bool = True) -> list[Rule]:
+                 angles_proven: bool = True, verdicts: Optional[dict[tuple, tuple]] = None) -> list[Rule]:
     """The rotary rules (rotate-half, explicit halves, explicit halves after an MLA prefix or before a partial
     rotation's rest; each with Slice or Split halves), checked by :func:`analyze` and rebuilt by ``rewrite``
-    (None leaves the match as it is; a prefix or suffix is concatenated around the result by the rule). ``angles_proven``: cos and sin must be proven
-    one rotation's angles (see :func:`analyze`)."""
+    (None leaves the match as it is; a prefix or suffix is concatenated around the result by the rule).
+    ``angles_proven``: cos and sin must be proven one rotation's angles (see :func:`analyze`).
+
+    ``verdicts``: where the checks keep what they find about each angle tensor (:func:`_known_angle_shape`),
+    for rules whose rewrites change nothing (counting, not fusing: the graph stays as the checks saw it)."""
     rules = []
     for form, pattern, full_width in _FORMS:
         for kind in ("slice", "split"):
-            rules.append(_rule(f"{name}-{form}-{kind}", pattern(kind), full_width, rewrite, angles_proven))
-    rules.append(_rule(f"{name}-interleaved", _rotate_every_two, True, rewrite, angles_proven, interleaved=True))
+            rules.append(_rule(f"{name}-{form}-{kind}", pattern(kind), full_width, rewrite, angles_proven,
+                               verdicts=verdicts))
+    rules.append(_rule(f"{name}-interleaved", _rotate_every_two, True, rewrite, angles_proven, True, verdicts))
     return rules
 
 
 def _rule(name: str, pattern: Callable[..., Any], full_width: bool,
           rewrite: Callable[[RewriteBuilder, RotaryMatch], Optional[Tensor]], angles_proven: bool,
-          interleaved: bool = False) -> Rule:
+          interleaved: bool = False, verdicts: Optional[dict[tuple, tuple]] = None) -> Rule:
     def check(m: Match) -> bool:
-        m.memo["rotary"] = analyze(m, full_width, interleaved, angles_proven)
+        m.memo["rotary"] = analyze(m, full_width, interleaved, angles_proven, verdicts)
         return m.memo["rotary"] is not None
 
     def apply(op: RewriteBuilder, m: Match) -> Optional[Tensor]:
-        rm = m.memo["rotary"] if "rotary" in m.memo else analyze(m, full_width, interleaved, angles_proven)
+        rm = m.memo["rotary"] if "rotary" in m.memo else analyze(m, full_width, interleaved, angles_proven, verdicts)
         rotated = None if rm is None else rewrite(op, rm)
         if rotated is None or ("prefix" not in m and "suffix" not in m):
             return rotated
@@ -177,14 +180,15 @@ def _rule(name: str, pattern: Callable[..., Any], full_width: bool,
 
 # -- checks ------------------------------------------------------------------------------------------------------
 
-def analyze(m: Match, full_width: bool, interleaved: bool = False, angles_proven: bool = True
-            ) -> Optional[RotaryMatch]:
+def analyze(m: Match, full_width: bool, interleaved: bool = False, angles_proven: bool = True,
+            verdicts: Optional[dict[tuple, tuple]] = None) -> Optional[RotaryMatch]:
     """The :class:`RotaryMatch` of a structural match, or None (with ``m.fail(reason)``) when fusing is not exact.
 
     ``angles_proven`` (fuse-rotary): cos and sin are proven the Cos and Sin of one angle tensor, and full-width
     ones equal on both halves (RotaryEmbedding-23 takes the half-width caches), or equal in pairs (the
     interleaved form). Without it (the NPU op, whose documented formula multiplies by the full-width cos and
-    sin as they are: any values) only their shapes are checked."""
+    sin as they are: any values) only their shapes are checked. ``verdicts``: see :func:`rotary_rules`."""
+    dims = m.dims
     x = m["x"]
     shape = x.shape
     if shape is None or len(shape) != 4:
@@ -199,7 +203,7 @@ def analyze(m: Match, full_width: bool, interleaved: bool = False, angles_proven
     if isinstance(pairs, str):
         return _fail(m, pairs)
     if interleaved:
-        why = _every_two_refusal(m, pairs)
+        why = _every_two_refusal(dims, m, pairs)
         if why:
             return _fail(m, why)
         pairs = False  # the pairs are rotated in place: x itself is the op's input
@@ -210,11 +214,11 @@ def analyze(m: Match, full_width: bool, interleaved: bool = False, angles_proven
     width = d if full_width else d // 2
     shapes = {}
     for role in ("cos", "sin"):
-        why = _known_angle_shape(m[role], x, width)
+        why = _known_angle_shape(dims, verdicts, m[role], x, width)
         if isinstance(why, str):
             return _fail(m, f"{role}: {why}")
         shapes[role] = why
-    why = _angles_refusal(m, d, full_width, interleaved) if angles_proven else None
+    why = _angles_refusal(dims, m, d, full_width, interleaved) if angles_proven else None
     if why:
         return _fail(m, why)
     same_batch = shapes["cos"][0] and shapes["sin"][0]
@@ -224,10 +228,10 @@ def analyze(m: Match, full_width: bool, interleaved: bool = False, angles_proven
                        m.node("root"), m, interleaved)
 
 
-def _angles_refusal(m: Match, d: int, full_width: bool, interleaved: bool) -> Optional[str]:
+def _angles_refusal(dims: Dims, m: Match, d: int, full_width: bool, interleaved: bool) -> Optional[str]:
     """Why cos and sin are not proven one rotation's angles (see :func:`analyze`), or None."""
     if interleaved:
-        cos_chain, sin_chain = _paired_chain(m["cos"], d), _paired_chain(m["sin"], d)
+        cos_chain, sin_chain = _paired_chain(dims, m["cos"], d), _paired_chain(dims, m["sin"], d)
         for role, paired in (("cos", cos_chain), ("sin", sin_chain)):
             if paired is None:
                 return f"{role} is not proven repeat_interleave(2) of half-width angles (equal pairs)"
@@ -248,7 +252,7 @@ def _fail(m: Match, reason: str) -> None:
     return None
 
 
-def _every_two_refusal(m: Match, pairs: bool) -> Optional[str]:
+def _every_two_refusal(dims: Dims, m: Match, pairs: bool) -> Optional[str]:
     """Why the interleaved form's rotation is not ``stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)``, or
     None. The Neg is on the odd elements (the pattern) and they are stacked in that order."""
     if not pairs:
@@ -256,24 +260,24 @@ def _every_two_refusal(m: Match, pairs: bool) -> Optional[str]:
     if concat_axis(m.node("concat"), 5) != 4 or any(unsqueeze_axes(m.node(n), 5) != [4]
                                                    for n in ("stack_odd", "stack_even")):
         return "the even and odd elements are not stacked on a new last axis"
-    if not flattens_last_pair(m.node("flatten")):
+    if not flattens_last_pair(dims, m.node("flatten")):
         return "the stacked pairs are not flattened back into the head dim"
     return None
 
 
-def flattens_last_pair(node: Node) -> bool:
+def flattens_last_pair(dims: Dims, node: Node) -> bool:
     """``node`` is a Reshape of a 5-D (a, b, c, n, 2) tensor to (a, b, c, 2n) (torch's ``flatten(-2)``): each
     of the first three elements of its shape copies the dim (0 without allowzero) or provably equals it (or one
     of them is -1 and the last is 2n), or they are ``Shape(src)[0:3]``."""
     src = node.inputs[0]
     if node.op != "Reshape" or len(node.inputs) != 2 or src.shape is None or len(src.shape) != 5 \
-            or dim_at(src, 4) != 2 or not isinstance(dim_at(src, 3), int):
+            or dims.at(src, 4) != 2 or not isinstance(dims.at(src, 3), int):
         return False
-    elements = shape_elements(node.inputs[1])
-    if elements is None or len(elements[0]) != 4 or elements[0][3] not in (-1, 2 * dim_at(src, 3)):
+    elements = dims.elements(node.inputs[1])
+    if elements is None or len(elements[0]) != 4 or elements[0][3] not in (-1, 2 * dims.at(src, 3)):
         return False
     copies = not int(node.attrs.get("allowzero", 0))
-    kept = [(e == 0 and copies) or (e is not None and e == dim_at(src, k)) for k, e in enumerate(elements[0][:3])]
+    kept = [(e == 0 and copies) or (e is not None and e == dims.at(src, k)) for k, e in enumerate(elements[0][:3])]
     # one -1 among them is the dim itself when every other one is (the element count is kept)
     inferred = [e == -1 for e in elements[0][:3]]
     return all(kept) or (sum(inferred) == 1 and elements[0][3] != -1 and all(k or i for k, i in zip(kept, inferred))) \
@@ -348,7 +352,7 @@ def _split_sizes(node: Node, d: int) -> Optional[list[int]]:
     return [d // n] * n if d % n == 0 else None
 
 
-def _angle_shape(t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
+def _angle_shape(dims: Dims, t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
     """Whether ``t`` broadcasts against ``x`` as the op's cache does: (same batch, same positions), or why not.
 
     Aligned with x's (batch, heads, positions, head_dim) from the right: the last dim is ``width``, the heads
@@ -357,62 +361,58 @@ def _angle_shape(t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
     shape = t.shape
     if shape is None or not 1 <= len(shape) <= 4:
         return "its rank is unknown or above 4"
-    if _last_dim(t) != width:
+    if _last_dim(dims, t) != width:
         return f"its last dim {shape[-1]} is not {width}"
     pad = 4 - len(shape)
-    dims = [1] * pad + list(shape)
-    if len(shape) >= 3 and dims[1] != 1 and not _same_dim(t, 1 - pad, 1):
+    padded = [1] * pad + list(shape)
+    if len(shape) >= 3 and padded[1] != 1 and not _same_dim(dims, t, 1 - pad, 1):
         return "it is not broadcast over the heads (its heads dim is not 1)"
     same = []
     for axis, what in ((0, "batch"), (2, "positions")):
-        if axis >= pad and _same_dim(t, axis - pad, dim_at(x, axis)):
+        if axis >= pad and _same_dim(dims, t, axis - pad, dims.at(x, axis)):
             same.append(True)
-        elif dims[axis] == 1 or (axis >= pad and _same_dim(t, axis - pad, 1)):
-            same.append(dim_at(x, axis) == 1)
+        elif padded[axis] == 1 or (axis >= pad and _same_dim(dims, t, axis - pad, 1)):
+            same.append(dims.at(x, axis) == 1)
         else:
             return f"its {what} dim is neither 1 nor provably x's"
     return same[0], same[1]
 
 
-#: :func:`_angle_shape` verdicts kept for one :func:`apply_rules` call whose rules rewrite nothing (each angle
-#: tensor is usually shared by q and k of every layer): (id(angles), width, x's batch dim, x's positions dim)
-#: -> (the angle tensor, the verdict). None while rules may rewrite.
-_ANGLE_SHAPES: ContextVar[Optional[dict[tuple, tuple]]] = ContextVar("k3opt_rotary_angle_shapes", default=None)
-
-
-def _known_angle_shape(t: Tensor, x: Tensor, width: int) -> "tuple[bool, bool] | str":
-    """:func:`_angle_shape`, remembered while :data:`_ANGLE_SHAPES` is set (it reads x only through these dims)."""
-    memo = _ANGLE_SHAPES.get()
-    if memo is None:
-        return _angle_shape(t, x, width)
-    key = (id(t), width, dim_at(x, 0), dim_at(x, 2))
-    hit = memo.get(key)
+def _known_angle_shape(dims: Dims, verdicts: Optional[dict[tuple, tuple]], t: Tensor, x: Tensor,
+                       width: int) -> "tuple[bool, bool] | str":
+    """:func:`_angle_shape`, kept in ``verdicts`` when given (rules that rewrite nothing: each angle tensor is
+    usually shared by q and k of every layer). It reads x only through its batch and positions dims: the key
+    is (id(angles), width, x's batch dim, x's positions dim), the entry (the angle tensor, the verdict)."""
+    if verdicts is None:
+        return _angle_shape(dims, t, x, width)
+    key = (id(t), width, dims.at(x, 0), dims.at(x, 2))
+    hit = verdicts.get(key)
     if hit is None or hit[0] is not t:
-        hit = memo[key] = (t, _angle_shape(t, x, width))
+        hit = verdicts[key] = (t, _angle_shape(dims, t, x, width))
     return hit[1]
 
 
-def _last_dim(t: Tensor) -> Optional[int]:
+def _last_dim(dims: Dims, t: Tensor) -> Optional[int]:
     """The static last dim of ``t``, also of a ``flatten(-2)`` Reshape whose inferred shape lost it."""
     node = producer(t)
-    if checks.last_dim(t) is None and node is not None and node.op == "Reshape" and flattens_last_pair(node):
-        return 2 * dim_at(node.inputs[0], 3)
+    if checks.last_dim(t) is None and node is not None and node.op == "Reshape" and flattens_last_pair(dims, node):
+        return 2 * dims.at(node.inputs[0], 3)
     return checks.last_dim(t)
 
 
-def _same_dim(t: Tensor, axis: int, want: Dim) -> bool:
+def _same_dim(dims: Dims, t: Tensor, axis: int, want: Dim) -> bool:
     """Dim ``axis`` of ``t`` is provably ``want`` (a number or symbol): as inferred, or traced back through the
     ops that compute angles from positions (element-wise ops, Unsqueeze, Gather, ``Range(0, n, 1)``)."""
     if want is None:
         return False
     for _ in range(_MAX_DEPTH):
-        have = dim_at(t, axis)
+        have = dims.at(t, axis)
         if have == want:
             return True
         node = producer(t)
         if node is None or isinstance(have, int) or (node.domain or "") not in ("", "ai.onnx") or t.shape is None:
             return False
-        step = _dim_source(node, t, axis)
+        step = _dim_source(dims, node, t, axis)
         if step is None:
             return False
         if step[0] is None:
@@ -421,7 +421,7 @@ def _same_dim(t: Tensor, axis: int, want: Dim) -> bool:
     return False
 
 
-def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
+def _dim_source(dims: Dims, node: Node, t: Tensor, axis: int) -> Optional[tuple]:
     """Where dim ``axis`` of ``t`` (``node``'s output) comes from: (tensor, axis), or (None, value) when it is
     a value read off a Range's bound; None when not known."""
     rank = len(t.shape)
@@ -435,9 +435,9 @@ def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
             return None
         varying = [(x, j) for x in inputs for j in [axis - (rank - len(x.shape))] if j >= 0 and x.shape[j] != 1]
         return varying[0] if len(varying) == 1 else None
-    if op == "Reshape" and axis < rank - 1 and flattens_last_pair(node):
+    if op == "Reshape" and axis < rank - 1 and flattens_last_pair(dims, node):
         return inputs[0], axis
-    if op in ("Tile", "Expand") and _repeats_last_axis_only(node) is not None and axis < rank - 1:
+    if op in ("Tile", "Expand") and _repeats_last_axis_only(dims, node) is not None and axis < rank - 1:
         return inputs[0], axis
     if op == "Unsqueeze":
         axes = unsqueeze_axes(node, rank)
@@ -456,11 +456,11 @@ def _dim_source(node: Node, t: Tensor, axis: int) -> Optional[tuple]:
         return inputs[0], axis - k + 1
     if op == "Range" and axis == 0 and small_const_scalar(inputs[2]) == 1:
         if small_const_scalar(inputs[0]) == 0:
-            return None, _scalar_dim(inputs[1])
+            return None, _scalar_dim(dims, inputs[1])
         limit = producer(inputs[1])
         if limit is not None and limit.op == "Add" and len(limit.inputs) == 2 \
                 and any(a is inputs[0] for a in limit.inputs):
-            return None, _scalar_dim(limit.inputs[1] if limit.inputs[0] is inputs[0] else limit.inputs[0])
+            return None, _scalar_dim(dims, limit.inputs[1] if limit.inputs[0] is inputs[0] else limit.inputs[0])
     return None
 
 
@@ -478,10 +478,10 @@ def unsqueeze_axes(node: Node, out_rank: int) -> Optional[list[int]]:
     return None if axes is None else sorted(a + out_rank if a < 0 else a for a in axes)
 
 
-def _scalar_dim(t: Tensor) -> Dim:
+def _scalar_dim(dims: Dims, t: Tensor) -> Dim:
     """The one element of a shape computation (``Gather(Shape(x), i)``, also through Squeeze/Reshape), or None."""
     for _ in range(2):
-        elements = shape_elements(t)
+        elements = dims.elements(t)
         if elements is not None and len(elements[0]) == 1:
             return elements[0][0]
         node = producer(t)
@@ -594,7 +594,7 @@ def whole_of_half(t: Tensor, d: int) -> Optional[tuple[Tensor, list[Node]]]:
     return (u, unsqueezes[::-1]) if _symmetric(_chain(u), d) else None
 
 
-def _paired_chain(t: Tensor, d: int) -> Optional[tuple[list[tuple[Node, int]], Tensor]]:
+def _paired_chain(dims: Dims, t: Tensor, d: int) -> Optional[tuple[list[tuple[Node, int]], Tensor]]:
     """The chain of a full-width angle tensor ``t`` whose pairs ``(2i, 2i+1)`` are proven equal: element-wise
     steps along the last axis of ``repeat_interleave(f, 2)`` (then followed on into ``f``), or of a constant
     with equal pairs; None otherwise."""
@@ -606,21 +606,21 @@ def _paired_chain(t: Tensor, d: int) -> Optional[tuple[list[tuple[Node, int]], T
         paired = value is not None and value.ndim >= 1 and value.shape[-1] == d \
             and np.array_equal(value[..., 0::2], value[..., 1::2])
         return (steps, root) if paired else None
-    half = _repeated(root, d)
+    half = _repeated(dims, root, d)
     if half is None:
         return None
     below, base = _chain(half)
     return steps + below, base
 
 
-def _repeated(t: Tensor, d: int) -> Optional[Tensor]:
+def _repeated(dims: Dims, t: Tensor, d: int) -> Optional[Tensor]:
     """``f`` when ``t`` is ``repeat_interleave(f, 2)`` along its last axis (of ``d`` elements), as exporters
     write it: ``Reshape(Tile|Expand(Unsqueeze(f, -1), [1, ..., 1, 2]))`` flattening the last two axes."""
     node = producer(t)
-    if node is None or node.op != "Reshape" or _last_dim(t) != d or not flattens_last_pair(node):
+    if node is None or node.op != "Reshape" or _last_dim(dims, t) != d or not flattens_last_pair(dims, node):
         return None
     repeat = producer(node.inputs[0])
-    if repeat is None or repeat.op not in ("Tile", "Expand") or _repeats_last_axis_only(repeat) != 2:
+    if repeat is None or repeat.op not in ("Tile", "Expand") or _repeats_last_axis_only(dims, repeat) != 2:
         return None
     unsqueeze = producer(repeat.inputs[0])
     if unsqueeze is None or unsqueeze.op != "Unsqueeze" or (unsqueeze_axes(unsqueeze, 5) or [])[-1:] != [4]:
@@ -628,7 +628,7 @@ def _repeated(t: Tensor, d: int) -> Optional[Tensor]:
     return unsqueeze.inputs[0]
 
 
-def _repeats_last_axis_only(node: Node) -> Optional[int]:
+def _repeats_last_axis_only(dims: Dims, node: Node) -> Optional[int]:
     """How many times a Tile or Expand (of a known-rank input, same rank out) repeats its last axis, when its
     constant repeats/shape are 1 on every other axis (an Expand's input then has a last dim of 1); else None."""
     src = node.inputs[0]
@@ -636,7 +636,7 @@ def _repeats_last_axis_only(node: Node) -> Optional[int]:
     if value is None or src.shape is None or value.ndim != 1 or value.size != len(src.shape) \
             or any(int(v) != 1 for v in value[:-1]):
         return None
-    if node.op == "Expand" and dim_at(src, len(src.shape) - 1) != 1:
+    if node.op == "Expand" and dims.at(src, len(src.shape) - 1) != 1:
         return None
     return int(value[-1])
 
@@ -673,16 +673,7 @@ def _slice_spares(node: Node, rank: int, axis: int) -> bool:
 
 # -- the rewrite -----------------------------------------------------------------------------------------------------
 
-def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule], counting: bool = False) -> int:
-    """One sweep per rule, in order. Dims are traced with the run's dims analysis (declared symbols such as
-    ``batch`` are not traced at all). ``counting``: the rules' rewrites change nothing (they return None), so
-    the graph stays as it is and what the checks find about an angle tensor holds for the whole call."""
-    done = 0
-    token = _ANGLE_SHAPES.set({} if counting else None)
-    try:
-        with ctx.analysis(DimAnalysis, graph):
-            for rule in rules:
-                done += sweep(graph, ctx, [rule])
-    finally:
-        _ANGLE_SHAPES.reset(token)
-    return done
+def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
+    """One sweep per rule, in order. Dims are traced with the run's dims analysis (``Match.dims``: declared
+    symbols such as ``batch`` are not traced at all)."""
+    return sum(sweep(graph, ctx, [rule]) for rule in rules)

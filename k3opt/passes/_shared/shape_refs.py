@@ -13,8 +13,8 @@ import numpy as np
 from ...graph import ir
 from ...graph.ir import Node, Tensor, producer
 from ...graph.small_constants import small_const_value
+from ...graph.symbolic.dims import Dims
 from ...patterns import checks
-from ...graph.symbolic import dims as symbolic
 
 
 def shape_refs(t: Tensor) -> Optional[list]:
@@ -74,23 +74,23 @@ def small_ints(t: Tensor) -> Optional[list[int]]:
     return None if value is None or value.dtype.kind not in "iu" else [int(v) for v in value.reshape(-1)]
 
 
-def is_dim_of(ref: object, x: Tensor, axis: int) -> bool:
+def is_dim_of(dims: Dims, ref: object, x: Tensor, axis: int) -> bool:
     """``ref`` (from :func:`shape_refs`) is dim ``axis`` of ``x``: read from ``x``'s shape, or equal to it as a
-    number or a symbol (equal ``dim_param`` names are equal sizes)."""
-    return same_size(ref, ("dim", x, axis))
+    number or a symbol (equal ``dim_param`` names are equal sizes) as ``dims`` traces them."""
+    return same_size(dims, ref, ("dim", x, axis))
 
 
-def same_size(a: object, b: object) -> bool:
+def same_size(dims: Dims, a: object, b: object) -> bool:
     """Two :func:`shape_refs` elements are provably the same size: one element of one tensor, or equal
     numbers or symbols (equal ``dim_param`` names are equal sizes)."""
     if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] and a[1] is b[1] and a[2] == b[2]:
         return True
-    a, b = ref_size(a), ref_size(b)
+    a, b = ref_size(dims, a), ref_size(dims, b)
     return a is not None and a == b and not (isinstance(a, int) and a < 0)
 
 
-def ref_size(ref: object) -> object:
+def ref_size(dims: Dims, ref: object) -> object:
     """What is known of a ref's size: a number, a symbol, or None."""
     if isinstance(ref, tuple):
-        return symbolic.dim_at(ref[1], ref[2]) if ref[0] == "dim" else None
+        return dims.at(ref[1], ref[2]) if ref[0] == "dim" else None
     return ref

@@ -22,11 +22,11 @@ from typing import Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, as_constant, is_const, producer, set_input
+from ...graph.symbolic.algebra import Dim
+from ...graph.symbolic.dims import Dims
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass
-from ...graph.symbolic.dims import Dim, dim_at, shape_elements
-from ...pipeline.analyses import DimAnalysis
 
 #: How far back the target's and the input's dims are traced: a CNN's batch size is often lost by shape
 #: inference at a Resize and found again a dozen ops upstream (cached per tensor within a run).
@@ -35,10 +35,10 @@ TRACE_DEPTH = 24
 UNKNOWN = object()
 
 
-def target_elements(t: Tensor) -> Optional[list[object]]:
-    """The target's elements as :func:`shape_elements` knows them; a Concat's 1-element part it cannot
+def target_elements(dims: Dims, t: Tensor) -> Optional[list[object]]:
+    """The target's elements as :meth:`Dims.elements` knows them; a Concat's 1-element part it cannot
     read (a ``Cast`` of a dim, say) counts as :data:`UNKNOWN`. None when the length is not known."""
-    elements = shape_elements(t, TRACE_DEPTH)
+    elements = dims.elements(t, TRACE_DEPTH)
     if elements is not None:
         return list(elements[0]) if len(elements[1]) == 1 else None
     p = producer(t)
@@ -46,7 +46,7 @@ def target_elements(t: Tensor) -> Optional[list[object]]:
         return None
     out: list[object] = []
     for part in p.inputs:
-        known = shape_elements(part, TRACE_DEPTH)
+        known = dims.elements(part, TRACE_DEPTH)
         if known is not None and len(known[1]) == 1:
             out += known[0]
         elif part.shape is not None and list(part.shape) == [1]:
@@ -67,18 +67,15 @@ class CopyReshapeDims(NodeRewritePass):
     preserves = frozenset({Shapes})
     ops = frozenset({"Reshape"})
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        with ctx.analysis(DimAnalysis, graph):
-            return super().run(graph, ctx)
-
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         if len(node.inputs) != 2 or is_const(node.inputs[1]) or node.attrs.get("allowzero", 0):
             return False
-        elements = target_elements(node.inputs[1])
+        dims = ctx.dims(graph)
+        elements = target_elements(dims, node.inputs[1])
         if elements is None:
             return False
         x = node.inputs[0]
-        target: list[Optional[int]] = [_spelled(e, x, i) for i, e in enumerate(elements)]
+        target: list[Optional[int]] = [_spelled(dims, e, x, i) for i, e in enumerate(elements)]
         unknown = [i for i, e in enumerate(target) if e is None]
         if len(unknown) > 1:
             return False
@@ -97,8 +94,8 @@ def _sharpens(node: Node, target: list[Optional[int]]) -> bool:
     lacks (a number, or a 0 copying a known input dim, where the data propagation of the old target lost it).
 
     A -1 that inference may now compute (the 0s cancel symbolic dims) is not counted: dim tracing reads that
-    quotient already (``k3opt.graph.symbolic.dims._reshaped_dim``), and counting it costs the 64-layer Llama a third
-    inference and a round for value_info only."""
+    quotient already (``k3opt.graph.symbolic.trace._reshaped_dim``), and counting it costs the 64-layer Llama a
+    third inference and a round for value_info only."""
     out, x = node.outputs[0].shape, node.inputs[0].shape
     if out is None or len(out) != len(target):
         return True
@@ -107,9 +104,9 @@ def _sharpens(node: Node, target: list[Optional[int]]) -> bool:
                for d, e, c in zip(out, target, copied))
 
 
-def _spelled(e: object, x: Tensor, i: int) -> Optional[int]:
+def _spelled(dims: Dims, e: object, x: Tensor, i: int) -> Optional[int]:
     """Element ``e`` at position ``i`` as a constant target entry (0: copy x's dim ``i``), None if unknown."""
     if isinstance(e, int):
         return e
     d: Dim = e if isinstance(e, str) else None
-    return 0 if d is not None and dim_at(x, i, TRACE_DEPTH) == d else None
+    return 0 if d is not None and dims.at(x, i, TRACE_DEPTH) == d else None

@@ -15,19 +15,18 @@ replaced by a value of another graph.
 from __future__ import annotations
 
 from ...graph.ir import Graph, Node, Tensor, producer, toposort
+from ...graph.symbolic.dims import Dims
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext
 from .._rewire import bypass, remove
-from ...graph.symbolic.dims import inferred_picked, shape_elements
-from ...pipeline.analyses import DimAnalysis
 
 
-def _dim_key(node: Node) -> object:
+def _dim_key(dims: Dims, node: Node) -> object:
     """(symbol, result shape) of a Gather of a Shape that reads one symbolic dim, else None."""
     src = producer(node.inputs[0]) if node.inputs else None
     if src is None or src.op != "Shape" or (src.domain or "") not in ("", "ai.onnx"):
         return None
-    picked = shape_elements(node.outputs[0])
+    picked = dims.elements(node.outputs[0])
     if picked is None or len(picked[0]) != 1 or not isinstance(picked[0][0], str):
         return None
     return picked[0][0], picked[1]
@@ -44,14 +43,14 @@ class MergeEqualDims(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         toposort(graph)  # gs's order in linear time, bodies included (gs's own rebuilds its tensor maps at every call)
-        with ctx.analysis(DimAnalysis, graph):
-            results = [self._merge(g) for g in ctx.graphs(graph)]
+        dims = ctx.dims(graph)  # the main graph's for its bodies too: the symbols its inputs declare hold there
+        results = [self._merge(g, dims) for g in ctx.graphs(graph)]
         if any(sharpened for _, sharpened in results):
             ctx.analyses.sharpen_shapes(graph)
         return sum(merged for merged, _ in results)
 
     @staticmethod
-    def _merge(graph: Graph) -> tuple[int, bool]:
+    def _merge(graph: Graph, dims: Dims) -> tuple[int, bool]:
         """Merge within ``graph`` alone (the main graph or one If/Loop/Scan body): a body's readers keep
         to the body, whose first reader precedes the others in its own order. Also whether a merge joined
         a value inference does not know as the symbol (it was traced): inference may then know more."""
@@ -61,13 +60,13 @@ class MergeEqualDims(Pass):
         for node in list(graph.nodes):
             if node.op != "Gather" or (node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1:
                 continue
-            key = _dim_key(node)
+            key = _dim_key(dims, node)
             if key is None:
                 continue
             kept = first.setdefault(key, node.outputs[0])
             if kept is node.outputs[0]:
                 continue
-            sharpened = sharpened or any(inferred_picked(n) != [key[0]] for n in (node, producer(kept)))
+            sharpened = sharpened or any(dims.inferred_picked(n) != [key[0]] for n in (node, producer(kept)))
             merged += bypass(graph, node, kept, dead)
         remove(graph, dead)
         return merged, sharpened

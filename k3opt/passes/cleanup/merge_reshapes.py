@@ -17,13 +17,12 @@ from typing import Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, as_constant, int_list, set_input
+from ...graph.symbolic.dims import Dims
 from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, chain_producer, detach
-from ...graph.symbolic.dims import dim_at
-from ...pipeline.analyses import DimAnalysis
 
 
-def resolved_target(first: Node, target: list[int]) -> Optional[list[int]]:
+def resolved_target(dims: Dims, first: Node, target: list[int]) -> Optional[list[int]]:
     """``target`` (the second Reshape's, allowzero off) with its 0s made independent of ``first``'s result."""
     middle, x = first.outputs[0], first.inputs[0]
     s1 = int_list(first.inputs[1]) if not first.attrs.get("allowzero", 0) else None
@@ -32,10 +31,10 @@ def resolved_target(first: Node, target: list[int]) -> Optional[list[int]]:
         if t != 0:
             out.append(t)
             continue
-        d = dim_at(middle, i)
+        d = dims.at(middle, i)
         if isinstance(d, int) and d > 0:
             out.append(d)
-        elif (s1 is not None and i < len(s1) and s1[i] == 0) or (isinstance(d, str) and dim_at(x, i) == d):
+        elif (s1 is not None and i < len(s1) and s1[i] == 0) or (isinstance(d, str) and dims.at(x, i) == d):
             out.append(0)
         elif isinstance(d, str):
             out.append(-1)  # a symbol x lacks there: the rest of the element count, when the others are numbers
@@ -52,10 +51,6 @@ class MergeReshapes(NodeRewritePass):
     order = 250
     ops = frozenset({"Reshape"})
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        with ctx.analysis(DimAnalysis, graph):
-            return super().run(graph, ctx)
-
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         first = chain_producer(graph, node, "Reshape", ctx)
         if first is None or len(node.inputs) < 2 or len(first.inputs) < 2:  # opset < 5: shape attribute
@@ -64,7 +59,7 @@ class MergeReshapes(NodeRewritePass):
         if target is None:
             return False
         if 0 in target and not node.attrs.get("allowzero", 0):
-            resolved = resolved_target(first, target)
+            resolved = resolved_target(ctx.dims(graph), first, target)
             if resolved is None:
                 return False
             if resolved != target:

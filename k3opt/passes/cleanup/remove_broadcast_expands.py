@@ -14,14 +14,14 @@ from __future__ import annotations
 from typing import Optional
 
 from ...graph.ir import Graph, Node, Tensor, producer, set_input
+from ...graph.symbolic.dims import Dims
+from ...graph.symbolic.trace import BROADCASTING
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass
-from ...graph.symbolic.dims import BROADCASTING, dim_at, shape_elements
-from ...pipeline.analyses import DimAnalysis
 
 
-def _given_by_others(target: list, others: list[Tensor]) -> bool:
+def _given_by_others(dims: Dims, target: list, others: list[Tensor]) -> bool:
     """Every element of ``target`` is 1 or a dim some tensor of ``others`` has at that right-aligned place."""
     ranks = [len(o.shape) for o in others if o.shape is not None]
     if not ranks or len(target) > max(ranks):
@@ -31,7 +31,7 @@ def _given_by_others(target: list, others: list[Tensor]) -> bool:
             continue
         if e is None or (isinstance(e, int) and e < 0):
             return False
-        if not any(o.shape is not None and len(o.shape) > k and dim_at(o, len(o.shape) - 1 - k) == e
+        if not any(o.shape is not None and len(o.shape) > k and dims.at(o, len(o.shape) - 1 - k) == e
                    for o in others):
             return False
     return True
@@ -44,19 +44,16 @@ class RemoveBroadcastExpands(NodeRewritePass):
     preserves = frozenset({Shapes})
     ops = BROADCASTING
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        with ctx.analysis(DimAnalysis, graph):
-            return super().run(graph, ctx)
-
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         done = False
         for i, t in enumerate(node.inputs):
             src = self._expanded(t)
             if src is None:
                 continue
-            target = shape_elements(producer(t).inputs[1])
+            dims = ctx.dims(graph)
+            target = dims.elements(producer(t).inputs[1])
             others = [o for j, o in enumerate(node.inputs) if j != i]
-            if target is None or len(target[1]) != 1 or not _given_by_others(list(target[0]), others):
+            if target is None or len(target[1]) != 1 or not _given_by_others(dims, list(target[0]), others):
                 continue
             set_input(node, i, src)
             done = True

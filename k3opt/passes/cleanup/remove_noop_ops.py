@@ -36,9 +36,8 @@ import numpy as np
 from ...graph.ir import Graph, Node, Tensor, const_tensor, producer, rank
 from ...pipeline.pass_base import PassContext
 from ...graph.small_constants import small_const_value, small_int_list
-from ...graph.symbolic.dims import dim_at, shape_elements
-from ...pipeline.analyses import DimAnalysis
 from ...graph.dtypes import onnx_type
+from ...graph.symbolic.dims import Dims
 from .._rewire import NodeRewritePass, bypass, cast_target
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -54,19 +53,19 @@ def _known(d: object) -> bool:
 REGROUPING = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
 
-def _same_reshape(node: Node) -> Optional[Tensor]:
+def _same_reshape(dims: Dims, node: Node) -> Optional[Tensor]:
     """The Reshape's input when the target is its own shape; else, when the input merely regroups
     some x (Reshape/Squeeze/Unsqueeze/Flatten), x when the target is x's shape (the pair undoes itself)."""
     x = node.inputs[0]
-    if _reshapes_to(node, x):
+    if _reshapes_to(dims, node, x):
         return x
     src = producer(x)
     if src is not None and src.op in REGROUPING and (src.domain or "") in ("", "ai.onnx") and src.inputs:
-        return src.inputs[0] if _reshapes_to(node, src.inputs[0]) else None
+        return src.inputs[0] if _reshapes_to(dims, node, src.inputs[0]) else None
     return None
 
 
-def _reshapes_to(node: Node, t: Tensor) -> bool:
+def _reshapes_to(dims: Dims, node: Node, t: Tensor) -> bool:
     """True when Reshape ``node``'s target is exactly ``t``'s shape, element by element (a literal equal
     known dim, the same symbol, a 0 copying an equal dim of the Reshape's input, at most one -1).
 
@@ -75,7 +74,7 @@ def _reshapes_to(node: Node, t: Tensor) -> bool:
     out = node.outputs[0].shape
     if t.shape is None or (out is not None and len(out) != len(t.shape)):
         return False
-    elements = shape_elements(node.inputs[1])
+    elements = dims.elements(node.inputs[1])
     if elements is None or len(elements[0]) != len(t.shape) or elements[0].count(-1) > 1:
         return False
     copy = not node.attrs.get("allowzero", 0)
@@ -84,8 +83,8 @@ def _reshapes_to(node: Node, t: Tensor) -> bool:
         if s == 0 and copy:
             if t is x:
                 continue
-            s = dim_at(x, i)
-        if s != -1 and (s is None or s != dim_at(t, i)):
+            s = dims.at(x, i)
+        if s != -1 and (s is None or s != dims.at(t, i)):
             return False
     return True
 
@@ -98,28 +97,28 @@ def _broadcast_keeps_shape(x: Tensor, other_shape: tuple) -> bool:
     return all(o == 1 or (_known(d) and o == d) for o, d in zip(other_shape, aligned))
 
 
-def _same_expand(node: Node) -> Optional[Tensor]:
+def _same_expand(dims: Dims, node: Node) -> Optional[Tensor]:
     """An Expand to a shape ``x`` already has: a constant that broadcasts onto ``x``'s known dims, or a shape
     computation (``Shape(x)``, pieces of it) whose every element is 1 or ``x``'s dim there (symbols too)."""
     target = small_int_list(node.inputs[1])
     x = node.inputs[0]
     if target is not None:
         return x if _broadcast_keeps_shape(x, tuple(target)) else None
-    elements = shape_elements(node.inputs[1])
+    elements = dims.elements(node.inputs[1])
     if x.shape is None or elements is None or len(elements[1]) != 1 or len(elements[0]) > len(x.shape):
         return None
     lead = len(x.shape) - len(elements[0])
-    same = all(e == 1 or (e is not None and e == dim_at(x, lead + i)) for i, e in enumerate(elements[0]))
+    same = all(e == 1 or (e is not None and e == dims.at(x, lead + i)) for i, e in enumerate(elements[0]))
     return x if same else None
 
 
-def _same_tile(node: Node) -> Optional[Tensor]:
+def _same_tile(dims: Dims, node: Node) -> Optional[Tensor]:
     """A Tile whose repeats are all 1."""
     repeats = small_int_list(node.inputs[1]) if len(node.inputs) > 1 else None
     return node.inputs[0] if repeats is not None and all(r == 1 for r in repeats) else None
 
 
-def _identity_transpose(node: Node) -> Optional[Tensor]:
+def _identity_transpose(dims: Dims, node: Node) -> Optional[Tensor]:
     x = node.inputs[0]
     perm = node.attrs.get("perm")
     if perm is None:
@@ -128,7 +127,7 @@ def _identity_transpose(node: Node) -> Optional[Tensor]:
     return x if list(perm) == list(range(len(perm))) else None
 
 
-def _same_cast(node: Node) -> Optional[Tensor]:
+def _same_cast(dims: Dims, node: Node) -> Optional[Tensor]:
     x = node.inputs[0]
     src = onnx_type(x.dtype)
     dst = cast_target(node) if node.op == "Cast" else onnx_type(node.inputs[1].dtype)
@@ -149,7 +148,7 @@ def _slice_args(node: Node) -> Optional[list[Optional[list[int]]]]:
     return args
 
 
-def _whole_slice(node: Node) -> Optional[Tensor]:
+def _whole_slice(dims: Dims, node: Node) -> Optional[Tensor]:
     x = node.inputs[0]
     args = None if x.shape is None else _slice_args(node)
     if args is None or args[0] is None or args[1] is None:
@@ -182,26 +181,26 @@ def _taken(start: int, end: int, step: int, n: int) -> range:
     return range(n) if step < 0 and len(taken) == n == 1 else taken
 
 
-def _unbounded_clip(node: Node) -> Optional[Tensor]:
+def _unbounded_clip(dims: Dims, node: Node) -> Optional[Tensor]:
     """A Clip with neither bound (no min/max inputs, or empty ones; no attributes before opset 11)."""
     bounded = any(k in node.attrs for k in ("min", "max")) or any(t.name for t in node.inputs[1:])
     return None if bounded else node.inputs[0]
 
 
-def _same_flatten(node: Node) -> Optional[Tensor]:
+def _same_flatten(dims: Dims, node: Node) -> Optional[Tensor]:
     """A Flatten of a 2-D tensor at axis 1 (or -1): ``(d0, d1)`` is already its own flattening."""
     x = node.inputs[0]
     return x if rank(x) == 2 and int(node.attrs.get("axis", 1)) in (1, -1) else None
 
 
-def _single_concat(node: Node) -> Optional[Tensor]:
+def _single_concat(dims: Dims, node: Node) -> Optional[Tensor]:
     return node.inputs[0] if len(node.inputs) == 1 else None
 
 
 _NEUTRAL = {"Add": 0, "Sub": 0, "Mul": 1, "Div": 1}
 
 
-def _neutral_arith(node: Node) -> Optional[Tensor]:
+def _neutral_arith(dims: Dims, node: Node) -> Optional[Tensor]:
     if len(node.inputs) != 2:
         return None
     sides = [(0, 1), (1, 0)] if node.op in ("Add", "Mul") else [(0, 1)]
@@ -215,7 +214,8 @@ def _neutral_arith(node: Node) -> Optional[Tensor]:
     return None
 
 
-CHECKS: dict[str, Callable[[Node], Optional[Tensor]]] = {
+#: What each op's check reads: the run's dims of the graph and the node; the tensor the node returns unchanged.
+CHECKS: dict[str, Callable[[Dims, Node], Optional[Tensor]]] = {
     "Reshape": _same_reshape,
     "Expand": _same_expand,
     "Tile": _same_tile,
@@ -236,12 +236,8 @@ class RemoveNoopOps(NodeRewritePass):
     order = 220
     ops = frozenset(CHECKS)
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        with ctx.analysis(DimAnalysis, graph):
-            return super().run(graph, ctx)
-
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        src = CHECKS[node.op](node)
+        src = CHECKS[node.op](ctx.dims(graph), node)
         if src is None:
             return False
         return bypass(graph, node, src, dead)

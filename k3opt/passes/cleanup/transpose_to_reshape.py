@@ -21,12 +21,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ...graph.ir import Graph, Node, as_constant, is_graph_output
+from ...graph.symbolic.algebra import Dim
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, bypass
 from .._shared.op_kinds import perm_of
-from ...graph.symbolic.dims import Dim, shape_elements, tensor_dims
-from ...pipeline.analyses import DimAnalysis
 
 
 def reshape_target(dims: Sequence[Dim], perm: Sequence[int]) -> Optional[list[int]]:
@@ -56,7 +55,8 @@ def keeps_order(dims: Sequence[Dim], perm: Sequence[int]) -> bool:
     return len(dims) == len(perm) and sorted(perm) == list(range(len(perm))) and kept == sorted(kept)
 
 
-def _into_reshape(graph: Graph, node: Node, perm: Sequence[int], dims: Sequence[Dim], dead: list[Node]) -> bool:
+def _into_reshape(graph: Graph, ctx: PassContext, node: Node, perm: Sequence[int], dims: Sequence[Dim],
+                  dead: list[Node]) -> bool:
     """A Transpose moving only unit dims, whose one reader is a Reshape of it, goes: the Reshape reads the
     elements in the same order from the Transpose's input. Only where every target element that may be 0 (a 0,
     or computed) stands at an axis the Transpose keeps in place: a 0 copies that axis of the Reshape's input.
@@ -70,7 +70,7 @@ def _into_reshape(graph: Graph, node: Node, perm: Sequence[int], dims: Sequence[
             or reader.inputs[0] is not out or reader.inputs[1] is out:
         return False
     if not reader.attrs.get("allowzero", 0):
-        elements = shape_elements(reader.inputs[1])
+        elements = ctx.dims(graph).elements(reader.inputs[1])
         if elements is None:
             return False
         for i, e in enumerate(elements[0]):
@@ -88,15 +88,11 @@ class TransposeToReshape(NodeRewritePass):
     anchor_ops = frozenset({"Transpose"})
     preserves = frozenset({Shapes})
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        with ctx.analysis(DimAnalysis, graph):  # values never change here: what was traced holds
-            return super().run(graph, ctx)
-
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        perm, dims = perm_of(node), tensor_dims(node.inputs[0])
+        perm, dims = perm_of(node), ctx.dims(graph).of(node.inputs[0])
         target = None if perm is None or dims is None else reshape_target(dims, perm)
         if target is None:
-            return perm is not None and dims is not None and _into_reshape(graph, node, perm, dims, dead)
+            return perm is not None and dims is not None and _into_reshape(graph, ctx, node, perm, dims, dead)
         node.op = "Reshape"
         node.attrs.clear()
         node.inputs.append(as_constant(ctx.fresh_name(f"{node.name or 'Transpose'}_shape"),

@@ -18,10 +18,9 @@ from typing import Optional
 
 from ...graph.ir import Graph, Node, Tensor, const_tensor, is_graph_output, producer, rank, set_input
 from ...graph.small_constants import small_int_list
+from ...graph.symbolic.dims import Dims
 from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass
-from ...graph.symbolic.dims import dim_at
-from ...pipeline.analyses import DimAnalysis
 
 
 def _reshape_readers_only(graph: Graph, t: Tensor) -> bool:
@@ -50,11 +49,10 @@ class UnflattenMatMul(NodeRewritePass):
     def run(self, graph: Graph, ctx: PassContext) -> int:
         if ctx.target.prefers_2d_matmuls:  # cann: ATC's MatMul/Gemm on the flattened 2-D form
             return 0
-        with ctx.analysis(DimAnalysis, graph):
-            return super().run(graph, ctx)
+        return super().run(graph, ctx)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
-        x = self._flattened(node)
+        x = self._flattened(ctx.dims(graph), node)
         if x is None:
             return False
         y = node.outputs[0]
@@ -70,7 +68,7 @@ class UnflattenMatMul(NodeRewritePass):
         return True
 
     @staticmethod
-    def _flattened(node: Node) -> Optional[Tensor]:
+    def _flattened(dims: Dims, node: Node) -> Optional[Tensor]:
         """``x`` when the MatMul reads ``Reshape(x, [-1, K])`` (rank(x) >= 3, x's last dim K) and a 2-D constant W."""
         if len(node.inputs) != 2:
             return None
@@ -85,4 +83,4 @@ class UnflattenMatMul(NodeRewritePass):
         if target is None or len(target) != 2 or r is None or r < 3:
             return None
         k = int(w.shape[0])
-        return x if target[1] == k and dim_at(x, r - 1) == k else None
+        return x if target[1] == k and dims.at(x, r - 1) == k else None

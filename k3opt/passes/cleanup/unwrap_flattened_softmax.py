@@ -17,15 +17,14 @@ from __future__ import annotations
 from typing import Optional
 
 from ...graph.ir import Graph, Node, Tensor, producer, set_input
+from ...graph.symbolic.dims import Dims
 from ...pipeline.pass_base import PassContext
 from .._rewire import NodeRewritePass, bypass, single_use
-from ...graph.symbolic.dims import dim_at, shape_elements
-from ...pipeline.analyses import DimAnalysis
 
 WRAPPED_OPS = frozenset({"Softmax", "LogSoftmax", "Hardmax"})
 
 
-def row_axis(x: Tensor, k: int) -> Optional[int]:
+def row_axis(dims: Dims, x: Tensor, k: int) -> Optional[int]:
     """The one axis of ``x`` from ``k`` on whose dim is not known to be 1 (the last when there is none), or
     None when there are several or the rank is unknown."""
     if x.shape is None:
@@ -34,23 +33,23 @@ def row_axis(x: Tensor, k: int) -> Optional[int]:
     k = k + r if k < 0 else k
     if not 0 <= k < r:
         return None
-    free = [i for i in range(k, r) if dim_at(x, i) != 1]
+    free = [i for i in range(k, r) if dims.at(x, i) != 1]
     return free[0] if len(free) == 1 else (r - 1 if not free else None)
 
 
-def restores(reshape: Node, x: Tensor) -> bool:
+def restores(dims: Dims, reshape: Node, x: Tensor) -> bool:
     """The Reshape's target is ``x``'s shape element by element (equal known dims or symbols, one -1 at most),
     or ``Shape(x)`` itself (onnx's Softmax 12 -> 13 adapter's spelling, whatever x's dims are)."""
     shape = producer(reshape.inputs[1])
     if shape is not None and shape.op == "Shape" and shape.inputs and shape.inputs[0] is x \
             and shape.attrs.get("start", 0) == 0 and shape.attrs.get("end") is None:
         return True
-    elements = shape_elements(reshape.inputs[1])
+    elements = dims.elements(reshape.inputs[1])
     if x.shape is None or elements is None or len(elements[1]) != 1 or len(elements[0]) != len(x.shape):
         return False
     if elements[0].count(-1) > 1:
         return False
-    return all(e == -1 or (e is not None and e == dim_at(x, i)) for i, e in enumerate(elements[0]))
+    return all(e == -1 or (e is not None and e == dims.at(x, i)) for i, e in enumerate(elements[0]))
 
 
 class UnwrapFlattenedSoftmax(NodeRewritePass):
@@ -58,10 +57,6 @@ class UnwrapFlattenedSoftmax(NodeRewritePass):
     description = "Reshape(Softmax(Flatten(x, k)), shape(x)) -> Softmax(x, j) when x[k:] has one dim above 1."
     order = 264
     ops = frozenset({"Reshape"})
-
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        with ctx.analysis(DimAnalysis, graph):
-            return super().run(graph, ctx)
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext, dead: list[Node]) -> bool:
         op = producer(node.inputs[0])
@@ -73,8 +68,9 @@ class UnwrapFlattenedSoftmax(NodeRewritePass):
                 or not single_use(graph, op.inputs[0]) or not ctx.owns(graph, flat) or not ctx.owns(graph, op)):
             return False
         x = flat.inputs[0]
-        j = row_axis(x, int(flat.attrs.get("axis", 1)))
-        if j is None or not restores(node, x):
+        dims = ctx.dims(graph)
+        j = row_axis(dims, x, int(flat.attrs.get("axis", 1)))
+        if j is None or not restores(dims, node, x):
             return False
         if not bypass(graph, node, op.outputs[0], dead):
             return False

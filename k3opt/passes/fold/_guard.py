@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ...graph.ir import Node, Tensor, const_shape, peek
-from ...graph.symbolic.dims import shape_only_uses
+from ...graph.symbolic.values import shape_only_uses
 
 DEFAULT_MAX_BYTES = 1 << 20
 DEFAULT_MAX_ELEMENTS = 1 << 20

@@ -42,8 +42,7 @@ from ..fold._eval import EvalError, as_array, run_ort, run_reference
 from ..fold._guard import too_big
 from ..fold._low_precision import disagreeing
 from ...graph.small_constants import remember_value
-from ...graph.symbolic.dims import fold_shape_value
-from ...pipeline.analyses import DimAnalysis
+from ...graph.symbolic.dims import Dims
 from ..fold._starts import is_constant, start_nodes, still_in
 
 FOLDABLE_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "com.microsoft"})
@@ -72,20 +71,20 @@ class FoldConstants(Pass):
         """Fold ``graph``, then each body of the nodes it still holds (If/Loop/Scan), outermost first."""
         # One dims analysis for every sweep and graph: the editing helpers tell it what each change rewired
         # (traces are re-walked only there); the symbols the main graph declares are not traced.
-        with ctx.analysis(DimAnalysis, graph):
-            if len(ctx.graphs(graph)) == 1:
-                return self._fold_graph(graph, ctx)
-            total, pending = 0, [graph]
-            while pending:
-                g = pending.pop(0)
-                n = self._fold_graph(g, ctx)
-                if n:
-                    ctx.changed()  # the census answers for the next graph must see this one's rewrites
-                total += n
-                pending += [body for holder in _holders(g) for body in node_subgraphs(holder)]
-            return total
+        dims = ctx.dims(graph)
+        if len(ctx.graphs(graph)) == 1:
+            return self._fold_graph(graph, ctx, dims)
+        total, pending = 0, [graph]
+        while pending:
+            g = pending.pop(0)
+            n = self._fold_graph(g, ctx, dims)
+            if n:
+                ctx.changed()  # the census answers for the next graph must see this one's rewrites
+            total += n
+            pending += [body for holder in _holders(g) for body in node_subgraphs(holder)]
+        return total
 
-    def _fold_graph(self, graph: Graph, ctx: PassContext) -> int:
+    def _fold_graph(self, graph: Graph, ctx: PassContext, dims: Dims) -> int:
         """The sweeps over one graph (not its bodies)."""
         # The census is asked before any rewrite (the manager drops it after a run that rewrote). No sweep
         # adds a shape op, so each sweep's candidates are those of the sweep before still in the graph.
@@ -96,7 +95,7 @@ class FoldConstants(Pass):
         installed: list[tuple[Tensor, Tensor]] = []  # (tensor, constant) installed since
         for _ in range(MAX_SWEEPS):
             shape_nodes = still_in(graph, shape_nodes)
-            n, touched = self._fold_shapes(graph, ctx, shape_nodes, installed)
+            n, touched = self._fold_shapes(graph, ctx, dims, shape_nodes, installed)
             if none_foldable and not touched:
                 break  # the graph is as that sweep saw it: no node is foldable still (n is 0)
             starts = start_nodes(graph, starts, installed)
@@ -125,14 +124,15 @@ class FoldConstants(Pass):
         return len(dead)
 
     # -- sweep 2 -----------------------------------------------------------
-    def _fold_shapes(self, graph: Graph, ctx: PassContext, nodes: list[Node], made: list) -> tuple[int, bool]:
+    def _fold_shapes(self, graph: Graph, ctx: PassContext, dims: Dims, nodes: list[Node],
+                     made: list) -> tuple[int, bool]:
         """Fold the shape computations among ``nodes`` (the graph's, in graph order), adding to ``made`` what
         is installed; returns (nodes removed, whether the graph changed at all)."""
         folded: list[Node] = []
         installed: list = []
         for node in nodes:
             if (node.domain or "") in ("", "ai.onnx") and is_used(graph, node.outputs[0]):
-                value = fold_shape_value(node)
+                value = dims.fold(node)
                 if value is not None and _install(graph, ctx, node.outputs[0], value, installed):
                     folded.append(node)
         n = _drop_dead(graph, folded)

@@ -36,7 +36,6 @@ import numpy as np
 from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, producer, replace_uses
 from ...patterns import RewriteBuilder, checks
-from ...graph.symbolic import dims as symbolic
 from .._shared.attention_sites import attention_sites, site_name, why_unrecognised
 from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules
 from ...pipeline.pass_base import Pass, PassContext
@@ -143,8 +142,9 @@ def _square(am: AttentionMatch, cached: bool) -> bool:
     """q and the keys are of one static length, so the causal mask is the square lower triangle. With the
     cache given as ``past_key``, where ``is_causal`` aligns (upper left in the spec's text, offset by the past
     length in onnxruntime) matters unless the past is empty: q's length must also be the new keys'."""
-    sq, skv = symbolic.dim_at(am.q, 2), symbolic.dim_at(am.k, 2)
-    return isinstance(sq, int) and sq == skv and (not cached or sq == symbolic.dim_at(am.new_key, 2))
+    dims = am.match.dims
+    sq, skv = dims.at(am.q, 2), dims.at(am.k, 2)
+    return isinstance(sq, int) and sq == skv and (not cached or sq == dims.at(am.new_key, 2))
 
 
 def _mask_value(op: RewriteBuilder, am: AttentionMatch) -> Tensor:
@@ -161,8 +161,9 @@ def _fitted_mask(op: RewriteBuilder, am: AttentionMatch, mask: Tensor, cached: b
     """``mask`` with its last two axes of q's and k's sequence lengths (Expand when not provably so; with the
     cache as past inputs, ``cached``, its length is read from the parts: the Concat goes)."""
     rank = max(2, len(am.mask.shape))
-    sq, skv = symbolic.dim_at(am.q, 2), symbolic.dim_at(am.k, 2)
-    have = [symbolic.dim_at(am.mask, i) for i in range(len(am.mask.shape))][-2:]
+    dims = am.match.dims
+    sq, skv = dims.at(am.q, 2), dims.at(am.k, 2)
+    have = [dims.at(am.mask, i) for i in range(len(am.mask.shape))][-2:]
     if len(have) == 2 and have[0] == sq and have[1] == skv and sq is not None and skv is not None:
         return mask
     q_len = op.Shape(am.q, start=2, end=3)

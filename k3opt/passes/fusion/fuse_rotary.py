@@ -17,7 +17,6 @@ cann`` the lowering ``lower-rotary-npu`` makes them NPURotaryPositionEmbedding (
 from __future__ import annotations
 
 import re
-from contextvars import ContextVar
 from typing import Any, Optional
 
 import numpy as np
@@ -118,29 +117,17 @@ PARTIAL = Rule("rotary-partial", _partial, _partial_rewrite, _partial_check,
 RULES = [*rotary_rules(to_rotary_embedding), PARTIAL]
 
 
-#: Roots of the rotations the counting rules saw, for the :func:`find_rotaries` call running in this
-#: context (the rules are built once and shared; what they find is the call's).
-_found: ContextVar[Optional[dict[int, Node]]] = ContextVar("k3opt_rotaries_found", default=None)
+def find_rotaries(graph: Graph, ctx: PassContext) -> list[Node]:
+    """The root node of every rotary embedding recognised (and exact to fuse); changes nothing.
 
+    The counting rules are built for the call (about a millisecond): what they find, and what their checks
+    learn about each angle tensor while the graph stays as it is, is the call's."""
+    found: dict[int, Node] = {}
 
-def _record(op: RewriteBuilder, rm: RotaryMatch) -> None:
-    found = _found.get()
-    if found is not None:
+    def record(op: RewriteBuilder, rm: RotaryMatch) -> None:
         found.setdefault(id(rm.root), rm.root)
 
-
-#: The rules counting, not rewriting (built once: building a pattern is not free).
-_COUNTING = rotary_rules(_record)
-
-
-def find_rotaries(graph: Graph, ctx: PassContext) -> list[Node]:
-    """The root node of every rotary embedding recognised (and exact to fuse); changes nothing."""
-    found: dict[int, Node] = {}
-    token = _found.set(found)
-    try:
-        apply_rules(graph, ctx, _COUNTING, counting=True)
-    finally:
-        _found.reset(token)
+    apply_rules(graph, ctx, rotary_rules(record, verdicts={}))
     return list(found.values())
 
 

@@ -35,8 +35,6 @@ from ...patterns.schema import attr_value
 from ...pipeline.pass_base import Pass, PassContext
 from .._rewire import detach, remove
 from .._shared.attention_sites import attention_sites, site_name
-from ...graph.symbolic.dims import shape_elements, tensor_dims
-from ...pipeline.analyses import DimAnalysis
 
 _DEFAULT = ("", "ai.onnx")
 
@@ -51,10 +49,11 @@ def _same(a: object, b: object) -> bool:
 
 
 class _Builder:
-    """New nodes of one rewrite, named after the site."""
+    """New nodes of one rewrite, named after the site; the run's dims of the graph (``dims``)."""
 
     def __init__(self, graph: Graph, ctx: PassContext, base: str):
         self.graph, self.ctx, self.base, self.nodes = graph, ctx, base, []
+        self.dims = ctx.dims(graph)
 
     def node(self, op: str, inputs: list, attrs: Optional[dict] = None, like: Optional[Tensor] = None,
              shape: Optional[list] = None) -> Tensor:
@@ -78,7 +77,7 @@ def _flattening(t3: Tensor, b: _Builder) -> Optional[tuple[Tensor, int]]:
     if reshape is None or len(reshape.inputs) != 2:
         return None
     x = reshape.inputs[0]
-    dims, target = tensor_dims(x), shape_elements(reshape.inputs[1])
+    dims, target = b.dims.of(x), b.dims.elements(reshape.inputs[1])
     if dims is None or target is None or len(target[0]) != 3:
         return None
     e = target[0]
@@ -134,7 +133,7 @@ def _unfold_cache(concat: Node, b: _Builder) -> Optional[Tensor]:
     if rank != 3 or int(concat.attrs.get("axis", 0)) not in (1, -2) or len(concat.inputs) < 2:
         return None
     parts = [_unfold(x, b) for x in concat.inputs]
-    heads = {_heads(p) for p in parts if p is not None}
+    heads = {_heads(p, b) for p in parts if p is not None}
     if len(heads) != 1 or None in heads:
         return None
     h = heads.pop()
@@ -153,8 +152,8 @@ def _split_heads(t3: Tensor, heads: int, b: _Builder) -> Tensor:
     return b.node("Reshape", [t3, b.node("Concat", [b.const([-1, heads]), tail], {"axis": 0})], like=t3, shape=shape)
 
 
-def _heads(t4: Tensor) -> Optional[int]:
-    dims = tensor_dims(t4)
+def _heads(t4: Tensor, b: _Builder) -> Optional[int]:
+    dims = b.dims.of(t4)
     return dims[1] if dims is not None and isinstance(dims[1], int) else None
 
 
@@ -204,7 +203,7 @@ def _reaches_scores(t: Tensor, depth: int = 4) -> bool:
 def _mask4(mask: Tensor, heads: int, b: _Builder, rows: object) -> Optional[Tensor]:
     """The mask operand of a rank-3 score whose first dim is ``rows`` (B*H), as it broadcasts against the rank-4
     scores (None: not proven)."""
-    dims = tensor_dims(mask)
+    dims = b.dims.of(mask)
     if dims is None:
         return None
     if len(dims) <= 2 or (len(dims) == 3 and dims[0] == 1):
@@ -240,7 +239,7 @@ def _rebuild(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node], b:
     for t4, role in ((q4, "q"), (kt4, "k^T"), (v4, "v")):
         if t4 is None:
             return _NOT_A_VIEW.format(role)
-    heads = {_heads(t) for t in (q4, kt4, v4)}
+    heads = {_heads(t, b) for t in (q4, kt4, v4)}
     if len(heads) != 1 or None in heads:
         return f"q, k and v unfold to different or unknown head counts ({', '.join(map(str, heads))})"
     h = heads.pop()
@@ -254,9 +253,9 @@ def _rebuild(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node], b:
             if n.op == "Div" and n.inputs[0] is not prev_old:
                 return "the scores divide a value (they are the Div's divisor)"
             if n.op == "Add":
-                mask = _mask4(other, h, b, (tensor_dims(prev_old) or [None])[0])
+                mask = _mask4(other, h, b, (b.dims.of(prev_old) or [None])[0])
                 if mask is None:
-                    return (f"the mask '{other.name}' ({tensor_dims(other)}) is not proven to broadcast over "
+                    return (f"the mask '{other.name}' ({b.dims.of(other)}) is not proven to broadcast over "
                             "(batch, heads) as over batch*heads")
                 other = mask
             inputs = [scores, other] if n.inputs[0] is prev_old else [other, scores]
@@ -274,7 +273,7 @@ def _rebuild(graph: Graph, softmax: Node, ctx: PassContext, dead: list[Node], b:
             scores = b.node("Where", [isnan, n.inputs[1], scores], like=n.outputs[0])
         prev_old = n.outputs[0]
     out4 = b.node("MatMul", [scores, v4], like=pv.outputs[0])
-    dims = tensor_dims(pv.outputs[0])
+    dims = b.dims.of(pv.outputs[0])
     if dims is None or len(dims) != 3:
         return "the output's rank is not known to be 3"
     if isinstance(dims[1], int) and isinstance(dims[2], int):
@@ -313,19 +312,18 @@ class UnfoldHeadBatch(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         done = 0
-        with ctx.analysis(DimAnalysis, graph):
-            dead: list[Node] = []
-            for softmax in [n for n in graph.nodes if n.op == "Softmax" and (n.domain or "") in _DEFAULT]:
-                x = softmax.inputs[0] if softmax.inputs else None
-                if x is None or x.shape is None or len(x.shape) != 3 or not softmax.outputs:
-                    continue
-                why = _rewrite(graph, softmax, ctx, dead)
-                if why is None:
-                    done += 1
-                    self.declined.pop(id(softmax), None)
-                else:
-                    self.declined[id(softmax)] = (softmax, why)
-            remove(graph, dead)
+        dead: list[Node] = []
+        for softmax in [n for n in graph.nodes if n.op == "Softmax" and (n.domain or "") in _DEFAULT]:
+            x = softmax.inputs[0] if softmax.inputs else None
+            if x is None or x.shape is None or len(x.shape) != 3 or not softmax.outputs:
+                continue
+            why = _rewrite(graph, softmax, ctx, dead)
+            if why is None:
+                done += 1
+                self.declined.pop(id(softmax), None)
+            else:
+                self.declined[id(softmax)] = (softmax, why)
+        remove(graph, dead)
         return done
 
     def finish(self, graph: Graph, ctx: PassContext) -> None:

@@ -46,9 +46,10 @@ from ..npu_contract import ALL_TOKENS, MAX_GROUP, MAX_HEAD_DIM, MAX_HEADS, templ
 from ..target_form import CANN_OPSET, FLASH_OPSET, NPU_DOMAIN, STAGING_DOMAIN, ops_changed_between
 from ....errors import UsageError
 from ....graph.ir import Graph, Node, Tensor, is_const, producer
-from ....patterns import RewriteBuilder, checks
-from ....graph.symbolic import dims as symbolic
+from ....graph.symbolic.dims import Dims
+from ....graph.symbolic.trace import UNARY_SAME_SHAPE
 from ....graph.symbolic.input_dims import input_dims_written
+from ....patterns import RewriteBuilder, checks
 from ....passes._shared.shape_refs import shape_refs
 from ....passes._shared.attention_match import AttentionMatch, apply_attention, attention_rules
 from ....passes._shared.attention_sites import site_name
@@ -86,7 +87,7 @@ def dim_refs(t: Tensor, depth: int = _DEPTH) -> Optional[list]:
         axis = int(n.attrs.get("axis", 0)) % len(own)
         src = dim_refs(n.inputs[0], depth - 1)
         inner = None if src is None else [r if i == axis else src[i] for i, r in enumerate(own)]
-    elif n.op in symbolic.UNARY_SAME_SHAPE and t is n.outputs[0]:  # a norm's mean/inv-std outputs differ
+    elif n.op in UNARY_SAME_SHAPE and t is n.outputs[0]:  # a norm's mean/inv-std outputs differ
         inner = dim_refs(n.inputs[0], depth - 1)
     elif n.op == "Reshape" and len(n.inputs) == 2:
         target = [_canonical(r, depth - 1) for r in (shape_refs(n.inputs[1]) or [])]
@@ -271,12 +272,14 @@ class LowerAttentionNPU(Pass):
     def _rewrite(self, op: RewriteBuilder, am: AttentionMatch) -> Optional[Tensor]:
         heads = am.q_num_heads or static_dim(am.q, 1)
         kv_heads = am.kv_num_heads or static_dim(am.v, 1)
-        sq, skv = symbolic.dim_at(am.q, 2), symbolic.dim_at(am.k, 2)
+        # its own Dims: input_dims_written changed shapes that the run's kept one may have read before
+        dims = Dims(am.match.graph)
+        sq, skv = dims.at(am.q, 2), dims.at(am.k, 2)
         # sparse_mode 3 (bottom-right causal) only where no row is fully masked (Sq <= Skv); else a full mask
         causal = am.causal_only and isinstance(sq, int) and isinstance(skv, int) and sq <= skv
         why = self._refusal(am, heads, kv_heads, causal)
         mask: Optional[Tensor] = None
-        keep = self._keep(am) if why is None and am.keep is not None and not causal else None
+        keep = self._keep(dims, am) if why is None and am.keep is not None and not causal else None
         if isinstance(keep, str):
             why = keep
         elif keep is not None:
@@ -319,17 +322,17 @@ class LowerAttentionNPU(Pass):
         return out
 
     @staticmethod
-    def _keep(am: AttentionMatch) -> Tensor | str:
+    def _keep(dims: Dims, am: AttentionMatch) -> Tensor | str:
         """The keep mask with one head axis (an Expand over heads peeled), or why that is not provable."""
         keep = am.keep
         assert keep is not None
         rank = checks.rank(keep)
         head_axis = (rank or 0) - 3  # the head axis under ONNX's right-aligned broadcasting
-        if rank is not None and rank <= 4 and (head_axis < 0 or symbolic.dim_at(keep, head_axis) == 1):
+        if rank is not None and rank <= 4 and (head_axis < 0 or dims.at(keep, head_axis) == 1):
             return keep
         n = producer(keep) if rank is not None and rank <= 4 else None
         inner = n.inputs[0] if n is not None and n.op == "Expand" else None  # broadcasts like the Expand's result
-        if inner is not None and checks.rank(inner) == rank and symbolic.dim_at(inner, head_axis) == 1:
+        if inner is not None and checks.rank(inner) == rank and dims.at(inner, head_axis) == 1:
             return inner
         return ("the mask's head axis is not provably 1: PromptFlashAttention takes (B|1, 1, Sq, Skv) masks, "
                 "one for all heads")

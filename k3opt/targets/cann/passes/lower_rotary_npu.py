@@ -44,7 +44,6 @@ from ..target_form import STAGING_DOMAIN
 from ....graph.ir import Graph, Tensor
 from ....patterns import RewriteBuilder
 from ....pipeline.pass_base import PassContext
-from ....graph.symbolic.dims import dim_at
 from ....passes._shared.rotary_match import RotaryMatch, apply_rules, rotary_rules, whole_of_half
 from ._npu_lowering import NPULowering
 
@@ -56,13 +55,14 @@ def refusal(rm: RotaryMatch) -> Optional[str]:
     """Why an (already exact) rotation cannot become NPURotaryPositionEmbedding, or None when it can."""
     if rm.head_dim > ROPE_MAX_HEAD_DIM:
         return f"head dim {rm.head_dim} is not < 896"
+    dims = rm.match.dims
     for axis, what in ((0, "batch"), (1, "heads")):
-        dim = dim_at(rm.x, axis)
+        dim = dims.at(rm.x, axis)
         if isinstance(dim, int) and dim > MAX_BATCH_HEADS:
             return f"{what} {dim} is not < 1000"
     if not rm.same_positions:
         return "cos/sin are broadcast over x's positions (no documented layout)"
-    if rm.interleaved and rm.same_batch and dim_at(rm.x, 0) != 1:
+    if rm.interleaved and rm.same_batch and dims.at(rm.x, 0) != 1:
         return "cos/sin have x's batch: mode 1 (interleave) takes only 11SD cos/sin"
     return None
 
