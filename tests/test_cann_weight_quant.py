@@ -190,3 +190,31 @@ def test_a_dequantize_linear_outside_the_contract_is_kept_with_its_reason_and_ve
     assert report.lowering_verification["status"] == "passed", report.lowering_verification
     ops = _ops(tmp_path / "c.onnx")
     assert ops["DequantizeLinear"] == 1 and ops["NPUWeightQuantBatchMatmulV2"] == 1
+
+
+def test_a_model_that_quantizes_its_activations_keeps_every_matmul_with_the_reason(tmp_path):
+    """W8A8 QDQ (onnxruntime's quantize_static form): activations through QuantizeLinear/DequantizeLinear around
+    each MatMul. The weight-only kernel's float16 activations would move values across the next QuantizeLinear's
+    rounding (a whole quantization step): every MatMul is kept, and the model verifies."""
+    k, n, rows = 128, 64, 16
+    rng = np.random.default_rng(7)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "sw"], ["w"], axis=1),
+             helper.make_node("MatMul", ["xd", "w"], ["h"], name="proj"),
+             helper.make_node("QuantizeLinear", ["h", "sh", "zh"], ["hq"]),
+             helper.make_node("DequantizeLinear", ["hq", "sh", "zh"], ["y"])]
+    inits = [numpy_helper.from_array(np.float32(4 / 127), "sx"), numpy_helper.from_array(np.int8(0), "zx"),
+             numpy_helper.from_array(rng.integers(-127, 128, (k, n)).astype(np.int8), "wq"),
+             numpy_helper.from_array(np.full(n, 1 / (73 * np.sqrt(k)), np.float32), "sw"),
+             numpy_helper.from_array(np.float32(2e-3), "sh"), numpy_helper.from_array(np.int8(0), "zh")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "q.onnx"))
+    feeds = {"x": rng.standard_normal((rows, k)).astype(np.float32)}
+    report = k3opt.optimize_file(tmp_path / "q.onnx", tmp_path / "c.onnx", target="cann", verify=True,
+                                 input_data=feeds)
+    assert report.lowering_verification["status"] == "passed", report.lowering_verification
+    assert any("'proj' kept with its DequantizeLinear: the model quantizes its activations too "
+               "(QuantizeLinear of 'x')" in line for line in report.lowering), report.lowering
+    assert "NPUWeightQuantBatchMatmulV2" not in _ops(tmp_path / "c.onnx")

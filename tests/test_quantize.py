@@ -243,3 +243,55 @@ def test_zoo_llama_every_projection_quantized(tmp_path, exporter):
     so.optimized_model_filepath = str(tmp_path / "ort.onnx")
     ort.InferenceSession(str(tmp_path / "q.onnx"), so, providers=["CPUExecutionProvider"])
     assert _ops(tmp_path / "ort.onnx")["MatMulNBits"] == 14  # every projection on onnxruntime's n-bit kernel
+
+
+def _onnxruntime_quantized(tmp_path: Path, form: str) -> Path:
+    """The MLP quantized by onnxruntime's own tools: ``static`` W8A8 QDQ per channel (activations too), ``nbits``
+    its MatMulNBitsQuantizer in QDQ form (int4 blocks of 32, opset 21)."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    src, out = _mlp(tmp_path / "m.onnx"), tmp_path / f"{form}.onnx"
+    if form == "static":
+        class Reader(CalibrationDataReader):
+            def __init__(self) -> None:
+                self.feeds = iter([{"ids": np.arange(i, i + 6, dtype=np.int64)} for i in range(4)])
+
+            def get_next(self):
+                return next(self.feeds, None)
+
+        quantize_static(str(src), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        weight_type=QuantType.QInt8, activation_type=QuantType.QInt8)
+    else:
+        config = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, quant_format=QuantFormat.QDQ)
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), algo_config=config)
+        quantizer.process()
+        quantizer.model.save_model_to_file(str(out))
+    return out
+
+
+@pytest.mark.parametrize("form", ["static", "nbits"])
+@pytest.mark.parametrize("options", [{}, {"opset": 23}, {"target": "cann"}], ids=["default", "opset23", "cann"])
+def test_a_model_quantized_elsewhere_stays_quantized(tmp_path, form, options):
+    """Any model that arrives quantized (here by onnxruntime's tools) keeps every QuantizeLinear/DequantizeLinear
+    through k3opt optimize, verified, and its weights do not grow; an int4 (opset-21) model for the cann target
+    (opset 17) is refused in one line."""
+    src = _onnxruntime_quantized(tmp_path, form)
+    out = tmp_path / "o.onnx"
+    feeds = {"ids": np.arange(6, dtype=np.int64)}
+    if form == "nbits" and options.get("target") == "cann":
+        with pytest.raises(UsageError, match="no form below opset 21"):
+            k3opt.optimize_file(src, out, verify=True, input_data=feeds, **options)
+        assert not out.exists()
+        return
+    report = k3opt.optimize_file(src, out, verify=True, input_data=feeds, **options)
+    assert report.verification["status"] == "passed"
+    before, after = _ops(src), _ops(out)
+    assert after["DequantizeLinear"] == before["DequantizeLinear"] > 0
+    assert after["QuantizeLinear"] == before["QuantizeLinear"]
+    assert "NPUWeightQuantBatchMatmulV2" not in after  # W8A8 (static) is not weight-only; see test_cann_weight_quant
+
+    def weight_bytes(path: Path) -> int:
+        return sum(len(t.raw_data) or t.ByteSize() for t in onnx.load(str(path)).graph.initializer)
+
+    assert weight_bytes(out) <= weight_bytes(src)

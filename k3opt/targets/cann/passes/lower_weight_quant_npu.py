@@ -13,7 +13,9 @@ The kernel takes float16/bfloat16 activations. An fp32 graph gets there by a Cas
 before the op and of y back to float32 after it (flattened to 2-D around it): the activations then
 carry fp16's precision, and the lowering is verified with fp16's tolerance (rtol 1e-2, atol 1e-3)
 unless the user gives one. Anything outside the contract stays DequantizeLinear + MatMul and the
-report's lowering lines say why.
+report's lowering lines say why; so does every MatMul of a model that also quantizes its activations
+(a QuantizeLinear of a computed tensor: W8A8 QDQ, as onnxruntime's ``quantize_static`` writes), which is not
+weight-only and whose activation rounding the float16 kernel would move.
 """
 from __future__ import annotations
 
@@ -66,6 +68,16 @@ def refusal(node: Node) -> Optional[str]:
     return None
 
 
+def _quantized_activation(graph: Graph) -> Optional[str]:
+    """The first QuantizeLinear of a computed tensor ("QuantizeLinear of 'x'"), or None: weight-only models have
+    none (their weights are stored quantized)."""
+    for node in graph.nodes:
+        if node.op == "QuantizeLinear" and (node.domain or "") in ("", "ai.onnx") and \
+                const_value(node.inputs[0]) is None:
+            return f"QuantizeLinear of '{node.inputs[0].name}'"
+    return None
+
+
 def _bits(w: np.ndarray) -> int:
     return 4 if str(w.dtype) == "int4" else 8
 
@@ -112,13 +124,16 @@ class LowerWeightQuantNPU(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         count, dead = 0, []
+        activations = _quantized_activation(graph)
         for node in list(graph.nodes):
             if node.op != "MatMul" or len(node.inputs) != 2:
                 continue
             dq = producer(node.inputs[1])
             if dq is None or dq.op != "DequantizeLinear" or (dq.domain or "") not in ("", "ai.onnx"):
                 continue
-            why = refusal(node)
+            why = refusal(node) or (activations and f"the model quantizes its activations too ({activations}): a "
+                                    "W8A8 QDQ model, which ATC takes only through AMCT; the weight-only kernel's "
+                                    "float16 activations would move values across that QuantizeLinear's rounding")
             if why is not None:
                 self.kept[node.name] = f"MatMul '{node.name}' kept with its DequantizeLinear: {why}"
                 continue
