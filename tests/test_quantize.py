@@ -295,3 +295,30 @@ def test_a_model_quantized_elsewhere_stays_quantized(tmp_path, form, options):
         return sum(len(t.raw_data) or t.ByteSize() for t in onnx.load(str(path)).graph.initializer)
 
     assert weight_bytes(out) <= weight_bytes(src)
+
+
+@pytest.mark.parametrize("args,text", [
+    (["--group-size", "256"], "does not divide the input dim"),
+    (["--opset", "17"], "opset 21"),
+    (["--group-size", "16", "--target", "cann"], "multiples of 32"),
+    (["--no-constant-weight"], "nothing to quantize"),
+])
+def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, args, text):
+    """Issue #31's bad input on the command line: exit 2, one line on stderr, no output file."""
+    from click.testing import CliRunner
+
+    from k3opt.cli import main
+
+    src = _mlp(tmp_path / "m.onnx")
+    if args == ["--no-constant-weight"]:  # every MatMul's weight a graph input
+        model = onnx.load(str(src))
+        for name in ("W1", "W2", "W3"):
+            init = next(t for t in model.graph.initializer if t.name == name)
+            model.graph.initializer.remove(init)
+            model.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(init.dims)))
+        onnx.save(model, str(src))
+        args = []
+    result = CliRunner().invoke(main, ["quantize", str(src), str(tmp_path / "q.onnx"), *args])
+    assert result.exit_code == 2, result.output
+    assert text in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
