@@ -131,7 +131,8 @@ def _interrupted(state: RunState, exc: BaseException) -> str:
 def _fail(state: RunState, message: str, code: int) -> None:
     if state.debug:
         traceback.print_exc()
-    try:
+    try:  # one line whatever the model names hold: a newline in a tensor name is written as \n
+        message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
         click.echo(f"k3opt: error: {message}", err=True)
     except MemoryError:  # out of memory (ulimit -v) even for the line: a constant one, not a traceback
         os.write(2, b"k3opt: error: out of memory\n")

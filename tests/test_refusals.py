@@ -128,7 +128,9 @@ def test_out_of_memory_in_onnxruntime_writes_nothing(folder, monkeypatch):
     def no_memory(sess, feeds):
         raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Failed to allocate memory for 4096 bytes")
 
-    monkeypatch.setattr(verify, "run", no_memory)
+    from k3opt.pipeline import run
+
+    monkeypatch.setattr(run, "_ORT", run._ORT._replace(run=no_memory))  # what verification runs models with
     before = snapshot(folder)
     code, out, err = invoke(["optimize", "m.onnx", "o.onnx", "-q"])
     assert code != 0 and "--no-verify" in err and "Traceback" not in err, err

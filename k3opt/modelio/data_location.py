@@ -42,6 +42,8 @@ def resolve(t: TensorProto, base: Path, source: str, absolute_ok: bool) -> Path:
     location = info.get("location", "")
     if not location:
         raise InputError(f"{source}: tensor '{t.name}' has external data without a location")
+    if "\0" in location:  # no file is named so (os.stat raises ValueError)
+        raise InputError(f"{source}: tensor '{t.name}' has an external-data location with a NUL character")
     if os.path.isabs(location):
         if not absolute_ok:
             raise InputError(f"{source}: tensor '{t.name}' has an absolute external-data path {location}")

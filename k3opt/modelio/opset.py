@@ -217,6 +217,8 @@ def _convert_changed_nodes(model: onnx.ModelProto, current: int, wanted: int, bo
     and its interface compared; the model is left as it was when any of that fails, but for the
     rewrites of :func:`.opset_down.rewrite_for_17` going below 18 (same values, valid at either opset)."""
     def convert_sub(sub: onnx.ModelProto, version: int) -> onnx.ModelProto:
+        # onnx's converter (C++) assumes valid nodes: one with an attribute twice, of two types, crashed it
+        _check_nodes(sub.graph.node, _checker(sub.ir_version, sub.opset_import))
         converted = _convert_hiding_unadapted(sub, version)
         _check_nodes(converted.graph.node, _checker(converted.ir_version, converted.opset_import))
         reason = _interface_change(sub, converted)

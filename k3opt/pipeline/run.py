@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Unio
 import onnx
 
 from .. import modelio
-from ..errors import InputError, InvalidOutputError, OutputError, UnverifiableError, UsageError, VerificationError
+from ..errors import (InputError, InvalidOutputError, K3optError, OutputError, UnverifiableError, UsageError,
+                      VerificationError)
 from ..graph.lifetime import graph_scope
 from ..graph import ir
 from ..modelio import opset as opsets
@@ -113,14 +114,26 @@ class Run:
 
     def optimize(self, model: ModelLike) -> onnx.ModelProto:
         """Run the stages on ``model`` (a proto, never mutated, or a path); the optimized proto."""
-        self.load(model)
-        self.fix_inputs()
-        self.reference()
-        self.opset_up()
-        self.run_passes()
-        self.opset_down()
-        self.verify()
-        self.lower()
+        try:
+            self.load(model)
+            self.fix_inputs()
+            self.reference()
+            self.opset_up()
+            self.run_passes()
+            self.opset_down()
+            self.verify()
+            self.lower()
+        except K3optError:
+            raise
+        except UnicodeDecodeError as exc:  # protobuf decodes a string field when read: one of the input's is no UTF-8
+            raise InputError(f"{self._input_name()}: a name or text field is not UTF-8 ({exc.reason} at byte "
+                             f"{exc.start}); nothing was written") from None
+        except Exception:  # a pass (or conversion) failed: on an input onnxruntime refuses, that is the input's fault
+            fault = self._input_fault()
+            if fault is not None:
+                raise InputError(f"the input {self._input_name()} does not load in onnxruntime: {fault}; nothing "
+                                 "was written") from None
+            raise
         assert self.out is not None
         # optimize_file measures the files it writes instead (sizing the proto costs a pass over it)
         size = modelio.proto_size(self.out) if self.measure_output else 0
@@ -380,6 +393,12 @@ class Run:
         self.report.notes.append(f"verified under the {self.target} reference evaluator: onnxruntime cannot run the "
                                  f"input's {self.target.ops_kind} ({', '.join(ops)})")
         return runner, runner.load(proto)
+
+    def _input_fault(self) -> Optional[str]:
+        """Why onnxruntime does not load the input as given (None: it loads, or cannot be asked)."""
+        if self.report.input:
+            return verifier.load_fault(Path(self.report.input))
+        return None if self.original is None else verifier.load_fault(self.original)
 
     def _input_name(self) -> str:
         return self.report.input or "model"

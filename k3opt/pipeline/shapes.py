@@ -244,7 +244,7 @@ class ShapeRefresher:
         inference runs again. If it still fails, every shape the graph holds but its inputs' is dropped
         (declared or stale: a contradiction cannot say which side is wrong) and inference runs without
         strict mode: a node it cannot type keeps no shape, the others get theirs, so a pass that needs a
-        shape declines only where the shape is missing.
+        shape declines only where the shape is missing. The graph's outputs keep their declared shapes.
         """
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         dropped = [t.name for t in graph.outputs if t.shape is not None
@@ -258,8 +258,10 @@ class ShapeRefresher:
                 return self._infer_graph(graph, tensors, True)
             except Exception:  # noqa: BLE001 -- inferred without strict mode below
                 pass
-        inputs = {id(t) for t in graph.inputs}
-        kept = [(t, t.shape) for t in tensors.values() if not isinstance(t, gs.Constant) and id(t) not in inputs]
+        # the graph's inputs and outputs keep what they declare: the interface is not k3opt's to change (onnx's
+        # checker refuses a graph output without a shape, as an opset-1 model inferred without strict mode lost)
+        interface = {id(t) for t in graph.inputs} | {id(t) for t in graph.outputs}
+        kept = [(t, t.shape) for t in tensors.values() if not isinstance(t, gs.Constant) and id(t) not in interface]
         for t, _ in kept:
             t.shape = None
         try:

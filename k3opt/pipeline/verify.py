@@ -151,8 +151,9 @@ def _unique_node_names(graph: onnx.GraphProto) -> bool:
     return renamed
 
 
-def load_fault(path: Path) -> Optional[str]:
-    """Why onnxruntime does not load the model file ``path`` (None: it loads, or lacks one of its ops).
+def load_fault(path: Union[Path, bytes]) -> Optional[str]:
+    """Why onnxruntime does not load the model file ``path`` (or serialized model) (None: it loads, or lacks one
+    of its ops).
 
     Asked only when an output fails to load, to blame the input when it fails too (exit 2, not 1).
     """

@@ -10,9 +10,16 @@ __all__ = ["RANDOM_OPS", "perm_of"]
 
 
 def perm_of(node: Node) -> Optional[list[int]]:
-    """The permutation of a Transpose (its default reverses the axes)."""
+    """The permutation of a Transpose (its default reverses the axes); None when unknown, or when ``perm`` is no
+    permutation of the axes (an invalid model: nothing may be computed from it)."""
     perm = node.attrs.get("perm")
     if perm is not None:
-        return [int(p) for p in perm]
+        try:
+            values = [int(p) for p in perm]
+        except (TypeError, ValueError):
+            return None
+        r = rank(node.inputs[0])
+        valid = sorted(values) == list(range(len(values))) and r in (None, len(values))
+        return values if valid else None
     r = rank(node.inputs[0])
     return None if r is None else list(reversed(range(r)))
