@@ -129,7 +129,7 @@ def test_the_default_target_keeps_the_moe_blocks():
 # ----------------------------------------------------------------------------- hand-made blocks
 
 def moe_block(gate="softmax", renorm=True, escape=False, cross_rows=False, weights_input=False, dtype=T.FLOAT,
-              bias_add=False, moe_output=False, tied=False):
+              bias_add=False, moe_output=False, tied=False, smallest=False):
     """A batched_mm MoE block as transformers exports it, on (T, H) tokens, plus the residual Add. ``tied``: the
     router's columns of experts 0, 1 and 2 are equal, so every token's scores tie three ways."""
     rng = np.random.default_rng(0)
@@ -146,7 +146,7 @@ def moe_block(gate="softmax", renorm=True, escape=False, cross_rows=False, weigh
     nodes = [helper.make_node("MatMul", ["x", "wr"], ["logits"]),
              helper.make_node("Softmax" if gate == "softmax" else "Sigmoid", ["logits"], ["probs"], **(
                  {"axis": -1} if gate == "softmax" else {})),
-             helper.make_node("TopK", ["probs", "k"], ["vals", "idx"], axis=-1)]
+             helper.make_node("TopK", ["probs", "k"], ["vals", "idx"], axis=-1, **({"largest": 0} if smallest else {}))]
     w = "vals"
     if renorm:
         nodes += [helper.make_node("ReduceSum", ["vals", "last"], ["vsum"], keepdims=1),
@@ -251,6 +251,7 @@ def test_a_gate_that_is_not_a_softmax_keeps_its_topk_but_the_routing_is_lowered(
     ({"cross_rows": True}, "does not work row by row"),
     ({"escape": True}, "in the experts is read outside them"),
     ({"weights_input": True}, "the combine weights do not come from the router's TopK"),
+    ({"smallest": True}, "the router's TopK takes the smallest scores"),
 ])
 def test_refusals_keep_the_block_as_it_was_with_the_reason(variant, why):
     m = moe_block(**variant)
@@ -260,6 +261,7 @@ def test_refusals_keep_the_block_as_it_was_with_the_reason(variant, why):
     lines = moe_lines(report)
     assert lines[0] == f"NPU MoE routing: 0 of 1 MoE block(s) lowered {LowerMoeNPU.remark}"
     assert why in lines[1] and "kept decomposed" in lines[1], lines
+    assert op_counts(out) == op_counts(k3opt.optimize(m, target="cann", skip=["lower-moe-npu"]))
 
 
 def unrolled_block():
