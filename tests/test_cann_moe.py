@@ -20,7 +20,7 @@ from k3opt.targets.cann.passes.lower_moe_npu import LowerMoeNPU
 from k3opt.report import Report
 from tests.helpers import make_model, op_counts
 from tests.moe_models import (EXPORTERS, moe_config, moe_decode_inputs, moe_decode_model, moe_inputs, moe_model,
-                              traced_eager_model)
+                              moe_torch_model, traced_eager_model)
 
 TOKENS, HIDDEN, EXPERTS, K, INTER = 6, 8, 4, 2, 12
 _ROUTING = ("NPUMoeGatingTopKSoftmax", "NPUMoeInitRouting", "NPUMoeFinalizeRouting")
@@ -75,6 +75,36 @@ def test_every_moe_block_is_lowered_and_equal_under_the_reference_ops(name, expo
     assert all(f"weighted combine + the following {adds} Add(s)" in line for line in lines[1:]), lines
     if name in ("mixtral", "qwen3_moe"):
         assert all("softmax top-2 renormalised" in line for line in lines[1:])
+
+
+@pytest.mark.parametrize("name, exporter", _cases())
+def test_the_export_switches_to_batched_mm_and_equals_torch(name, exporter):
+    """`k3opt export` of an MoE model with transformers' default experts (tests/moe_models.py) writes the batched_mm
+    form (every expert table gathered per row, no eager loop; the setting put back: test_export_transformers), and
+    the export gives torch's logits, at a second batch and length too: every expert kept, whatever the example
+    routed."""
+    import onnxruntime as ort
+    import torch
+
+    path = moe_model(name, exporter)
+    model = onnx.load(str(path))
+    experts = {t.name for t in model.graph.initializer if len(t.dims) == 3 and t.dims[0] == _experts(name)}
+    experts |= {n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in experts}
+    gathers = [n for n in model.graph.node if n.op_type in ("Gather", "GatherND") and n.input[0] in experts]
+    assert len(gathers) == 2 * moe_layers(name), gathers  # gate_up and down tables (dynamo: transposed) per row
+    assert "NonZero" not in op_counts(model)  # not the eager loop (test_a_traced_eager_experts_loop...)
+    hf = moe_torch_model(name)
+    hf.config._experts_implementation = "batched_mm"  # the same maths, runnable in eager torch here
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for feeds in (moe_inputs(name), moe_inputs(name, batch=3, seq=5, seed=1)):
+        with torch.no_grad():
+            want = hf(**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()
+        np.testing.assert_allclose(session.run(None, feeds)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def _experts(name):
+    c = moe_config(name)
+    return next(getattr(c, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(c, k))
 
 
 def test_the_json_and_html_reports_say_per_block_and_per_mla_layer_what_was_lowered():
