@@ -270,3 +270,15 @@ def test_a_killed_run_leaves_no_temp_folder_behind_the_next(tmp_path: Path) -> N
     (dead / "pair").mkdir(parents=True)
     build_pair(llm_decode_model("llama"), tmp_path / "pair", max_seq=16)
     assert [p.name for p in tmp_path.iterdir()] == ["pair"]
+
+
+@pytest.mark.parametrize("max_seq,max_batch", [(2, 1), (16, 1), (17, 3), (512, 4), (32768, 64), (1 << 20, 1000)])
+def test_prefill_gears_stay_within_atcs_profile_limit(max_seq: int, max_batch: int) -> None:
+    """ATC's --dynamic_dims takes 2..100 profiles: the longest prompt and the largest batch are always among them."""
+    from k3opt.llm.manifest import MAX_PROFILES, prefill_gears
+
+    gears = prefill_gears(max_seq, max_batch)
+    profiles = len(gears["batch"]) * len(gears["sequence"])
+    assert 2 <= profiles <= MAX_PROFILES == 100
+    assert gears["sequence"][-1] == max_seq and gears["batch"][-1] == max_batch
+    assert gears["sequence"] == sorted(set(gears["sequence"])) and gears["batch"] == sorted(set(gears["batch"]))
