@@ -93,6 +93,11 @@ def test_a_cann_pair_checks_clean_and_compiles_with_the_manifest_gears(tmp_path:
     assert code == 0, err
     code, out, err = invoke("check", pair)
     assert code == 0 and "ATC can parse every node" in out, out + err
+    code, out, err = invoke("generate", pair, "--prompt", "5,17,23,4", "--prompt", "9,2", "--steps", 6)
+    assert code == 0, err  # through the reference NPU ops: the original's tokens
+    ids, mask = left_pad([[5, 17, 23, 4], [9, 2]])
+    assert [[int(x) for x in line.split(",")] for line in out.split()] == \
+        original_greedy(llm_decode_model("llama"), ids, mask, 6).tolist()
     code, out, err = invoke("compile", pair, "--soc-version", "Ascend910B3", "-o", tmp_path / "om", "--atc", atc)
     assert code == 0, err
     assert sorted(p.name for p in (tmp_path / "om").glob("*.om")) == ["decode_b1.om", "decode_b2.om", "prefill.om"]
