@@ -12,7 +12,8 @@ from onnx.reference import ReferenceEvaluator
 
 from k3opt.pipeline import shapes
 from k3opt.graph.ir import NameScope
-from k3opt.passes._shared.attention_match import AttentionMatch, apply_attention, attention_rules
+from k3opt.passes._shared.attention_match import AttentionMatch, attention_rules
+from k3opt.patterns import apply_rules
 from k3opt.pipeline.pass_base import PassContext
 from k3opt.plugins import get_pass
 from tests.helpers import assert_equivalent, make_model, op_counts, random_feeds, run_passes
@@ -284,7 +285,7 @@ def test_causal_with_past_keeps_its_mask():
     assert list(node.input[4:]) == ["past_k", "past_v"] and node.input[3] and "Concat" not in op_counts(out)
     assert list(node.output[1:]) == ["present_k", "present_v"]
     recognise(model, seen.append)
-    assert seen[0].causal_only
+    assert seen[0].mask.causal_only
 
 
 def test_square_causal_over_a_cache_keeps_its_mask():
@@ -336,7 +337,7 @@ def recognise(model, record):
     graph = gs.import_onnx(model)
     shapes.ShapeRefresher()(graph)
     ctx = PassContext(opset=23, names=NameScope(graph))
-    assert apply_attention(graph, ctx, attention_rules(lambda op, am: record(am))) == 0
+    assert apply_rules(graph, ctx, attention_rules(lambda op, am: record(am)), bodies=True) == 0
 
 
 def test_recogniser_describes_the_decode_cache():
@@ -348,11 +349,12 @@ def test_recogniser_describes_the_decode_cache():
 
     recognise(model, record)
     (am,) = seen
-    assert (am.past_key.name, am.new_key.name, am.present_key.name) == ("past_k", "k", "present_k")
-    assert (am.past_value.name, am.new_value.name, am.present_value.name) == ("past_v", "v", "present_v")
+    cache = am.cache
+    assert (cache.past_key.name, cache.new_key.name, cache.present_key.name) == ("past_k", "k", "present_k")
+    assert (cache.past_value.name, cache.new_value.name, cache.present_value.name) == ("past_v", "v", "present_v")
     assert (am.q_num_heads, am.kv_num_heads, am.head_dim_qk, am.head_dim_v) == (NQ, 2, D, D)
-    assert am.scale == pytest.approx(D ** -0.5) and am.zero_fully_masked and am.mask_fill == float("-inf")
-    assert am.keep.name == "keep" and not am.causal_only and am.dtype == TP.FLOAT
+    assert am.scale == pytest.approx(D ** -0.5) and am.mask.zero_fully_masked and am.mask.fill == float("-inf")
+    assert am.mask.keep.name == "keep" and not am.mask.causal_only and am.dtype == TP.FLOAT
 
 
 @pytest.mark.parametrize("mask", ["where_inf", "where_min"])
@@ -478,7 +480,7 @@ def test_walks_over_the_graph_do_not_grow_with_the_attentions(n):
     ctx = PassContext(opset=23, names=NameScope(graph))
     _CountingList.walks = 0
     from k3opt.passes.fusion.fuse_attention import to_attention
-    assert apply_attention(graph, ctx, attention_rules(to_attention)) == n
+    assert apply_rules(graph, ctx, attention_rules(to_attention), bodies=True) == n
     assert _CountingList.walks <= 5  # and one (without a census) to find the If/Loop/Scan bodies it also sweeps
 
 

@@ -220,6 +220,38 @@ def test_or_alternatives_and_which(inner):
     assert n == 1 and op_counts(out) == {"Abs": 1} and seen == [0 if inner == "pow" else 1]
 
 
+@pytest.mark.parametrize("first", ["Pow", "Mul"])
+def test_named_alternatives_answer_their_name_and_get_node_the_one_taken(first):
+    """``op.Or(name=..., ...)``: ``m.which`` answers the name; ``m.get_node`` is None for a labelled node of the
+    alternative not taken (``m.node`` raises for it)."""
+    seen = []
+
+    def pattern(op, x):
+        return op.Sqrt(op.Or(power=op.Pow(x, 2.0, _name="pow"), product=op.Mul(x, x, _name="mul"), _name="sq"))
+
+    def check(m):
+        seen.append((m.which("sq"), m.get_node("pow") is not None, m.get_node("mul") is not None))
+        return True
+
+    rule = Rule("named", pattern, lambda op, m: op.Abs(m["x"]), check=check)
+    inits = {"two": np.array(2.0, np.float32)}
+    made = node("Pow", ["x", "two"], ["s"]) if first == "Pow" else node("Mul", ["x", "x"], ["s"])
+    model = make_model([made, node("Sqrt", ["s"], ["y"])], [("x", F, [5])], [("y", F, [5])], inits)
+    assert apply(model, rule)[1] == 1
+    assert seen == [("power", True, False)] if first == "Pow" else [("product", False, True)]
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda op, x: op.Or(op.Neg(x), b=op.Abs(x), _name="k"), "all positional or all named"),
+    (lambda op, x: op.Or(a=op.Neg(x), b=op.Abs(x)), "needs _name="),
+])
+def test_named_alternatives_are_all_named_and_the_or_is_named(call, message):
+    from k3opt.patterns import PatternError, PatternBuilder
+
+    with pytest.raises(PatternError, match=message):
+        call(PatternBuilder(), PatternBuilder().Var("x"))
+
+
 def test_same_variable_must_be_same_tensor():
     model = make_model([node("Mul", ["x", "z"], ["s"]), node("Sqrt", ["s"], ["y"])],
                        [("x", F, [5]), ("z", F, [5])], [("y", F, [5])])

@@ -270,17 +270,17 @@ def test_bodies_are_gs_subgraphs_in_gs_order():
 
 
 def test_ordered_sweeps_see_the_nodes_earlier_sweeps_created():
-    """apply_in_order shares its anchor scan between sweeps only until one rewrites: a later rule anchors
+    """apply_rules shares its anchor scan between sweeps only until one rewrites: a later rule anchors
     at nodes an earlier one created, and a rule that rewrote nothing leaves the scan valid for the next.
     """
     from k3opt.graph.ir import NameScope
-    from k3opt.passes._shared.norm_match import apply_in_order
+    from k3opt.patterns import apply_rules
 
     to_neg = Rule("relu-to-neg", lambda op, x: op.Relu(x), lambda op, m: op.Neg(m["x"]))
     never = Rule("never", lambda op, x: op.Neg(op.Sigmoid(x)), lambda op, m: op.Sigmoid(m["x"]))
     to_abs = Rule("neg-to-abs", lambda op, x: op.Neg(x), lambda op, m: op.Abs(m["x"]))
     graph = gs.import_onnx(relu_chain(3))  # Neg, Relu (x3): 3 Relus become Negs, then all 6 Negs Abs
-    assert apply_in_order(graph, PassContext(opset=17, names=NameScope(graph)), [to_neg, never, to_abs]) == 9
+    assert apply_rules(graph, PassContext(opset=17, names=NameScope(graph)), [to_neg, never, to_abs], bodies=True) == 9
     assert [n.op for n in graph.nodes] == ["Abs"] * 6
 
 

@@ -8,6 +8,7 @@ import click
 
 from ..cli_options import progress_for, run_options, target_option
 from ..errors import UsageError
+from ..targets import get_target
 from .run_hook import parse_size
 from .split import DEFAULT_BALANCE, parse_layers, split_model
 
@@ -50,10 +51,10 @@ def split_cmd(model: str, stages: Optional[int], layers: Optional[str], output: 
     from ..llm.split_pair import is_pair, split_pair
 
     if is_pair(model):
-        given = [f"--{k.replace('_', '-')}" for k, v in (("target", target != "onnx"), ("input_shape", input_shapes),
-                                                         ("input_data", kw["input_data"]), ("rtol", kw["rtol"]),
-                                                         ("atol", kw["atol"]), ("verify_memory", kw["verify_memory"]))
-                 if v]
+        asked = (("target", not get_target(target).default), ("input_shape", input_shapes),
+                 ("input_data", kw["input_data"]), ("rtol", kw["rtol"]), ("atol", kw["atol"]),
+                 ("verify_memory", kw["verify_memory"]))
+        given = [f"--{k.replace('_', '-')}" for k, v in asked if v]
         if given:
             raise UsageError(f"{', '.join(given)}: not for a serving pair (its graphs keep the target and shapes "
                              "they were built with; the check is the pair's generated tokens)")

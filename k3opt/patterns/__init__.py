@@ -12,7 +12,7 @@ from .builder import COMMUTATIVE_OPS, PatternBuilder, PatternError
 from .match import Match
 from .rewriter import RewriteBuilder, RewriteError
 from .rule import Rule, RuleError
-from .rule_pass import RuleSetPass, explain, register_rules, rule, rules_pass
+from .rule_pass import RuleSetPass, apply_rules, explain, register_rules, rule, rules_pass
 
 __all__ = [
     "COMMUTATIVE_OPS",
@@ -24,6 +24,7 @@ __all__ = [
     "Rule",
     "RuleError",
     "RuleSetPass",
+    "apply_rules",
     "checks",
     "explain",
     "register_rules",

@@ -109,10 +109,17 @@ class AnyConstantPattern(ValuePattern):
 
 @dataclasses.dataclass(eq=False)
 class OrPattern(ValuePattern):
-    """Matches the first alternative that matches (in order); ``m.which(name)`` says which."""
+    """Matches the first alternative that matches (in order); ``m.which(name)`` says which: the alternative's
+    name when they are named (``op.Or(plain=..., guarded=..., _name="probs")``), else its index."""
 
     alternatives: tuple[ValuePattern, ...]
     name: Optional[str] = None
+    #: The alternatives' names, in order (None: unnamed, ``which`` gives the index).
+    tags: Optional[tuple[str, ...]] = None
+
+    def tag(self, i: int) -> "int | str":
+        """What ``m.which`` answers when alternative ``i`` matched."""
+        return i if self.tags is None else self.tags[i]
 
     @property
     def key(self) -> Any:
@@ -184,8 +191,8 @@ class PatternBuilder:
     """The ``op`` of a pattern function.
 
     ``op.MatMul(x, w, _name="mm")`` is a node pattern; special forms:
-    ``op.Or(a, b, _name=None)`` alternatives, ``op.Constant(2.0)`` a constant by
-    value, ``op.AnyConstant("c")`` any constant, ``op.Var("x")`` a named value,
+    ``op.Or(a, b, _name=None)`` alternatives (or named ones: ``op.Or(a=..., b=..., _name="k")``),
+    ``op.Constant(2.0)`` a constant by value, ``op.AnyConstant("c")`` any constant, ``op.Var("x")`` a named value,
     and ``op.node("Or", a, b)`` for ONNX ops whose names these forms take.
     """
 
@@ -224,10 +231,20 @@ class PatternBuilder:
         node.outputs = tuple(NodeOutput(node, i, n) for i, n in enumerate(names))
         return node.outputs[0] if isinstance(_outputs, int) and _outputs == 1 else node.outputs
 
-    def Or(self, *alternatives: PatternLike, _name: Optional[str] = None) -> OrPattern:  # noqa: N802
+    def Or(self, *alternatives: PatternLike, _name: Optional[str] = None,  # noqa: N802
+           **named: PatternLike) -> OrPattern:
+        """The first of ``alternatives`` that matches; or of ``named`` ones (``op.Or(dropout=..., plain=...,
+        _name="probs")``: ``m.which("probs")`` then answers the name, not an index)."""
+        if alternatives and named:
+            raise PatternError("op.Or takes its alternatives all positional or all named")
+        tags = tuple(named) if named else None
+        if named:
+            alternatives = tuple(named.values())
         if len(alternatives) < 2:
             raise PatternError("op.Or needs at least two alternatives")
-        return OrPattern(tuple(_as_pattern(a) for a in alternatives), _name)
+        if tags is not None and _name is None:
+            raise PatternError("op.Or with named alternatives needs _name= (m.which(name) tells them apart)")
+        return OrPattern(tuple(_as_pattern(a) for a in alternatives), _name, tags)
 
     def Constant(  # noqa: N802
         self, value: Any, *, name: Optional[str] = None, rtol: float = 1e-6, atol: float = 0.0, max_rank: int = 1

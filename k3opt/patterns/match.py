@@ -1,7 +1,7 @@
 """The :class:`Match` a rule's check and rewrite receive."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -17,13 +17,14 @@ class Match:
 
     ``m["x"]`` is the tensor bound to pattern variable (or labelled
     constant/alternative/output) ``x``; ``m.node("mm")`` the node matched by
-    ``op.MatMul(..., _name="mm")``; ``m.nodes`` every matched node; ``m.outputs``
+    ``op.MatMul(..., _name="mm")`` (``m.get_node`` when it may be absent); ``m.nodes`` every matched node; ``m.outputs``
     the tensors the rewrite replaces. ``m.fail(reason)`` records why a check
     declined (shown by the debug mode) and returns False; ``m.memo`` carries what
     the check computed to the rewrite.
     """
 
-    def __init__(self, state: State, outputs: list[Tensor], graph: Graph, ctx: Optional[PassContext]):
+    def __init__(self, state: State, outputs: list[Tensor], graph: Graph, ctx: Optional[PassContext],
+                 owns: Optional[Callable[[Node], bool]] = None):
         self._values = {key[1]: t for key, t in state.values.items()}
         self._labels = {p.label: n for p, n in state.nodes.values() if p.label}
         self._which = dict(state.which)
@@ -34,6 +35,15 @@ class Match:
         self.failure: Optional[str] = None
         #: What the check computed for the rewrite (it gets this same match), e.g. an analysis it need not redo.
         self.memo: dict[str, Any] = {}
+        self._owns = owns
+
+    def owns(self, node: Node) -> bool:
+        """``node`` is one of the matched graph's own nodes: in an If/Loop/Scan body, a check that walks beyond the
+        pattern may reach the enclosing graph's nodes, which a rewrite must not take (the pattern's own nodes are
+        checked before the check runs)."""
+        if self._owns is not None:
+            return self._owns(node)
+        return self.ctx.owns(self.graph, node) if self.ctx is not None else any(n is node for n in self.graph.nodes)
 
     def __getitem__(self, name: str) -> Tensor:
         try:
@@ -60,8 +70,14 @@ class Match:
         a context."""
         return self.ctx.dims(self.graph) if self.ctx is not None else Dims(self.graph)
 
-    def which(self, name: str) -> int:
-        """Index of the alternative that matched in ``op.Or(..., _name=name)``."""
+    def get_node(self, label: str) -> Optional[Node]:
+        """The graph node matched by the pattern node labelled ``label``, or None when that node is not part of
+        this match (it sits in an ``op.Or`` alternative that did not match)."""
+        return self._labels.get(label)
+
+    def which(self, name: str) -> "int | str":
+        """The alternative that matched in ``op.Or(..., _name=name)``: its name when the alternatives are named,
+        else its index."""
         return self._which[name]
 
     def const(self, name: str) -> Optional[np.ndarray]:

@@ -90,7 +90,7 @@ class State:
         self.nodes: dict[int, tuple[NodePattern, Node]] = {}
         self.node_ids: dict[int, int] = {}  # id(node pattern) -> id(graph node), for the failure memo
         self.used: set[int] = set()
-        self.which: dict[str, int] = {}
+        self.which: dict[str, "int | str"] = {}
         self.root: Optional[Tensor] = None
 
     def bound(self, key: Any) -> Any:
@@ -226,7 +226,7 @@ class Matcher:
         for i, alt in enumerate(p.alternatives):
             for _ in self._value(alt, t):
                 if p.name:
-                    self.s.which[p.name] = i
+                    self.s.which[p.name] = p.tag(i)
                 yield
                 if p.name:  # backtracking out of this alternative: no longer part of the match
                     del self.s.which[p.name]

@@ -150,7 +150,7 @@ class RuleApplier:
             if tried >= MAX_CANDIDATES_PER_ANCHOR:
                 break
             outputs = [state.root] + [state.bound(p.node).outputs[p.index] for p in rule.pattern.outputs[1:]]
-            m = Match(state, outputs, self.graph, self.ctx)
+            m = Match(state, outputs, self.graph, self.ctx, owns=self.owns)
             why = self._foreign(m) or (None if rule.allow_escaping else self._escapes(m))
             if why is None:
                 why = self._check(rule, m)
@@ -180,14 +180,18 @@ class RuleApplier:
                 state.root = root
                 yield state
 
+    def owns(self, node: Node) -> bool:
+        """``node`` is one of the swept graph's own nodes (not of an enclosing graph a body's tensors lead to)."""
+        if self._members is None:
+            self._members = {id(n) for n in self.graph.nodes}
+        return id(node) in self._members
+
     def _foreign(self, m: Match) -> Optional[str]:
         """Why the match reaches out of this graph (into an enclosing one, through an outer-scope tensor), else None.
 
         Rewriting such a match would move the outer nodes' work into this (branch or loop) body.
         """
-        if self._members is None:
-            self._members = {id(n) for n in self.graph.nodes}
-        outer = next((n for n in m.nodes if id(n) not in self._members), None)
+        outer = next((n for n in m.nodes if not self.owns(n)), None)
         return None if outer is None else f"{describe(outer)} belongs to an enclosing graph"
 
     def _escapes(self, m: Match) -> Optional[str]:

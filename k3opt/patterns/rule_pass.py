@@ -75,6 +75,20 @@ def sweep(graph: Graph, ctx: PassContext, rules: Sequence[Rule], explain: bool =
     return done
 
 
+def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule], *, bodies: bool = False) -> int:
+    """Apply ``rules`` one :func:`sweep` each, in order (a rule claims the nodes it matches before the next one
+    looks: list larger patterns first), to ``graph`` and, with ``bodies``, then to each If/Loop/Scan body in it
+    (declines are explained in ``graph`` only); returns the rewrites.
+
+    The sweeps find their anchors through ``ctx``'s census, shared until a rewrite changes the graph. The one way
+    the fusions and lowerings that recognise with ordered rules (attention, norms, rotary) apply them.
+    """
+    if ctx.names is None:
+        ctx.names = NameScope(graph)
+    graphs = ctx.graphs(graph) if bodies else [graph]
+    return sum(sweep(g, ctx, [rule], explain=g is graph) for g in graphs for rule in rules)
+
+
 def possible(rule: Rule, present: Collection[str], linked: Optional[Callable[[str, str], bool]] = None) -> bool:
     """Whether ``rule`` may match in a graph whose nodes have the op types ``present``: each op every match
     holds is there, and (given ``linked(a, b)``: does an ``a`` node feed a ``b`` node here?) each producer to

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from contextvars import ContextVar
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import ml_dtypes
 import numpy as np
@@ -39,14 +38,12 @@ from ... import graph as gs
 from onnx import TensorProto
 
 from ...graph import dtypes, ir
-from ...graph.ir import Graph, NameScope, Node, Tensor, is_graph_output, producer
+from ...graph.ir import Graph, Node, Tensor, is_graph_output, producer
 from ...graph.symbolic.dims import Dims
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.matcher import describe
-from ...patterns.rule_pass import sweep
 from ...patterns.schema import attr_value
 from .._shared.shape_refs import is_dim_of, ref_size, same_size, shape_refs, small_const, small_ints
-from ...pipeline.pass_base import PassContext
 
 #: Element types the attention's q/k/v/output may have (the fused ops' float types).
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -56,8 +53,44 @@ MASKED_FRACTION = 0.5
 
 
 @dataclasses.dataclass
+class AttentionMask:
+    """The scores' additive mask and what is known of its form: what a fused op may take for it, and what the
+    graph does with a query row whose keys are all masked."""
+
+    #: The mask added to the scores; None: the scores are not masked (the other fields keep their defaults).
+    tensor: Optional[Tensor] = None
+    #: The ``keep`` of a ``Where(keep, 0, fill)`` mask (or a constant's), set when its fill masks out
+    #: (:func:`masks_out`).
+    keep: Optional[Tensor] = None
+    #: The fill of such a mask (or of a constant mask of 0s and one value): -inf or a negative number; None for a
+    #: mask of unknown form.
+    fill: Optional[float] = None
+    #: The mask is exactly the causal one (``keep`` a constant lower triangle).
+    causal_only: bool = False
+    #: The mask is a constant keeping a key in every query row (a sliding-window band, say): no row is fully
+    #: masked, so what the graph and a fused op do with such a row does not matter (as for ``causal_only``).
+    rows_open: bool = False
+    #: The probabilities are guarded (torch sdpa's ``Where(IsNaN(p), 0, p)``): a fully masked row gives zeros.
+    zero_fully_masked: bool = False
+
+
+@dataclasses.dataclass
+class KVCache:
+    """A decode step's cache: the keys and the values are ``Concat(past, new)`` on the sequence axis (the
+    Concats' outputs, ``present_*``, are the attention's k and v)."""
+
+    past_key: Tensor
+    past_value: Tensor
+    new_key: Tensor
+    new_value: Tensor
+    present_key: Tensor
+    present_value: Tensor
+
+
+@dataclasses.dataclass
 class AttentionMatch:
-    """One matched attention, BNSD layouts (batch, heads, sequence, head dim); see the interface doc."""
+    """One matched attention, BNSD layouts (batch, heads, sequence, head dim); see the interface doc. The core is
+    here; ``mask`` and ``cache`` are its parts."""
 
     q: Tensor
     k: Tensor
@@ -67,26 +100,13 @@ class AttentionMatch:
     head_dim_qk: int
     head_dim_v: int
     scale: float
-    mask: Optional[Tensor]
-    keep: Optional[Tensor]
-    causal_only: bool
-    zero_fully_masked: bool
-    past_key: Optional[Tensor]
-    past_value: Optional[Tensor]
-    new_key: Optional[Tensor]
-    new_value: Optional[Tensor]
-    present_key: Optional[Tensor]
-    present_value: Optional[Tensor]
     output: Tensor
     softmax: Node
     dtype: int
     match: Match
-    #: The fill of a ``Where(keep, 0, fill)`` mask (or of a constant mask of 0s and one value): -inf or a
-    #: negative number; None for a mask of unknown form. ``keep`` is set when it masks out (:func:`masks_out`).
-    mask_fill: Optional[float] = None
-    #: The mask is a constant keeping a key in every query row (a sliding-window band, say): no row is fully
-    #: masked, so what the graph and a fused op do with such a row does not matter (as for ``causal_only``).
-    rows_open: bool = False
+    mask: AttentionMask
+    #: Set for a decode step whose keys and values concatenate the cache (:class:`KVCache`), else None.
+    cache: Optional[KVCache]
 
 
 # -- pattern -------------------------------------------------------------------------------------------------
@@ -94,7 +114,8 @@ class AttentionMatch:
 def _pattern(op: PatternBuilder, x: object, v: object) -> object:
     sm = op.Softmax(x, _name="softmax")
     guarded = op.Or(op.Where(op.IsNaN(sm, _name="isnan"), 0.0, sm, _name="guard"), sm)
-    probs = op.Or(op.Dropout(guarded, _name="dropout", _allow_other_inputs=True), guarded, _name="probs")
+    probs = op.Or(dropout=op.Dropout(guarded, _name="dropout", _allow_other_inputs=True), plain=guarded,
+                  _name="probs")
     return op.MatMul(probs, v, _name="pv")
 
 
@@ -104,7 +125,7 @@ def attention_rules(rewrite: Callable[[RewriteBuilder, AttentionMatch], Optional
 
     ``on_decline(softmax, reason)`` hears every refusal: the recogniser's, and a rewrite's that calls
     ``am.match.fail(reason)`` before returning None (one returning None without a reason, a recorder
-    say, is not a refusal). Apply with :func:`apply_attention`.
+    say, is not a refusal). Apply with :func:`k3opt.patterns.apply_rules` (``bodies=True``).
     """
 
     def check(m: Match) -> bool:
@@ -125,27 +146,6 @@ def attention_rules(rewrite: Callable[[RewriteBuilder, AttentionMatch], Optional
 
     return [Rule(name, _pattern, apply, check, allow_escaping=True,
                  description="scaled dot-product attention (MatMul, scale, mask, Softmax, MatMul)")]
-
-
-def apply_attention(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
-    """Apply ``rules`` (one sweep each, anchors from ``ctx``'s census) to the graph and then to each
-    If/Loop/Scan body (shaped too: ``shapes.apply_shapes``; a match reaching outside its body is refused);
-    returns the rewrites."""
-    if ctx.names is None:
-        ctx.names = NameScope(graph)
-    done = 0
-    for g in ctx.graphs(graph):
-        token = _BODY_NODES.set(None if g is graph else {id(n) for n in g.nodes})
-        try:
-            done += sum(sweep(g, ctx, [rule], explain=g is graph) for rule in rules)
-        finally:
-            _BODY_NODES.reset(token)
-    return done
-
-
-#: The ids of the nodes of the body being swept (None for the main graph, whose matches reach no other graph):
-#: what a match walks beyond its pattern must be among them (:func:`_analyze`).
-_BODY_NODES: ContextVar[Optional[set[int]]] = ContextVar("k3opt_attention_body_nodes", default=None)
 
 
 # -- analysis ------------------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def analyze(m: Match) -> Optional[AttentionMatch]:
 
 def _analyze(m: Match, dims: Dims) -> AttentionMatch:
     sm, pv = m.node("softmax"), m.node("pv")
-    if m.which("probs") == 0:
+    if m.which("probs") == "dropout":
         raise _Decline("a Dropout acts on the attention probabilities (training mode)")
     x = sm.inputs[0]
     if checks.rank(x) != 4:
@@ -209,20 +209,23 @@ def _analyze(m: Match, dims: Dims) -> AttentionMatch:
     kv_heads = kv.heads(q_heads)
     if isinstance(kv.k_dims[3], int) and kv.k_dims[3] != dqk:
         raise _Decline(f"q's head dim {dqk} differs from k's {kv.k_dims[3]}")
+    guarded = m.get_node("guard") is not None
     if mask is not None:
         _check_mask(mask, scores, dtype)
-    keep, fill, causal, rows_open = _mask_form(dims, mask, q, kv.k_dims, dtype) if mask is not None \
-        else (None, None, False, False)
-    past = _decode_parts(kv.k if kv.perm == IDENTITY else None, kv.v)
-    body = _BODY_NODES.get()
-    outer = None if body is None else next((n for n in walked + chain if id(n) not in body), None)
+        form = _mask_form(dims, mask, q, kv.k_dims, dtype)
+        form.zero_fully_masked = guarded
+    else:
+        form = AttentionMask(zero_fully_masked=guarded)
+    cache = _decode_parts(kv.k if kv.perm == IDENTITY else None, kv.v)
+    outer = next((n for n in walked + chain if not m.owns(n)), None)
     if outer is not None:  # the commit would detach it in its own graph, and move its work into this body
         raise _Decline(f"{describe(outer)} belongs to an enclosing graph: a fusion does not move the enclosing "
                        "graph's work into an If/Loop/Scan body")
     m.nodes.extend(n for n in walked + chain if id(n) not in matched)  # detached by the commit once dead
     m.memo["k_perm"] = kv.perm
-    return AttentionMatch(q, kv.k, kv.v, q_heads, kv_heads, dqk, _static(dims, kv.v, 3, "v's head dim"), scale, mask,
-                          keep, causal, _guarded(m), *past, pv.outputs[0], sm, dtype, m, fill, rows_open)
+    return AttentionMatch(q=q, k=kv.k, v=kv.v, q_num_heads=q_heads, kv_num_heads=kv_heads, head_dim_qk=dqk,
+                          head_dim_v=_static(dims, kv.v, 3, "v's head dim"), scale=scale, output=pv.outputs[0],
+                          softmax=sm, dtype=dtype, match=m, mask=form, cache=cache)
 
 
 @dataclasses.dataclass
@@ -266,14 +269,6 @@ def _keys_and_values(dims: Dims, kt: Tensor, v_repeated: Tensor, walked: list[No
     if checks.rank(k) != 4 or checks.rank(v) != 4:
         raise _Decline("k and v are not both rank 4")
     return _KeysValues(dims, k, perm, kt_scale * k_scale, k_repeat, v, v_repeat)
-
-
-def _guarded(m: Match) -> bool:
-    try:
-        m.node("guard")
-    except KeyError:
-        return False
-    return True
 
 
 def _split_mask(x: Tensor, chain: list[Node]) -> tuple[Optional[Tensor], Tensor]:
@@ -574,34 +569,34 @@ def masks_out(fill: float, dtype: int) -> bool:
     return fill <= MASKED_FRACTION * float(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).min)
 
 
-def _mask_form(dims: Dims, mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int
-               ) -> tuple[Optional[Tensor], Optional[float], bool, bool]:
-    """(keep, fill, causal_only, rows_open) of an additive mask ``Where(keep, 0, fill)`` or a constant of 0s and
-    one negative fill; ``keep`` only when the fill masks out (:func:`masks_out`); the last two need a constant
-    keep (:func:`_causal`, :func:`_rows_open`)."""
+def _mask_form(dims: Dims, mask: Tensor, q: Tensor, k_dims: "_PermutedDims", dtype: int) -> AttentionMask:
+    """The form of an additive mask ``Where(keep, 0, fill)`` or a constant of 0s and one negative fill: ``keep``
+    only when the fill masks out (:func:`masks_out`); ``causal_only`` and ``rows_open`` need a constant keep
+    (:func:`_causal`, :func:`_rows_open`)."""
     value = checks.const_value(mask) if ir.is_const(mask) and _size_of(mask) <= 1 << 22 else None
     if value is not None:
         fills = np.unique(value[value != 0])
         if len(fills) > 1 or (len(fills) == 1 and not fills[0] < 0):
-            return None, None, False, False
+            return AttentionMask(tensor=mask)
         keep_value = value == 0
         fill = float(fills[0]) if len(fills) else float("-inf")
         keep = gs.Constant(f"{mask.name}_keep", keep_value)
-        return (keep if masks_out(fill, dtype) else None), fill, _causal(dims, keep_value, q, k_dims), \
-            _rows_open(keep_value)
+        return AttentionMask(tensor=mask, keep=keep if masks_out(fill, dtype) else None, fill=fill,
+                             causal_only=_causal(dims, keep_value, q, k_dims), rows_open=_rows_open(keep_value))
     if _bounded_bias(mask, dtype):
-        return None, None, False, True  # finite everywhere: no query row is ever fully masked
+        return AttentionMask(tensor=mask, rows_open=True)  # finite everywhere: no query row is ever fully masked
     n = producer(mask)
     if n is None or n.op != "Where" or len(n.inputs) != 3 or dtypes.onnx_type(n.inputs[0].dtype) != TensorProto.BOOL:
-        return None, None, False, False
+        return AttentionMask(tensor=mask)
     zero, fill = small_const(n.inputs[1]), small_const(n.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or zero.ndim > 4 or fill.ndim > 4 \
             or float(zero.reshape(-1)[0]) != 0.0 or not float(fill.reshape(-1)[0]) < 0:
-        return None, None, False, False
+        return AttentionMask(tensor=mask)
     keep, f = n.inputs[0], float(fill.reshape(-1)[0])
     kv = checks.const_value(keep) if ir.is_const(keep) and _size_of(keep) <= 1 << 22 else None
-    return (keep if masks_out(f, dtype) else None), f, kv is not None and _causal(dims, kv, q, k_dims), \
-        kv is not None and _rows_open(kv)
+    return AttentionMask(tensor=mask, keep=keep if masks_out(f, dtype) else None, fill=f,
+                         causal_only=kv is not None and _causal(dims, kv, q, k_dims),
+                         rows_open=kv is not None and _rows_open(kv))
 
 
 #: Largest magnitude of each integer/bool element type (numpy name), for :func:`_bounded_bias`.
@@ -660,17 +655,17 @@ def _causal(dims: Dims, keep: np.ndarray, q: Tensor, k_dims: "_PermutedDims") ->
     return bool((keep.reshape(-1, sq, skv) == tri).all())
 
 
-def _decode_parts(k: Optional[Tensor], v: Tensor) -> tuple:
-    """(past_key, past_value, new_key, new_value, present_key, present_value): set when k and v are both
-    ``Concat(past, new)`` on the sequence axis."""
+def _decode_parts(k: Optional[Tensor], v: Tensor) -> Optional[KVCache]:
+    """The cache when k and v are both ``Concat(past, new)`` on the sequence axis, else None."""
     parts = []
     for t in (k, v):
         n = producer(t) if t is not None else None
         if n is None or n.op != "Concat" or len(n.inputs) != 2 or int(n.attrs.get("axis", 0)) not in (2, -2):
-            return (None,) * 6
+            return None
         parts.append(n)
     (ck, cv) = parts
-    return ck.inputs[0], cv.inputs[0], ck.inputs[1], cv.inputs[1], ck.outputs[0], cv.outputs[0]
+    return KVCache(past_key=ck.inputs[0], past_value=cv.inputs[0], new_key=ck.inputs[1], new_value=cv.inputs[1],
+                   present_key=ck.outputs[0], present_value=cv.outputs[0])
 
 
 def _materialized(op: RewriteBuilder, am: AttentionMatch) -> AttentionMatch:

@@ -8,7 +8,7 @@ prove exact); rewrites rebuild it from that with :func:`norm_input` and
 :func:`affine_input`.
 
 Rules come in tails, largest first: scale and bias, scale, bias, a Cast back
-to the input type, nothing. :func:`apply_in_order` gives each rule its own
+to the input type, nothing. :func:`k3opt.patterns.apply_rules` gives each rule its own
 sweep in that order, so the largest fusion of a norm always wins, whatever
 order the applier visits nodes in (a smaller rule anchors inside a larger
 match: at the statistics, before the scale and bias).
@@ -24,8 +24,7 @@ from onnx import TensorProto
 
 from ...graph import dtypes, ir
 from ...graph.ir import Graph, Node, Tensor
-from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, RuleSetPass, checks
-from ...patterns.rule_pass import sweep
+from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, RuleSetPass, apply_rules, checks
 from ...pipeline.pass_base import PassContext
 
 #: Bits of precision order of the float types a normalization may run in (16-bit types do not widen into each other).
@@ -116,7 +115,7 @@ def tail_rules(name: str, core: Callable[[PatternBuilder, Any], Any], tails: tup
     """One rule per tail: pattern ``with_tail(core(op, x))``, checked by :func:`analyze`, rebuilt by ``rewrite``.
 
     ``rewrite(op, norm_match)`` returns the replacement tensor, or None to leave the match alone. Apply
-    the rules with :func:`apply_in_order` (or :class:`OrderedRulesPass`).
+    the rules with ``k3opt.patterns.apply_rules(..., bodies=True)`` (or :class:`OrderedRulesPass`).
     """
     return [_tail_rule(name, core, tail, centered, rewrite, description) for tail in tails]
 
@@ -138,22 +137,14 @@ def _tail_rule(name: str, core: Callable[[PatternBuilder, Any], Any], tail: tupl
                 description=f"{description} ({' and '.join(tail) or 'nothing after the statistics'})")
 
 
-def apply_in_order(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
-    """Apply ``rules`` one sweep each, in order (largest pattern first), to the graph and then to each
-    If/Loop/Scan body (their tensors are shaped too: ``shapes.apply_shapes``); returns the rewrites.
-
-    The sweeps find their anchors through ``ctx``'s census, shared until a rewrite changes the graph.
-    """
-    return sum(sweep(g, ctx, [rule], explain=g is graph) for g in ctx.graphs(graph) for rule in rules)
-
-
 class OrderedRulesPass(RuleSetPass):
-    """A :class:`RuleSetPass` whose rules get one sweep each, in order (see :func:`apply_in_order`)."""
+    """A :class:`RuleSetPass` whose rules get one sweep each, in order, in the graph and its bodies
+    (:func:`k3opt.patterns.apply_rules`)."""
 
     adds_bodies = False  # k3opt's norm rules build no graph attribute
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        return apply_in_order(graph, ctx, self.rules)
+        return apply_rules(graph, ctx, self.rules, bodies=True)
 
 
 # -- checks ------------------------------------------------------------------------------------------------------

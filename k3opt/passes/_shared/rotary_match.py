@@ -24,24 +24,22 @@ flattening ``Tile``/``Expand`` of ``Unsqueeze(f, -1)`` by 2) or a constant with 
 position dims must be 1 or provably x's; its heads dim must be 1. cos and sin must be the same
 computation except Cos vs Sin, of one angle tensor (or both constants).
 
-Entry point: ``rotary_rules(rewrite)`` gives the rules and :func:`apply_rules` sweeps them; ``rewrite(op,
+Entry point: ``rotary_rules(rewrite)`` gives the rules and :func:`k3opt.patterns.apply_rules` sweeps them; ``rewrite(op,
 rm)`` receives a :class:`RotaryMatch` and returns the replacement of the rotated tensor (or None to leave it).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 from onnx import TensorProto
 
 from ...graph import dtypes
-from ...graph.ir import Graph, Node, Tensor, is_const, producer
+from ...graph.ir import Node, Tensor, is_const, producer
 from ...graph.small_constants import small_const_scalar, small_const_value
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
 from ...patterns.matcher import is_empty
-from ...patterns.rule_pass import sweep
-from ...pipeline.pass_base import PassContext
 from ...graph.symbolic.algebra import Dim
 from ...graph.symbolic.dims import Dims
 
@@ -669,11 +667,3 @@ def _slice_spares(node: Node, rank: int, axis: int) -> bool:
         return starts is not None and starts.size <= axis
     axes = small_const_value(node.inputs[3]) if is_const(node.inputs[3]) else None
     return axes is not None and all((int(a) + rank if a < 0 else int(a)) != axis for a in axes.reshape(-1))
-
-
-# -- the rewrite -----------------------------------------------------------------------------------------------------
-
-def apply_rules(graph: Graph, ctx: PassContext, rules: Sequence[Rule]) -> int:
-    """One sweep per rule, in order. Dims are traced with the run's dims analysis (``Match.dims``: declared
-    symbols such as ``batch`` are not traced at all)."""
-    return sum(sweep(graph, ctx, [rule]) for rule in rules)

@@ -35,9 +35,9 @@ import numpy as np
 
 from ...graph import dtypes
 from ...graph.ir import Graph, Node, Tensor, producer, replace_uses
-from ...patterns import RewriteBuilder, checks
+from ...patterns import RewriteBuilder, apply_rules, checks
 from .._shared.attention_sites import attention_sites, site_name, why_unrecognised
-from .._shared.attention_match import AttentionMatch, apply_attention, attention_rules
+from .._shared.attention_match import AttentionMatch, attention_rules
 from ...pipeline.pass_base import Pass, PassContext
 from ._left_decomposed import note_left_decomposed
 
@@ -48,12 +48,12 @@ _NOTE = re.compile(r"^\d+ attention\(s\) (found, left decomposed|declined): ")
 
 def mask_refusal(am: AttentionMatch) -> Optional[str]:
     """Why Attention-23 (as onnxruntime runs it) would differ from the graph on fully masked rows, or None."""
-    if am.mask is None or am.causal_only or am.rows_open:
+    if am.mask.tensor is None or am.mask.causal_only or am.mask.rows_open:
         return None
-    if am.mask_fill is None:
+    if am.mask.fill is None:
         return ("the mask is of unknown form: Attention zeroes a query row whose biases are all -inf or the "
                 "dtype's lowest value, the decomposed graph need not")
-    if am.mask_fill == float("-inf") and not am.zero_fully_masked:
+    if am.mask.fill == float("-inf") and not am.mask.zero_fully_masked:
         return "the mask fills -inf without the IsNaN guard: a fully masked row is NaN here, zeros in Attention"
     return None
 
@@ -74,26 +74,27 @@ def to_attention(op: RewriteBuilder, am: AttentionMatch, presents: Optional[Pres
     # Attention-24 refuses head counts with 4-D inputs (it reads them from the shapes, as 23 does without them)
     if am.q_num_heads is not None and am.kv_num_heads is not None and am.match.ctx.opset < 24:
         attrs.update(q_num_heads=am.q_num_heads, kv_num_heads=am.kv_num_heads)
-    why = None if presents is None or am.past_key is None else cache_refusal(am)
+    why = None if presents is None or am.cache is None else cache_refusal(am)
     if why is not None:
         am.match.ctx.note(f"attention at '{site_name(am.softmax)}' reads the concatenated KV cache: {why}")
-    cached = presents is not None and am.past_key is not None and why is None
-    if am.mask is None:
+    cached = presents is not None and am.cache is not None and why is None
+    if am.mask.tensor is None:
         mask = None
-    elif am.causal_only and _square(am, cached):
+    elif am.mask.causal_only and _square(am, cached):
         mask, attrs["is_causal"] = None, 1
     else:
         mask = _fitted_mask(op, am, _mask_value(op, am), cached)
     if not cached:
         return op.Attention(am.q, am.k, am.v, *([] if mask is None else [mask]), **attrs)
-    y, key, value = op.Attention(am.q, am.new_key, am.new_value, mask, am.past_key, am.past_value, _outputs=3,
-                                 **attrs)
-    presents += [(am.present_key, key), (am.present_value, value)]
+    cache = am.cache
+    y, key, value = op.Attention(am.q, cache.new_key, cache.new_value, mask, cache.past_key, cache.past_value,
+                                 _outputs=3, **attrs)
+    presents += [(cache.present_key, key), (cache.present_value, value)]
     return y
 
 
 def cache_refusal(am: AttentionMatch) -> Optional[str]:
-    """Why a decode step's (``am.past_key`` set) ``Concat(past, new)`` keys/values cannot become Attention's
+    """Why a decode step's (``am.cache`` set) ``Concat(past, new)`` keys/values cannot become Attention's
     ``past_key``/``past_value``
     (the op then concatenates on the sequence axis of BNSD, as the graph does), or None.
 
@@ -101,11 +102,11 @@ def cache_refusal(am: AttentionMatch) -> Optional[str]:
     repeat; here both parts must be rank 4 of the attention's dtype, and every reader of the Concats must be
     the attention's (or a Shape): the op's present outputs then replace them.
     """
-    parts = (am.past_key, am.new_key, am.past_value, am.new_value)
+    parts = (am.cache.past_key, am.cache.new_key, am.cache.past_value, am.cache.new_value)
     if any(checks.rank(t) != 4 for t in parts) or any(dtypes.onnx_type(t.dtype) != am.dtype for t in parts):
         return "the cache parts are not rank 4 of the attention's dtype"
     inside = {id(n) for n in am.match.nodes}
-    for present in (am.present_key, am.present_value):
+    for present in (am.cache.present_key, am.cache.present_value):
         other = next((n for n in present.outputs if id(n) not in inside and n.op != "Shape"), None)
         if other is not None:
             return f"the cache Concat '{present.name}' is also read by '{other.name}' ({other.op})"
@@ -144,33 +145,33 @@ def _square(am: AttentionMatch, cached: bool) -> bool:
     length in onnxruntime) matters unless the past is empty: q's length must also be the new keys'."""
     dims = am.match.dims
     sq, skv = dims.at(am.q, 2), dims.at(am.k, 2)
-    return isinstance(sq, int) and sq == skv and (not cached or sq == dims.at(am.new_key, 2))
+    return isinstance(sq, int) and sq == skv and (not cached or sq == dims.at(am.cache.new_key, 2))
 
 
 def _mask_value(op: RewriteBuilder, am: AttentionMatch) -> Tensor:
     """The mask, its fill moved off the dtype's lowest value (which onnxruntime takes for -inf)."""
     np_type = dtypes.numpy_dtype(am.dtype)  # float32, float16 or ml_dtypes' bfloat16
     lowest = np.array(ml_dtypes.finfo(np_type).min, dtype=np_type)
-    if am.mask_fill != float(lowest):
-        return am.mask
+    if am.mask.fill != float(lowest):
+        return am.mask.tensor
     fill = np.nextafter(lowest, np.array(0, dtype=np_type))
-    return op.Where(am.keep, op.const(np.zeros((), np_type)), op.const(fill))
+    return op.Where(am.mask.keep, op.const(np.zeros((), np_type)), op.const(fill))
 
 
 def _fitted_mask(op: RewriteBuilder, am: AttentionMatch, mask: Tensor, cached: bool) -> Tensor:
     """``mask`` with its last two axes of q's and k's sequence lengths (Expand when not provably so; with the
     cache as past inputs, ``cached``, its length is read from the parts: the Concat goes)."""
-    rank = max(2, len(am.mask.shape))
+    rank = max(2, len(am.mask.tensor.shape))
     dims = am.match.dims
     sq, skv = dims.at(am.q, 2), dims.at(am.k, 2)
-    have = [dims.at(am.mask, i) for i in range(len(am.mask.shape))][-2:]
+    have = [dims.at(am.mask.tensor, i) for i in range(len(am.mask.tensor.shape))][-2:]
     if len(have) == 2 and have[0] == sq and have[1] == skv and sq is not None and skv is not None:
         return mask
     q_len = op.Shape(am.q, start=2, end=3)
     if not cached:
         k_len = op.Shape(am.k, start=2, end=3)
     else:
-        k_len = op.Add(op.Shape(am.past_key, start=2, end=3), op.Shape(am.new_key, start=2, end=3))
+        k_len = op.Add(op.Shape(am.cache.past_key, start=2, end=3), op.Shape(am.cache.new_key, start=2, end=3))
     shape = op.Concat(op.const(np.ones(rank - 2, dtype=np.int64)), q_len, k_len, axis=0)
     return op.Expand(mask, shape)
 
@@ -189,7 +190,8 @@ class FuseAttention(Pass):
         if not _fusable(ctx):
             return 0
         presents: Presents = []
-        done = apply_attention(graph, ctx, attention_rules(lambda op, am: to_attention(op, am, presents)))
+        rules = attention_rules(lambda op, am: to_attention(op, am, presents))
+        done = apply_rules(graph, ctx, rules, bodies=True)
         move_presents(graph, presents)
         return done
 
@@ -211,7 +213,7 @@ class FuseAttention(Pass):
             seen.add(id(softmax))
             declined.setdefault(why, []).append(site_name(softmax))
 
-        apply_attention(graph, ctx, attention_rules(record, on_decline=decline))
+        apply_rules(graph, ctx, attention_rules(record, on_decline=decline), bodies=True)
         for softmax, scores, reader, local in attention_sites(graph):  # never silent: what the pattern missed
             if id(softmax) not in seen:
                 declined.setdefault(why_unrecognised(scores, reader, local), []).append(site_name(softmax))

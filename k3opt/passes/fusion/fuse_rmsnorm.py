@@ -15,7 +15,7 @@ a report note "N RMSNorm found, left decomposed: ...").
 Entry point for lowerings (the CANN bridge lowers to ``NPURmsNorm``)::
 
     rules = rmsnorm_rules(rewrite)            # list[Rule], largest pattern first
-    OrderedRulesPass(rules, name="...").run(graph, ctx)   # or apply_in_order(graph, ctx, rules)
+    OrderedRulesPass(rules, name="...").run(graph, ctx)   # or apply_rules(graph, ctx, rules, bodies=True)
 
 ``rewrite(op, nm)`` gets the rewrite builder and a :class:`~.._shared.norm_match.NormMatch`:
 ``nm.x`` (input before the match's Casts), ``nm.weight`` (the constant weight as matched, or
@@ -34,11 +34,11 @@ from __future__ import annotations
 import re
 
 from ...graph.ir import Graph, Node, Tensor, producer
-from ...patterns import RewriteBuilder
+from ...patterns import RewriteBuilder, apply_rules
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext
-from .._shared.norm_match import (LAYER_NORMALIZATION_OPSET, NormMatch, affine_input, apply_in_order, norm_input,
-                                  rms_norm_core, rmsnorm_rules, tail_rules)
+from .._shared.norm_match import (LAYER_NORMALIZATION_OPSET, NormMatch, affine_input, norm_input, rms_norm_core,
+                                  rmsnorm_rules, tail_rules)
 from ._left_decomposed import note_left_decomposed
 
 #: First opset with RMSNormalization in the default domain.
@@ -69,7 +69,8 @@ def find_rmsnorms(graph: Graph, ctx: PassContext) -> tuple[list[Node], list[Node
     def record(op: RewriteBuilder, nm: NormMatch) -> None:
         (centered if _centered(nm.x) else found).setdefault(id(nm.reduce), nm.reduce)
 
-    apply_in_order(graph, ctx, tail_rules("rmsnorm", rms_norm_core, (("cast",), ()), False, record, "RMSNorm"))
+    apply_rules(graph, ctx, tail_rules("rmsnorm", rms_norm_core, (("cast",), ()), False, record, "RMSNorm"),
+                bodies=True)
     return [n for k, n in found.items() if k not in centered], list(centered.values())
 
 
@@ -95,7 +96,7 @@ class FuseRMSNorm(Pass):
     needs_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        return apply_in_order(graph, ctx, RULES) if _fusable(ctx) else 0
+        return apply_rules(graph, ctx, RULES, bodies=True) if _fusable(ctx) else 0
 
     def finish(self, graph: Graph, ctx: PassContext) -> None:
         """Where RMSNorms stay decomposed, count them once, on the final graph (``rmsnorm_found``, a note); the

@@ -22,10 +22,10 @@ from typing import Any, Optional
 import numpy as np
 
 from ...graph.ir import Graph, Node, Tensor, producer
-from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, checks
+from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, apply_rules, checks
 from ...pipeline.analyses import Shapes
 from ...pipeline.pass_base import Pass, PassContext
-from .._shared.rotary_match import RotaryMatch, apply_rules, concat_axis, rotary_rules, slice_last, unsqueeze_axes
+from .._shared.rotary_match import RotaryMatch, concat_axis, rotary_rules, slice_last, unsqueeze_axes
 from ._left_decomposed import note_left_decomposed
 
 #: First opset with RotaryEmbedding in the default domain.

@@ -49,9 +49,9 @@ from ....graph.ir import Graph, Node, Tensor, is_const, producer
 from ....graph.symbolic.dims import Dims
 from ....graph.symbolic.trace import UNARY_SAME_SHAPE
 from ....graph.symbolic.input_dims import input_dims_written
-from ....patterns import RewriteBuilder, checks
+from ....patterns import RewriteBuilder, apply_rules, checks
 from ....passes._shared.shape_refs import shape_refs
-from ....passes._shared.attention_match import AttentionMatch, apply_attention, attention_rules
+from ....passes._shared.attention_match import AttentionMatch, attention_rules
 from ....passes._shared.attention_sites import site_name
 from ....pipeline.analyses import Shapes
 from ....pipeline.option_values import choice
@@ -152,14 +152,14 @@ def _masked_rows_refusal(am: AttentionMatch, causal: bool) -> Optional[str]:
     neighbour): those are kept decomposed. The device's own
     result for such a row is undocumented, so the lowering overrides those rows (:meth:`LowerAttentionNPU._dead_rows`).
     """
-    if am.keep is None or causal or am.rows_open:
+    if am.mask.keep is None or causal or am.mask.rows_open:
         return None
-    if am.mask_fill == float("-inf"):
-        return None if am.zero_fully_masked else \
+    if am.mask.fill == float("-inf"):
+        return None if am.mask.zero_fully_masked else \
             "the mask fills -inf without the IsNaN guard: a query row with every key masked is NaN in the graph"
     if am.dtype not in _SWAMPING_TYPES:
         return (f"a query row with every key masked: in {TensorProto.DataType.Name(am.dtype)} the fill "
-                f"{am.mask_fill:g} does not swamp the scores, so the graph's value there depends on them")
+                f"{am.mask.fill:g} does not swamp the scores, so the graph's value there depends on them")
     return None
 
 
@@ -235,7 +235,7 @@ class LowerAttentionNPU(Pass):
         if self.form is None:
             self.form = self._choose_form(graph, ctx)
         with input_dims_written(graph):  # q/k/v's batch and sequence, however deep the layer
-            return apply_attention(graph, ctx, self.rules)
+            return apply_rules(graph, ctx, self.rules, bodies=True)
 
     def _choose_form(self, graph: Graph, ctx: PassContext) -> str:
         wanted = str(ctx.options.get("npu_attention_form", "auto"))
@@ -265,7 +265,7 @@ class LowerAttentionNPU(Pass):
             return "the number of query or key/value heads is not static (num_heads is a required attribute)"
         if heads > MAX_HEADS or heads % kv_heads or heads // kv_heads > MAX_GROUP:
             return f"{heads} heads over {kv_heads} key/value heads is outside the kernel's limits"
-        if am.mask is not None and am.keep is None:
+        if am.mask.tensor is not None and am.mask.keep is None:
             return "the mask is of unknown form (not a boolean keep mask filled with -inf or the dtype's lowest)"
         return _masked_rows_refusal(am, causal)
 
@@ -276,10 +276,10 @@ class LowerAttentionNPU(Pass):
         dims = Dims(am.match.graph)
         sq, skv = dims.at(am.q, 2), dims.at(am.k, 2)
         # sparse_mode 3 (bottom-right causal) only where no row is fully masked (Sq <= Skv); else a full mask
-        causal = am.causal_only and isinstance(sq, int) and isinstance(skv, int) and sq <= skv
+        causal = am.mask.causal_only and isinstance(sq, int) and isinstance(skv, int) and sq <= skv
         why = self._refusal(am, heads, kv_heads, causal)
         mask: Optional[Tensor] = None
-        keep = self._keep(dims, am) if why is None and am.keep is not None and not causal else None
+        keep = self._keep(dims, am) if why is None and am.mask.keep is not None and not causal else None
         if isinstance(keep, str):
             why = keep
         elif keep is not None:
@@ -292,7 +292,7 @@ class LowerAttentionNPU(Pass):
         where = site_name(am.softmax)
         q, k, v = _one_head_dim(op, am)
         mla = f", MLA: q/k dim {am.head_dim_qk}, v dim {am.head_dim_v} padded" if q is not am.q or v is not am.v else ""
-        if am.past_key is not None and kv_heads == 1 and sq == 1 and mask is None:
+        if am.cache is not None and kv_heads == 1 and sq == 1 and mask is None:
             self.lowered.append(f"attention at '{where}' -> NPUIncreFlashAttention (one-head cache, one query{mla})")
             return _v_dims(op, am, op.NPUIncreFlashAttention(
                 q, k, v, None, None, None, _domain=domain, _name="NPUIncreFlashAttention", num_heads=heads,
@@ -312,7 +312,7 @@ class LowerAttentionNPU(Pass):
             kind = "mask, sparse_mode 0"
         else:
             kind = "no mask"
-        step = "decode step" if am.past_key is not None or reads_cache(am.k) else "prefill"
+        step = "decode step" if am.cache is not None or reads_cache(am.k) else "prefill"
         self.lowered.append(f"attention at '{where}' -> NPUPromptFlashAttention ({step}, {heads}/{kv_heads} heads, "
                             f"{kind}{mla})")
         out = _v_dims(op, am, op.NPUPromptFlashAttention(*inputs, _domain=domain, _name="NPUPromptFlashAttention",
@@ -324,7 +324,7 @@ class LowerAttentionNPU(Pass):
     @staticmethod
     def _keep(dims: Dims, am: AttentionMatch) -> Tensor | str:
         """The keep mask with one head axis (an Expand over heads peeled), or why that is not provable."""
-        keep = am.keep
+        keep = am.mask.keep
         assert keep is not None
         rank = checks.rank(keep)
         head_axis = (rank or 0) - 3  # the head axis under ONNX's right-aligned broadcasting
@@ -351,7 +351,7 @@ class LowerAttentionNPU(Pass):
         guard) or the mean of v over the keys (a finite fill), whatever the device computes there (undocumented)."""
         seen = op.ReduceMax(op.Cast(keep, to=TensorProto.FLOAT), axes=[-1], keepdims=1)  # opset 16/17 form
         dead = op.Equal(seen, op.const(np.zeros((), np.float32)))
-        if am.mask_fill == float("-inf"):  # with the guard (else refused): 0
+        if am.mask.fill == float("-inf"):  # with the guard (else refused): 0
             fallback = op.Cast(op.const(np.zeros((), np.float32)), to=am.dtype)
         else:
             fallback = op.ReduceMean(am.v, axes=[2], keepdims=1)  # (B, Nkv, 1, Dv)

@@ -17,8 +17,8 @@ import numpy as np
 from ..target_form import STAGING_DOMAIN
 from ....graph import dtypes
 from ....graph.ir import Graph, Tensor
-from ....patterns import RewriteBuilder
-from ....passes._shared.norm_match import NormMatch, affine_input, apply_in_order, norm_input
+from ....patterns import RewriteBuilder, apply_rules
+from ....passes._shared.norm_match import NormMatch, affine_input, norm_input
 from ....pipeline.pass_base import PassContext
 from ....passes._shared.norm_match import rmsnorm_rules
 from ._npu_lowering import NPULowering
@@ -57,7 +57,7 @@ class LowerRMSNormNPU(NPULowering):
     recogniser = staticmethod(rmsnorm_rules)  # one rule per tail: kept is keyed by the reduce node
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        return apply_in_order(graph, ctx, self.rules)
+        return apply_rules(graph, ctx, self.rules, bodies=True)
 
     def _rewrite(self, op: RewriteBuilder, nm: NormMatch) -> Optional[Tensor]:
         """``NPURmsNorm(x, gamma) -> (y, rstd)`` (+ the bias, if any), or None: stays decomposed, reason kept."""

@@ -42,9 +42,9 @@ import numpy as np
 from ..npu_contract import ROPE_HALF, ROPE_INTERLEAVE, ROPE_MAX_HEAD_DIM
 from ..target_form import STAGING_DOMAIN
 from ....graph.ir import Graph, Tensor
-from ....patterns import RewriteBuilder
+from ....patterns import RewriteBuilder, apply_rules
 from ....pipeline.pass_base import PassContext
-from ....passes._shared.rotary_match import RotaryMatch, apply_rules, rotary_rules, whole_of_half
+from ....passes._shared.rotary_match import RotaryMatch, rotary_rules, whole_of_half
 from ._npu_lowering import NPULowering
 
 #: [RoPE-doc] half mode: "B，N < 1000".
