@@ -9,6 +9,8 @@ from onnx import TensorProto, helper
 import k3opt
 from k3opt.pipeline import verify
 from k3opt.errors import InputError, UsageError, VerificationError
+from k3opt.graph.ir import as_constant, replace_uses
+from k3opt.pipeline.pass_base import Pass
 from k3opt.report import Report
 from tests.conftest import DropOneIdentity, ReluToSigmoid
 from tests.helpers import make_model
@@ -97,6 +99,69 @@ def test_wrong_rewrite_is_caught_and_bisected_to_its_pass(register, tmp_path):
     assert report.verification["first_diverging_pass"] == "test-relu-to-sigmoid"
     # a loose enough tolerance accepts it
     k3opt.optimize(relu_chain(), passes=["test-relu-to-sigmoid"], verify=True, atol=1.0)
+
+
+def scaled_by_batch() -> onnx.ModelProto:
+    """y = x * batch, the batch read off Shape(x) (x: [batch, 4])."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "zero"], ["b"], axis=0),
+             helper.make_node("Cast", ["b"], ["bf"], to=TensorProto.FLOAT), helper.make_node("Mul", ["x", "bf"], ["y"])]
+    return make_model(nodes, [("x", TensorProto.FLOAT, ["batch", 4])], [("y", TensorProto.FLOAT, ["batch", 4])],
+                      {"zero": np.array(0, np.int64)})
+
+
+class BatchIsTwo(Pass):
+    """Test pass: a WRONG rewrite exact at one batch size: the batch read off ``Shape(x)`` becomes the constant 2,
+    the size verification gives a free symbol first (as a Reshape target made constant from the size it saw)."""
+
+    name = "test-batch-is-two"
+    description = "test: wrong at every batch but 2"
+    default = False
+
+    def run(self, graph, ctx) -> int:
+        gathers = [n for n in graph.nodes if n.op == "Gather" and n.outputs[0].outputs]
+        for node in gathers:
+            replace_uses(graph, node.outputs[0], as_constant(ctx.fresh_name("two"), np.array(2, np.int64)))
+        return len(gathers)
+
+
+def test_a_rewrite_exact_at_one_batch_size_only_is_caught_at_the_second(register):
+    """Verification runs the symbolic dims at a second size: a rewrite equal at batch 2 and wrong at 3 fails
+    there, and is bisected to its pass with the second size's inputs."""
+    register(BatchIsTwo)
+    report = Report()
+    with pytest.raises(VerificationError, match=r"at batch=3, though equal at batch=2 .*first diverging pass: "
+                                                r"test-batch-is-two"):
+        k3opt.optimize(scaled_by_batch(), passes=["test-batch-is-two"], verify=True, report=report)
+    v = report.verification
+    assert v["status"] == "failed" and v["sizes"] == {"batch": 3} and v["equal_at"] == {"batch": 2}
+    assert v["first_diverging_pass"] == "test-batch-is-two"
+    # at the one batch the user fixes, the rewrite is exact: no other size to try, and nothing claims one
+    pinned = Report()
+    k3opt.optimize(scaled_by_batch(), passes=["test-batch-is-two"], verify=True, input_shapes={"x": [2, 4]},
+                   report=pinned)
+    assert pinned.verification["status"] == "passed" and "second_sizes" not in pinned.verification
+    assert not any("second size" in n or "one size" in n for n in pinned.notes)
+
+
+def test_an_exact_model_is_verified_at_two_sizes():
+    report = Report()
+    k3opt.optimize(scaled_by_batch(), verify=True, report=report)
+    v = report.verification
+    assert v["status"] == "passed" and v["sizes"] == {"batch": 2} and v["second_sizes"] == {"batch": 3}
+    assert "verified again at a second size: batch=3" in report.notes
+
+
+def test_a_model_that_runs_at_one_size_only_is_verified_there_with_a_note():
+    """The original runs only when the batch is 2 (Reshape to a constant [2, 4]): the second size is searched
+    and not found; the first verification stands, and a note says the model was verified at one size."""
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Relu", ["r"], ["y"])]
+    model = make_model(nodes, [("x", TensorProto.FLOAT, ["batch", 4])], [("y", TensorProto.FLOAT, [2, 4])],
+                       {"shape": np.array([2, 4], np.int64)})
+    report = Report()
+    k3opt.optimize(model, verify=True, report=report)
+    assert report.verification["status"] == "passed" and report.verification["sizes"] == {"batch": 2}
+    assert any(n.startswith("verified at one size only: onnxruntime ran the original at none of the") for n in
+               report.notes)
 
 
 def test_model_onnxruntime_cannot_run_is_skipped_with_a_warning():

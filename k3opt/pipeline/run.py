@@ -449,26 +449,12 @@ class Run:
                                  f"{verifier.first_line(exc.error)}") from None
             raise UnverifiableError(f"verification cannot run: {exc.describe()}; nothing was written "
                                     "(--no-verify writes the model unverified)") from None
-        expected = feeds.outputs
         sized = verify_dims.shapes_note(feeds)
         if sized:
             self.report.notes.append(sized)
-        self._expected = (feeds, expected, names)
-
-        def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
-            try:
-                actual = runner.run(runner.load(candidate), feeds)
-            except verifier.Unrunnable:
-                raise
-            except Exception as exc:  # the optimized model does not run: that is a failure
-                if verifier.out_of_memory(exc):  # ... unless the machine ran out of memory (or threads)
-                    raise _no_memory("running the optimized model") from None
-                return verifier.failed(f"{runner.name} cannot run the optimized model: {verifier.first_line(exc)}",
-                                       self.rtol, self.atol)
-            if [o.name for o in candidate.graph.output] != names:
-                return verifier.failed("the optimized model's outputs are not the original's", self.rtol, self.atol)
-            return verifier.compare(expected, actual, names, rtol=self.rtol, atol=self.atol, random=random)
-
+        self._expected = (feeds, feeds.outputs, names)
+        loaded: dict = {}  # the optimized model's session, loaded once for both sizes
+        result_of = self._comparer(runner, feeds, names, out, loaded)
         try:
             result = result_of(out)
         except verifier.Unrunnable as exc:  # onnxruntime ran the original: what it lacks, k3opt brought in
@@ -482,8 +468,23 @@ class Run:
             result["evaluator"] = runner.name
         if feeds.sizes:
             result["sizes"] = dict(feeds.sizes)
+        at = ""
         if result["status"] == "passed":
-            return None
+            again = self._second_size(runner, reference, feeds)
+            if again is None:
+                return None
+            result_of = self._comparer(runner, again, names, out, loaded)
+            second = result_of(out)
+            if second["status"] == "passed":
+                result["second_sizes"] = dict(again.sizes)
+                self.report.notes.append(f"verified again at a second size: {verify_dims.format_sizes(again.sizes)}")
+                return None
+            second["sizes"], second["equal_at"] = dict(again.sizes), dict(feeds.sizes)
+            if runner is not _ORT:
+                second["evaluator"] = runner.name
+            self.report.verification = result = second
+            at = (f" at {verify_dims.format_sizes(again.sizes)}, though equal at "
+                  f"{verify_dims.format_sizes(feeds.sizes)}")
         if before_down is not None and result_of(before_down)["status"] == "passed":
             self.report.verification["first_diverging_pass"] = "opset conversion"
             culprit = f"; the opset conversion to {opsets.model_opset(out)} after the passes diverges"
@@ -492,7 +493,50 @@ class Run:
                 self.progress("finding the first diverging pass")
             culprit = self._bisect(start, start is not original, manager, pipeline, ctx, result_of)
         detail = verifier.failure_detail(result)
-        raise VerificationError(f"optimized model differs from the original ({detail}){culprit}")
+        raise VerificationError(f"optimized model differs from the original{at} ({detail}){culprit}")
+
+    def _comparer(self, runner: "_Runner", feeds: verify_dims.Feeds, names: list[str], out: onnx.ModelProto,
+                  loaded: dict) -> Callable[[onnx.ModelProto], dict[str, Any]]:
+        """``result_of(candidate)``: the candidate run on ``feeds`` and compared with the original's outputs. The
+        session of ``out`` (the optimized model) is kept in ``loaded`` for the next comparer of the run."""
+        expected, random = feeds.outputs, self._random
+
+        def result_of(candidate: onnx.ModelProto) -> dict[str, Any]:
+            try:
+                if candidate is out and "out" not in loaded:
+                    loaded["out"] = runner.load(out)
+                actual = runner.run(loaded["out"] if candidate is out else runner.load(candidate), feeds)
+            except verifier.Unrunnable:
+                raise
+            except Exception as exc:  # the optimized model does not run: that is a failure
+                if verifier.out_of_memory(exc):  # ... unless the machine ran out of memory (or threads)
+                    raise _no_memory("running the optimized model") from None
+                return verifier.failed(f"{runner.name} cannot run the optimized model: {verifier.first_line(exc)}",
+                                       self.rtol, self.atol)
+            if [o.name for o in candidate.graph.output] != names:
+                return verifier.failed("the optimized model's outputs are not the original's", self.rtol, self.atol)
+            return verifier.compare(expected, actual, names, rtol=self.rtol, atol=self.atol, random=random)
+
+        return result_of
+
+    def _second_size(self, runner: "_Runner", reference: Any, first: verify_dims.Feeds
+                     ) -> Optional[verify_dims.Feeds]:
+        """Feeds at other sizes of the symbolic dims than ``first``'s (free symbols at 3, then 4), on which the
+        original runs; None when every symbol is pinned (or there is none), or when the original runs at no
+        other size tried (a note says so).
+
+        One size is not enough (issue #34): a rewrite can be exact at the sizes verification chose and wrong
+        at others, as a Reshape target made constant from the batch size it saw."""
+        if not first.sizes:
+            return None
+        try:
+            return first.again(3, run=lambda f: runner.run(reference, f))
+        except verify_dims.NoConsistentSizes as exc:
+            if exc.tried:  # else every symbol is pinned (--input-shape, --input-data): there is no other size
+                self.report.notes.append(f"verified at one size only: {runner.name} ran the original at none of the "
+                                         f"{len(exc.tried)} other sizes tried (first: "
+                                         f"{verify_dims.format_sizes(exc.tried[0])})")
+            return None
 
     def _bisect(self, start: bytes, converted: bool, manager: PassManager, pipeline: list, ctx: PassContext,
                 result_of: Callable[[onnx.ModelProto], dict], record: Optional[dict] = None) -> str:

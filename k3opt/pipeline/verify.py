@@ -195,6 +195,7 @@ def make_feeds(
     leaves them free (see :mod:`k3opt.pipeline.verify_dims`; ``declared`` are the
     input dims before ``--input-shape``). With ``run`` the sizes are searched
     until the original runs: raises verify_dims.NoConsistentSizes when none does.
+    ``feeds.again(base, run)`` gives feeds at other sizes, chosen the same way.
     """
     user = _load_input_data(input_data)
     inits = {t.name for t in model.graph.initializer}

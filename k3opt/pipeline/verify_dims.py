@@ -64,13 +64,21 @@ class Feeds(dict):
 
     ``sizes``: the size given to each symbolic dim; ``outputs``: the original
     model's outputs on these inputs when a runner chose them (else None);
-    ``tries``: how many assignments were run to find them.
+    ``tries``: how many assignments were run to find them; ``sizing``: what
+    chose them (:meth:`again` picks other sizes with it).
     """
 
     def __init__(self, arrays: Mapping[str, np.ndarray], sizes: Sizes, outputs: Optional[list] = None,
-                 tries: int = 0) -> None:
+                 tries: int = 0, sizing: Optional["Sizing"] = None) -> None:
         super().__init__(arrays)
-        self.sizes, self.outputs, self.tries = sizes, outputs, tries
+        self.sizes, self.outputs, self.tries, self.sizing = sizes, outputs, tries, sizing
+
+    def again(self, base: int, run: Optional[Callable[[dict[str, np.ndarray]], list]] = None) -> "Feeds":
+        """Feeds at other sizes than these (free symbols at ``base``, then ``base + 1``), chosen as these were
+        (the model's relations are not read again); :class:`NoConsistentSizes` without a size tried when every
+        symbol is pinned."""
+        assert self.sizing is not None, "feeds chosen by a Sizing"
+        return self.sizing.feeds(base, run, avoid=self.sizes)
 
 
 def format_sizes(sizes: Mapping[str, int]) -> str:
@@ -104,30 +112,47 @@ def choose(
     one on which ``run(feeds)`` returns (its outputs are kept), else
     :class:`NoConsistentSizes`.
     """
-    dims, pins = _symbols(declared_dims(model), declared, given or {})
-    symbols = list(dict.fromkeys(d for ds in dims.values() for d in ds if isinstance(d, str)))
-    learned = relations(model.graph, {k: [pins.get(d, d) if isinstance(d, str) else d for d in ds]
-                                      for k, ds in dims.items()}).equations if symbols else []
-    order = _derive_order(dims, symbols)
-    pin_eqs = [Lin({s: 1}, -v) for s, v in pins.items()]
-    tried: list[Sizes] = []
-    first_error: Optional[BaseException] = None
-    for size, known in itertools.product((base, base + 1), (learned, []) if learned else ([],)):
-        for extra in _hypotheses(order, set(pins)):
-            sizes = _assign(pin_eqs + known + extra, order, symbols, size)
-            if sizes is None or sizes in tried:
-                continue
-            tried.append(sizes)
-            feeds = build({k: [sizes[d] if isinstance(d, str) else d for d in ds] for k, ds in dims.items()})
-            if run is None:
-                return Feeds(feeds, sizes)
-            try:
-                return Feeds(feeds, sizes, run(feeds), len(tried))
-            except Exception as exc:  # noqa: BLE001 -- onnxruntime's own error types: try the next sizes
-                first_error = first_error or exc
-            if len(tried) >= MAX_TRIES or not symbols:
-                raise NoConsistentSizes(first_error, tried)
-    raise NoConsistentSizes(first_error or ValueError("no positive sizes satisfy the graph's relations"), tried)
+    return Sizing(model, build, declared, given).feeds(base, run)
+
+
+class Sizing:
+    """A model's input symbols, their pins and the relations its graph imposes, read once; :meth:`feeds` picks
+    sizes (a second verification picks others with the same reading: :meth:`Feeds.again`)."""
+
+    def __init__(self, model: onnx.ModelProto, build: Callable[[Mapping[str, list[int]]], dict[str, np.ndarray]],
+                 declared: Optional[Mapping[str, Sequence[Dim]]] = None,
+                 given: Optional[Mapping[str, Sequence[int]]] = None) -> None:
+        self.build = build
+        self.dims, self.pins = _symbols(declared_dims(model), declared, given or {})
+        self.symbols = list(dict.fromkeys(d for ds in self.dims.values() for d in ds if isinstance(d, str)))
+        self.learned = relations(model.graph, {k: [self.pins.get(d, d) if isinstance(d, str) else d for d in ds]
+                                               for k, ds in self.dims.items()}).equations if self.symbols else []
+        self.order = _derive_order(self.dims, self.symbols)
+
+    def feeds(self, base: int = 2, run: Optional[Callable[[dict[str, np.ndarray]], list]] = None,
+              avoid: Optional[Sizes] = None) -> Feeds:
+        """See :func:`choose`; ``avoid``: an assignment not to take (the one a first verification used)."""
+        pin_eqs = [Lin({s: 1}, -v) for s, v in self.pins.items()]
+        symbols, learned = self.symbols, self.learned
+        tried: list[Sizes] = []
+        first_error: Optional[BaseException] = None
+        for size, known in itertools.product((base, base + 1), (learned, []) if learned else ([],)):
+            for extra in _hypotheses(self.order, set(self.pins)):
+                sizes = _assign(pin_eqs + known + extra, self.order, symbols, size)
+                if sizes is None or sizes in tried or sizes == avoid:
+                    continue
+                tried.append(sizes)
+                feeds = self.build({k: [sizes[d] if isinstance(d, str) else d for d in ds]
+                                    for k, ds in self.dims.items()})
+                if run is None:
+                    return Feeds(feeds, sizes, sizing=self)
+                try:
+                    return Feeds(feeds, sizes, run(feeds), len(tried), self)
+                except Exception as exc:  # noqa: BLE001 -- onnxruntime's own error types: try the next sizes
+                    first_error = first_error or exc
+                if len(tried) >= MAX_TRIES or not symbols:
+                    raise NoConsistentSizes(first_error, tried)
+        raise NoConsistentSizes(first_error or ValueError("no positive sizes satisfy the graph's relations"), tried)
 
 
 def _symbols(now: dict[str, list[Dim]], declared: Optional[Mapping[str, Sequence[Dim]]],
