@@ -12,7 +12,7 @@ import k3opt
 from k3opt.graph import ir
 from k3opt.pipeline import manager
 from k3opt.pipeline.op_census import OpCensus
-from k3opt.pipeline.pass_base import Pass, PassContext
+from k3opt.pipeline.pass_base import Hints, Pass, PassContext
 from k3opt.passes.cleanup.remove_identity import RemoveIdentity
 from k3opt.passes.fusion.fuse_layernorm import RULES as LAYERNORM_RULES
 from k3opt.pipeline.manager import PassManager
@@ -169,7 +169,7 @@ WHOLE_RUNS = [("bert", "torchscript", "onnx"), ("llama", "dynamo", "onnx"), ("de
 def test_every_census_answer_in_a_whole_run_equals_a_scan(monkeypatch, name, exporter, target):
     """No built-in pass changes the graph in place and then reports no rewrite (or asks again without
     changed()); merge-equal-dims' toposort, which may reorder and return 0, gives a new node list.
-    Nor does one give a body-free graph a body (``adds_bodies = False``): the census's kept "no body"
+    Nor does one give a body-free graph a body (``Hints(adds_bodies=False)``): the census's kept "no body"
     answer is checked against a walk after every rewrite, the cann lowerings' included."""
     model = onnx.load(str(zoo_model(name, exporter)))
     monkeypatch.setattr(manager, "OpCensus", CheckedCensus)
@@ -188,7 +188,7 @@ class BodyCounter(Pass):
     """Records how many graphs ``ctx.graphs`` names at each run; rewrites nothing."""
 
     name = "test-body-counter"
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
 
     def __init__(self):
         self.seen = []
@@ -240,7 +240,7 @@ def test_bodies_a_pass_may_add_are_found(declared):
     the next pass sees the If's two bodies. One that wrongly declares it adds none leaves the census
     answering "no body": the declaration is what the census trusts."""
     adder, counter = IfAdder(), BodyCounter()
-    adder.adds_bodies = declared
+    adder._hints = Hints(adds_bodies=declared)
     graph = _body_free_graph()
     PassManager([counter, adder, BodyCounter()]).run(graph, PassContext(opset=17), graphs=[graph])
     assert counter.seen == ([1, 3] if declared else [1, 1])

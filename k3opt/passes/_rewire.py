@@ -16,7 +16,7 @@ from ..graph.ir import (
     Graph, Node, Tensor, all_graphs, disconnect, edited, int_list, is_graph_output, node_subgraphs, producer,
     replace_uses,
 )
-from ..pipeline.pass_base import Pass, PassContext
+from ..pipeline.pass_base import Hints, Pass, PassContext
 
 
 def is_used(graph: Graph, t: Tensor) -> bool:
@@ -124,7 +124,7 @@ class NodeRewritePass(Pass):
     """
 
     ops: ClassVar[frozenset[str]] = frozenset()
-    adds_bodies = False  # rewrites build no graph attribute
+    _hints = Hints(adds_bodies=False)  # rewrites build no graph attribute
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         total = 0

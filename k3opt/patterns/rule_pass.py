@@ -166,10 +166,10 @@ def rules_pass(
     """A :class:`RuleSetPass` subclass named ``name`` (registered unless ``register=False``).
 
     ``attrs`` set other :class:`~k3opt.pipeline.pass_base.Pass` class attributes
-    (``needs_shapes``, ``preserves``, ``adds_bodies``, ``min_opset``, ``targets``, ``default``, ``options``,
-    ``anchor_ops``, ``option_values``).
+    (``needs_shapes``, ``preserves``, ``min_opset``, ``targets``, ``default``, ``options``,
+    ``anchor_ops``, ``option_values``; k3opt's own passes also ``_hints``).
     """
-    unknown = set(attrs) - {"needs_shapes", "preserves", "adds_bodies", "min_opset", "targets", "default",
+    unknown = set(attrs) - {"needs_shapes", "preserves", "_hints", "min_opset", "targets", "default",
                             "options", "anchor_ops", "option_values"}
     if unknown:
         raise TypeError(f"rules_pass got unknown pass attribute(s): {sorted(unknown)}")

@@ -149,7 +149,7 @@ class PassManager:
                 if n:
                     analyses.invalidate(p.preserves)
                     version += 1
-                    ctx.changed(p.adds_bodies)
+                    ctx.changed(p._hints.adds_bodies)
                 else:
                     idle_at[id(p)] = version
                 round_rewrites += n
@@ -174,10 +174,10 @@ class PassManager:
         return _typed(graph) != before
 
     def lifts_constants_first(self, ctx: PassContext) -> bool:
-        """Whether the first pass to run declares :attr:`Pass.lifts_constant_nodes`: the caller may then lift
+        """Whether the first pass to run promises :attr:`Hints.lifts_constant_nodes`: the caller may then lift
         the model's Constant nodes before the import (``modelio.lift_constant_nodes``) and pass ``lifted``."""
         first = next((p for p in self.passes if _skip_reason(p, ctx) is None), None)
-        return first is not None and first.lifts_constant_nodes
+        return first is not None and first._hints.lifts_constant_nodes
 
     def _applicable(self, p: Pass, ctx: PassContext) -> bool:
         reason = _skip_reason(p, ctx)
@@ -204,7 +204,7 @@ class PassManager:
         st = self.stats[p.name]
         counted = dict(ctx.counters)
         outer, ctx.current_pass = ctx.current_pass, p.name
-        outer_adds, ctx.pass_adds_bodies = ctx.pass_adds_bodies, p.adds_bodies
+        outer_adds, ctx.pass_adds_bodies = ctx.pass_adds_bodies, p._hints.adds_bodies
         t0 = time.perf_counter()
         try:
             with watching_edits(ctx.analyses.edited):

@@ -19,7 +19,7 @@ class OpCensus:
     renamed, a list entry replaced) by a pass that then returns 0: that breaks the pass contract.
 
     Finding a graph's bodies is a walk of every node's attributes. A graph that holds none keeps holding
-    none through the rewrites of a pass that declares it adds none (``Pass.adds_bodies``): the census
+    none through the rewrites of a pass that declares it adds none (``Hints.adds_bodies``): the census
     keeps that answer across such changes, so the passes of a body-free model walk for bodies once.
     """
 

@@ -46,7 +46,7 @@ class PassContext:
     census: Optional[OpCensus] = dataclasses.field(default=None, repr=False, compare=False)
     #: The pass running now (set by the pass manager): :meth:`site` and :meth:`note` records name it.
     current_pass: Optional[str] = None
-    #: The running pass's :attr:`Pass.adds_bodies` (set by the pass manager; True outside a pass).
+    #: The running pass's ``Hints.adds_bodies`` (set by the pass manager; True outside a pass).
     pass_adds_bodies: bool = dataclasses.field(default=True, repr=False, compare=False)
     #: What happened at each fusion candidate, keyed (pass, rule, site): see :meth:`site`.
     sites: dict[tuple[str, str, str], dict[str, str]] = dataclasses.field(default_factory=dict)
@@ -138,9 +138,25 @@ class PassContext:
     def changed(self, bodies_added: Optional[bool] = None) -> None:
         """The graph was rewritten: later :meth:`nodes_of`/:meth:`graphs` answers look at it afresh.
         ``bodies_added``: whether the rewrites may have given a graph bodies (default: what the running
-        pass declares, :attr:`Pass.adds_bodies`)."""
+        pass promises, :attr:`Hints.adds_bodies`)."""
         if self.census is not None:
             self.census.clear(self.pass_adds_bodies if bodies_added is None else bodies_added)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hints:
+    """What one of k3opt's own passes promises the run so that it can skip work: performance, not meaning, and
+    not part of the pass API (a wrong promise makes the run miss a new body or a Constant node), so a plugin's
+    pass keeps these safe defaults. A built-in pass sets ``_hints = Hints(...)``."""
+
+    #: The pass may give a graph an If/Loop/Scan body it did not hold (it builds a graph attribute). False
+    #: lets the run go on knowing that a body-free graph holds none, instead of walking every node's
+    #: attributes again after each rewrite.
+    adds_bodies: bool = True
+    #: The pass's run starts by turning the graph's Constant nodes into initializers of the same name
+    #: (fold-constants): when it runs first, the run lifts the ones it can on the model before the import
+    #: (:func:`k3opt.modelio.lift_constant_nodes`) and credits them to the pass's statistics.
+    lifts_constant_nodes: bool = False
 
 
 class Pass:
@@ -157,14 +173,6 @@ class Pass:
     order: ClassVar[float] = 1000.0
     #: Run shape inference before this pass if the graph changed since the last one.
     needs_shapes: ClassVar[bool] = False
-    #: The pass may give a graph an If/Loop/Scan body it did not hold (it builds a graph attribute). False
-    #: lets the run go on knowing that a body-free graph holds none, instead of walking every node's
-    #: attributes again after each rewrite. True, the safe default, for plugins; k3opt's passes never do.
-    adds_bodies: ClassVar[bool] = True
-    #: The pass's run starts by turning the graph's Constant nodes into initializers of the same name
-    #: (fold-constants): when it runs first, the run lifts the ones it can on the model before the import
-    #: (:func:`k3opt.modelio.lift_constant_nodes`) and credits them to the pass's statistics.
-    lifts_constant_nodes: ClassVar[bool] = False
     #: The analyses (:mod:`k3opt.pipeline.analyses` classes) the pass's rewrites leave true, as MLIR's
     #: preserved set: the manager drops every other one after a run that rewrote. With ``Shapes``, the
     #: next pass that needs shapes does not get them re-inferred. Empty (drop all) is always safe.
@@ -189,6 +197,8 @@ class Pass:
     #: Option key -> parser (k3opt/pipeline/option_values.py): values are parsed and range-checked before
     #: any work, and the passes read the parsed value. An option without one is handed over as given.
     option_values: ClassVar[dict[str, Callable[[Any], Any]]] = {}
+    # What k3opt's own passes promise the run (:class:`Hints`): not the pass API, a plugin keeps the safe defaults.
+    _hints: ClassVar[Hints] = Hints()
 
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - interface
         raise NotImplementedError

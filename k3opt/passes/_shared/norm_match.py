@@ -25,7 +25,7 @@ from onnx import TensorProto
 from ...graph import dtypes, ir
 from ...graph.ir import Graph, Node, Tensor
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, RuleSetPass, apply_rules, checks
-from ...pipeline.pass_base import PassContext
+from ...pipeline.pass_base import Hints, PassContext
 
 #: Bits of precision order of the float types a normalization may run in (16-bit types do not widen into each other).
 _WIDTH = {TensorProto.FLOAT16: 16, TensorProto.BFLOAT16: 16, TensorProto.FLOAT: 32, TensorProto.DOUBLE: 64}
@@ -141,7 +141,7 @@ class OrderedRulesPass(RuleSetPass):
     """A :class:`RuleSetPass` whose rules get one sweep each, in order, in the graph and its bodies
     (:func:`k3opt.patterns.apply_rules`)."""
 
-    adds_bodies = False  # k3opt's norm rules build no graph attribute
+    _hints = Hints(adds_bodies=False)  # k3opt's norm rules build no graph attribute
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         return apply_rules(graph, ctx, self.rules, bodies=True)

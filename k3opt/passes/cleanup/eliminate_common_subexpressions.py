@@ -36,7 +36,7 @@ from ...graph import LazyValues, dtypes
 from ...graph.ir import Graph, Node, Tensor, is_graph_output, peek, replace_uses, stored_values
 from ...pipeline.analyses import Shapes
 from ...pipeline.option_values import byte_size
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 from .._rewire import can_replace, detach_all, remove
 from .._shared.op_kinds import RANDOM_OPS
 
@@ -169,7 +169,7 @@ class EliminateCommonSubexpressions(Pass):
     name = "eliminate-common-subexpressions"
     description = "Merge nodes with the same op, attributes and inputs, and equal constants."
     order = 300
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     preserves = frozenset({Shapes})
     options = {"cse_max_const_bytes": "largest constant compared by value, in bytes (default 1 MiB)"}
     option_values = {"cse_max_const_bytes": byte_size}

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ...graph.ir import Graph, Node, Tensor, producer, toposort
 from ...graph.symbolic.dims import Dims
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 from .._rewire import bypass, remove
 
 
@@ -36,7 +36,7 @@ class MergeEqualDims(Pass):
     name = "merge-equal-dims"
     description = "Gathers of Shapes that read the same symbolic dim become one value."
     order = 290
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     needs_shapes = True
     #: Readers of one symbolic dim read one tensor instead of equal ones: every value, so every shape, stays.
     preserves = frozenset({Shapes})

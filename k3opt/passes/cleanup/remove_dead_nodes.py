@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ...graph.ir import Graph, Node, outer_refs, producer
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 from .._rewire import detach_all, remove
 
 
@@ -35,7 +35,7 @@ class RemoveDeadNodes(Pass):
     name = "remove-dead-nodes"
     description = "Remove nodes (and with them initializers and value_info) that reach no graph output."
     order = 390
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     preserves = frozenset({Shapes})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:

@@ -35,7 +35,7 @@ from ...graph.ir import (
     producer, replace_uses, set_output,
 )
 from ...pipeline.option_values import byte_size, count
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 from .._rewire import detach, is_used, remove
 from .._shared.op_kinds import RANDOM_OPS
 from ..fold._eval import EvalError, as_array, run_ort, run_reference
@@ -54,8 +54,7 @@ class FoldConstants(Pass):
     name = "fold-constants"
     description = "Evaluate constant subgraphs and statically known shape computations at compile time."
     order = 100
-    adds_bodies = False
-    lifts_constant_nodes = True  # _constant_nodes, the first step of a run
+    _hints = Hints(adds_bodies=False, lifts_constant_nodes=True)  # _constant_nodes: the first step of a run
     options = {
         "fold_max_bytes": "largest Expand/Tile/ConstantOfShape/Range result folded, in bytes (default 1 MiB)",
         "fold_max_elements": "largest such result folded, in elements (default 1Mi)",

@@ -17,7 +17,7 @@ import numpy as np
 from ... import graph as gs
 
 from ...graph.ir import Graph, Node, Tensor, all_graphs, const_tensor, const_value
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 from .._rewire import detach, remove
 
 
@@ -63,7 +63,7 @@ class InlineConstantIf(Pass):
     name = "inline-constant-if"
     description = "Replace an If whose condition is a constant by the nodes of the branch it takes."
     order = 110
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         total = 0

@@ -17,7 +17,7 @@ from typing import Optional
 
 from ... import graph as gs
 from ...graph.ir import Graph, Node, Tensor, producer, replace_uses
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 from .._rewire import detach, remove
 
 ATTENTION_OPSET = 23
@@ -102,7 +102,7 @@ class EinsumAttention(Pass):
     description = ("the two Einsums of an attention (Keras/tf2onnx) -> Transposes and MatMuls, where fuse-attention "
                    "(opset >= 23) or the cann lowering can then take it")
     order = 517
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     anchor_ops = frozenset({"Einsum"})
 
     def run(self, graph: Graph, ctx: PassContext) -> int:

@@ -38,7 +38,7 @@ from ...graph.ir import Graph, Node, Tensor, producer, replace_uses
 from ...patterns import RewriteBuilder, apply_rules, checks
 from .._shared.attention_sites import attention_sites, site_name, why_unrecognised
 from .._shared.attention_match import AttentionMatch, attention_rules
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 from ._left_decomposed import note_left_decomposed
 
 #: First opset with Attention in the default domain.
@@ -183,7 +183,7 @@ class FuseAttention(Pass):
     description = ("scaled dot-product attention (sdpa and eager exports, GQA, MLA, KV cache) -> Attention "
                    "(target onnx, opset >= 23); counted and kept decomposed otherwise")
     order = 520
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     needs_shapes = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:

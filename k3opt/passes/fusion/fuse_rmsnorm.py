@@ -36,7 +36,7 @@ import re
 from ...graph.ir import Graph, Node, Tensor, producer
 from ...patterns import RewriteBuilder, apply_rules
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 from .._shared.norm_match import (LAYER_NORMALIZATION_OPSET, NormMatch, affine_input, norm_input, rms_norm_core,
                                   rmsnorm_rules, tail_rules)
 from ._left_decomposed import note_left_decomposed
@@ -91,7 +91,7 @@ class FuseRMSNorm(Pass):
     name = "fuse-rmsnorm"
     description = "RMSNorm -> RMSNormalization (target onnx, opset >= 23); counted and kept decomposed otherwise"
     order = 510
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     preserves = frozenset({Shapes})
     needs_shapes = True
 

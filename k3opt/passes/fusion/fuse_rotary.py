@@ -24,7 +24,7 @@ import numpy as np
 from ...graph.ir import Graph, Node, Tensor, producer
 from ...patterns import Match, PatternBuilder, RewriteBuilder, Rule, apply_rules, checks
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 from .._shared.rotary_match import RotaryMatch, concat_axis, rotary_rules, slice_last, unsqueeze_axes
 from ._left_decomposed import note_left_decomposed
 
@@ -140,7 +140,7 @@ class FuseRotary(Pass):
                    "GPT-J's interleaved form) -> "
                    "RotaryEmbedding (target onnx, opset >= 23); counted and kept decomposed otherwise")
     order = 515
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     needs_shapes = True
     preserves = frozenset({Shapes})
 

@@ -34,6 +34,7 @@ from ...errors import UsageError
 from ...graph.dtypes import onnx_type
 from ...patterns import Match, Rule, rules_pass
 from ...pipeline.option_values import choice
+from ...pipeline.pass_base import Hints
 
 #: Gemm's floating types (integer Gemm is rare and not what ATC fuses).
 GEMM_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
@@ -140,7 +141,7 @@ RULE = Rule("matmul-add", pattern, rewrite, check=check,
             description="MatMul(x, W) + b (constant 2-D W, bias over the last axis) -> Gemm")
 
 FuseMatMulAdd = rules_pass(
-    "fuse-matmul-add", [RULE], order=700, needs_shapes=True, adds_bodies=False, min_opset=11,
+    "fuse-matmul-add", [RULE], order=700, needs_shapes=True, _hints=Hints(adds_bodies=False), min_opset=11,
     anchor_ops=frozenset({"MatMul"}),
     options={"matmul_add_nd": "rank > 2 pairs: auto (flatten for --target cann, keep for onnx), flatten, keep"},
     option_values={"matmul_add_nd": choice(*ND_MODES)},

@@ -25,7 +25,7 @@ from ...graph.dtypes import PACKED_BITS, onnx_type
 from ...modelio.concat_values import concat_last_axis
 from ...patterns.matcher import describe
 from ...pipeline.analyses import Shapes
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 
 
 def _projection_weight(node: Node) -> Optional[gs.Constant]:
@@ -159,7 +159,7 @@ class MergeSiblingMatMuls(Pass):
     name = "merge-sibling-matmuls"
     description = "MatMuls with constant weights reading one activation -> one MatMul (+ bias Add) and a Split"
     order = 600
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     preserves = frozenset({Shapes})
     min_opset = 11  # Split with a negative axis
     anchor_ops = frozenset({"MatMul", "Gemm"})

@@ -32,7 +32,7 @@ from ... import graph as gs
 from ...graph.ir import (Graph, Node, Tensor, as_constant, const_scalar, disconnect, is_graph_output, producer,
                          replace_uses)
 from ...patterns.schema import attr_value
-from ...pipeline.pass_base import Pass, PassContext
+from ...pipeline.pass_base import Hints, Pass, PassContext
 from .._rewire import detach, remove
 from .._shared.attention_sites import attention_sites, site_name
 
@@ -303,7 +303,7 @@ class UnfoldHeadBatch(Pass):
                    "rewritten over the rank-4 tensors it flattens, for fuse-attention and the cann lowering")
     order = 518
     needs_shapes = True
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     anchor_ops = frozenset({"Softmax"})
 
     def __init__(self) -> None:

@@ -8,7 +8,7 @@ from ..soc_support import missing_kernel
 from ....graph.ir import Graph
 from ....patterns import Rule
 from ....pipeline.analyses import Shapes
-from ....pipeline.pass_base import Pass, PassContext
+from ....pipeline.pass_base import Hints, Pass, PassContext
 
 
 class NPULowering(Pass):
@@ -21,7 +21,7 @@ class NPULowering(Pass):
     #: The replaced value keeps its dtype and shape; re-inferring would lose shapes: onnx's inference does not
     #: know NPU ops.
     preserves = frozenset({Shapes})
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     #: The NPU op the lines name, e.g. ``NPURmsNorm``.
     npu_op: ClassVar[str] = ""
     #: What is lowered, singular (the count line adds "(s)").

@@ -55,7 +55,7 @@ from ....passes._shared.attention_match import AttentionMatch, attention_rules
 from ....passes._shared.attention_sites import site_name
 from ....pipeline.analyses import Shapes
 from ....pipeline.option_values import choice
-from ....pipeline.pass_base import Pass, PassContext
+from ....pipeline.pass_base import Hints, Pass, PassContext
 
 FORMS = ("auto", "opset16", "npu")
 #: Float types in which a mask fill the recogniser accepts (<= half the lowest value) swamps any realistic score.
@@ -213,7 +213,7 @@ class LowerAttentionNPU(Pass):
     description = ("attention -> NPUPromptFlashAttention (prefill, MHA/GQA decode) or NPUIncreFlashAttention "
                    "(one-head-cache decode) where exact (target cann)")
     order = 2010
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     targets = ("cann",)
     lowering = True
     needs_shapes = True

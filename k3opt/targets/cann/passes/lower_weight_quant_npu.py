@@ -31,7 +31,7 @@ from ..target_form import STAGING_DOMAIN
 from ....graph.ir import Graph, Node, const_tensor, const_value, disconnect, new_constant, new_variable, producer
 from ....passes._rewire import detach, remove
 from ....pipeline.analyses import Shapes
-from ....pipeline.pass_base import Pass, PassContext
+from ....pipeline.pass_base import Hints, Pass, PassContext
 
 NPU_OP = "NPUWeightQuantBatchMatmulV2"
 #: The tolerance (rtol, atol) the lowering is verified with: the activations are float16 through the op.
@@ -111,7 +111,7 @@ class LowerWeightQuantNPU(Pass):
     targets = ("cann",)
     lowering = True
     needs_shapes = True
-    adds_bodies = False
+    _hints = Hints(adds_bodies=False)
     #: Each replaced value keeps its dtype and shape, and the new ones get theirs here: re-inferring would lose
     #: shapes (onnx's inference does not know NPU ops).
     preserves = frozenset({Shapes})
