@@ -209,3 +209,36 @@ def test_sequence_with_other_reader_is_refused():
     model.graph.output.append(helper.make_tensor_value_info("len", T.INT64, []))
     out, n = apply(model, SequenceToSplit())
     assert n == 0 and "SplitToSequence" in op_counts(out)
+
+
+def _reshape_chain(first_target: str) -> onnx.ModelProto:
+    """x [b, 2, 2, 8] -> Reshape(x, s1) -> Reshape(., [Shape(h)[0], 1, -1]) (a computed second target, whose
+    first element is a dim of another tensor: 0 copies, for an empty batch)."""
+    nodes = [helper.make_node("Shape", ["h"], ["sh"]), helper.make_node("Gather", ["sh", "zero"], ["b"], axis=0),
+             helper.make_node("Unsqueeze", ["b", "axes0"], ["b1"]),
+             helper.make_node("Concat", ["b1", "one", "minus"], ["s2"], axis=0)]
+    if first_target == "copy-x":  # [Shape(x)[0], -1, 1, 8]: keeps x's dim 0
+        nodes += [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Gather", ["sx", "zero"], ["bx"], axis=0),
+                  helper.make_node("Unsqueeze", ["bx", "axes0"], ["bx1"]),
+                  helper.make_node("Concat", ["bx1", "minus", "one", "eight"], ["s1"], axis=0)]
+    else:  # [-1, 8]: dim 0 becomes b*4, not x's
+        nodes.append(helper.make_node("Identity", ["flat"], ["s1"]))
+    nodes += [helper.make_node("Reshape", ["x", "s1"], ["mid"]), helper.make_node("Reshape", ["mid", "s2"], ["y"])]
+    inits = {"zero": np.array(0, np.int64), "axes0": np.array([0], np.int64), "one": np.array([1], np.int64),
+             "minus": np.array([-1], np.int64), "eight": np.array([8], np.int64), "flat": np.array([-1, 8], np.int64)}
+    return make_model(nodes, [("x", T.FLOAT, [None, 2, 2, 8]), ("h", T.FLOAT, ["b", 1, 32])],
+                      [("y", T.FLOAT, ["b", 1, 32])], inits)
+
+
+def test_reshapes_merge_under_a_computed_target_that_copies_x_s_dim():
+    model = _reshape_chain("copy-x")
+    out, n = apply(model, MergeReshapes())
+    assert n == 1 and op_counts(out)["Reshape"] == 1
+    rng = np.random.default_rng(0)
+    assert_equivalent(model, out, feeds={"x": rng.standard_normal((3, 2, 2, 8)).astype(np.float32),
+                                         "h": rng.standard_normal((3, 1, 32)).astype(np.float32)})
+
+
+def test_reshapes_under_a_computed_target_whose_copy_would_differ_stay():
+    out, n = apply(_reshape_chain("flat"), MergeReshapes())
+    assert n == 0 and op_counts(out)["Reshape"] == 2

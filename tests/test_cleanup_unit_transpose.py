@@ -13,7 +13,7 @@ from k3opt.pipeline.shapes import fix_inputs
 from k3opt.report import Report
 from tests.helpers import assert_equivalent, make_model, op_counts, run_passes
 from tests.test_cleanup_ops import apply
-from tests.zoo import needs_torch, zoo_decode_inputs, zoo_decode_model
+from tests.zoo import needs_torch, zoo_decode_inputs, zoo_decode_model, zoo_one_token_decode_model
 
 F = T.FLOAT
 
@@ -160,3 +160,23 @@ def test_static_one_token_decode_no_more_nodes_than_onnxslim(name) -> None:
         return sum(1 for n in m.graph.node if n.op_type != "Constant")
 
     assert count(out) <= count(onnxslim.slim(model))
+
+
+@needs_torch
+@pytest.mark.parametrize("name, most", [("llama", 158), ("qwen2", 160)])
+def test_one_token_decode_export_no_more_nodes_than_onnxslim(name, most) -> None:
+    """The decode step exported with a static one-token query (TorchScript): no more non-Constant nodes than
+    onnxslim's (Llama 158 = 158, Qwen2 160 < 164); the attention output's per-layer Reshape to [B, -1, 1, D] by
+    Shape(probs @ v)[0] merges into the next one, so neither it nor its Shape arithmetic is left."""
+    onnxslim = pytest.importorskip("onnxslim")
+    model = onnx.load(zoo_one_token_decode_model(name))
+    report = Report()
+    out = k3opt.optimize(model, verify=True, report=report)
+    assert report.verification["status"] == "passed"
+    count = _non_constant
+    assert count(out) <= min(most, count(onnxslim.slim(model))), op_counts(out)
+    assert not [n.name for n in out.graph.node if n.op_type == "Shape" and "/layers." in n.name]  # none per layer
+
+
+def _non_constant(m: onnx.ModelProto) -> int:
+    return sum(1 for n in m.graph.node if n.op_type != "Constant")

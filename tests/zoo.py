@@ -258,6 +258,32 @@ def zoo_decode_model(name: str, exporter: str = "torchscript") -> Path:
     return build_cached(target, lambda tmp: _export(name, exporter, tmp, use_cache=True, seq_len=DECODE_EXAMPLE))
 
 
+def zoo_one_token_decode_model(name: str) -> Path:
+    """The decode step of ``name`` exported by TorchScript with a static one-token query: ``input_ids`` is
+    (batch, 1), batch and the cache lengths dynamic (another recipe than :func:`zoo_decode_model`'s, whose
+    query length is dynamic: the trace keeps the 1, as a serving export for token-by-token generation does)."""
+    _require_decode(name)
+    target = cache_dir() / f"{name}-decode1-torchscript-{cache_key()}.onnx"
+    return build_cached(target, lambda tmp: _export_one_token(name, tmp))
+
+
+def _export_one_token(name: str, path: str) -> None:
+    import torch
+
+    from k3opt.export.task_module import CachedCausalLM, prefix_cache
+
+    hf = zoo_torch_model(name).model
+    past = prefix_cache(hf, torch.randint(0, VOCAB, (BATCH, DECODE_EXAMPLE)))
+    names = decode_input_names(name)
+    axes = {"input_ids": {0: "batch"}, "attention_mask": {0: "batch", 1: "total_sequence"}}
+    axes.update({n: {0: "batch", 2: "past_sequence"} for n in names[2:]})
+    example = (torch.randint(0, VOCAB, (BATCH, 1)), torch.ones(BATCH, DECODE_EXAMPLE + 1, dtype=torch.int64),
+               tuple(past))
+    with torch.no_grad():
+        torch.onnx.export(CachedCausalLM(hf).eval(), example, path, input_names=names,
+                          output_names=decode_output_names(name), dynamic_axes=axes, opset_version=14, dynamo=False)
+
+
 def decode_input_names(name: str) -> list[str]:
     """Graph input names of decode model ``name``: ids, mask, then each layer's past key and value."""
     layers = zoo_config(name).num_hidden_layers
