@@ -389,7 +389,8 @@ class Run:
             return (f"{skip}; the input's {self.target.ops_kind} ({', '.join(ops)}) run only under the {self.target} "
                     f"reference evaluator, and the model is over its bound ({REFERENCE_MAX_NODES} nodes, "
                     f"{REFERENCE_MAX_BYTES >> 20} MB)")
-        runner = _Runner(f"the {self.target} reference evaluator", evaluate, lambda s, feeds: s.run(None, dict(feeds)))
+        runner = _Runner(f"the {self.target} reference evaluator", lambda model: evaluate(_inlined(model)),
+                         lambda s, feeds: s.run(None, dict(feeds)))
         self.report.notes.append(f"verified under the {self.target} reference evaluator: onnxruntime cannot run the "
                                  f"input's {self.target.ops_kind} ({', '.join(ops)})")
         return runner, runner.load(proto)
@@ -583,7 +584,12 @@ class _Runner(NamedTuple):
     run: Callable[[Any, Any], list]
 
 
-_ORT = _Runner("onnxruntime", verifier.session, verifier.run)
+def _inlined(model: "bytes | onnx.ModelProto") -> onnx.ModelProto:
+    """``model`` with its external data inlined (the reference evaluator reads no external data)."""
+    return onnx.load_from_string(model if isinstance(model, bytes) else verifier.runnable_bytes(model))
+
+
+_ORT = _Runner("onnxruntime", lambda model: verifier.session(model), lambda s, feeds: verifier.run(s, feeds))
 
 
 def _no_memory(step: str, exc: Optional[BaseException] = None) -> UnverifiableError:
