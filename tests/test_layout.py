@@ -91,9 +91,14 @@ def test_the_cann_bridge_does_not_import_the_api():
     assert wrong == []
 
 
+def _is_module(parts: tuple[str, ...]) -> bool:
+    return _ROOT.joinpath(*parts).with_suffix(".py").is_file() or (_ROOT.joinpath(*parts) / "__init__.py").is_file()
+
+
 def _runtime_imports(path: pathlib.Path) -> list[tuple[str, ...]]:
-    """The k3opt modules ``path`` imports relatively at run time (``if TYPE_CHECKING:`` blocks left out), as parts
-    below k3opt."""
+    """The k3opt modules ``path`` imports at run time, inside functions too (``if TYPE_CHECKING:`` blocks left
+    out), as parts below k3opt: relative imports, absolute ``k3opt.x`` ones, and a name taken from the package
+    root (``from k3opt import optimize``, ``k3opt.optimize`` after ``import k3opt``) as the module defining it."""
     import ast
 
     package = path.relative_to(_ROOT).parts[:-1]
@@ -102,17 +107,26 @@ def _runtime_imports(path: pathlib.Path) -> list[tuple[str, ...]]:
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
             return
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = package[:len(package) - (node.level - 1)] + tuple((node.module or "").split("."))
-            if not any(base):  # from the package root: the module each name comes from
-                found.extend((_ROOT_NAMES.get(a.name, a.name),) for a in node.names)
+        if isinstance(node, ast.ImportFrom):
+            module = tuple(p for p in (node.module or "").split(".") if p)
+            if node.level:
+                base: "tuple[str, ...] | None" = package[:len(package) - (node.level - 1)] + module
             else:
-                found.append(base)
+                base = module[1:] if module[:1] == ("k3opt",) else None
+            for a in node.names if base is not None else ():
+                if not base:  # from the package root: the module each name comes from
+                    found.append((_ROOT_NAMES.get(a.name, a.name),))
+                else:
+                    found.append(base + (a.name,) if _is_module(base + (a.name,)) else base)
+        elif isinstance(node, ast.Import):
+            found.extend(tuple(a.name.split(".")[1:]) for a in node.names if a.name.startswith("k3opt."))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "k3opt":
+            found.append((_ROOT_NAMES.get(node.attr, node.attr),))  # ``import k3opt`` then ``k3opt.optimize``
         for child in ast.iter_child_nodes(node):
             visit(child)
 
     visit(ast.parse(path.read_text()))
-    return [tuple(p for p in parts if p) for parts in found]
+    return [parts for parts in found if parts]
 
 
 def test_the_targets_import_nothing_above_them():
@@ -139,13 +153,42 @@ _LAYERS = [
     ("cli",),
     ("entry", "__main__"),
 ]
-_ROOT_NAMES = {"optimize": "api", "optimize_file": "api", "Pass": "pipeline", "PassContext": "pipeline",
-               "register_pass": "pipeline", "__version__": "errors"}
+#: The names the package root offers -> the layer defining them: its lazy names (PEP 562) and what it imports itself.
+_ROOT_NAMES = {**{name: module.lstrip(".").split(".")[0] for name, module in k3opt._LAZY.items()},
+               **{name: "errors" for name in k3opt.__all__ if name not in k3opt._LAZY}, "__version__": "errors"}
 
 
 def _layer(parts: tuple[str, ...]) -> int:
     names = [".".join(parts[:n]).removesuffix(".py") for n in range(len(parts), 0, -1)]
     return next(i for name in names for i, layer in enumerate(_LAYERS) if name in layer)
+
+
+def test_every_root_name_has_a_layer():
+    """A name added to the package root must say where it comes from (or the layer test would not see it)."""
+    assert set(k3opt.__all__) <= set(_ROOT_NAMES) and all(_layer((m,)) >= 0 for m in _ROOT_NAMES.values())
+
+
+def _module(parts: tuple[str, ...]) -> tuple[str, ...]:
+    """The k3opt module ``parts`` names, or the nearest one above it (``x.y`` of a name ``y`` in module ``x``)."""
+    while parts and not _is_module(parts):
+        parts = parts[:-1]
+    return parts
+
+
+def test_there_is_no_import_circle():
+    """No module reaches itself through what it imports at run time, inside functions included (issue #27: the
+    registry loop through passes, report <-> report_html, api <-> cann_bridge)."""
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    for p in sorted(_ROOT.rglob("*.py")):
+        me = p.relative_to(_ROOT).with_suffix("").parts
+        me = me[:-1] if me[-1] == "__init__" else me
+        for parts in _runtime_imports(p):
+            other = _module(parts)
+            if other != me:
+                graph.add_edge(".".join(me) or "k3opt", ".".join(other) or "k3opt")
+    assert [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1] == []
 
 
 def test_the_layers_hold_by_import():

@@ -2,12 +2,15 @@
 read are :class:`~k3opt.pipeline.target_traits.TargetTraits`, below the passes).
 
 A target is one module or package of :mod:`k3opt.targets` holding a ``TARGET`` instance of a :class:`Target`
-subclass; :func:`k3opt.targets.get_target` finds it by name. The passes never import a target: they read the
+subclass; :func:`get_target` finds it by name (:func:`all_targets` walks the package's modules). The passes never import a target: they read the
 traits of the one the run hands them in ``PassContext.target``.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
+import pkgutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
@@ -57,8 +60,6 @@ class Target(TargetTraits):
     def adopt_input(self, model: onnx.ModelProto, report: "Report") -> None:
         """Take in an input that holds another target's ops: refuse it (a target that can keep its own ops
         read back in overrides this)."""
-        from . import all_targets
-
         for other in all_targets():
             ops = other.own_ops(model) if other != self else []
             if ops:
@@ -121,3 +122,28 @@ class Target(TargetTraits):
                 report.warnings.append(warning)
 
         return loads
+
+
+@functools.lru_cache(maxsize=None)  # the modules of the targets package: fixed for the process
+def all_targets() -> tuple[Target, ...]:
+    """Every target (the ``TARGET`` of each module or package beside this one), the default first, then by name."""
+    package = __name__.rsplit(".", 1)[0]
+    found = [importlib.import_module(f"{package}.{info.name}").TARGET
+             for info in pkgutil.iter_modules([str(Path(__file__).parent)])
+             if not info.name.startswith("_") and info.name != "base"]
+    return tuple(sorted(found, key=lambda t: (not t.default, t.name)))
+
+
+def names() -> tuple[str, ...]:
+    """The targets' names, the default first (``--target``'s choices)."""
+    return tuple(t.name for t in all_targets())
+
+
+def get_target(target: "str | Target") -> Target:
+    """The target named ``target`` (a Target is returned as it is); UsageError for an unknown name."""
+    if isinstance(target, Target):
+        return target
+    for t in all_targets():
+        if t.name == target:
+            return t
+    raise UsageError(f"unknown target '{target}'; choose one of {', '.join(names())}")
