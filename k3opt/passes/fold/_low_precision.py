@@ -56,12 +56,20 @@ def _touches_low(nodes: Sequence[Node], values: dict[str, object]) -> bool:
     if any(getattr(as_array(v), "dtype", None) in low for v in values.values()):
         return True
     for node in nodes:
-        if any(t.dtype in low for t in node.inputs if t.name) or any(
+        if any(_is_in(t.dtype, low) for t in node.inputs if t.name) or any(
                 isinstance(v, int) and k in ("to", "dtype") and v in _LOW for k, v in node.attrs.items()):
             return True
         if any(getattr(v, "dtype", None) in low for v in node.attrs.values()):  # a Constant's or a fill's tensor
             return True
     return False
+
+
+def _is_in(dtype: object, kinds: set) -> bool:
+    """``dtype in kinds``, False for an unhashable dtype (a sequence's or an optional's TypeProto)."""
+    try:
+        return dtype in kinds
+    except TypeError:
+        return False
 
 
 def float32_twin(model: onnx.ModelProto) -> Optional[onnx.ModelProto]:
