@@ -100,9 +100,11 @@ def _run(report: Report, passes: Optional[Sequence[str]] = None, skip: Sequence[
         pipeline = registry.build_pipeline(list(passes) if passes is not None else None, tuple(skip), found)
         pass_options = registry.check_options(options)
     from .blocks import run_hook
+    from .passes import reruns_after_lowering
 
     return Run(found, pipeline, report, opset=opset, input_shapes=input_shapes, verify=verify,
-               pass_options=pass_options, blockwise=run_hook.start, **settings)
+               pass_options=pass_options, blockwise=run_hook.start,
+               after_lowering=frozenset(reruns_after_lowering()), **settings)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional, Sequence, Union
 
 import onnx
 
@@ -39,12 +39,6 @@ REFERENCE_MAX_BYTES = 512 << 20
 
 
 
-def _after_lowering(p: Any) -> bool:
-    """Passes of the pipeline that run again after a target's lowering (cleanups and fold-constants): what the
-    lowering of many layers repeats or leaves foldable is done there, so a second run finds nothing to do."""
-    return type(p).__module__.startswith("k3opt.passes.cleanup.") or p.name == "fold-constants"
-
-
 class Run:
     """One optimization run: the target, the passes, the report, progress sink and verification settings; the
     model's state between the stages lives on the run (``self.model``, ``self.out``...)."""
@@ -58,6 +52,7 @@ class Run:
         rtol: Optional[float] = None, atol: Optional[float] = None, input_data: Any = None, seed: int = 0,
         verify_memory: Optional[int] = None, pass_options: Optional[dict[str, Any]] = None,
         blockwise: Optional[Callable[["Run", onnx.ModelProto, Optional[int]], Any]] = None,
+        after_lowering: Collection[type] = (),
     ):
         self.target = target
         self.report = report
@@ -72,8 +67,11 @@ class Run:
         # Target lowerings run after the verified passes; one for another target stays, to be skipped with a note.
         self.lowering = [p for p in passes if p.lowering and (p.targets is None or target in p.targets)]
         self.pipeline = [p for p in passes if p not in self.lowering]
-        if self.lowering:  # what lowering several layers repeats (one mask per layer...) is merged in the lowering
-            self.lowering += [type(p)() for p in self.pipeline if _after_lowering(p)]
+        # The pipeline's passes of ``after_lowering`` (k3opt.passes.reruns_after_lowering: the clean-ups and
+        # fold-constants) run again after a lowering: what lowering several layers repeats (one mask per layer...)
+        # is merged there, so a second run finds nothing to do.
+        if self.lowering:
+            self.lowering += [type(p)() for p in self.pipeline if type(p) in after_lowering]
         #: The graph inputs' dims before --input-shape fixed some (verification sizes the rest to agree).
         self.declared_dims: Optional[dict[str, list]] = None
         #: Absolute paths of the input's external-data files (the output must not clobber them).
