@@ -268,7 +268,7 @@ def _keys_and_values(dims: Dims, kt: Tensor, v_repeated: Tensor, walked: list[No
     v, v_repeat = _repeat_kv(dims, v_repeated, walked)
     if checks.rank(k) != 4 or checks.rank(v) != 4:
         raise _Decline("k and v are not both rank 4")
-    return _KeysValues(dims, k, perm, kt_scale * k_scale, k_repeat, v, v_repeat)
+    return _KeysValues(dims=dims, k=k, perm=perm, scale=kt_scale * k_scale, k_repeat=k_repeat, v=v, v_repeat=v_repeat)
 
 
 def _split_mask(x: Tensor, chain: list[Node]) -> tuple[Optional[Tensor], Tensor]:
@@ -463,7 +463,7 @@ def _expanded(dims: Dims, t: Tensor) -> Optional[_Repeat]:
     target = shape_refs(e.inputs[1])
     if target is None or len(target) != 5 or not isinstance(target[2], int) or target[2] <= 0:
         raise _Decline("GQA's Expand of the keys/values has no readable target with a constant repeat count")
-    return _Repeat(x, target, [e, u], dims)
+    return _Repeat(x=x, target=target, nodes=[e, u], dims=dims)
 
 
 def _repeat_kv(dims: Dims, t: Tensor, walked: list[Node]) -> tuple[Tensor, Optional[_Repeat]]:

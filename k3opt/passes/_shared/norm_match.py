@@ -149,13 +149,6 @@ class OrderedRulesPass(RuleSetPass):
 
 # -- checks ------------------------------------------------------------------------------------------------------
 
-def _matched(m: Match, label: str) -> Optional[Node]:
-    try:
-        return m.node(label)
-    except KeyError:
-        return None
-
-
 def _widens(src: int, dst: int) -> bool:
     return src == dst or (src in _WIDTH and dst in _WIDTH and _WIDTH[dst] > _WIDTH[src])
 
@@ -242,9 +235,10 @@ def analyze(m: Match, centered: bool) -> Optional[NormMatch]:
         if t is not None and not _absorbable(t, normalized_shape, rank, output_dtype):
             return _fail(m, f"the {role} {_const_shape(t)} does not broadcast over exactly the normalized "
                             f"dims {normalized_shape}")
-    casts = [n for n in (_matched(m, label) for label in ("cast_in", "cast_mid", "cast_out")) if n is not None]
-    return NormMatch(m["x"], scale, bias, float(eps.reshape(-1)[0]), -len(axes), normalized_shape, input_dtype,
-                     compute_dtype, output_dtype, casts, m.node("var_mean"), m)
+    casts = [n for n in (m.get_node(label) for label in ("cast_in", "cast_mid", "cast_out")) if n is not None]
+    return NormMatch(x=m["x"], scale=scale, bias=bias, epsilon=float(eps.reshape(-1)[0]), axis=-len(axes),
+                     normalized_shape=normalized_shape, input_dtype=input_dtype, compute_dtype=compute_dtype,
+                     output_dtype=output_dtype, casts=casts, reduce=m.node("var_mean"), match=m)
 
 
 def _dtypes(m: Match, eps_dtype: Optional[int]) -> tuple[int, int, int] | str:
@@ -252,7 +246,7 @@ def _dtypes(m: Match, eps_dtype: Optional[int]) -> tuple[int, int, int] | str:
     src = dtypes.onnx_type(m["x"].dtype)
     cur = src
     for label in ("cast_in", "cast_mid"):
-        node = _matched(m, label)
+        node = m.get_node(label)
         if node is not None:
             if cur is None:
                 return "the input's dtype is unknown"
@@ -261,7 +255,7 @@ def _dtypes(m: Match, eps_dtype: Optional[int]) -> tuple[int, int, int] | str:
             cur = node.attrs["to"]
     if src is None:  # no Cast before the statistics: they run in the input's type, eps's type
         src = cur = eps_dtype
-    out_cast = _matched(m, "cast_out")
+    out_cast = m.get_node("cast_out")
     out = out_cast.attrs["to"] if out_cast is not None else cur
     if out_cast is not None and out != src:
         return "the result is cast to a type other than the input's"

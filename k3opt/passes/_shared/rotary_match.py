@@ -222,8 +222,9 @@ def analyze(m: Match, full_width: bool, interleaved: bool = False, angles_proven
     same_batch = shapes["cos"][0] and shapes["sin"][0]
     same_positions = shapes["cos"][1] and shapes["sin"][1]
     lo, hi = (m["lo"], m["hi"]) if "lo" in m else (m.node("lo").outputs[0], m.node("hi").outputs[0])
-    return RotaryMatch(x, lo, hi, pairs, m["cos"], m["sin"], full_width, d, same_batch, same_positions,
-                       m.node("root"), m, interleaved)
+    return RotaryMatch(x=x, lo=lo, hi=hi, pairs=pairs, cos=m["cos"], sin=m["sin"], full_width=full_width, head_dim=d,
+                       same_batch=same_batch, same_positions=same_positions, root=m.node("root"), match=m,
+                       interleaved=interleaved)
 
 
 def _angles_refusal(dims: Dims, m: Match, d: int, full_width: bool, interleaved: bool) -> Optional[str]:
