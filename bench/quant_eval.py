@@ -6,10 +6,12 @@ onnxruntime's ``MatMulNBitsQuantizer`` at the same bits and group size, in one r
 1. **Accuracy on real text (no download).** A byte-level Llama (vocabulary 256, hidden 256, 2 layers) is
    trained in-process for ``--steps`` steps on Python standard-library source that ships with the
    interpreter (``Lib/*.py``, a fixed file list); the held-out text is other stdlib files. It is exported
-   (TorchScript, no cache), quantized by k3opt (int8 per-channel, int4 g128) and by onnxruntime's
+   (TorchScript, no cache), quantized by k3opt (int8 per-channel, int4 g128; round-to-nearest, and GPTQ
+   calibrated on windows of the training text) and by onnxruntime's
    quantizer (int8 and int4 g128, block-wise, QOperator MatMulNBits), and each is scored on the held-out
    text: perplexity (exp of the mean next-byte cross-entropy) and next-token agreement with the float
-   model (the fraction of positions whose argmax matches).
+   model (the fraction of positions whose argmax matches). The trained model is kept in the cache and reused
+   (``--retrain`` trains again).
 2. **Size and decode latency.** A Llama with a vocabulary of 128 (the blocks dominate: hidden 1024,
    intermediate 2816, 4 layers, random seeded weights) exported as one decode step with a KV cache:
    file sizes of fp32 / k3opt int8 / k3opt int4 g128 / ORT int4 g128, and onnxruntime CPU latency,
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import sysconfig
@@ -43,6 +46,8 @@ TRAIN_FILES = ("argparse.py", "typing.py", "inspect.py", "collections/__init__.p
                "functools.py", "subprocess.py", "tarfile.py", "zipfile.py")
 HELD_OUT_FILES = ("shutil.py", "textwrap.py")
 SEQ, PAST = 128, 511
+#: Training-text windows of SEQ bytes given to GPTQ as calibration inputs.
+CALIBRATION_SAMPLES = 64
 
 
 def stdlib_text(names: tuple[str, ...]) -> bytes:
@@ -111,26 +116,53 @@ def ort_quantize(src: Path, dst: Path, bits: int, block: int) -> None:
     q.model.save_model_to_file(str(dst), use_external_data_format=False)
 
 
-def k3opt_quantize(src: Path, dst: Path, weights: str, group: int | None, clip: bool = True) -> dict[str, Any]:
+def calibration_data(model: Path, samples: int = CALIBRATION_SAMPLES, seed: int = 1) -> dict[str, np.ndarray]:
+    """``samples`` random windows of the training text (never the held-out files), as the model's inputs."""
+    data = np.frombuffer(stdlib_text(TRAIN_FILES), np.uint8).astype(np.int64)
+    starts = np.random.default_rng(seed).integers(0, len(data) - SEQ, samples)
+    ids = np.stack([data[s:s + SEQ] for s in starts])
+    names = [i.name for i in onnx.load(str(model), load_external_data=False).graph.input]
+    return {"input_ids": ids, **({"attention_mask": np.ones_like(ids)} if "attention_mask" in names else {})}
+
+
+def k3opt_quantize(src: Path, dst: Path, weights: str, group: int | None, clip: bool = True,
+                   calibration: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     from k3opt.quantize import quantize_file
 
-    report = quantize_file(src, dst, weights=weights, group_size=group, overwrite=True, tokens=0, clip=clip)
-    return {"worst_weight_error": max(report.layers.values()), "layers": len(report.layers)}
+    t0 = time.time()
+    report = quantize_file(src, dst, weights=weights, group_size=group, overwrite=True, tokens=0, clip=clip,
+                           calibration=calibration)
+    return {"worst_weight_error": max(report.layers.values()), "layers": len(report.layers),
+            "seconds": time.time() - t0}
 
 
-def accuracy(folder: Path, steps: int) -> dict[str, Any]:
+def trained_model(folder: Path, steps: int, retrain: bool = False) -> tuple[Path, float]:
+    """The trained LM exported to ONNX, and the seconds its training took: kept in ``folder`` per step count and
+    configuration (with its training time beside it), so the quantizers can be compared again without training
+    again (``--retrain`` trains anyway)."""
     from k3opt.export import from_transformers
 
-    t0 = time.time()
-    model = train(steps)
-    trained = time.time() - t0
-    fp32 = folder / "text-fp32.onnx"
-    from_transformers(model, fp32, seq_len=16, optimize=False, verify=False)
+    key = hashlib.sha1(repr((TEXT_CONFIG, TRAIN_FILES, SEQ, steps)).encode()).hexdigest()[:8]
+    fp32, took = folder / f"text-fp32-{steps}steps-{key}.onnx", folder / f"text-fp32-{steps}steps-{key}.seconds"
+    if retrain or not (fp32.exists() and took.exists()):
+        t0 = time.time()
+        model = train(steps)
+        took.unlink(missing_ok=True)
+        from_transformers(model, fp32, seq_len=16, optimize=False, verify=False)
+        took.write_text(f"{time.time() - t0:.1f}")
+    return fp32, float(took.read_text())
+
+
+def accuracy(folder: Path, steps: int, retrain: bool = False) -> dict[str, Any]:
+    fp32, trained = trained_model(folder, steps, retrain)
     held = stdlib_text(HELD_OUT_FILES)
+    calibration = calibration_data(fp32)
     variants: dict[str, Callable[[Path], Any]] = {
         "k3opt int8": lambda p: k3opt_quantize(fp32, p, "int8", None),
         "k3opt int4 g128": lambda p: k3opt_quantize(fp32, p, "int4", 128),
         "k3opt int4 g128 no clip search": lambda p: k3opt_quantize(fp32, p, "int4", 128, clip=False),
+        "k3opt int8 GPTQ": lambda p: k3opt_quantize(fp32, p, "int8", None, calibration=calibration),
+        "k3opt int4 g128 GPTQ": lambda p: k3opt_quantize(fp32, p, "int4", 128, calibration=calibration),
         "ort int8 g128": lambda p: ort_quantize(fp32, p, 8, 128),
         "ort int4 g128": lambda p: ort_quantize(fp32, p, 4, 128),
     }
@@ -141,7 +173,8 @@ def accuracy(folder: Path, steps: int) -> dict[str, Any]:
         extra = make(path) or {}
         ppl, agree, _ = score(path, held, base_choices)
         rows[name] = {"ppl": ppl, "ppl_ratio": ppl / base_ppl, "agreement": agree, **extra}
-    return {"train_seconds": trained, "steps": steps, "held_out_bytes": len(held), "rows": rows}
+    return {"train_seconds": trained, "steps": steps, "held_out_bytes": len(held), "rows": rows,
+            "calibration_samples": len(calibration["input_ids"])}
 
 
 def decode_feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -219,7 +252,8 @@ def markdown(res: dict[str, Any]) -> str:
     acc, sp = res["accuracy"], res["decode"]
     lines = [f"## Quantization ({res['time']})", "",
              f"Byte-level Llama trained {acc['steps']} steps ({acc['train_seconds']:.0f} s) on stdlib source; "
-             f"held-out {acc['held_out_bytes']} bytes of {', '.join(HELD_OUT_FILES)}.", "",
+             f"held-out {acc['held_out_bytes']} bytes of {', '.join(HELD_OUT_FILES)}; GPTQ calibrated on "
+             f"{acc['calibration_samples']} windows of {SEQ} training bytes.", "",
              "| model | perplexity | vs fp32 | next-token agreement |", "|---|---|---|---|"]
     for name, row in acc["rows"].items():
         lines.append(f"| {name} | {row['ppl']:.4f} | {row['ppl_ratio']:.4f}x | {row['agreement']:.2%} |")
@@ -238,13 +272,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--retrain", action="store_true", help="train the text model again even if one is kept")
     args = ap.parse_args(argv)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = args.out or CACHE / stamp
     out.mkdir(parents=True, exist_ok=True)
     models = CACHE / "models"
     models.mkdir(parents=True, exist_ok=True)
-    res = {"time": stamp, "decode": size_and_speed(models, args.rounds), "accuracy": accuracy(models, args.steps)}
+    res = {"time": stamp, "decode": size_and_speed(models, args.rounds), "accuracy": accuracy(models, args.steps, args.retrain)}
     (out / "results.json").write_text(json.dumps(res, indent=2))
     (out / "results.md").write_text(markdown(res))
     print(markdown(res))

@@ -21,7 +21,8 @@ def test_quant_eval_runs_tiny(tmp_path, monkeypatch):
     monkeypatch.setattr(quant_eval, "HELD_OUT_FILES", ("textwrap.py",))
     res = quant_eval.main(["--steps", "2", "--rounds", "1", "--out", str(tmp_path / "out")])
     rows = res["accuracy"]["rows"]
-    assert set(rows) >= {"fp32", "k3opt int8", "k3opt int4 g128", "ort int8 g128", "ort int4 g128"}
+    assert set(rows) >= {"fp32", "k3opt int8", "k3opt int4 g128", "k3opt int8 GPTQ", "k3opt int4 g128 GPTQ",
+                         "ort int8 g128", "ort int4 g128"}
     assert all(r["ppl"] > 1 for r in rows.values())
     assert res["decode"]["size_ratio"]["k3opt int4 g128"] < res["decode"]["size_ratio"]["k3opt int8"] < 1
     assert (tmp_path / "out" / "results.md").exists()

@@ -1,7 +1,8 @@
 """Weight-only quantization (W8A16 / W4A16): ``k3opt quantize`` and :func:`quantize_file`.
 
 Every MatMul/Gemm whose weight is a constant 2-D float tensor gets int8 per-channel or int4 per-group
-weights (round-to-nearest with a per-group clipping search, :mod:`.rtn`), read back through ONNX's
+weights (round-to-nearest with a per-group clipping search, :mod:`.rtn`; with calibration inputs, GPTQ's
+error feedback, :mod:`.gptq`, :mod:`.calibrate`), read back through ONNX's
 ``DequantizeLinear`` (:mod:`.rewrite`): a model every runtime runs, and that onnxruntime's graph
 optimizations (ORT_ENABLE_EXTENDED and above, the default ORT_ENABLE_ALL included) turn into its n-bit
 MatMul kernel. ``target="cann"`` then runs the cann pipeline on it, which lowers each DequantizeLinear +
@@ -21,7 +22,9 @@ from .. import modelio
 from ..errors import InputError, UsageError
 from ..modelio.opset import convert, model_opset
 from ..targets import Target, get_target
-from . import rtn
+import numpy as np
+
+from . import calibrate, rtn
 from .rewrite import quantize_site, stored_bytes
 from .select import select
 
@@ -47,6 +50,8 @@ class QuantReport:
     size_before: int = 0
     size_after: int = 0
     accuracy: dict[str, Any] = field(default_factory=dict)
+    #: calibrated runs: weight -> (GPTQ's, RTN's) relative layer-output error on the calibration inputs
+    calibrated: dict[str, tuple[float, float]] = field(default_factory=dict)
     output: str = ""
 
     def lines(self) -> list[str]:
@@ -58,6 +63,13 @@ class QuantReport:
         if self.layers:
             worst = max(self.layers, key=self.layers.get)
             out.append(f"worst relative weight error: {self.layers[worst]:.4f} ({worst})")
+        if self.calibrated:
+            mine, plain = (np.array(v) for v in zip(*self.calibrated.values()))
+            rtn_kept = int(np.sum(mine >= plain))
+            out.append(f"GPTQ: layer-output error on the calibration data, mean {np.mean(np.minimum(mine, plain)):.4f} "
+                       f"(round-to-nearest: {np.mean(plain):.4f}), worst {np.max(np.minimum(mine, plain)):.4f} "
+                       f"({np.max(plain):.4f})" + (f"; round-to-nearest kept for {rtn_kept} weight(s) where it was "
+                                                   "better" if rtn_kept else ""))
         out += [f"kept float: {name}: {why}" for name, why in self.kept.items()]
         out += self.notes
         if self.size_before and self.size_after:
@@ -89,9 +101,12 @@ def scheme_for(weights: str, group_size: Optional[int], symmetric: bool, clip: b
 
 
 def quantize_model(model, scheme: rtn.Scheme, *, opset: Optional[int] = None, lm_head: bool = False,
-                   embedding: bool = False, report: Optional[QuantReport] = None, target: "str | Target" = "onnx"):
+                   embedding: bool = False, report: Optional[QuantReport] = None, target: "str | Target" = "onnx",
+                   calibration: Optional[calibrate.Calibration] = None):
     """Quantize ``model`` (a ModelProto read by :func:`k3opt.modelio.read_model`: external locations
     absolute) in place and return it; quantized weights live in the process's spill file until saved.
+    ``calibration`` (an .npz path or a dict of arrays named like the graph inputs, samples along the first
+    axis): GPTQ for the MatMul weights, from their inputs on those samples.
     Raises UsageError/InputError, before changing anything, for what cannot be done."""
     found = get_target(target)
     report = report or QuantReport(f"int{scheme.bits}", scheme.group, scheme.symmetric, found.name)
@@ -120,8 +135,16 @@ def quantize_model(model, scheme: rtn.Scheme, *, opset: Optional[int] = None, lm
         why = found.quant_weight_refusal(k, n, scheme.bits) if site.kind != "embedding" else None
         if why:
             raise UsageError(f"--target {found.name}: weight '{site.name}' ({k} x {n}) {why}")
+    feeds = None if calibration is None else calibrate.load(calibration, model)
+    if feeds is not None:
+        label = f"--calibration-data {calibration if isinstance(calibration, (str, os.PathLike)) else '(arrays)'}"
+        for part in calibrate.passes(model, [s for s in chosen.sites if s.kind != "embedding"]):
+            for site, hessian in calibrate.hessians(model, part, feeds, label):
+                q = quantize_site(model, site, scheme, hessian)
+                report.layers[site.name], report.calibrated[site.name] = q.rel_error, q.output_errors
     for site in chosen.sites:
-        report.layers[site.name] = quantize_site(model, site, scheme)
+        if site.name not in report.layers:
+            report.layers[site.name] = quantize_site(model, site, scheme).rel_error
     if model_opset(model) >= BLOCKED_OPSET or scheme.bits == 4:
         model.ir_version = max(model.ir_version, 10)  # INT4 and opset 21 need IR 10
     return model
@@ -131,13 +154,14 @@ def quantize_file(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *,
                   group_size: Optional[int] = None, symmetric: bool = False, target: str = "onnx",
                   opset: Optional[int] = None, lm_head: bool = False, embedding: bool = False, clip: bool = True,
                   measure: bool = True, tokens: int = 16, overwrite: bool = False,
-                  external_data: Optional[bool] = None) -> QuantReport:
+                  external_data: Optional[bool] = None,
+                  calibration: Optional[calibrate.Calibration] = None) -> QuantReport:
     """Quantize the model file ``src`` into ``dst``; returns the :class:`QuantReport`.
 
     A target that lowers (``target="cann"``): the quantized model then goes through ``k3opt optimize --target``
     (cann: lowered to NPUWeightQuantBatchMatmulV2 and verified under the reference ops). ``measure``: run both models in
     onnxruntime for the logits error and the greedy-token agreement over ``tokens`` generated tokens.
-    Nothing is written on error.
+    ``calibration``: see :func:`quantize_model` (GPTQ). Nothing is written on error.
     """
     scheme = scheme_for(weights, group_size, symmetric, clip, target)
     found = get_target(target)
@@ -150,7 +174,7 @@ def quantize_file(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *,
     loaded = modelio.read_model(src)
     report.size_before = stored_bytes(Path(src))
     model = quantize_model(loaded.model, scheme, opset=opset, lm_head=lm_head, embedding=embedding, report=report,
-                           target=found)
+                           target=found, calibration=calibration)
 
     def check(path: Path) -> None:
         if measure:

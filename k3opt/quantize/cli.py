@@ -21,6 +21,8 @@ from ..cli_options import check_outputs, run_options, target_option
 @click.option("--opset", type=click.IntRange(13), default=None,
               help="Output opset (--target onnx; int4 and groups need 21, int8 per-channel 13).")
 @click.option("--no-clip-search", is_flag=True, help="Plain round-to-nearest over each group's full range.")
+@click.option("--calibration-data", type=click.Path(dir_okay=False), metavar="F.npz", default=None,
+              help="Inputs named like the graph's, samples along the first axis: GPTQ from the MatMuls' inputs.")
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the lm_head too (kept float by default).")
 @click.option("--quantize-embedding", is_flag=True, help="Quantize the embedding tables too (kept float by default).")
 @click.option("--tokens", type=click.IntRange(0), default=16, show_default=True,
@@ -31,7 +33,7 @@ from ..cli_options import check_outputs, run_options, target_option
 @click.option("--report", "report_path", type=click.Path(), help="Write the run's figures as JSON here.")
 @run_options
 def quantize_cmd(model: str, output: str, weights: str, group_size: Optional[int], symmetric: bool, target: str,
-                 opset: Optional[int], no_clip_search: bool, quantize_lm_head: bool, quantize_embedding: bool,
+                 opset: Optional[int], no_clip_search: bool, calibration_data: Optional[str], quantize_lm_head: bool, quantize_embedding: bool,
                  tokens: int, no_measure: bool, external_data: Optional[bool], overwrite: bool,
                  report_path: Optional[str], quiet: bool, debug: bool) -> None:
     """Quantize MODEL's MatMul/Gemm weights (weight-only) and write OUTPUT; prints errors, size and accuracy."""
@@ -42,7 +44,7 @@ def quantize_cmd(model: str, output: str, weights: str, group_size: Optional[int
     report = quantize_file(model, output, weights=weights, group_size=group_size, symmetric=symmetric,
                            target=target, opset=opset, lm_head=quantize_lm_head, embedding=quantize_embedding,
                            clip=not no_clip_search, measure=not no_measure, tokens=tokens, overwrite=overwrite,
-                           external_data=external_data)
+                           external_data=external_data, calibration=calibration_data)
     if report_path:
         write_text(report_path, json.dumps(report.__dict__, indent=2, default=str))
     if not quiet:

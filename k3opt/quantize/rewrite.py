@@ -22,7 +22,7 @@ from onnx.external_data_helper import uses_external_data
 from ..graph import dtypes
 from ..modelio.external import external_span, external_tensor, inline_copy
 from ..modelio.spill import SpillFile
-from . import rtn
+from . import gptq, rtn
 from .select import Site
 
 
@@ -59,9 +59,10 @@ def weight_reader(t: TensorProto, transposed: bool) -> tuple[Callable[[int, int]
     return (lambda a, b: np.asarray(view[a:b], dtype=np.float32)), k, n
 
 
-def quantize_site(model: onnx.ModelProto, site: Site, scheme: rtn.Scheme) -> float:
-    """Replace ``site``'s weight in ``model`` by its quantized form and DequantizeLinear; returns the
-    relative weight error."""
+def quantize_site(model: onnx.ModelProto, site: Site, scheme: rtn.Scheme,
+                  hessian: Optional[np.ndarray] = None) -> rtn.Quantized:
+    """Replace ``site``'s weight in ``model`` by its quantized form and DequantizeLinear; returns what
+    :func:`rtn.quantize` (or with a ``hessian`` of the weight's inputs, :func:`gptq.quantize`) gave."""
     g = model.graph
     t = next(x for x in g.initializer if x.name == site.name)
     float_type = t.data_type
@@ -85,7 +86,11 @@ def quantize_site(model: onnx.ModelProto, site: Site, scheme: rtn.Scheme) -> flo
         dims = [n, k]
         dq_axis = 1 if scheme.group else 0
     else:
-        q = rtn.quantize(read, k, n, scheme, lambda a, b, v: writer.write(rtn.pack_int4(v) if int4 else v.tobytes()))
+        def write(a: int, b: int, v: np.ndarray) -> None:
+            writer.write(rtn.pack_int4(v) if int4 else v.tobytes())
+
+        q = rtn.quantize(read, k, n, scheme, write) if hessian is None else \
+            gptq.quantize(read, k, n, scheme, write, hessian)
         scale, zp, dims, dq_axis = q.scale, q.zero_point, [k, n], (0 if scheme.group else 1)
     names = _fresh_names(g, site.name)
     g.initializer.remove(t)
@@ -107,7 +112,7 @@ def quantize_site(model: onnx.ModelProto, site: Site, scheme: rtn.Scheme) -> flo
         _rewire(g, node, site.reads, names["dq"])
     for flip in site.transposes:
         g.node.remove(flip)
-    return q.rel_error
+    return q
 
 
 def _rewire(g: onnx.GraphProto, node: onnx.NodeProto, reads: set[str], dq: str) -> None:

@@ -55,6 +55,8 @@ class Quantized:
     scale: np.ndarray
     zero_point: Optional[np.ndarray]
     rel_error: float
+    #: calibrated (:mod:`.gptq`): the relative layer-output errors on the calibration inputs, (GPTQ's, RTN's)
+    output_errors: Optional[tuple[float, float]] = None
 
 
 def _params(lo: np.ndarray, hi: np.ndarray, scheme: Scheme) -> tuple[np.ndarray, Optional[np.ndarray]]:
