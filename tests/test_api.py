@@ -421,3 +421,50 @@ def test_converting_down_fuses_only_into_ops_the_output_opset_has(model_opset, o
     assert kept not in ops and (fused is None or ops[fused] == 1)
     onnx.checker.check_model(out, full_check=True)
     assert_equivalent(model, out)
+
+
+def test_concurrent_optimize_file_calls_keep_their_deferred_weights_apart(tmp_path, monkeypatch):
+    """Two runs in threads, both holding deferred merged weights when the first saves and forgets its own:
+    the second's are still written (a run forgetting every region registered meanwhile zeroed them)."""
+    import threading
+
+    from k3opt import modelio
+    from k3opt.pipeline.run import Run
+
+    folders = [tmp_path / "a", tmp_path / "b"]
+    models = []
+    for folder in folders:
+        folder.mkdir()
+        models.append(_sibling_projections_on_disk(folder))
+    both_optimized, first_done = threading.Barrier(2, timeout=60), threading.Event()
+    write = Run.write
+
+    def write_in_turn(run, *args, **kwargs):
+        both_optimized.wait()  # both runs' merged weights are deferred now
+        if threading.current_thread().name == "second":
+            first_done.wait(60)
+        return write(run, *args, **kwargs)
+
+    monkeypatch.setattr(Run, "write", write_in_turn)
+    errors: list[BaseException] = []
+
+    def optimize(i: int) -> None:
+        try:
+            k3opt.optimize_file(models[i][1], folders[i] / "o.onnx")
+            assert modelio.deferred_regions() == set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+        finally:
+            if i == 0:
+                first_done.set()
+
+    threads = [threading.Thread(target=optimize, args=(i,), name=name) for i, name in enumerate(("first", "second"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for (model, _), folder in zip(models, folders):
+        out = onnx.load(folder / "o.onnx")
+        assert op_counts(out)["MatMul"] == 1
+        assert_equivalent(model, out)

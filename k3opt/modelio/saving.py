@@ -19,7 +19,7 @@ from .external import (EXTERNAL_THRESHOLD, PathLike, all_tensors, external_span,
                        tensor_nbytes)
 from .output_paths import data_path, refuse_non_regular
 from .temp_folders import TempFolder
-from .spill_regions import PENDING
+from .spill_regions import deferred_writer
 
 #: Protobuf refuses messages of 2 GiB; stay clear of it.
 PROTO_LIMIT = 2**31 - 64 * 2**20
@@ -221,7 +221,7 @@ def _write_external(model: onnx.ModelProto, f, location: str) -> None:
         offset = f.tell()
         if uses_external_data(t):
             src, src_offset, length = external_span(t)
-            writer = PENDING.get((src, src_offset))
+            writer = deferred_writer(src, src_offset)
             if writer is not None:  # a deferred spill region: its bytes go straight here
                 writer(f)
             else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -24,9 +25,13 @@ class SpillFile:
 
     One per process, not per run: the protos a run returns point into it (absolute external-data
     locations), so it must outlive the run; a run only appends to it, and never reads what another wrote.
+    Runs in threads share it: creating it and reserving a region hold :attr:`_lock`, so each region is
+    handed out once.
     """
 
+    #: The process's spill file (shared on purpose, see above), and the lock of its creation and regions.
     _current: Optional["SpillFile"] = None
+    _lock = threading.Lock()
 
     def __init__(self) -> None:
         fd, self.path = tempfile.mkstemp(prefix=SPILL_PREFIX, suffix=".data")
@@ -37,16 +42,18 @@ class SpillFile:
     @classmethod
     def get(cls) -> "SpillFile":
         """The process's spill file, created on first use."""
-        if cls._current is None or not os.path.exists(cls._current.path):
-            cls._current = cls()
-        return cls._current
+        with cls._lock:
+            if cls._current is None or not os.path.exists(cls._current.path):
+                cls._current = cls()
+            return cls._current
 
     def allocate(self, nbytes: int) -> int:
         """Reserve ``nbytes`` at the end of the file; returns the region's offset."""
-        offset = -(-self.size // _ALIGN) * _ALIGN
-        self.size = offset + nbytes
-        with open(self.path, "r+b") as f:
-            f.truncate(self.size)
+        with self._lock:
+            offset = -(-self.size // _ALIGN) * _ALIGN
+            self.size = offset + nbytes
+            with open(self.path, "r+b") as f:
+                f.truncate(self.size)
         return offset
 
     def remove(self) -> None:
