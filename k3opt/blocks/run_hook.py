@@ -50,6 +50,8 @@ class BlockRun:
     def __init__(self, run: Any, original: onnx.ModelProto, budget: int):
         self.run, self.original, self.budget = run, original, budget
         self.feeds: Any = None  # the verification's inputs, once chosen (the lowering is checked on them too)
+        self.boundaries: Optional[list[str]] = None  # where that verification cut the original
+        self.originals: list = []  # the original blocks' outputs on those inputs, for the lowering's check
 
     def finish(self, out: onnx.ModelProto, manager: Any, pipeline: list, ctx: Any) -> None:
         """Verify ``out`` block by block; record the result in the run's report, raise on divergence."""
@@ -66,8 +68,8 @@ class BlockRun:
         try:
             feeds = verifier.make_feeds(self.original, seed=run.seed, input_data=run.input_data,
                                         declared=run.declared_dims, run=lambda f: run_original(cut, f))
-            result = verify(cut, dict(feeds), rtol=run.rtol, atol=run.atol)
-            self.feeds = feeds
+            result = verify(cut, dict(feeds), rtol=run.rtol, atol=run.atol, originals=self.originals)
+            self.feeds, self.boundaries = feeds, cut.boundaries
         except verifier.Unrunnable as exc:
             return run._skip_verification(f"original model: {exc}")
         except verify_dims.NoConsistentSizes as exc:  # as the whole-model check: nothing compared, nothing written
@@ -104,8 +106,9 @@ class BlockRun:
             report.lowering_verification = verifier.skipped(why)
             report.warnings.append(f"verification of the lowering skipped: {why}")
             return
+        same = cut.boundaries == self.boundaries  # the same original blocks: their outputs are known
         result = report.lowering_verification = verify(cut, dict(self.feeds), rtol=rtol, atol=atol,
-                                                       evaluator=evaluator)
+                                                       evaluator=evaluator, originals=self.originals if same else None)
         report.notes.append(summary(result).replace("verified", "lowering verified (reference evaluator)", 1))
         if result["status"] != "passed":
             raise VerificationError(f"the lowered model differs from the original under the {target} reference "

@@ -61,10 +61,12 @@ def run_original(cut: Cut, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
 
 def verify(cut: Cut, feeds: Mapping[str, np.ndarray], *, rtol: Optional[float] = None,
            atol: Optional[float] = None, stop_after: Optional[int] = None,
-           evaluator: Optional[Evaluator] = None) -> dict[str, Any]:
+           evaluator: Optional[Evaluator] = None, originals: Optional[list] = None) -> dict[str, Any]:
     """Compare ``cut``'s block pairs in order on ``feeds``; the verification record (see :func:`record`).
 
-    ``evaluator`` runs the optimized blocks (a lowered model's, under the target's reference ops)."""
+    ``evaluator`` runs the optimized blocks (a lowered model's, under the target's reference ops).
+    ``originals`` keeps the original blocks' outputs: filled by a first run, read by a later one on the same
+    feeds and original blocks (the lowering's check after the optimization's), which then runs none."""
     env_o: dict[str, np.ndarray] = dict(feeds)
     env_p: dict[str, np.ndarray] = dict(feeds)
     stream = set(cut.boundaries)
@@ -73,7 +75,12 @@ def verify(cut: Cut, feeds: Mapping[str, np.ndarray], *, rtol: Optional[float] =
     last = len(cut) - 1 if stop_after is None else min(stop_after, len(cut) - 1)
     for k in range(last + 1):
         bo, bp = cut.blocks_o[k], cut.blocks_p[k]
-        out_o = run_block(block_model(cut.original, bo, cut.types_o, f"block{k}"), env_o)
+        if originals is not None and k < len(originals):
+            out_o = originals[k]
+        else:
+            out_o = run_block(block_model(cut.original, bo, cut.types_o, f"block{k}"), env_o)
+            if originals is not None:
+                originals.append(out_o)
         env_o.update(out_o)
         feeds_p = {n: env_o[n] if n in stream or n not in env_p else env_p[n] for n in bp.inputs}
         try:
