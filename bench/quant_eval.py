@@ -79,8 +79,9 @@ def train(steps: int, seed: int = 0) -> Any:
     return model
 
 
-def score(path: Path, text: bytes, reference: list | None = None) -> tuple[float, float, list]:
-    """(perplexity, agreement with ``reference`` argmaxes, this model's argmaxes) over the held-out bytes."""
+def score(path: Path, text: bytes, reference: list | None = None) -> tuple[float, float, list, np.ndarray]:
+    """(perplexity, agreement with ``reference`` argmaxes, this model's argmaxes, each window's mean
+    next-byte NLL) over the held-out bytes."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -88,7 +89,7 @@ def score(path: Path, text: bytes, reference: list | None = None) -> tuple[float
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
     ids = np.frombuffer(text, np.uint8).astype(np.int64)
-    nll, count, choices = 0.0, 0, []
+    nll, count, choices, windows = 0.0, 0, [], []
     for start in range(0, len(ids) - SEQ - 1, SEQ):
         window = ids[start:start + SEQ + 1]
         feeds = {"input_ids": window[None, :-1]}
@@ -97,11 +98,20 @@ def score(path: Path, text: bytes, reference: list | None = None) -> tuple[float
         logits = sess.run(None, feeds)[0][0].astype(np.float64)
         logp = logits - logits.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        windows.append(-logp[np.arange(SEQ), window[1:]].mean())
         nll -= logp[np.arange(SEQ), window[1:]].sum()
         count += SEQ
         choices.append(logits.argmax(-1))
     agree = 1.0 if reference is None else float(np.mean(np.concatenate(choices) == np.concatenate(reference)))
-    return math.exp(nll / count), agree, choices
+    return math.exp(nll / count), agree, choices, np.array(windows)
+
+
+def paired(mine: np.ndarray, theirs: np.ndarray) -> dict[str, float]:
+    """Perplexity ratio of two models over the same windows, with the ratio at -2 and +2 standard errors of the
+    mean per-window NLL difference: an interval that excludes 1 is a measured difference, not noise."""
+    d = mine - theirs
+    se = float(d.std(ddof=1) / math.sqrt(len(d)))
+    return {"ratio": math.exp(d.mean()), "low": math.exp(d.mean() - 2 * se), "high": math.exp(d.mean() + 2 * se)}
 
 
 def ort_quantize(src: Path, dst: Path, bits: int, block: int) -> None:
@@ -166,13 +176,17 @@ def accuracy(folder: Path, steps: int, retrain: bool = False) -> dict[str, Any]:
         "ort int8 g128": lambda p: ort_quantize(fp32, p, 8, 128),
         "ort int4 g128": lambda p: ort_quantize(fp32, p, 4, 128),
     }
-    base_ppl, _, base_choices = score(fp32, held)
+    base_ppl, _, base_choices, _ = score(fp32, held)
     rows = {"fp32": {"ppl": base_ppl, "ppl_ratio": 1.0, "agreement": 1.0}}
+    windows = {}
     for name, make in variants.items():
         path = folder / f"text-{name.replace(' ', '-')}.onnx"
         extra = make(path) or {}
-        ppl, agree, _ = score(path, held, base_choices)
+        ppl, agree, _, windows[name] = score(path, held, base_choices)
         rows[name] = {"ppl": ppl, "ppl_ratio": ppl / base_ppl, "agreement": agree, **extra}
+    for name in variants:
+        if name.startswith("k3opt"):
+            rows[name]["vs_ort"] = paired(windows[name], windows[f"ort int{name.split('int')[1][0]} g128"])
     return {"train_seconds": trained, "steps": steps, "held_out_bytes": len(held), "rows": rows,
             "calibration_samples": len(calibration["input_ids"])}
 
@@ -254,9 +268,12 @@ def markdown(res: dict[str, Any]) -> str:
              f"Byte-level Llama trained {acc['steps']} steps ({acc['train_seconds']:.0f} s) on stdlib source; "
              f"held-out {acc['held_out_bytes']} bytes of {', '.join(HELD_OUT_FILES)}; GPTQ calibrated on "
              f"{acc['calibration_samples']} windows of {SEQ} training bytes.", "",
-             "| model | perplexity | vs fp32 | next-token agreement |", "|---|---|---|---|"]
+             "| model | perplexity | vs fp32 | next-token agreement | vs onnxruntime's, same bits (-2 SE, +2 SE) |",
+             "|---|---|---|---|---|"]
     for name, row in acc["rows"].items():
-        lines.append(f"| {name} | {row['ppl']:.4f} | {row['ppl_ratio']:.4f}x | {row['agreement']:.2%} |")
+        vs = row.get("vs_ort")
+        lines.append(f"| {name} | {row['ppl']:.4f} | {row['ppl_ratio']:.4f}x | {row['agreement']:.2%} | "
+                     + (f"{vs['ratio']:.4f}x ({vs['low']:.4f}, {vs['high']:.4f}) |" if vs else "|"))
     lines += ["", f"Decode model (vocabulary 128, hidden {DECODE_CONFIG['hidden_size']}, "
               f"{DECODE_CONFIG['num_hidden_layers']} layers), one token after {PAST}, one thread, ORT_ENABLE_ALL:", "",
               "| model | size | size vs fp32 | latency | vs fp32 |", "|---|---|---|---|---|"]

@@ -24,5 +24,7 @@ def test_quant_eval_runs_tiny(tmp_path, monkeypatch):
     assert set(rows) >= {"fp32", "k3opt int8", "k3opt int4 g128", "k3opt int8 GPTQ", "k3opt int4 g128 GPTQ",
                          "ort int8 g128", "ort int4 g128"}
     assert all(r["ppl"] > 1 for r in rows.values())
+    vs = rows["k3opt int4 g128 GPTQ"]["vs_ort"]
+    assert vs["low"] <= vs["ratio"] <= vs["high"] and "vs_ort" not in rows["ort int4 g128"]
     assert res["decode"]["size_ratio"]["k3opt int4 g128"] < res["decode"]["size_ratio"]["k3opt int8"] < 1
     assert (tmp_path / "out" / "results.md").exists()
