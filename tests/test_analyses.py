@@ -175,3 +175,24 @@ def test_sharpen_marks_the_kept_shapes_only():
     assert manager.get(Shapes, graph).sharpened
     manager.put(Shapes(graph))  # inferred again: what inference knows is what the tensors say
     assert not manager.get(Shapes, graph).sharpened
+
+
+def test_a_watcher_hears_only_its_own_threads_edits():
+    """Two runs editing in threads at once: each run's analyses hear of its own edits, never the other's."""
+    graphs = [reshaped_graph(), reshaped_graph()]
+    heard: list[list] = [[], []]
+    watching, edited = threading.Barrier(2, timeout=30), threading.Barrier(2, timeout=30)
+
+    def edit(i: int) -> None:
+        with watching_edits(lambda ts: heard[i].extend(t.name for t in ts)):
+            watching.wait()  # both watchers are set before either edits
+            tensors = graphs[i].tensors()
+            set_output(tensors["s"].inputs[0], 0, gs.Variable(f"s_{i}"))
+            edited.wait()
+
+    threads = [threading.Thread(target=edit, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert heard == [["s", "s_0"], ["s", "s_1"]]

@@ -380,6 +380,36 @@ def test_optimize_restores_the_callers_gc_thresholds(monkeypatch):
         gc.set_threshold(*old)
 
 
+def test_overlapping_runs_in_threads_leave_the_callers_gc_thresholds():
+    """gc's thresholds are the process's: runs in threads whose scopes overlap (the first to start ends first)
+    leave the caller's settings, not one run's raised value."""
+    import threading
+
+    from k3opt.graph.lifetime import graph_scope
+
+    old = gc.get_threshold()
+    opened, first_left = threading.Barrier(2, timeout=30), threading.Event()
+
+    def scope(first: bool) -> None:
+        with graph_scope():
+            opened.wait()
+            if not first:
+                first_left.wait(30)
+        if first:
+            first_left.set()
+
+    try:
+        gc.set_threshold(123, 7, 9)
+        threads = [threading.Thread(target=scope, args=(first,)) for first in (True, False)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert gc.get_threshold() == (123, 7, 9)
+    finally:
+        gc.set_threshold(*old)
+
+
 @pytest.mark.parametrize("model", ["small", "tiny_transformer"])
 def test_the_runs_graph_is_freed_without_the_cycle_collector(monkeypatch, request, model):
     """graph_scope breaks the gs cycles of the run's graph: with the collector off, every imported node and

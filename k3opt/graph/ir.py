@@ -333,6 +333,11 @@ def _unlink(items: list, obj: object) -> None:
 
 
 #: Who hears of the edits made through the helpers below (see :func:`watching_edits`), else None.
+#: A context variable, not an argument: the helpers take bare gs nodes and tensors and are called at every
+#: edit of every pass and plugin, which have no watcher to hand them; being told without asking is what
+#: keeps a kept analysis right. Safe: only :func:`watching_edits` sets it and always resets it in a
+#: ``finally``; a thread or asyncio task has its own context (a new thread starts without a watcher, a task
+#: with a copy), so a run's analyses hear of its own edits only.
 _watcher: ContextVar[Optional[Callable[[Sequence[Tensor]], None]]] = ContextVar("k3opt_edit_watcher", default=None)
 
 

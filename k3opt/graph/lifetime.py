@@ -17,6 +17,7 @@ first.
 from __future__ import annotations
 
 import gc
+import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator, Optional
@@ -28,7 +29,41 @@ from onnx_graphsurgeon.util.misc import SynchronizedList
 GC_YOUNG_THRESHOLD = 50_000
 
 #: The link lists built and the graphs imported in the active :func:`graph_scope` (this thread, task), else None.
+#: A context variable, not an argument: what records into it is every value constructor of the graph layer
+#: (``ir.new_constant``, ``ir.new_variable``, the importer), called by every pass and plugin with no scope at
+#: hand. Safe: only :func:`graph_scope` sets it and always resets it in a ``finally``; a thread or asyncio task
+#: has its own context (a new thread starts without the scope, a task with a copy), so concurrent runs record
+#: and release their own graphs only.
 _recorded: ContextVar[Optional[tuple[list, list]]] = ContextVar("k3opt_graph_objects", default=None)
+
+
+class _GcThresholds:
+    """The collector's thresholds, which are the process's: the first :func:`graph_scope` open in any thread
+    raises the young one, the last one to end puts the caller's back (a scope restoring what it found would
+    keep another thread's raised value for good)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        self._saved = gc.get_threshold()
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._open == 0:
+                self._saved = gc.get_threshold()
+                gc.set_threshold(max(self._saved[0], GC_YOUNG_THRESHOLD), *self._saved[1:])
+            self._open += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                gc.set_threshold(*self._saved)
+
+
+#: Process-wide because the thresholds are; changed only under its lock, by scopes that always leave in a
+#: ``finally``.
+_GC = _GcThresholds()
 
 
 def note_links(links: list) -> None:
@@ -52,12 +87,11 @@ def graph_scope() -> Iterator[None]:
     """Build, rewrite and export a graph in the block: the young generation is collected rarely (an
     imported graph is a hundred thousand long-lived objects the collector would walk over and over), and
     the graph's objects are released at the end (see the module docstring). The caller's thresholds are
-    restored; a nested scope belongs to the outermost one."""
+    restored (when no other thread's scope is open); a nested scope belongs to the outermost one."""
     if _recorded.get() is not None:
         yield
         return
-    old = gc.get_threshold()
-    gc.set_threshold(max(old[0], GC_YOUNG_THRESHOLD), *old[1:])
+    _GC.enter()
     links: list = []
     graphs: list = []
     token = _recorded.set((links, graphs))
@@ -65,7 +99,7 @@ def graph_scope() -> Iterator[None]:
         yield
     finally:
         _recorded.reset(token)
-        gc.set_threshold(*old)
+        _GC.leave()
         release(links + [lst for g in graphs for lst in _graph_links(g)])
 
 
