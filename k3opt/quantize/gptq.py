@@ -9,7 +9,7 @@ upper Cholesky factor of ``H^-1``, and are applied lazily per block of rows. Eac
 point are computed when the group is reached, from its rows as updated so far, over their full range as the
 reference does (a clip chosen for one group's weights alone, before the feedback reaches the rows, made
 the trained bench LM's perplexity worse, with weight or activation-weighted error alike); the stored
-format is :mod:`.rtn`'s. Per channel, the scales are RTN's (clip search included), fixed before the rows.
+format is :mod:`.rtn`'s. Per channel, each column's scale covers its full range, fixed before the rows.
 
 An input channel no calibration sample used (a zero diagonal) is quantized as RTN would and its weights kept
 (the reference zeroes them: right for the calibration data, wrong for any input that uses the channel).
@@ -99,8 +99,8 @@ def quantize(read: Callable[[int, int], np.ndarray], k: int, n: int, scheme: rtn
     plain_q = np.concatenate(rtn_blocks)
     back = rtn.dequantize(plain_q, plain.scale, plain.zero_point, scheme.group)
     rtn_error = output_error(w, back - w, hessian)
-    channel = None if scheme.group else (plain.scale[None], None if plain.zero_point is None
-                                         else plain.zero_point.astype(np.float32)[None])
+    channel = None if scheme.group else rtn._params(w.min(axis=0, keepdims=True), w.max(axis=0, keepdims=True),
+                                                    scheme)
     q, scales, zps = _gptq(w, hessian, scheme, channel)
     if not scheme.group:
         scales, zps = scales[0], zps[0]
