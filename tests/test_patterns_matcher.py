@@ -465,3 +465,13 @@ def test_an_initializer_is_read_once_per_constant_pattern(monkeypatch):
     m = Matcher(Rule("square", lambda op, x: op.Pow(x, 2.0), lambda op, m: None).pattern, 17)
     assert all(any(True for _ in m.matches(n.outputs[0])) for n in graph.nodes)
     assert reads == ["two"]
+
+
+def test_a_list_schema_default_is_the_callers_own():
+    """Schema defaults are cached per process: changing a list one returned does not change the next answer."""
+    from k3opt.patterns.schema import attr_value
+
+    axes = attr_value({}, "MeanVarianceNormalization", "", 17, "axes")
+    assert axes == [0, 2, 3]
+    axes.append(9)
+    assert attr_value({}, "MeanVarianceNormalization", "", 17, "axes") == [0, 2, 3]

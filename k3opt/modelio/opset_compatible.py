@@ -92,7 +92,7 @@ _PLAIN_KINDS = {_A.INT: "i", _A.INTS: "ints", _A.STRING: "s", _A.STRINGS: "strin
 _NODE_FIELDS = frozenset(("input", "output", "name", "op_type", "domain", "attribute"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # of onnx's built-in schemas: shared by runs and threads, never changes
 def compatible_steps(op: str, current: int, wanted: int) -> bool:
     """Does default-domain ``op`` go from opset ``current`` up to ``wanted`` through compatible steps only
     (each schema version in between reached by a CompatibleAdapter)?"""

@@ -29,7 +29,7 @@ SMALL_CONSTANT_BYTES = 4096
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # of onnx's built-in schemas: shared by runs and threads, never changes
 def schema_changes(op: str, current: int, wanted: int) -> bool:
     """Does default-domain ``op`` have another schema at opset ``wanted`` than at ``current``?
     (True when it does not exist at one of them: the converter then decides.)"""

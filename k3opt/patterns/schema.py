@@ -16,7 +16,7 @@ from onnx import defs
 _NO_DEFAULT = object()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # of onnx's built-in schemas: shared by runs and threads, never changes
 def get_schema(op_type: str, domain: str, opset: int) -> Optional[defs.OpSchema]:
     """The schema of ``op_type`` in force at ``opset`` (None for unknown ops/domains)."""
     try:
@@ -25,7 +25,7 @@ def get_schema(op_type: str, domain: str, opset: int) -> Optional[defs.OpSchema]
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # as get_schema; attr_value copies a list it returns (shared)
 def _default(op_type: str, domain: str, opset: int, name: str) -> Any:
     schema = get_schema(op_type, domain, opset)
     if schema is None or name not in schema.attributes:
@@ -42,6 +42,8 @@ def attr_value(node_attrs: dict, op_type: str, domain: str, opset: int, name: st
     if name in node_attrs:
         return node_attrs[name]
     value = _default(op_type, domain, opset, name)
+    if isinstance(value, list):
+        return list(value)  # the cache's own list: a caller changing it would change every later answer
     return MISSING if value is _NO_DEFAULT else value
 
 
