@@ -273,7 +273,7 @@ def markdown(res: dict[str, Any]) -> str:
     for name, row in acc["rows"].items():
         vs = row.get("vs_ort")
         lines.append(f"| {name} | {row['ppl']:.4f} | {row['ppl_ratio']:.4f}x | {row['agreement']:.2%} | "
-                     + (f"{vs['ratio']:.4f}x ({vs['low']:.4f}, {vs['high']:.4f}) |" if vs else "|"))
+                     + (f"{vs['ratio']:.5f}x ({vs['low']:.5f}, {vs['high']:.5f}) |" if vs else "|"))
     lines += ["", f"Decode model (vocabulary 128, hidden {DECODE_CONFIG['hidden_size']}, "
               f"{DECODE_CONFIG['num_hidden_layers']} layers), one token after {PAST}, one thread, ORT_ENABLE_ALL:", "",
               "| model | size | size vs fp32 | latency | vs fp32 |", "|---|---|---|---|---|"]
