@@ -4,6 +4,7 @@ refused in one line with nothing written."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from click.testing import CliRunner
 
@@ -11,6 +12,7 @@ from k3opt.cli import main
 from k3opt.errors import InputError, UsageError
 from k3opt.quantize import calibrate, gptq, quantize_file, rtn
 from tests.test_quantize import _mlp, _ops, _run
+from tests.zoo import needs_torch, zoo_inputs, zoo_model
 
 RNG = np.random.default_rng(3)
 
@@ -89,8 +91,6 @@ def test_calibrated_target_cann_still_lowers(tmp_path):
 
 def test_passes_cut_at_the_budget(tmp_path, monkeypatch):
     """Hessians beyond the budget go in later passes, in graph order; each site is calibrated once."""
-    import onnx
-
     from k3opt.quantize.select import select
 
     model = onnx.load(str(_mlp(tmp_path / "m.onnx")))
@@ -143,3 +143,24 @@ def test_cli_calibration_file(tmp_path):
 def test_missing_file_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="cannot read"):
         calibrate.load(tmp_path / "none.npz", None)
+
+
+@needs_torch
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_zoo_llama_calibrated_every_projection(tmp_path, exporter):
+    """Both exporters' Llama (the dynamo one reads nn.Linear weights through a Transpose): every projection
+    gets GPTQ from the model's own inputs, and the logits are no further from float than RTN's."""
+    src = zoo_model("llama", exporter)
+    inputs = zoo_inputs("llama", batch=64, seed=1)  # 512 tokens: 8 per input channel of the widest (64)
+    names = {i.name for i in onnx.load(str(src), load_external_data=False).graph.input}
+    calibration = {k: v for k, v in inputs.items() if k in names}
+    few = quantize_file(src, tmp_path / "few.onnx", weights="int4", group_size=32, tokens=0, measure=False,
+                        calibration={k: v[:4] for k, v in calibration.items()})
+    assert any(n.startswith("few calibration tokens for GPTQ: 32 rows") for n in few.notes)
+    plain = quantize_file(src, tmp_path / "rtn.onnx", weights="int4", group_size=32, tokens=0)
+    report = quantize_file(src, tmp_path / "q.onnx", weights="int4", group_size=32, tokens=0,
+                           calibration=calibration)
+    assert len(report.calibrated) == 14 == len(report.layers)
+    assert _ops(tmp_path / "q.onnx")["DequantizeLinear"] == 14
+    assert report.accuracy["logits"]["rel"] < plain.accuracy["logits"]["rel"]
+    assert not any(n.startswith("few calibration") for n in report.notes)

@@ -102,9 +102,10 @@ def passes(model: onnx.ModelProto, sites: list[Site]) -> list[list[Site]]:
 
 
 def hessians(model: onnx.ModelProto, sites: list[Site], feeds: list[dict[str, np.ndarray]],
-             label: str) -> Iterator[tuple[Site, np.ndarray]]:
-    """Each site with ``X^T X / rows`` of its inputs over all ``feeds``: the model runs with those inputs
-    exposed as outputs (its outputs restored afterwards). UsageError when it does not run on the feeds."""
+             label: str) -> Iterator[tuple[Site, np.ndarray, int]]:
+    """Each site with ``X^T X / rows`` of its inputs over all ``feeds`` and the rows (tokens) it was summed
+    over: the model runs with those inputs exposed as outputs (its outputs restored afterwards).
+    UsageError when it does not run on the feeds."""
     g = model.graph
     inits = {t.name for t in g.initializer}
     dtype = {s.name: next(t.data_type for t in g.initializer if t.name == s.name) for s in sites}
@@ -134,4 +135,5 @@ def hessians(model: onnx.ModelProto, sites: list[Site], feeds: list[dict[str, np
     for site in sites:
         xs = [x for x in _inputs(site) if x in wanted]
         if xs:
-            yield site, sum(sums[x] for x in xs) / max(sum(rows[x] for x in xs), 1)
+            count = sum(rows[x] for x in xs)
+            yield site, sum(sums[x] for x in xs) / max(count, 1), count
