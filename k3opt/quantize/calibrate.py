@@ -116,8 +116,8 @@ def hessians(model: onnx.ModelProto, sites: list[Site], feeds: list[dict[str, np
         g.output.extend(helper.make_tensor_value_info(x, t, None) for x, t in wanted.items())
         try:
             sess = verify.session(model)
-        except verify.Unrunnable as exc:
-            raise UsageError(f"{label}: calibration needs the model to run in onnxruntime: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - Unrunnable, or ORT's own pybind exception types
+            raise UsageError(f"{label}: calibration needs the model to run in onnxruntime: {first_line(exc)}") from None
     finally:
         del g.output[:]
         g.output.extend(kept)
