@@ -99,3 +99,12 @@ def test_an_opset_1_model_keeps_its_output_shapes(tmp_path):
     model.opset_import[0].version = 1
     code, err = _run(tmp_path, model, "--skip", "fold-constants")
     assert code == 0, err
+
+
+
+@pytest.mark.parametrize("seed, kind", [(100377, "protobuf"), (100023, "graph")])
+def test_what_onnxruntime_runs_but_the_checker_rejects_is_refused_without_verification(tmp_path, seed, kind):
+    """With --no-verify the written file was only loaded in onnxruntime, which runs both inputs (a Constant whose
+    ``value`` became ``vadue``; an untyped graph output inference cannot type): exit 0, and the written file
+    failed onnx's checker. Now it is held to the checker too, and the input is blamed (exit 2)."""
+    model_case(tmp_path, seed, kind)

@@ -59,7 +59,8 @@ def test_unloadable_output_with_no_verify_is_exit_1_one_line_and_nothing_written
 @pytest.mark.parametrize("verify_on", [True, False], ids=["verified", "no-verify"])
 def test_a_second_session_only_where_onnxruntime_has_not_run_the_graph(tmp_path, monkeypatch, verify_on):
     """A passed verification ran the optimized graph in onnxruntime: the written file is read back by onnx's
-    checker only (a session holds ~2.7x the weights). Without it, onnxruntime loads the file."""
+    checker only (a session holds ~2.7x the weights). Without it, onnxruntime loads the file, and the checker
+    reads it too (onnxruntime runs files the checker rejects)."""
     loads = []
     real = verify.session
     monkeypatch.setattr(verify, "session", lambda model, load_only=False: loads.append(load_only) or real(model, load_only))
@@ -70,7 +71,7 @@ def test_a_second_session_only_where_onnxruntime_has_not_run_the_graph(tmp_path,
     k3opt.optimize_file(tmp_path / "m.onnx", tmp_path / "o.onnx", verify=verify_on)
     assert (True in loads) is not verify_on
     assert str(tmp_path / "o.onnx") not in [str(c) for c in checked]  # checked in its temporary folder
-    assert any(isinstance(c, str) and c.endswith("o.onnx") for c in checked) is verify_on
+    assert any(isinstance(c, str) and c.endswith("o.onnx") for c in checked)
     assert (tmp_path / "o.onnx").exists()
 
 

@@ -76,7 +76,7 @@ def input_checker_fault(path: Optional[os.PathLike]) -> Optional[str]:
         onnx.checker.check_model(data)
     except Exception as exc:  # noqa: BLE001 - ValidationError, or onnx's C++ errors
         text = str(exc).strip()
-        return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+        return (text.splitlines()[0].rstrip(".") if text else type(exc).__name__)[:300]
     return None
 
 
