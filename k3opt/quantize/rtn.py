@@ -84,8 +84,7 @@ def _dequant(q: np.ndarray, scale: np.ndarray, zp: Optional[np.ndarray]) -> np.n
     return (q - zp) * scale if zp is not None else q * scale
 
 
-def _search(w: np.ndarray, lo: np.ndarray, hi: np.ndarray, scheme: Scheme, axis: int,
-            error_sum: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> np.ndarray:
+def _search(w: np.ndarray, lo: np.ndarray, hi: np.ndarray, scheme: Scheme, axis: int) -> np.ndarray:
     """Squared reconstruction error of ``w`` per group for each clip ratio: shape ``(ratios, *groups)``."""
     ratios = CLIP_RATIOS if scheme.clip else (1.0,)
     errors = []
