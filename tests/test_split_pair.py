@@ -103,7 +103,7 @@ def test_cli_split_of_a_pair_then_generate(pairs, tmp_path):
         assert bad.exit_code == 2 and bad.output.count("\n") == 1 and "not for a serving pair" in bad.output
     bad = runner.invoke(main, ["compile", str(tmp_path / "s"), "--soc-version", "Ascend910B3",
                                "-o", str(tmp_path / "om")])
-    assert bad.exit_code == 2 and "not supported yet" in bad.output
+    assert bad.exit_code == 2 and bad.output.count("\n") == 1 and "--target cann" in bad.output
     assert not (tmp_path / "t").exists() and not (tmp_path / "om").exists()
 
 
@@ -126,3 +126,58 @@ def test_a_wrong_stage_is_caught_by_the_tokens(pairs, tmp_path, monkeypatch):
     with pytest.raises(VerificationError, match="differ from the unsplit pair's"):
         split_pair(pairs("llama"), tmp_path / "s", 2)
     assert not (tmp_path / "s").exists()
+
+
+def test_a_cann_split_pair_compiles_each_stage_with_the_pair_gears(pairs, tmp_path):
+    """`k3opt compile SPLIT_PAIR`: every graph of every stage through the stand-in ATC; each stage's prefill takes
+    the unsplit prefill's gear profiles (its handed-on tensors' dims named batch/sequence by the split), the
+    decode graphs are static."""
+    from tests.fake_atc import recorded_argv, write_fake_atc
+
+    pair = pairs("llama", "cann")
+    atc = write_fake_atc(tmp_path / "bin")
+    split_pair(pair, tmp_path / "s", 2)
+    runner = CliRunner()
+    check = runner.invoke(main, ["check", str(tmp_path / "s")])
+    assert check.exit_code == 0, check.output
+    result = runner.invoke(main, ["compile", str(tmp_path / "s" / "manifest.json"), "--soc-version", "Ascend910B3",
+                                  "-o", str(tmp_path / "om"), "--atc", str(atc)])
+    assert result.exit_code == 0, result.output
+    graphs = ["decode_b1.om", "decode_b2.om", "prefill.om"]
+    assert [sorted(p.name for p in (tmp_path / "om" / f"stage{i}").iterdir()) for i in (0, 1)] == [graphs, graphs]
+    runs = {"/".join(Path(next(a[8:] for a in argv if a.startswith("--model="))).parts[-2:]): argv
+            for argv in recorded_argv(atc)}
+    assert len(runs) == 6
+
+    def arg(run: list, key: str):
+        return next((a.split("=", 1)[1] for a in run if a.startswith(f"--{key}=")), None)
+
+    gears = "1,16,1,16;1,32,1,32;2,16,2,16;2,32,2,32"  # the unsplit prefill's (tests/test_llm_cli.py)
+    assert arg(runs["stage0/prefill.onnx"], "input_shape") == "input_ids:-1,-1;attention_mask:-1,-1"
+    assert arg(runs["stage0/prefill.onnx"], "dynamic_dims") == gears
+    later = runs["stage1/prefill.onnx"]  # takes the residual stream, the rotary tables and the masks
+    shapes = dict(s.rsplit(":", 1) for s in arg(later, "input_shape").split(";"))
+    assert shapes["/model/model/layers.1/Add_1_output_0"] == "-1,-1,32"
+    unknown = sum(d == "-1" for dims in shapes.values() for d in dims.split(","))
+    profiles = arg(later, "dynamic_dims").split(";")
+    assert len(profiles) == 4 <= 100 and all(len(p.split(",")) == unknown for p in profiles)
+    assert profiles[-1].split(",")[:2] == ["2", "32"]  # batch, then prompt length: the residual's dims
+    for i in (0, 1):
+        for b in (1, 2):
+            decode = runs[f"stage{i}/decode_b{b}.onnx"]
+            assert arg(decode, "dynamic_dims") is None and "-1" not in arg(decode, "input_shape")
+    assert "past_key_values.3.value:2,2,32,8" in arg(runs["stage1/decode_b2.onnx"], "input_shape")
+
+
+def test_a_split_pair_stage_with_an_unnamed_dim_is_refused_in_one_line(pairs, tmp_path):
+    pair = pairs("llama", "cann")
+    split_pair(pair, tmp_path / "s", 2, verify=False)
+    path = tmp_path / "s" / "manifest.json"
+    data = json.loads(path.read_text())
+    data["stages"][1]["graphs"]["prefill.onnx"]["inputs"][0]["shape"][0] = "unk__7"  # a dim the walk did not prove
+    path.write_text(json.dumps(data))
+    result = CliRunner().invoke(main, ["compile", str(tmp_path / "s"), "--soc-version", "Ascend910B3",
+                                       "-o", str(tmp_path / "om"), "--dry-run"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "unk__7" in result.output and "neither static nor a prefill gear dim" in result.output
+    assert not (tmp_path / "om").exists()

@@ -30,8 +30,8 @@ def compile_stages(manifest_path: str, output: str, options: AtcOptions, **kwarg
     """Compile every stage of the split at ``manifest_path`` (its manifest.json or folder) to ``OUTPUT_stage<i>``."""
     manifest = read_manifest(manifest_path)
     if manifest.get("kind") == "llm-pair":
-        raise UsageError(f"{manifest_path}: a serving pair split into stages; compiling it is not supported yet "
-                         "(compile the pair itself: k3opt compile PAIR_DIR)")
+        raise UsageError(f"{manifest_path}: a serving pair split into stages; compile it with "
+                         "k3opt.llm.compile_pair.compile_pair (k3opt compile takes its folder)")
     folder = Path(manifest["folder"])
     known = _manifest_shapes(manifest, {s.name: list(s.dims) for s in options.shapes()})
     ran_source = False

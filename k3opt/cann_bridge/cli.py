@@ -98,7 +98,8 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
     --pass-option shape the graph as in `k3opt optimize`; --soc-version also keeps
     the NPU ops without a kernel on that chip out of the lowering.
     MODEL may be a `k3opt llm --target cann` pair folder: each graph is compiled as written into
-    OUTPUT/<graph>.om, with its manifest's shapes and gears. MODEL may be a `k3opt split` folder (or its
+    OUTPUT/<graph>.om, with its manifest's shapes and gears (a `k3opt split` of such a pair: each stage's
+    graphs into OUTPUT/stage<i>/<graph>.om, the prefills with the pair's gears). MODEL may be a `k3opt split` folder (or its
     manifest.json): each stage is compiled into OUTPUT_stage<i>.om (docs/split.md).
     """
     opts = AtcOptions(soc_version=soc_version, input_shapes=input_shapes, input_format=input_format,
@@ -106,9 +107,12 @@ def compile_cmd(model: str, extra_args: tuple[str, ...], soc_version: str, outpu
                       dynamic_dims=dynamic_dims, dynamic_batch_size=dynamic_batch_size,
                       dynamic_image_size=dynamic_image_size, fusion_switch_file=fusion_switch_file, log=log,
                       extra_args=extra_args)
-    from ..blocks.split import is_split
+    from ..blocks.split import MANIFEST, is_split
+    from ..llm.split_pair import is_split_pair
 
-    if is_split(model):  # a `k3opt split` folder or manifest: one .om per stage
+    if is_split_pair(Path(model).parent if Path(model).name == MANIFEST else model):
+        model = str(Path(model).parent) if Path(model).name == MANIFEST else model  # a split pair: as a pair
+    elif is_split(model):  # a `k3opt split` folder or manifest: one .om per stage
         from ..blocks.compile_stages import compile_stages
 
         results = compile_stages(model, output, opts, atc=atc, dry_run=dry_run, echo=None if kw["quiet"] else click.echo,

@@ -28,6 +28,7 @@ from ..blocks.split import (DEFAULT_BALANCE, FORMAT as SPLIT_FORMAT, MANIFEST, C
                             tensor_entry)
 from ..blocks.structure import Stack, find_stack, partition
 from ..errors import InputError
+from ..graph.symbolic.relations import Lin, relations
 from ..modelio.temp_folders import TempFolder
 from .generate import PairRunner, session
 from .manifest import FORMAT as PAIR_FORMAT, Manifest
@@ -80,6 +81,7 @@ def split_pair(
     if len(set(counts.values())) > 1:
         raise InputError(f"{pair}: the pair's graphs have different layer counts ({counts}); cannot cut them alike")
     types = {f: inferred_types(m) for f, m in models.items()}
+    gear_dims = _name_gear_dims(models[pm.prefill], types[pm.prefill], pm.ids)
     cuts = choose_cuts(models[ref].graph, common, types[ref], stages, layers, balance)
     tensors = {f: {_key(p): p.tensor for p in stack(f, any(c.kind == "inner" for c in cuts)).points} for f in files}
     blocks = {f: partition(models[f].graph, [tensors[f][_key(c)] for c in cuts]) for f in files}
@@ -102,6 +104,7 @@ def split_pair(
             for f, g in graphs.items():
                 onnx.save(g, str(staged / f"stage{i}" / f))
         manifest = _manifest(folder, pm, models, blocks, types, cuts, counts[ref], sizes, ref)
+        manifest["gear_dims"] = gear_dims
         (staged / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if verify:
             from ..api import reference_evaluator
@@ -119,6 +122,30 @@ def split_pair(
     finally:
         temp.remove()
     return manifest
+
+
+def _name_gear_dims(model: onnx.ModelProto, types: dict[str, onnx.ValueInfoProto], ids: str) -> dict[str, str]:
+    """Name in ``types`` the unnamed dims of the prefill's tensors that the symbolic shape walk proves equal to
+    a dim of the input ids (batch, prompt length: the prefill's ATC gears) or to a number, so the tensors a
+    stage hands on carry the gear dims; returns {dim name: gear} (``batch``, ``sequence``: the pair's gears)."""
+    weights = {t.name for t in model.graph.initializer}
+    declared = {vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+                for vi in model.graph.input if vi.name not in weights}
+    gears = {d: g for d, g in zip(declared.get(ids, []), ("batch", "sequence")) if isinstance(d, str) and d}
+    walked = relations(model.graph, declared).shapes
+    symbols = {Lin.of(d): d for d in gears}
+    for name, vi in types.items():
+        dims, shape = vi.type.tensor_type.shape.dim, walked.get(name)
+        if shape is None or len(shape) != len(dims) or name in weights:
+            continue
+        for d, lin in zip(dims, shape):
+            if d.HasField("dim_value") or lin is None:
+                continue
+            if lin.is_const:
+                d.dim_value = lin.const
+            elif lin in symbols:
+                d.dim_param = symbols[lin]
+    return gears
 
 
 def _manifest(pair: Path, pm: Manifest, models: dict[str, onnx.ModelProto], blocks: dict[str, list],
