@@ -77,8 +77,8 @@ def optimize_file(
     run.measure_output = False
     deferred = modelio.deferred_regions()
     with _gs_quiet():
-        model = run.optimize(src)
-    written = run.write(model, src, out, overwrite=overwrite, external_data=external_data, fsync=fsync)
+        run.optimize(src)  # the run keeps the model and hands it to its write, which lets it go once written
+    written = run.write(src, out, overwrite=overwrite, external_data=external_data, fsync=fsync)
     modelio.forget_deferred(modelio.deferred_regions() - deferred)  # this run's graph and protos are gone
     report.output = str(out)
     report.files = [str(p) for p in written]

@@ -82,7 +82,8 @@ class BlockRun:
         k = result["first_diverging_block"]
         if run.progress is not None:
             run.progress(f"finding the first diverging pass (block {k})")
-        culprit = run._bisect(self._start(ctx), self._converted(ctx), manager, pipeline, ctx,
+        start = self._start(ctx)
+        culprit = run._bisect(lambda: onnx.load_from_string(start), self._converted(ctx), manager, pipeline, ctx,
                               lambda candidate: _block_result(self.original, candidate, cut, feeds, k, run), result)
         raise VerificationError(f"optimized model differs from the original block by block: {result['reason']}"
                                 f"{culprit}")

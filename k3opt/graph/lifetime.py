@@ -126,3 +126,26 @@ def release(links: list) -> None:
         if isinstance(lst, SynchronizedList):
             lst.__dict__["parent_obj"] = None
         list.clear(lst)
+
+
+def return_freed_memory() -> None:
+    """Hand the free pages inside the C heap back to the system (glibc's ``malloc_trim``).
+
+    A run frees big buffers between its stages (the weights copied for the original's onnxruntime session,
+    a session's own), but glibc keeps freed heap memory resident, and once a big buffer was freed it takes
+    the next ones of that size from the heap instead of fresh mappings: without a trim, what one stage freed
+    still counts in the resident size while the next allocates (issue #26 item 9). No-op off glibc.
+    """
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (ImportError, OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None

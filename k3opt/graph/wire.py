@@ -1,6 +1,8 @@
 """Protobuf wire-format encoding: the few primitives the fast exporter and shape refreshes share."""
 from __future__ import annotations
 
+from google.protobuf.message import Message
+
 #: The one-byte varints 0..127, prebuilt.
 _ONE_BYTE = [bytes((n,)) for n in range(0x80)]
 
@@ -22,3 +24,16 @@ def field(number: int, payload: bytes) -> bytes:
     tag, size = number << 3 | 2, len(payload)
     return ((_ONE_BYTE[tag] if tag < 0x80 else varint(tag)) + (_ONE_BYTE[size] if size < 0x80 else varint(size))
             + payload)
+
+
+def copy_fields(source: Message, target: Message, skip: tuple[str, ...]) -> None:
+    """Copy the fields set in ``source`` into the empty ``target`` of the same type, but those named in ``skip``."""
+    for fd, value in source.ListFields():
+        if fd.name in skip:
+            continue
+        if fd.is_repeated:
+            getattr(target, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(target, fd.name).CopyFrom(value)
+        else:
+            setattr(target, fd.name, value)

@@ -79,30 +79,17 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
     try:
         temp = TempFolder.next_to(out)
         temp.expect(out.name, data_path(out).name)
-        folder = temp.path
-        written = [out] + [data_path(out)] * bool(external_data)
-        if external_data:
-            data_tmp = folder / data_path(out).name
-            direct = sum(size for _, size in _external_candidates(model)) >= DIRECT_THRESHOLD
-            with direct_writer_or_file(data_tmp, direct) as f:
-                _write_external(model, f, data_path(out).name)
-                if fsync:
-                    _sync(f)
-        else:
-            for t in all_tensors(model):
-                if uses_external_data(t):
-                    t.CopyFrom(inline_copy(t))
-        with open(folder / out.name, "wb") as f:
-            _write_serialized(serialized or _serialized(model), f)
-            if fsync:
-                _sync(f)
+        written = _write_files(model, temp.path, out, external_data, serialized, fsync)
+        # the model is in the files now: let it go before the check reads them back (when the caller let go of
+        # it too, as the command line does, its weights are not in memory twice while the check parses them)
+        del model, serialized
         if check is not None:
-            check(folder / out.name)
+            check(temp.path / out.name)
         for path in written:  # checked again: the path may have changed since the run began
             refuse_non_regular(path, follow=False)
         with deferred_signals():  # a signal waits for the pair of renames: never a new data file under an old model
             for path in reversed(written):  # the data file first: the new model never points at an old one
-                os.replace(folder / path.name, path)
+                os.replace(temp.path / path.name, path)
         if fsync:
             _sync_folder(out.parent)
         return written
@@ -122,6 +109,29 @@ def save(model: onnx.ModelProto, dst: PathLike, *, external_data: Optional[bool]
 
 _GRAPH = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
 _INITIALIZER = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
+
+
+def _write_files(model: onnx.ModelProto, folder: Path, out: Path, external_data: Optional[bool],
+                 serialized: Optional["_Serialized"], fsync: bool) -> list[Path]:
+    """Write ``model`` (and its data file with ``external_data``) into ``folder`` under ``out``'s names; the
+    final paths."""
+    written = [out] + [data_path(out)] * bool(external_data)
+    if external_data:
+        data_tmp = folder / data_path(out).name
+        direct = sum(size for _, size in _external_candidates(model)) >= DIRECT_THRESHOLD
+        with direct_writer_or_file(data_tmp, direct) as f:
+            _write_external(model, f, data_path(out).name)
+            if fsync:
+                _sync(f)
+    else:
+        for t in all_tensors(model):
+            if uses_external_data(t):
+                t.CopyFrom(inline_copy(t))
+    with open(folder / out.name, "wb") as f:
+        _write_serialized(serialized or _serialized(model), f)
+        if fsync:
+            _sync(f)
+    return written
 
 
 def inline_size(model: onnx.ModelProto) -> int:

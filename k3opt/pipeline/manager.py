@@ -122,6 +122,8 @@ class PassManager:
             ctx.census = outer
             ctx.changed()  # an enclosing run's census (a pass running passes) may no longer hold
             ctx.analyses.invalidate()  # nor its analyses; and the kept ones need not outlive the run
+            for p in runnable:
+                p.end_run()
 
     def _rounds(self, runnable: list[Pass], graph: Graph, ctx: PassContext, max_steps: Optional[int]) -> int:
         analyses = ctx.analyses

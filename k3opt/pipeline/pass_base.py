@@ -59,6 +59,13 @@ class PassContext:
         if not isinstance(self.target, TargetTraits):  # pipeline sits below the targets: it cannot look names up
             raise TypeError(f"PassContext(target={self.target!r}): a Target, e.g. k3opt.targets.get_target(name)")
 
+    def forget_graph(self) -> None:
+        """Drop what refers to the graph the passes ran on (its names, census, analyses): the run keeps this
+        context for its notes and bisection, and the graph's constants would keep the input's weights alive."""
+        self.names = None
+        self.census = None
+        self.analyses = AnalysisManager()
+
     @property
     def emit_opset(self) -> int:
         """The newest opset an emitted op may need: the graph's, or the output's when that is lower."""
@@ -217,6 +224,11 @@ class Pass:
         """Called once on the final graph, after the fixed point: analysis that only the final graph's
         answer matters for (counts and notes for the report), kept out of the rounds. Must not change
         the graph. Default: nothing."""
+
+    def end_run(self) -> None:
+        """Called when the manager's run ends (finished or cut short): let go of what the pass kept across
+        rounds that refers to the graph (its nodes, its constants): the pass outlives the graph, whose
+        constants would keep the input model's weights in memory. Default: nothing."""
 
 
 def register_pass(

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, NamedTuple, Optional, Sequence, Union
 
 import onnx
+from onnx.external_data_helper import uses_external_data
 
 from .. import modelio
 from ..errors import (InputError, InvalidOutputError, K3optError, OutputError, UnverifiableError, UsageError,
                       VerificationError)
-from ..graph.lifetime import graph_scope
+from ..graph.lifetime import graph_scope, return_freed_memory
 from ..graph import ir
 from ..modelio import opset as opsets
 from ..modelio.opset23_down import decompose_opset23
@@ -80,6 +81,12 @@ class Run:
         self.measure_output = True
         #: (feeds, onnxruntime's outputs of the original, output names), once verification ran them.
         self._expected: Optional[tuple[dict, list, list[str]]] = None
+        #: What ran the original (onnxruntime, or the target's reference evaluator): it runs the optimized model.
+        self._runner: Optional[_Runner] = None
+        #: Why the original did not run, raised once the static checks found nothing more precise.
+        self._deferred: Optional[K3optError] = None
+        #: The feeds (and the original's outputs) at a second size of the symbolic dims, when there is one.
+        self._again: Optional[verify_dims.Feeds] = None
         #: Outputs of the original whose values change on every run: compared by type and shape only.
         self._random: dict[str, str] = {}
         # The model between the stages.
@@ -88,8 +95,10 @@ class Run:
         self.external: list = []
         self.bodies = True
         self.opset_before = 0
-        self.original: Optional[bytes] = None  # the model as given, runnable, for verification
-        self.start: Optional[bytes] = None  # what the passes started from, for bisection
+        #: The model as the run was given it (a path or a proto never mutated): bisection prepares it again.
+        self._source: Optional[ModelLike] = None
+        #: Whether the opset conversion (or the opset-23 decomposition) changed the model before the passes.
+        self._converted = False
         self.blockwise: Any = None
         self.down = False
         self.decomposed = 0
@@ -112,6 +121,7 @@ class Run:
 
     def optimize(self, model: ModelLike) -> onnx.ModelProto:
         """Run the stages on ``model`` (a proto, never mutated, or a path); the optimized proto."""
+        self._source = model
         try:
             self.load(model)
             self.fix_inputs()
@@ -126,11 +136,14 @@ class Run:
         except UnicodeDecodeError as exc:  # protobuf decodes a string field when read: one of the input's is no UTF-8
             raise InputError(f"{self._input_name()}: a name or text field is not UTF-8 ({exc.reason} at byte "
                              f"{exc.start}); nothing was written") from None
-        except Exception:  # a pass (or conversion) failed: on an input onnxruntime refuses, that is the input's fault
-            fault = self._input_fault()
+        except Exception:  # a pass (or conversion) failed: on an input onnxruntime or onnx's checker refuses, that
+            fault = self._input_fault()  # is the input's fault
             if fault is not None:
                 raise InputError(f"the input {self._input_name()} does not load in onnxruntime: {fault}; nothing "
                                  "was written") from None
+            fault = modelio.input_checker_fault(self.report.input or None)
+            if fault is not None:
+                raise InputError(f"the input fails onnx's checker: {fault}; nothing was written") from None
             raise
         assert self.out is not None
         # optimize_file measures the files it writes instead (sizing the proto costs a pass over it)
@@ -159,14 +172,17 @@ class Run:
         shapes.fix_inputs(self.model, self.input_shapes)
 
     def reference(self) -> None:
-        """Keep the model as given for verification: runnable bytes, or a block-wise verifier for a big one."""
+        """Run the model as given now, before the passes, and keep only its inputs and outputs (or start a
+        block-wise verifier for a big one): the original's session and weights are gone before the passes
+        make the optimized model, so verification never holds two models' weights at once."""
         if not self.verify_wanted:
             return
         if self.start_blockwise is not None:
             self.blockwise = self.start_blockwise(self, self.model, self.verify_memory)
         if self.blockwise is None:
-            with self.step("preparing verification", "verify"):  # serializing a big model takes seconds
-                self.original = self._runnable_original(self.model)
+            with self.step("running the original", "verify"):
+                self._run_original(self.model)
+            return_freed_memory()  # the original's session and weight copies
 
     def opset_up(self) -> None:
         """Up before the passes (fusions may need the newer opset); down comes after them (opset.converts_down)."""
@@ -180,10 +196,8 @@ class Run:
                     model, opset, target=target, bodies=self.bodies,
                     needs_newer=lambda ops, v: any(p.min_opset > v and p.could_apply(ops) for p in self.pipeline))
                 report.notes.extend(notes)
-        # Verification compares with the model as given; bisection restarts from the converted one (in place).
-        self.start = self.original
-        if self.original is not None and (opsets.model_opset(model) != self.opset_before or self.decomposed):
-            self.start = verifier.runnable_bytes(model)
+        # Verification compares with the model as given; bisection restarts from the converted one.
+        self._converted = opsets.model_opset(model) != self.opset_before or bool(self.decomposed)
         self.model = model  # the conversion touches no external tensor: self.external still holds
 
     def run_passes(self) -> None:
@@ -205,8 +219,13 @@ class Run:
             if any(p.needs_shapes for p in self.pipeline):  # the manager then skips a first refresh
                 ctx.shapes_available = refresher.seed(graph, model, tensors)
             static_faults.check(graph, self._input_name())  # before a pass folds or moves the faulty node
+            if self._deferred is not None:  # the original did not run, and no static check says why better
+                raise self._deferred
             manager.run(graph, ctx, graphs=graphs, lifted=len(lifted))
             self.out = modelio.export_graph(graph, model)
+        ctx.forget_graph()
+        self.model = None  # the input's proto: what the passes kept of it is in self.out (bisection reads it again)
+        return_freed_memory()
         report.passes = [manager.stats[p.name].as_dict() for p in self.pipeline]
         report.rounds = manager.rounds
         report.counters = {k: v for k, v in sorted(ctx.counters.items()) if v}
@@ -218,7 +237,7 @@ class Run:
         if self.down:
             with self.step("converting opset", "opset"):
                 self.before_down = self.out
-                if self.original is not None:  # the conversion works in place; verification needs the passes' output
+                if self._expected is not None:  # the conversion works in place; verification needs the passes' output
                     self.before_down = onnx.ModelProto()
                     self.before_down.CopyFrom(self.out)
                 self.out, notes = opsets.convert(self.out, self.opset, target=self.target)
@@ -228,10 +247,9 @@ class Run:
 
     def verify(self) -> None:
         """Compare with the model as given in onnxruntime (whole, or block by block); raise on divergence."""
-        if self.original is not None:
+        if self._expected is not None:
             with self.step("verifying", "verify"):
-                self._verify(self.original, self.start, self.out, self.manager, self.pipeline, self.ctx,
-                             self.before_down)
+                self._verify(self.out, self.manager, self.pipeline, self.ctx, self.before_down)
         elif self.blockwise is not None:
             with self.step("verifying block by block", "verify"):
                 self.blockwise.finish(self.before_down or self.out, self.manager, self.pipeline, self.ctx)
@@ -241,7 +259,7 @@ class Run:
         if self.lowering or self.target.lowers:
             with self.step(f"lowering for {self.target}", "lower"):
                 self.out, lowered_by = self._lower(self.out, self.lowering, self.target)
-            if self.original is not None and self.lowering:
+            if self._expected is not None and self.lowering:
                 with self.step("verifying the lowering", "verify_lowering"):
                     self._verify_lowering(self.out, *lowered_by)
             elif self.blockwise is not None and self.lowering:
@@ -250,9 +268,12 @@ class Run:
                     rtol, atol = self._lowering_tolerances(manager, lowering)
                     self.blockwise.finish_lowering(self.out, ctx.target.reference_evaluator(), ctx.target, rtol, atol)
 
-    def write(self, model: onnx.ModelProto, src: Union[str, os.PathLike], out: Path, *, overwrite: bool,
-              external_data: Optional[bool], fsync: bool) -> list[Path]:
-        """Save ``model`` to ``out`` atomically, checked as the target wants; the files written."""
+    def write(self, src: Union[str, os.PathLike], out: Path, *, overwrite: bool, external_data: Optional[bool],
+              fsync: bool) -> list[Path]:
+        """Save the optimized model to ``out`` atomically, checked as the target wants; the files written.
+
+        The run hands the model over (``self.out`` is None after): once written, nothing holds it while the
+        check reads the file back."""
         report = self.report
         if not overwrite:
             for path in (out, modelio.data_path(out)):
@@ -261,7 +282,7 @@ class Run:
         with self.step("saving", "save"):
             # merged weights are written straight into the output's data file, never spilled first
             try:
-                return modelio.save(model, out, external_data=external_data, fsync=fsync,
+                return modelio.save(self._hand_over(), out, external_data=external_data, fsync=fsync,
                                     check=self.target.written_check(report))
             except InvalidOutputError:
                 fault = modelio.input_checker_fault(src)  # a fault k3opt could not repair is the input's
@@ -272,6 +293,12 @@ class Run:
                     raise InputError(f"the input {src} does not load in onnxruntime: {fault}; nothing was written"
                                      ) from None
                 raise
+
+    def _hand_over(self) -> onnx.ModelProto:
+        """The optimized model, which the run (and the proto of its last opset conversion) no longer holds."""
+        out, self.out, self.before_down = self.out, None, None
+        assert out is not None
+        return out
 
     def _decompose_opset23(self, model: onnx.ModelProto, wanted: int) -> int:
         """Below opset 23, write its Attention/RMSNormalization/RotaryEmbedding nodes decomposed (in place), for
@@ -342,7 +369,7 @@ class Run:
         if result["status"] == "passed":
             return
         start = verifier.runnable_bytes(before)  # the lowering's input, its weights inlined for fresh imports
-        culprit = self._bisect(start, False, manager, lowering, ctx,
+        culprit = self._bisect(lambda: onnx.load_from_string(start), False, manager, lowering, ctx,
                                lambda candidate: result_of(ctx.target.finish(candidate)), result)
         detail = verifier.failure_detail(result)
         raise VerificationError(f"the lowered model differs from the original under the {ctx.target} reference "
@@ -367,13 +394,6 @@ class Run:
 
         return announce
 
-    def _runnable_original(self, model: onnx.ModelProto) -> Optional[bytes]:
-        try:
-            return verifier.runnable_bytes(model)
-        except verifier.Unrunnable as exc:
-            self._skip_verification(str(exc))
-            return None
-
     def _target_runner(self, proto: onnx.ModelProto, why: str) -> "tuple[_Runner, Any] | str":
         """The target's reference evaluator and its session of the original, when onnxruntime cannot run the
         original because it holds the target's own ops (a cann output read back in); else why verification is
@@ -397,7 +417,9 @@ class Run:
         """Why onnxruntime does not load the input as given (None: it loads, or cannot be asked)."""
         if self.report.input:
             return verifier.load_fault(Path(self.report.input))
-        return None if self.original is None else verifier.load_fault(self.original)
+        if isinstance(self._source, onnx.ModelProto):  # a failing run only: the copy costs nothing otherwise
+            return verifier.load_fault(self._source.SerializeToString())
+        return None
 
     def _input_name(self) -> str:
         return self.report.input or "model"
@@ -406,14 +428,9 @@ class Run:
         self.report.verification = verifier.skipped(reason)
         self.report.warnings.append(f"verification skipped: {reason}")
 
-    def _verify(self, original: bytes, start: bytes, out: onnx.ModelProto, manager: PassManager,
-                pipeline: list, ctx: PassContext, before_down: Optional[onnx.ModelProto] = None) -> None:
-        """Compare original and optimized; on divergence bisect and raise VerificationError.
-
-        ``start`` is the model the passes started from (``original`` after an upward opset
-        conversion); ``before_down`` the passes' output when the opset was then converted down.
-        """
-        proto = onnx.load_from_string(original)
+    def _run_original(self, proto: onnx.ModelProto) -> None:
+        """Run the model as given (``proto``, its inputs fixed) and keep its inputs and outputs for :meth:`_verify`;
+        a model nothing can run is skipped with a warning, an input onnxruntime refuses is the input's fault."""
         names = [o.name for o in proto.graph.output]
         random = self._random = random_outputs(proto)
         if random and set(random) >= set(names):
@@ -426,17 +443,21 @@ class Run:
                                         f"only: they depend on the unseeded random node {next(iter(random.values()))}")
         runner = _ORT
         try:
-            reference = verifier.reference_session(original)
+            reference = verifier.reference_session(proto)
         except verifier.Unrunnable as exc:  # an op onnxruntime lacks: the target's own, or nothing can run it
             found = self._target_runner(proto, str(exc))
             if isinstance(found, str):
                 return self._skip_verification(found)
             runner, reference = found
+        except (K3optError, UnicodeDecodeError):
+            raise
         except Exception as exc:  # noqa: BLE001 -- ORT's own error types: the input is at fault, not k3opt
             if verifier.out_of_memory(exc) or isinstance(exc, ImportError):
                 raise _no_memory("loading the original", exc) from None
-            raise InputError(f"the input {self._input_name()} does not load in onnxruntime: "
-                             f"{verifier.first_line(exc)}; nothing was written") from None
+            # said after the static checks (run_passes), which name the node at fault where they find it
+            self._deferred = InputError(f"the input {self._input_name()} does not load in onnxruntime: "
+                                        f"{verifier.first_line(exc)}; nothing was written")
+            return
         try:
             feeds = verifier.make_feeds(proto, seed=self.seed, input_data=self.input_data,
                                         declared=self.declared_dims, run=lambda f: runner.run(reference, f))
@@ -446,12 +467,25 @@ class Run:
             if self.input_data is not None:
                 raise UsageError(f"--input-data: {runner.name} cannot run the input on these arrays: "
                                  f"{verifier.first_line(exc.error)}") from None
-            raise UnverifiableError(f"verification cannot run: {exc.describe()}; nothing was written "
-                                    "(--no-verify writes the model unverified)") from None
+            self._deferred = UnverifiableError(f"verification cannot run: {exc.describe()}; nothing was written "
+                                               "(--no-verify writes the model unverified)")
+            return
         sized = verify_dims.shapes_note(feeds)
         if sized:
             self.report.notes.append(sized)
         self._expected = (feeds, feeds.outputs, names)
+        self._runner = runner
+        # the second size (issue #34) is run now too: the original's session is gone once the passes start
+        self._again = self._second_size(runner, reference, feeds)
+
+    def _verify(self, out: onnx.ModelProto, manager: PassManager, pipeline: list, ctx: PassContext,
+                before_down: Optional[onnx.ModelProto] = None) -> None:
+        """Compare the optimized model with the original's outputs (:meth:`_run_original`), at the second size
+        too; on divergence bisect and raise VerificationError. ``before_down``: the passes' output when the
+        opset was then converted down."""
+        assert self._expected is not None and self._runner is not None
+        feeds, _, names = self._expected
+        runner = self._runner
         loaded: dict = {}  # the optimized model's session, loaded once for both sizes
         result_of = self._comparer(runner, feeds, names, out, loaded)
         try:
@@ -469,7 +503,7 @@ class Run:
             result["sizes"] = dict(feeds.sizes)
         at = ""
         if result["status"] == "passed":
-            again = self._second_size(runner, reference, feeds)
+            again = self._again
             if again is None:
                 return None
             result_of = self._comparer(runner, again, names, out, loaded)
@@ -490,7 +524,7 @@ class Run:
         else:
             if self.progress is not None:
                 self.progress("finding the first diverging pass")
-            culprit = self._bisect(start, start is not original, manager, pipeline, ctx, result_of)
+            culprit = self._bisect(self._fresh_start, self._converted, manager, pipeline, ctx, result_of)
         detail = verifier.failure_detail(result)
         raise VerificationError(f"optimized model differs from the original{at} ({detail}){culprit}")
 
@@ -537,9 +571,20 @@ class Run:
                                          f"{verify_dims.format_sizes(exc.tried[0])})")
             return None
 
-    def _bisect(self, start: bytes, converted: bool, manager: PassManager, pipeline: list, ctx: PassContext,
-                result_of: Callable[[onnx.ModelProto], dict], record: Optional[dict] = None) -> str:
-        """Re-run the passes on fresh imports, stopping after k steps, to find the first bad step.
+    def _fresh_start(self) -> onnx.ModelProto:
+        """The model the passes started from, prepared again from the source: bisection restarts from it, and
+        keeping a copy through the whole run would hold the model's weights twice."""
+        again = Run(self.target, self.pipeline, Report(), opset=self.opset, input_shapes=self.input_shapes,
+                    pass_options=self.pass_options)
+        again.load(self._source)
+        again.fix_inputs()
+        again.opset_up()
+        assert again.model is not None
+        return again.model
+
+    def _bisect(self, start: Callable[[], onnx.ModelProto], converted: bool, manager: PassManager, pipeline: list,
+                ctx: PassContext, result_of: Callable[[onnx.ModelProto], dict], record: Optional[dict] = None) -> str:
+        """Re-run the passes on fresh imports of ``start()``, stopping after k steps, to find the first bad step.
 
         Step 0 (no pass) is a candidate when the opset was converted: the converter may be the culprit.
         The culprit is written into ``record`` (default: the report's verification).
@@ -548,7 +593,7 @@ class Run:
         candidates = ([0] if converted else []) + [i + 1 for i, s in enumerate(manager.steps) if s.rewrites]
 
         def diverges(k: int) -> bool:
-            model = onnx.load_from_string(start)
+            model = start()
             with graph_scope():
                 graph = modelio.import_graph(model)
                 fresh = PassContext(opset=ctx.opset, target=ctx.target, options=dict(ctx.options),

@@ -12,7 +12,6 @@ from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import onnx
 from .. import graph as gs
-from google.protobuf.message import Message
 from onnx import TensorProto
 from onnx.external_data_helper import uses_external_data
 from ..graph import OnnxExporter, dtypes
@@ -20,7 +19,7 @@ from ..graph import SparseValues
 
 from ..errors import UsageError
 from ..graph.gs_export import import_domains, node_bytes, write_value_info
-from ..graph.wire import field, varint
+from ..graph.wire import copy_fields, field, varint
 from ..modelio import EXTERNAL_THRESHOLD, inline_copy, is_weight
 from ..graph.ir import declared_symbols, stored_values, tensor_map
 
@@ -346,8 +345,8 @@ def model_for_inference(model: onnx.ModelProto, facts: Optional[ShapeFacts] = No
     """
     g = model.graph
     head, rest = onnx.ModelProto(), onnx.GraphProto()
-    _copy_fields(model, head, skip=("graph",))
-    _copy_fields(g, rest, skip=("node", "initializer", "value_info"))
+    copy_fields(model, head, skip=("graph",))
+    copy_fields(g, rest, skip=("node", "initializer", "value_info"))
     big = {t.name: t for t in g.initializer if is_weight(t)}
     declared = {vi.name for vi in g.input}
     rest.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
@@ -409,19 +408,6 @@ def _long_constant(node: onnx.NodeProto) -> bool:
             if len(dims) == 1 and dims[0] > DATA_PROP_MAX_LEN:
                 return True
     return False
-
-
-def _copy_fields(source: Message, target: Message, skip: tuple[str, ...]) -> None:
-    """Copy the fields set in ``source`` into the empty ``target`` of the same type, but those named in ``skip``."""
-    for fd, value in source.ListFields():
-        if fd.name in skip:
-            continue
-        if fd.is_repeated:
-            getattr(target, fd.name).extend(value)
-        elif fd.message_type is not None:
-            getattr(target, fd.name).CopyFrom(value)
-        else:
-            setattr(target, fd.name, value)
 
 
 def _inline_bytes(t: TensorProto) -> bytes:

@@ -8,6 +8,7 @@ caused it (see :func:`first_diverging_step`).
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -19,7 +20,8 @@ from onnx.external_data_helper import uses_external_data
 from ..errors import InputError, InvalidOutputError, UnverifiableError, UsageError
 from ..graph import dtypes
 from ..graph.gs_roundtrip import unique_names
-from ..modelio import PROTO_LIMIT, all_tensors, inline_copy, proto_size
+from ..graph.wire import copy_fields
+from ..modelio import PROTO_LIMIT, all_tensors, inline_copy, proto_size, tensor_nbytes
 from . import verify_dims
 
 #: Default (rtol, atol) by output element type; other floats use fp32's.
@@ -66,32 +68,103 @@ def runnable_bytes(model: onnx.ModelProto) -> bytes:
     return inlined.SerializeToString()
 
 
+#: Initializers of at least this many bytes are fed to a session built from a proto at each run, not serialized
+#: into the model it loads (:func:`session`).
+FED_BYTES = 1 << 16
+#: Element types numpy holds, which onnxruntime takes as inputs (not bfloat16, float8, int4 or strings).
+_T = onnx.TensorProto
+_FEEDABLE = frozenset((_T.FLOAT, _T.DOUBLE, _T.FLOAT16, _T.INT8, _T.INT16, _T.INT32, _T.INT64, _T.UINT8, _T.UINT16,
+                       _T.UINT32, _T.UINT64, _T.BOOL))
+
+
+class FedSession:
+    """An onnxruntime session of a model whose big weights are graph inputs, fed with every run.
+
+    onnxruntime copies the weights of a model it loads from bytes (the bytes, their parse, its tensors:
+    about three times the weights while it loads, on top of k3opt's proto), but runs on the arrays it is
+    fed: the weights then cost one copy (issue #26 item 9: a 245 MB Llama verified at 2 GB peak).
+    """
+
+    def __init__(self, session: Any, weights: dict[str, np.ndarray]):
+        self.session = session
+        self.weights = weights
+
+    def run(self, names: Optional[Sequence[str]], feeds: Mapping[str, Any], options: Any = None) -> list:
+        return self.session.run(names, {**feeds, **self.weights}, options)
+
+    def get_inputs(self) -> list:
+        return [i for i in self.session.get_inputs() if i.name not in self.weights]
+
+    def get_outputs(self) -> list:
+        return self.session.get_outputs()
+
+
 def session(model: Union[bytes, onnx.ModelProto, Path], load_only: bool = False):
     """An onnxruntime CPU session with graph optimizations off (we compare our rewrites, not ORT's).
 
-    A Path is loaded by onnxruntime from the file (external data from its folder, so over 2 GB too).
+    A Path is loaded by onnxruntime from the file (external data from its folder, so over 2 GB too). A proto's
+    big initializers are fed at each run (:class:`FedSession`). Weights are never prepacked (a copy of each
+    MatMul's weight that speeds up repeated runs: verification runs a model a few times on small inputs).
     ``load_only``: the session will not run, so skip what only speeds runs up (thread pool, spinning,
-    memory arena and patterns, weight prepacking): a fraction of a full session's cost on a deep model.
+    memory arena and patterns): a fraction of a full session's cost on a deep model.
     """
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4  # errors come back as exceptions (one line each): ORT need not log them too
+    so.add_session_config_entry("session.disable_prepacking", "1")
     if load_only:
         so.intra_op_num_threads = so.inter_op_num_threads = 1
         so.enable_cpu_mem_arena = so.enable_mem_pattern = False
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.add_session_config_entry("session.disable_prepacking", "1")
-    data = model if isinstance(model, bytes) else str(model) if isinstance(model, Path) else runnable_bytes(model)
+    weights: dict[str, np.ndarray] = {}
+    if isinstance(model, onnx.ModelProto):
+        data, weights = _weights_apart(model)
+    else:
+        data = model if isinstance(model, bytes) else str(model)
     try:
         # no fallback: a failed CPU session is not retried on the CPU (ORT prints that retry on stdout)
-        return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"], enable_fallback=0)
+        made = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"], enable_fallback=0)
     except Exception as exc:  # ORT raises its own pybind exception types
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if any(s in str(exc) for s in _UNSUPPORTED):
             raise Unrunnable(f"onnxruntime cannot run it: {msg[:300]}") from None
         raise
+    return FedSession(made, weights) if weights else made
+
+
+def _weights_apart(model: onnx.ModelProto) -> tuple[bytes, dict[str, np.ndarray]]:
+    """``model`` serialized with its big initializers turned into graph inputs, and their values (read from
+    external data as needed). Raises Unrunnable when the weights would not fit in free memory twice."""
+    declared = {i.name for i in model.graph.input}
+    fed = [t for t in model.graph.initializer
+           if t.name not in declared and t.data_type in _FEEDABLE and tensor_nbytes(t) >= FED_BYTES]
+    if not fed:
+        return runnable_bytes(model), {}
+    size = proto_size(model)
+    if 2 * size > available_memory():
+        raise Unrunnable(f"model ({size / 2**20:.0f} MB) would not fit in free memory twice")
+    light = onnx.ModelProto()
+    copy_fields(model, light, skip=("graph",))
+    copy_fields(model.graph, light.graph, skip=("initializer",))
+    names = {t.name for t in fed}
+    light.graph.initializer.extend(inline_copy(t) if uses_external_data(t) else t
+                                   for t in model.graph.initializer if t.name not in names)
+    light.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in fed)
+    for t in all_tensors(light):  # a body's or a Constant's external weights, inlined as runnable_bytes does
+        if uses_external_data(t):
+            t.CopyFrom(inline_copy(t))
+    weights = {t.name: _array(t) for t in fed}
+    return light.SerializeToString(), weights
+
+
+def _array(t: onnx.TensorProto) -> np.ndarray:
+    """The value of a model's initializer; one whose bytes do not fit its type and shape is the input's fault."""
+    try:
+        return onnx.numpy_helper.to_array(inline_copy(t) if uses_external_data(t) else t)
+    except ValueError as exc:
+        raise InputError(f"tensor '{t.name}': its data does not fit its type and shape ({exc})") from None
 
 
 def check_loads(path: Path, ran: bool = False) -> Optional[str]:
@@ -128,18 +201,18 @@ def check_loads(path: Path, ran: bool = False) -> Optional[str]:
     return None if fallback is None else f"the written model was checked with onnx's checker only: {fallback}"
 
 
-def reference_session(original: bytes):
-    """A session of the original model; one whose only fault is node names used twice (onnxruntime refuses
-    them; names compute nothing, and k3opt's output has unique ones) runs with the names made unique."""
+def reference_session(model: onnx.ModelProto):
+    """A session of the original ``model``; one whose only fault is node names used twice (onnxruntime refuses
+    them; names compute nothing, and k3opt's output has unique ones) runs with the names made unique, in
+    ``model`` itself (k3opt's working copy)."""
     try:
-        return session(original)
+        return session(model)
     except Unrunnable:
         raise
     except Exception as exc:  # noqa: BLE001 - ORT's own error types
-        model = onnx.load_from_string(original)
         if "same node name" not in str(exc) or not _unique_node_names(model.graph):
             raise
-    return session(model.SerializeToString())
+    return session(model)
 
 
 def _unique_node_names(graph: onnx.GraphProto) -> bool:
@@ -211,6 +284,14 @@ def make_feeds(
     user = {k: _user_array(k, v, types[k], dims.get(k)) for k, v in user.items()}
 
     def build(shapes: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
+        made = {name: (shapes[name], dtype) for name, dtype in types.items() if name not in user}
+        need = sum(math.prod(shape) * dtype.itemsize for shape, dtype in made.values())
+        if need > available_memory() // 2:  # sized before any is made: a declared dim of 2**40 allocates nothing
+            what = ", ".join(f"'{n}' {list(shape)}" for n, (shape, _) in made.items())
+            raise UnverifiableError(f"verification cannot run: its random inputs ({what[:200]}) would take "
+                                    f"{need / 2**20:.0f} MB, over half the free memory; nothing was written "
+                                    "(--input-shape or --input-data give smaller inputs; --no-verify writes the "
+                                    "model unverified)")
         rng = np.random.default_rng(seed)
         return {name: user[name] if name in user else _random_input(name, dtype, shapes[name], limits.get(name), rng)
                 for name, dtype in types.items()}

@@ -180,6 +180,10 @@ class EliminateCommonSubexpressions(Pass):
         self._heads: dict[int, tuple[gs.Constant, bytes]] = {}
         self._digests: dict[int, tuple[gs.Constant, Hashable]] = {}
 
+    def end_run(self) -> None:
+        self._heads.clear()
+        self._digests.clear()
+
     def run(self, graph: Graph, ctx: PassContext) -> int:
         limit = int(ctx.options.get("cse_max_const_bytes", DEFAULT_MAX_CONST_BYTES))
         merged = self._constants(graph, limit)

@@ -66,6 +66,9 @@ class FoldConstants(Pass):
         # Nodes that failed to evaluate with every evaluator (kept alive so ids stay unique).
         self._failed: dict[int, Node] = {}
 
+    def end_run(self) -> None:
+        self._failed.clear()
+
     def run(self, graph: Graph, ctx: PassContext) -> int:
         """Fold ``graph``, then each body of the nodes it still holds (If/Loop/Scan), outermost first."""
         # One dims analysis for every sweep and graph: the editing helpers tell it what each change rewired
