@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -72,7 +73,9 @@ class _Group(click.Group):
         previous = install_signal_handlers()
         state = RunState()  # this run's: handed to click as the context object, read back here on failure
         try:
-            code = super().main(args, prog_name, standalone_mode=False, obj=state, **extra)
+            with warnings.catch_warnings():  # a library's warning (numpy's overflow in onnx's reference evaluator)
+                warnings.simplefilter("ignore")  # is no line of k3opt's: what matters is in the report
+                code = super().main(args, prog_name, standalone_mode=False, obj=state, **extra)
         except click.exceptions.Exit as exc:
             code = exc.exit_code
         except _NO_ARGS_IS_HELP as exc:  # bare ``k3opt``: the help, not an error line

@@ -6,20 +6,19 @@ paths, hostile and ordinary mixed, each run checked against every promise of doc
 - the input is unchanged, a FIFO or folder given as an output is still one, no temporary file is left;
 - a failure writes nothing; a success writes a model onnx's checker accepts.
 
-A fixed budget runs in the default test run; ``K3OPT_FUZZ_CASES`` (or the slow test) runs more.
+A fixed budget of seconds runs in the default test run (``K3OPT_FUZZ_SECONDS``), minutes in the slow test.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import random
-import stat
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
+from tests.fuzz.check import budget, for_seconds, state
 from tests.test_bad_input import good_model, invoke
 
 OUTPUTS = ["o.onnx", "o.onnx", "m.onnx", "fifo", "dir", "dir/", "missing/o.onnx", "o.onnx.data", ".", "sub/o.onnx"]
@@ -53,15 +52,6 @@ def make_folder(folder: Path) -> None:
     np.save(folder / "one.npy", np.ones((2, 8), np.float32))
     (folder / "exits.py").write_text("import sys\nsys.exit(0)\n")
     (folder / "raises.py").write_text("raise RuntimeError('boom')\n")
-
-
-def state(folder: Path) -> dict[str, str]:
-    out = {}
-    for p in sorted(folder.rglob("*")):
-        mode = os.lstat(p).st_mode
-        out[str(p.relative_to(folder))] = (hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(mode)
-                                           else stat.filemode(mode)[0])
-    return out
 
 
 def random_args(rng: random.Random) -> list[str]:
@@ -109,15 +99,12 @@ def check_case(root: Path, seed: int) -> None:
             onnx.checker.check_model(str(folder / model))
 
 
-@pytest.mark.parametrize("block", range(4))
-def test_fuzz_cli_fixed_budget(tmp_path, block):
-    """60 seeded cases in four blocks (seconds in all)."""
-    budget = int(os.environ.get("K3OPT_FUZZ_CASES", "60")) // 4
-    for seed in range(block * 1000, block * 1000 + budget):
+def test_fuzz_cli_fixed_budget(tmp_path):
+    for seed in for_seconds(budget(12.0)):
         check_case(tmp_path, seed)
 
 
 @pytest.mark.slow
 def test_fuzz_cli_bigger_budget(tmp_path):
-    for seed in range(100_000, 100_600):
+    for seed in for_seconds(budget(240.0, "K3OPT_FUZZ_SLOW_SECONDS"), first=100_000):
         check_case(tmp_path, seed)

@@ -52,10 +52,19 @@ def import_domains(graph: Graph, graphs: Optional[Sequence[Graph]] = None,
     if graph.import_domains is not None:
         if used is None:
             used = {n.domain for g in (all_graphs(graph) if graphs is None else graphs) for n in g.nodes}
-        used = used - {None}
-        if used <= {o.domain for o in graph.import_domains}:
+        used = {_DEFAULT.get(d, d) for d in used} - {None}
+        if used <= {_DEFAULT.get(o.domain, o.domain) for o in graph.import_domains}:
             return graph.import_domains
-    return update_import_domains(graph)
+    imports = update_import_domains(graph)
+    # "ai.onnx" is the default domain's other name: gs would import it at version 1 (Cast's 'to' a string then)
+    if any(o.domain == "" for o in imports):
+        for i in reversed(range(len(imports))):
+            if imports[i].domain == "ai.onnx":
+                del imports[i]
+    return imports
+
+
+_DEFAULT = {"ai.onnx": ""}
 
 
 def _write_graph(graph: Graph, out: onnx.GraphProto, tensors: dict[str, Tensor]) -> Optional[set[Optional[str]]]:
@@ -138,7 +147,22 @@ def _write_node(node: gs.Node, out: onnx.NodeProto) -> None:
     if node.domain is not None:
         out.domain = node.domain
     if node.attrs:
-        out.attribute.extend(OnnxExporter.export_attributes(node.attrs))
+        empty = {k for k, v in node.attrs.items() if isinstance(v, (list, tuple)) and not v}
+        attrs = {k: v for k, v in node.attrs.items() if k not in empty} if empty else node.attrs
+        out.attribute.extend(OnnxExporter.export_attributes(attrs))
+        for name in sorted(empty):  # gs cannot tell an empty list's kind (make_attribute refuses it): the schema's
+            out.attribute.add(name=name, type=_list_kind(node, name))
+
+
+def _list_kind(node: gs.Node, name: str) -> int:
+    """The attribute kind of ``node``'s attribute ``name`` (a list) by its op's schema; INTS when unknown."""
+    try:
+        kind = onnx.defs.get_schema(node.op, onnx.defs.onnx_opset_version(), node.domain or "").attributes[name].type
+    except (onnx.defs.SchemaError, KeyError):
+        return onnx.AttributeProto.INTS
+    lists = (onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS, onnx.AttributeProto.STRINGS,
+             onnx.AttributeProto.TENSORS, onnx.AttributeProto.GRAPHS)
+    return int(kind) if int(kind) in lists else onnx.AttributeProto.INTS
 
 
 def _elem_type(dtype) -> int:

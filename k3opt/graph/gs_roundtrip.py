@@ -169,8 +169,11 @@ def unique_names(names: Sequence[str]) -> list[str]:
 
 def value_info_proto(t: Tensor) -> onnx.ValueInfoProto:
     """``t``'s ValueInfoProto, optional types included (gs keeps their element type as a TypeProto)."""
-    if getattr(t, "type", "tensor_type") == "optional_type" and isinstance(t.dtype, onnx.TypeProto):
+    kind = getattr(t, "type", "tensor_type")
+    if kind == "optional_type" and isinstance(t.dtype, onnx.TypeProto):
         return onnx.helper.make_value_info(t.name, onnx.helper.make_optional_type_proto(t.dtype))
+    if kind not in ("tensor_type", "sequence_type", "sparse_tensor_type"):  # a TypeProto with no kind set, as read
+        return onnx.helper.make_value_info(t.name, onnx.TypeProto())  # (gs's exporter fails on it)
     return OnnxExporter.export_value_info_proto(t, False)
 
 

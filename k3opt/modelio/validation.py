@@ -5,7 +5,7 @@ import math
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import AbstractSet, Optional
+from typing import AbstractSet, Iterator, Optional
 
 import onnx
 from onnx import TensorProto
@@ -82,7 +82,13 @@ def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], f
         seen: set[str] = set()
         twice = next(n for n in initializers if n in seen or seen.add(n))
         raise InputError(f"{source}: initializer '{twice}' is defined twice (which one is meant is undefined)")
-    known = set(outer) | {i.name for i in graph.input} | unique
+    _check_text(graph, source)
+    inputs = [i.name for i in graph.input]
+    if len(set(inputs)) < len(inputs):
+        seen = set()
+        twice = next(n for n in inputs if n in seen or seen.add(n))
+        raise InputError(f"{source}: graph input '{twice}' is listed twice (which declaration holds is undefined)")
+    known = set(outer) | set(inputs) | unique
     if graph.sparse_initializer:
         _check_sparse(graph, source)
         known |= {t.values.name for t in graph.sparse_initializer}
@@ -94,6 +100,27 @@ def _check_graph(graph: onnx.GraphProto, source: str, outer: AbstractSet[str], f
     for attr in holders:
         _check_attribute(attr, source, visible, found, depth)
     _check_outputs(graph, source, visible)
+
+
+def _check_text(graph: onnx.GraphProto, source: str) -> None:
+    """Refuse names and symbolic dims that are not UTF-8: protobuf hands such a field over as bytes, or raises
+    when it is read, wherever a pass happens to read it."""
+    try:
+        bad = next(_non_text(graph), None)
+    except UnicodeDecodeError as exc:
+        bad = exc.object
+    if bad is not None:
+        raise InputError(f"{source}: a name or symbolic dim is not UTF-8 ({bytes(bad)[:40]!r})")
+
+
+def _non_text(graph: onnx.GraphProto) -> Iterator[bytes]:
+    """The names (and symbolic dims) of ``graph``'s own values and nodes that protobuf hands over as bytes."""
+    for vi in (*graph.input, *graph.output, *graph.value_info):
+        yield from (t for t in (vi.name, *(d.dim_param for d in vi.type.tensor_type.shape.dim)) if type(t) is not str)
+    yield from (t.name for t in graph.initializer if type(t.name) is not str)
+    for node in graph.node:
+        yield from (t for t in (node.name, node.op_type, node.domain, *node.input[:], *node.output[:])
+                    if type(t) is not str)
 
 
 def _check_sparse(graph: onnx.GraphProto, source: str) -> None:

@@ -5,16 +5,21 @@ onnx's checker and onnxruntime's loader accept these models; only running them f
 ``--no-verify`` wrote them with exit 0 (and a pass may fold or move the faulty node, hiding the fault).
 Each check refuses only what is certain: every dim it reads is a known int, every value a constant.
 
+- any default-domain node with more or fewer inputs or outputs than its op's schema allows (a pass would
+  index past them);
+
 - Reshape to a shape whose element count differs from its input's (no ``-1``), that no ``-1`` can fill,
   with two ``-1``, a negative size other than ``-1``, or a ``0`` copying a dim the input lacks;
 - Gather with a constant index outside ``[-n, n)`` of the data's ``axis`` (or an axis outside the rank).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional
 
 import numpy as np
+import onnx
 
 from ..errors import InputError
 from ..graph.ir import Graph, Node, const_shape, const_tensor, int_list, peek, rank
@@ -27,9 +32,42 @@ MAX_ELEMENTS = 1 << 20
 def check(graph: Graph, source: str) -> None:
     """Raise InputError naming the first node of ``graph`` (its main graph) that cannot run."""
     for node in graph.nodes:
-        fault = _CHECKS.get(node.op, _none)(node) if not node.domain or node.domain == "ai.onnx" else None
+        if node.domain and node.domain != "ai.onnx":
+            continue
+        fault = arity_fault(node, graph.opset) or _CHECKS.get(node.op, _none)(node)
         if fault:
-            raise InputError(f"{source}: {node.op} node '{node.name or node.outputs[0].name}' cannot run: {fault}")
+            name = node.name or (node.outputs[0].name if node.outputs else "")
+            raise InputError(f"{source}: {node.op} node '{name}' cannot run: {fault}")
+
+
+def arity_fault(node: Node, opset: int) -> Optional[str]:
+    """Why ``node`` has more or fewer inputs or outputs than its op takes at ``opset`` (passes index them), or
+    None; None too for an op onnx does not know at that opset (onnxruntime says what it makes of it)."""
+    schema = _schema(node.op, opset)
+    if schema is None:
+        return None
+    given = len(node.inputs)
+    while given and not node.inputs[given - 1].name:  # trailing omitted optional inputs
+        given -= 1
+    if not schema.min_input <= given <= schema.max_input:
+        return f"it has {given} input(s); {node.op}-{schema.since_version} takes {_range(schema.min_input, schema.max_input)}"
+    made = len(node.outputs)
+    if not schema.min_output <= made <= schema.max_output:
+        return (f"it has {made} output(s); {node.op}-{schema.since_version} gives "
+                f"{_range(schema.min_output, schema.max_output)}")
+    return None
+
+
+def _range(low: int, high: int) -> str:
+    return str(low) if low == high else f"{low} or more" if high > 1 << 20 else f"{low} to {high}"
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(op: str, opset: int) -> Optional[onnx.defs.OpSchema]:
+    try:
+        return onnx.defs.get_schema(op, opset, "")
+    except onnx.defs.SchemaError:
+        return None
 
 
 def _none(node: Node) -> Optional[str]:

@@ -52,24 +52,22 @@ def disagreeing(graph: Graph, nodes: Sequence[Node], values: dict[str, object]) 
 
 def _touches_low(nodes: Sequence[Node], values: dict[str, object]) -> bool:
     """Does the group read, make or hand on a float16/bfloat16 tensor (known without reading any data)?"""
-    low = {np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), TensorProto.FLOAT16, TensorProto.BFLOAT16}
-    if any(getattr(as_array(v), "dtype", None) in low for v in values.values()):
+    if any(_low(getattr(as_array(v), "dtype", None)) for v in values.values()):
         return True
     for node in nodes:
-        if any(_is_in(t.dtype, low) for t in node.inputs if t.name) or any(
+        if any(_low(t.dtype) for t in node.inputs if t.name) or any(
                 isinstance(v, int) and k in ("to", "dtype") and v in _LOW for k, v in node.attrs.items()):
             return True
-        if any(getattr(v, "dtype", None) in low for v in node.attrs.values()):  # a Constant's or a fill's tensor
+        if any(_low(getattr(v, "dtype", None)) for v in node.attrs.values()):  # a Constant's or a fill's tensor
             return True
     return False
 
 
-def _is_in(dtype: object, kinds: set) -> bool:
-    """``dtype in kinds``, False for an unhashable dtype (a sequence's or an optional's TypeProto)."""
-    try:
-        return dtype in kinds
-    except TypeError:
-        return False
+def _low(dtype: object) -> bool:
+    """Is ``dtype`` (numpy's, an ONNX enum, or a TypeProto gs keeps for optionals) float16 or bfloat16?"""
+    if isinstance(dtype, np.dtype):
+        return dtype in (np.float16, ml_dtypes.bfloat16)
+    return isinstance(dtype, int) and dtype in _LOW
 
 
 def float32_twin(model: onnx.ModelProto) -> Optional[onnx.ModelProto]:
