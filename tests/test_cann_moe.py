@@ -411,3 +411,28 @@ def test_a_traced_eager_experts_loop_is_one_warning_per_block_in_optimize_and_ch
     clean = Report()
     k3opt.optimize(str(moe_model("mixtral", "torchscript")), report=clean)
     assert not any("MoE experts" in w for w in clean.warnings)
+
+
+@pytest.mark.parametrize("name, exporter", _cases())
+def test_a_lowered_moe_model_keeps_its_layer_boundaries(name, exporter, tmp_path):
+    """The residual Add folded into NPUMoeFinalizeRouting leaves its name on the node that now computes it, and
+    k3opt.blocks reads a FinalizeRouting with skip inputs as a residual-stream step: the lowered model has every
+    layer (before, only the layers without an MoE block: split cut coarsely, the block-wise check merged blocks),
+    ``split`` of it into one stage a layer is equal to the source under the reference ops, its lowering is checked per layer."""
+    from k3opt.blocks.split import split_model
+    from k3opt.blocks.structure import find_stack
+
+    src = moe_model(name, exporter)
+    original = find_stack(onnx.load(str(src)).graph)
+    out, _ = lowered(str(src), moe_inputs(name))
+    stack = find_stack(out.graph)
+    assert "NPUMoeFinalizeRouting" in op_counts(out)
+    assert len(stack.boundaries) == moe_config(name).num_hidden_layers + 1
+    assert set(stack.boundaries) <= {p.tensor for p in original.points} | set(original.boundaries)
+    report = k3opt.optimize_file(src, tmp_path / "a.onnx", target="cann", verify=True, verify_memory=250_000)
+    lv = report.lowering_verification  # under the model's size (300-400 KB), over its largest layer's
+    assert lv["status"] == "passed" and lv["mode"] == "block-wise" and "merged_boundaries" not in lv
+    assert not [w for w in report.warnings if "--verify-memory" in w]
+    manifest = split_model(src, tmp_path / "s", moe_config(name).num_hidden_layers, target="cann")  # one a layer
+    assert manifest["verification"]["status"] == "passed"
+    assert manifest["verification"]["stages_run_by"] == "the cann reference ops"

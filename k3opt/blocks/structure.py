@@ -7,7 +7,8 @@ stream tensors entering each attention sublayer, plus the last one (the final no
 :func:`find_stack` also lists where else a pipeline split may cut: the stream between a layer's sublayers,
 and activations inside a sublayer that are all a cut there hands on besides the stream. Nothing here reads
 a weight: it works on the structure of a model of any size, original or optimized
-(k3opt's passes keep the residual Adds and their output names).
+(k3opt's passes keep the residual Adds and their output names; the cann MoE lowering's
+NPUMoeFinalizeRouting, which takes over a residual Add, keeps its output name and is read as a stream step).
 
 :func:`partition` puts every node in one block: block 0 computes the first boundary (the embeddings),
 block ``k`` the ``k``-th, the last block what follows the last boundary (final norm, lm_head). A node
@@ -208,17 +209,20 @@ def _residual_chain(index: _Index) -> tuple[list[str], list[set[int]]]:
     """The longest chain of stream tensors r0 -> r1 ... (r_{i+1} = Add(r_i, f(r_i))), and each f's nodes."""
     nxt: dict[str, tuple[str, set[int]]] = {}
     for i, node in enumerate(index.graph.node):
-        if node.op_type != "Add" or len(node.input) != 2 or not node.output[0]:
+        step = _stream_step(index, node)
+        if step is None:
             continue
-        for r, other in (node.input, node.input[::-1]):
-            if index.constant(r) or index.constant(other) or len(index.consumers.get(r, ())) < 2:
+        out, pairs = step
+        for r, others in pairs:
+            if index.constant(r) or any(index.constant(o) for o in others) or len(index.consumers.get(r, ())) < 2:
                 continue
             floor = index.producer.get(r, -1)
-            branch = index.ancestors(other, floor)
+            found = [index.ancestors(o, floor) for o in others]
+            branch = set().union(*found) if all(b is not None for b in found) else None
             if branch and any(r in index.inputs[j] for j in branch):
                 source = index.stream_source(r)
                 if source not in nxt:
-                    nxt[source] = (node.output[0], branch)
+                    nxt[source] = (out, branch)
                     break
     targets = {t for t, _ in nxt.values()}
     best: tuple[list[str], list[set[int]]] = ([], [])
@@ -233,6 +237,38 @@ def _residual_chain(index: _Index) -> tuple[list[str], list[set[int]]]:
         if len(chain) > len(best[0]):
             best = (chain, segments)
     return best
+
+
+def _stream_step(index: _Index, node: onnx.NodeProto) -> Optional[tuple[str, list[tuple[str, list[str]]]]]:
+    """A node that may add a sublayer to the stream: its output and the (stream input, other inputs) pairs to try.
+
+    An ``Add(r, f(r))``; or the cann target's ``NPUMoeFinalizeRouting``, which adds its skip inputs ``x1``/``x2``
+    (the residual among them, flattened to (tokens, hidden) by a Reshape, its result unflattened by one) to the
+    MoE experts' weighted sum (k3opt.targets.cann.passes.lower_moe_npu folds the residual Add into it).
+    """
+    if node.op_type == "Add" and len(node.input) == 2 and node.output[0]:
+        a, b = node.input
+        return node.output[0], [(a, [b]), (b, [a])]
+    if node.op_type != "NPUMoeFinalizeRouting" or not node.output or not node.output[0]:
+        return None
+    out = node.output[0]
+    readers = index.consumers.get(out, ())
+    if len(readers) == 1 and index.graph.node[readers[0]].op_type == "Reshape":
+        out = index.graph.node[readers[0]].output[0]
+    pairs = []
+    for slot in (1, 2):
+        if len(node.input) > slot and node.input[slot]:
+            r = _unflattened(index, node.input[slot])
+            pairs.append((r, [x for j, x in enumerate(node.input) if x and j != slot and not index.constant(x)]))
+    return out, pairs
+
+
+def _unflattened(index: _Index, name: str) -> str:
+    """``name``, or the input of the Reshape that computes it (read by nothing else)."""
+    p = index.producer.get(name)
+    if p is not None and index.graph.node[p].op_type == "Reshape" and len(index.consumers.get(name, ())) == 1:
+        return index.graph.node[p].input[0]
+    return name
 
 
 def _has_attention(index: _Index, nodes: Iterable[int]) -> bool:

@@ -139,9 +139,12 @@ class LowerMoeNPU(NPULowering):
         anchor = producer(last)
         replaced = last
         self._typed(out, replaced.dtype, replaced.shape)
+        name = None if is_graph_output(graph, replaced) else replaced.name  # (the editor names a graph output)
         editor = GraphEditor(graph, ctx)
         editor.commit(anchor, op.staged, [replaced], [out], [])
         editor.flush()
+        if name is not None:  # out computes it (its Add is gone): out keeps its name, the residual
+            out.name = name  # stream's between two layers (a layer boundary for k3opt.blocks)
         if y is not None:  # the gate's outputs replace the TopK's
             replace_uses(graph, b.topk.outputs[0], y)
             replace_uses(graph, b.topk.outputs[1], idx64)
