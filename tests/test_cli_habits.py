@@ -89,10 +89,10 @@ def test_optimize_announces_each_phase(tiny_transformer, tmp_path):
     sink = Sink()
     k3opt.optimize_file(tiny_transformer, tmp_path / "o.onnx", verify=True, opset=18, progress=sink)
     heads = [m.split(" (")[0] for m in sink.messages]
-    for phase in ("loading", "preparing verification", "converting opset", "verifying", "saving"):
+    for phase in ("loading", "running the original", "converting opset", "verifying", "saving"):
         assert phase in heads, sink.messages
     assert any(m.startswith("running pass fold-constants (round 1)") for m in sink.messages)
-    assert heads.index("loading") < heads.index("converting opset") < heads.index("verifying") < heads.index("saving")
+    assert heads.index("loading") < heads.index("running the original") < heads.index("converting opset") < heads.index("verifying") < heads.index("saving")
 
 
 def test_compile_announces_atc(tmp_path, monkeypatch):
