@@ -108,3 +108,11 @@ def test_what_onnxruntime_runs_but_the_checker_rejects_is_refused_without_verifi
     ``value`` became ``vadue``; an untyped graph output inference cannot type): exit 0, and the written file
     failed onnx's checker. Now it is held to the checker too, and the input is blamed (exit 2)."""
     model_case(tmp_path, seed, kind)
+
+
+@pytest.mark.parametrize("seed, kind", [(115247, "protobuf"), (107665, "graph")])
+def test_a_norm_that_is_not_exactly_one_is_never_fused(tmp_path, seed, kind):
+    """fuse-layernorm took Pow(d, 2.000002) for Pow(d, 2) (constants matched to 1e-6: a negative base then gives
+    NaN in the original, a number in the fusion); a contrib LayerNormalization with a scalar scale (onnxruntime
+    reads it as the normalized shape, past its end) was repaired and fused. Both were exit 1 (verification)."""
+    model_case(tmp_path, seed, kind)

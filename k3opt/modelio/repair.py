@@ -174,6 +174,11 @@ def _layernorm_nodes(node: onnx.NodeProto, tag: str, ranks: dict[str, int], type
     else:
         raise InputError(f"{node.op_type} '{node.name}' of the default domain (onnxruntime's contrib op) normalizes "
                          f"from axis {axis} of an input of unknown rank: k3opt cannot write it in standard ONNX")
+    for role, name in zip(("scale", "bias"), node.input[1:3]):
+        if name and ranks.get(name, len(axes)) < len(axes):  # onnxruntime's kernel reads past its end
+            raise InputError(f"{node.op_type} '{node.name}': its {role} '{name}' has rank {ranks[name]}, below the "
+                             f"{len(axes)} normalized axes (onnxruntime reads it as the normalized shape: the "
+                             "result is undefined)")
     dtype = types.get(x, TensorProto.FLOAT)
     wide = dtype in (TensorProto.FLOAT, TensorProto.DOUBLE)
     n = lambda suffix: f"{tag}/{suffix}"  # noqa: E731

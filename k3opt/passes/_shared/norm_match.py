@@ -86,12 +86,12 @@ def rms_core(op: PatternBuilder, v: Any) -> Any:
     """``v / sqrt(mean(v*v) + eps)``: Pow(v, 2) or Mul(v, v); Div by the Sqrt, or Mul by Reciprocal(Sqrt),
     by Div(1, Sqrt) or by Pow(., -0.5). The mean is labelled ``var_mean``, eps ``eps``.
     """
-    square = op.Or(op.Pow(v, 2.0, _name="square"), op.Mul(v, v, _name="square"))
+    square = op.Or(op.Pow(v, op.Constant(2.0, rtol=0.0), _name="square"), op.Mul(v, v, _name="square"))
     var_eps = op.Add(op.ReduceMean(square, _name="var_mean", _allow_other_inputs=True, keepdims=1),
                      op.AnyConstant("eps"))
     std = op.Sqrt(var_eps)
     return op.Or(op.Div(v, std), op.Mul(v, op.Reciprocal(std)), op.Mul(v, op.Div(1.0, std)),
-                 op.Mul(v, op.Pow(var_eps, -0.5)))
+                 op.Mul(v, op.Pow(var_eps, op.Constant(-0.5, rtol=0.0))))
 
 
 def with_tail(op: PatternBuilder, y: Any, tail: tuple[str, ...]) -> Any:
