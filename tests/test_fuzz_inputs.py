@@ -116,3 +116,11 @@ def test_a_norm_that_is_not_exactly_one_is_never_fused(tmp_path, seed, kind):
     NaN in the original, a number in the fusion); a contrib LayerNormalization with a scalar scale (onnxruntime
     reads it as the normalized shape, past its end) was repaired and fused. Both were exit 1 (verification)."""
     model_case(tmp_path, seed, kind)
+
+
+@pytest.mark.parametrize("seed, kind", [(509982, "graph"), (115430, "protobuf"), (112133, "graph")])
+def test_a_target_no_shape_can_take_or_data_that_does_not_fit_its_dims_is_the_inputs_fault(tmp_path, seed, kind):
+    """Reshape targets concatenated from a symbolic dim and constant sizes below -1 (or multiplying past 2^63):
+    onnxruntime runs the original (the dim is unknown at load) but not the folded output, which was blamed
+    (exit 1); an int64 constant whose data does not fit its dims was an internal error in the dim relations."""
+    model_case(tmp_path, seed, kind)

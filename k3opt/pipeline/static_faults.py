@@ -86,7 +86,9 @@ def reshape_fault(node: Node) -> Optional[str]:
     """Why this Reshape cannot reshape its (static) input to its (constant) target, or None."""
     target = _small_ints(node, 1)
     dims = const_shape(node.inputs[0])
-    if target is None or dims is None:
+    if target is None:
+        return _concat_target_fault(node)
+    if dims is None:
         return None
     if target.count(-1) > 1:
         return f"target shape {target} has more than one -1"
@@ -101,6 +103,20 @@ def reshape_fault(node: Node) -> Optional[str]:
         return f"input {list(dims)} has {count} elements, target shape {target} takes {known}"
     if -1 in sizes and known and count % known:
         return f"input {list(dims)} has {count} elements, not a multiple of the {known} of target shape {target}"
+    return None
+
+
+def _concat_target_fault(node: Node) -> Optional[str]:
+    """A target concatenated from pieces (``Concat([Unsqueeze(batch)], [2, -9])``): a constant piece's element
+    below -1, or constant sizes whose product no tensor can have, make it invalid whatever the other pieces."""
+    p = node.inputs[1].inputs[0] if len(node.inputs) > 1 and node.inputs[1].inputs else None
+    if p is None or p.op != "Concat":
+        return None
+    known = [d for x in range(len(p.inputs)) for d in (_small_ints(p, x) or [])]
+    if any(d < -1 for d in known):
+        return f"its target's constant sizes {known} hold a negative size other than -1"
+    if math.prod(d for d in known if d > 0) >= 1 << 63:
+        return f"its target's constant sizes {known} multiply past 2^63 elements"
     return None
 
 

@@ -187,7 +187,11 @@ def _constant_value(rel: Relations, name: str, tensor: onnx.TensorProto) -> None
         return
     if int(np.prod(tensor.dims)) > _SMALL or tensor.data_location == onnx.TensorProto.EXTERNAL:
         return
-    rel.values[name] = [Lin((), int(v)) for v in numpy_helper.to_array(tensor).reshape(-1)]
+    try:
+        values = numpy_helper.to_array(tensor).reshape(-1)
+    except ValueError:  # its data does not fit its dims: unknown here, onnxruntime names the fault of the input
+        return
+    rel.values[name] = [Lin((), int(v)) for v in values]
 
 
 def _attr(node: onnx.NodeProto, name: str, default=None):
