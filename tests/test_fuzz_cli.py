@@ -18,8 +18,8 @@ import numpy as np
 import onnx
 import pytest
 
-from tests.fuzz.check import budget, for_seconds, state
-from tests.test_bad_input import good_model, invoke
+from tests.fuzz.check import budget, for_seconds, invoke_in, state
+from tests.test_bad_input import good_model
 
 OUTPUTS = ["o.onnx", "o.onnx", "m.onnx", "fifo", "dir", "dir/", "missing/o.onnx", "o.onnx.data", ".", "sub/o.onnx"]
 REPORTS = [None, None, "r.json", "r.html", "m.onnx", "o.onnx", "fifo", "dir", "missing/r.json", "o.onnx.data"]
@@ -73,12 +73,7 @@ def check_case(root: Path, seed: int) -> None:
     make_folder(folder)
     before = state(folder)
     args = random_args(rng)
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        code, out, err = invoke(args)
-    finally:
-        os.chdir(cwd)
+    code, out, err = invoke_in(folder, args)
     where = f"seed {seed}: k3opt {' '.join(args)}\n{err}"
     assert code in (0, 2), where
     assert "Traceback" not in out + err and "internal error" not in err, where

@@ -8,14 +8,11 @@ A few seconds per kind in the default run (``K3OPT_FUZZ_SECONDS``); the slow tes
 """
 from __future__ import annotations
 
-import os
-
 import onnx
 import pytest
 
 from tests.fuzz import seeds
-from tests.fuzz.check import KINDS, assert_promises, budget, for_seconds, model_case, state
-from tests.test_bad_input import invoke
+from tests.fuzz.check import KINDS, assert_promises, budget, for_seconds, invoke_in, model_case, state
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -41,12 +38,7 @@ def _run(tmp_path, model_or_bytes, *flags):
     (folder / "m.onnx").write_bytes(data)
     before = state(folder)
     args = ["optimize", "m.onnx", "o.onnx", "-q", *flags]
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        code, out, err = invoke(args)
-    finally:
-        os.chdir(cwd)
+    code, out, err = invoke_in(folder, args)
     assert_promises(folder, before, args, code, out, err, "regression")
     return code, err
 

@@ -91,13 +91,18 @@ def model_case(root: Path, seed: int, kind: str) -> None:
         what = mutate.external(folder, model, rng)
     args = ["optimize", "m.onnx", "o.onnx", "-q", *rng.choice(FLAGS)]
     before = state(folder)
+    code, out, err = invoke_in(folder, args)
+    assert_promises(folder, before, args, code, out, err, f"{kind} seed {seed} ({name}: {what})")
+
+
+def invoke_in(folder: Path, args: list[str]) -> tuple[int, str, str]:
+    """``k3opt ARGS`` run in-process from ``folder``: (exit code, stdout, stderr)."""
     cwd = os.getcwd()
     os.chdir(folder)
     try:
-        code, out, err = invoke(args)
+        return invoke(args)
     finally:
         os.chdir(cwd)
-    assert_promises(folder, before, args, code, out, err, f"{kind} seed {seed} ({name}: {what})")
 
 
 def for_seconds(seconds: float, first: int = 0, least: int = 3) -> Iterator[int]:
